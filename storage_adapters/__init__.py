@@ -1,0 +1,45 @@
+"""Chunk storage over fsspec and the rolling segment: attrindex's bottom layer.
+
+``open_storage(url)`` gives a ``ChunkStorage`` for ``memory://``, ``file://`` (or a plain path) and
+``s3://``; ``RollingSegment(storage, name)`` is one append-only byte stream with a compare-and-append
+that holds across processes. This package never imports ``attrindex``.
+"""
+
+from .base import ChunkStorage
+from .errors import (
+    AttrIndexError,
+    BadOffsetError,
+    ChunkExistsError,
+    CorruptDataError,
+    ExclusiveCreateUnsupportedError,
+    InvalidInputError,
+    MissingDependencyError,
+    OffsetOutOfRangeError,
+    StorageError,
+    TruncatedError,
+    UnsupportedSchemeError,
+)
+from .open import SUPPORTED_SCHEMES, open_storage
+from .rolling import DEFAULT_ROLLING_SIZE, ChunkInfo, RollingSegment, chunk_name, validate_segment_name
+
+__all__ = [
+    "AttrIndexError",
+    "BadOffsetError",
+    "ChunkExistsError",
+    "ChunkInfo",
+    "ChunkStorage",
+    "CorruptDataError",
+    "DEFAULT_ROLLING_SIZE",
+    "ExclusiveCreateUnsupportedError",
+    "InvalidInputError",
+    "MissingDependencyError",
+    "OffsetOutOfRangeError",
+    "RollingSegment",
+    "SUPPORTED_SCHEMES",
+    "StorageError",
+    "TruncatedError",
+    "UnsupportedSchemeError",
+    "chunk_name",
+    "open_storage",
+    "validate_segment_name",
+]

@@ -1,0 +1,93 @@
+"""In-process chunk storage on fsspec's memory filesystem, for tests and experiments.
+
+``memory://name`` is shared by everything in one process (fsspec keeps one store), so reopening a
+segment sees its data. Writers of one directory are serialised by a process-wide lock; a process
+that dies takes the whole store with it, so there is no torn state to recover.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+from fsspec.implementations.memory import MemoryFileSystem
+
+from .base import ChunkStorage, relative_paths
+from .errors import ChunkExistsError, StorageError
+
+_LOCKS_GUARD = threading.Lock()
+_LOCKS: dict[str, threading.RLock] = {}
+
+
+def _directory_lock(path: str) -> threading.RLock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(path, threading.RLock())
+
+
+class MemoryChunkStorage(ChunkStorage):
+    """Chunks as fsspec ``MemoryFile`` objects, appended to in place."""
+
+    appendable = True
+
+    def __init__(self, root: str):
+        self.fs = MemoryFileSystem()
+        self.root = self.fs._strip_protocol(root).rstrip("/") or "/"
+        super().__init__("memory://" + self.root.lstrip("/"))
+
+    def _abs(self, path: str) -> str:
+        return f"{self.root}/{path}".rstrip("/")
+
+    # fsspec's MemoryFileSystem.info/ls scan the whole store; the store is its documented
+    # backing dict, so direct look-ups keep per-append costs constant.
+    def list_files(self, directory: str) -> dict[str, int]:
+        base = self._abs(directory)
+        store = self.fs.store
+        found = ((path, store[path].size) for path in list(store) if path.startswith(base + "/"))
+        return relative_paths(base, found)
+
+    def read(self, path: str, start: int, end: int) -> bytes:
+        return self.fs.cat_file(self._abs(path), start=start, end=end)
+
+    def exists(self, path: str) -> bool:
+        return self._abs(path) in self.fs.store
+
+    def committed_size(self, path: str) -> int:
+        try:
+            return self.fs.store[self._abs(path)].size
+        except KeyError:
+            raise FileNotFoundError(path) from None
+
+    def create(self, path: str, data: bytes) -> None:
+        target = self._abs(path)
+        with _directory_lock(target.rsplit("/", 1)[0]):
+            if target in self.fs.store:
+                raise ChunkExistsError(path)
+            self.fs.pipe_file(target, bytes(data))
+
+    def put_marker(self, path: str) -> None:
+        target = self._abs(path)
+        if target not in self.fs.store:
+            self.fs.pipe_file(target, b"")
+
+    def delete(self, paths: list[str]) -> None:
+        for path in paths:
+            self.fs.store.pop(self._abs(path), None)
+
+    def remove_directory(self, directory: str) -> None:
+        base = self._abs(directory) + "/"
+        for path in [p for p in self.fs.store if p.startswith(base)]:
+            self.fs.store.pop(path, None)
+
+    @contextlib.contextmanager
+    def lock(self, directory: str) -> Iterator[None]:
+        with _directory_lock(self._abs(directory)):
+            yield
+
+    def append(self, path: str, position: int, data: bytes) -> None:
+        target = self._abs(path)
+        size = self.fs.store[target].size if target in self.fs.store else 0
+        if size != position:
+            raise StorageError(f"chunk {path!r} holds {size} bytes; cannot append at position {position}")
+        with self.fs.open(target, "ab") as chunk:
+            chunk.write(data)

@@ -1,0 +1,335 @@
+"""``RollingSegment``: one logical append-only byte stream over numbered chunks, with compare-and-append.
+
+Layout of segment ``NAME`` (see docs/storage.md)::
+
+    NAME.seg/00000000000000000000          chunk holding offsets [0, next chunk's start)
+    NAME.seg/00000000000033554432          ... named by its 20-digit zero-padded start offset
+    NAME.seg/truncation/00000000000000001234   empty marker; the largest is the start offset
+
+Appendable backends (local disk, memory) grow the last chunk in place until it reaches
+``rolling_size``; object backends (S3) write one new object per append. Truncation never deletes
+the last chunk, so the segment's length can always be recovered from its chunks alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import threading
+
+import attrs
+
+from .base import ChunkStorage
+from .errors import (
+    BadOffsetError,
+    ChunkExistsError,
+    CorruptDataError,
+    InvalidInputError,
+    OffsetOutOfRangeError,
+    StorageError,
+    TruncatedError,
+)
+
+DEFAULT_ROLLING_SIZE = 32 << 20
+SEGMENT_SUFFIX = ".seg"
+TRUNCATION_DIR = "truncation"
+_CHUNK_NAME = re.compile(r"\d{20}")
+_NAME_COMPONENT = re.compile(r"[A-Za-z0-9_=+@$-][A-Za-z0-9_.=+@$-]*")
+
+
+def chunk_name(offset: int) -> str:
+    """The 20-digit zero-padded name of the chunk starting at ``offset``."""
+    return f"{offset:020d}"
+
+
+def validate_segment_name(name: str) -> str:
+    """Return ``name`` if it is a valid segment name, else raise ``InvalidInputError``.
+
+    Names are ``/``-separated components of letters, digits and ``_.=+@$-``; a component may not
+    start with ``.`` nor end with ``.seg`` (the suffix of segment directories).
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError(f"segment name must be a non-empty string, got {name!r}")
+    for component in name.split("/"):
+        if not _NAME_COMPONENT.fullmatch(component) or component.endswith(SEGMENT_SUFFIX):
+            raise InvalidInputError(
+                f"invalid segment name {name!r}: each '/'-separated part must be letters, digits or "
+                f"'_.=+@$-', not start with '.', and not end with {SEGMENT_SUFFIX!r}"
+            )
+    return name
+
+
+@attrs.frozen
+class ChunkInfo:
+    """One chunk of a segment: it holds the segment's bytes ``[start, start + length)``."""
+
+    start: int
+    length: int
+    name: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class RollingSegment:
+    """An append-only byte stream stored as chunks in ``storage`` under the segment ``name``.
+
+    ``length`` and ``start_offset`` are this handle's view as of its last ``refresh``/``append``/
+    ``truncate``; ``append(..., expected_offset=...)`` always checks against the length as stored,
+    so a handle that is behind gets ``BadOffsetError`` (and is refreshed), never a bad write.
+    """
+
+    def __init__(self, storage: ChunkStorage, name: str, rolling_size: int = DEFAULT_ROLLING_SIZE):
+        if not isinstance(rolling_size, int) or rolling_size <= 0:
+            raise InvalidInputError(f"rolling_size must be a positive int, got {rolling_size!r}")
+        self.storage = storage
+        self.name = validate_segment_name(name)
+        self.rolling_size = rolling_size
+        self._dir = name + SEGMENT_SUFFIX
+        self._mutex = threading.RLock()
+        self._chunks: list[ChunkInfo] = []
+        self._start_offset = 0
+        self._markers: list[int] = []
+        self._closed = False
+        self.refresh()
+
+    def __repr__(self) -> str:
+        return f"RollingSegment({self.storage.url!r}, {self.name!r}, length={self.length})"
+
+    # -- view ----------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Bytes ever appended (the offset the next append gets), as of this handle's last look."""
+        chunks = self._chunks
+        return chunks[-1].end if chunks else self._start_offset
+
+    @property
+    def start_offset(self) -> int:
+        """The truncation offset: bytes below it can no longer be read."""
+        return self._start_offset
+
+    def chunks(self) -> list[ChunkInfo]:
+        """The chunks holding readable bytes, in offset order (the first may start below ``start_offset``)."""
+        return list(self._chunks)
+
+    def refresh(self) -> None:
+        """Reload this handle's view from storage (appends and truncations by other handles)."""
+        self._check_open()
+        with self._mutex:
+            files = self.storage.list_files(self._dir)
+            starts = sorted(int(n) for n in files if _CHUNK_NAME.fullmatch(n))
+            markers = sorted(
+                int(n[len(TRUNCATION_DIR) + 1:])
+                for n in files
+                if n.startswith(TRUNCATION_DIR + "/") and _CHUNK_NAME.fullmatch(n[len(TRUNCATION_DIR) + 1:])
+            )
+            start_offset = markers[-1] if markers else 0
+            chunks = []
+            for i, start in enumerate(starts):
+                if i + 1 < len(starts):
+                    length = starts[i + 1] - start
+                    stored = files[chunk_name(start)]
+                    # Object chunks are written whole, so each must end where the next begins.
+                    if not self.storage.appendable and stored != length and starts[i + 1] > start_offset:
+                        raise CorruptDataError(
+                            f"segment {self.name!r}: chunk at offset {start} holds {stored} bytes but the "
+                            f"next chunk starts at {starts[i + 1]}",
+                            segment=self.name,
+                            offset=start,
+                        )
+                    if starts[i + 1] <= start_offset:
+                        continue  # wholly truncated; its deletion was interrupted
+                elif self.storage.appendable:
+                    length = self.storage.committed_size(f"{self._dir}/{chunk_name(start)}")
+                else:
+                    length = files[chunk_name(start)]
+                chunks.append(ChunkInfo(start, length, chunk_name(start)))
+            self._chunks, self._start_offset, self._markers = chunks, start_offset, markers
+
+    # -- appending -----------------------------------------------------------------------------
+    def append(self, data: bytes, expected_offset: int | None = None) -> int:
+        """Append ``data`` durably and return the offset it starts at.
+
+        With ``expected_offset``, append only if the segment's length as stored equals it; otherwise
+        raise ``BadOffsetError`` and write nothing. Without it, append at the end, whatever it is.
+        """
+        self._check_open()
+        data = _as_bytes(data)
+        if not data:
+            raise InvalidInputError(f"segment {self.name!r}: nothing to append (empty data)")
+        if expected_offset is not None and (not isinstance(expected_offset, int) or expected_offset < 0):
+            raise InvalidInputError(f"expected_offset must be a non-negative int or None, got {expected_offset!r}")
+        with self._mutex:
+            if self.storage.appendable:
+                return self._append_in_place(data, expected_offset)
+            return self._append_object(data, expected_offset)
+
+    def _append_in_place(self, data: bytes, expected_offset: int | None) -> int:
+        with self.storage.lock(self._dir):
+            self._catch_up()
+            offset = self.length
+            if expected_offset is not None and expected_offset != offset:
+                raise BadOffsetError(self.name, expected_offset, offset)
+            last = self._chunks[-1] if self._chunks else None
+            if last is None or last.length >= self.rolling_size:
+                last = ChunkInfo(offset, 0, chunk_name(offset))
+                self._chunks.append(last)
+                # Rolling is rare: learn of truncations elsewhere so the old chunk can go if dead.
+                self._start_offset = max(self._start_offset, self._stored_start_offset())
+            self.storage.append(f"{self._dir}/{last.name}", last.length, data)
+            self._chunks[-1] = ChunkInfo(last.start, last.length + len(data), last.name)
+        self._drop_truncated_predecessor()
+        return offset
+
+    def _catch_up(self) -> None:
+        """Under the writers' lock: bring the tail of the view up to date with a few stats."""
+        if not self._chunks:
+            self.refresh()
+            return
+        last = self._chunks[-1]
+        try:
+            length = self.storage.committed_size(f"{self._dir}/{last.name}")
+        except FileNotFoundError:  # deleted by a truncation elsewhere: no longer the last chunk
+            self.refresh()
+            return
+        self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
+        # A new chunk starts only where a non-empty one ends (an empty one ends at its own name).
+        while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
+            start = last.end
+            last = ChunkInfo(start, self.storage.committed_size(f"{self._dir}/{chunk_name(start)}"), chunk_name(start))
+            self._chunks.append(last)
+
+    def _append_object(self, data: bytes, expected_offset: int | None) -> int:
+        while True:
+            if expected_offset is not None and expected_offset != self.length:
+                self.refresh()
+                if expected_offset != self.length:
+                    raise BadOffsetError(self.name, expected_offset, self.length)
+            offset = self.length
+            path = f"{self._dir}/{chunk_name(offset)}"
+            try:
+                self.storage.create(path, data)
+            except ChunkExistsError:
+                self.refresh()
+                if expected_offset is not None:
+                    raise BadOffsetError(self.name, expected_offset, self.length) from None
+                continue
+            # A name below the truncation offset may have been freed and re-created by this (stale)
+            # handle: its offset was taken and truncated away meanwhile. Undo and report the race.
+            start_offset = self._stored_start_offset()
+            if start_offset > offset:
+                self.storage.delete([path])
+                self.refresh()
+                if expected_offset is not None:
+                    raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated")
+                continue
+            self._chunks.append(ChunkInfo(offset, len(data), chunk_name(offset)))
+            self._start_offset = max(self._start_offset, start_offset)
+            self._drop_truncated_predecessor()
+            return offset
+
+    def _drop_truncated_predecessor(self) -> None:
+        """Delete the chunk before the last if it lies wholly below the start offset.
+
+        ``truncate`` keeps the last chunk; once an append starts a new one, the old one can go.
+        """
+        if len(self._chunks) >= 2 and self._chunks[-2].end <= self._start_offset:
+            self.storage.delete([f"{self._dir}/{self._chunks[-2].name}"])
+            del self._chunks[-2]
+
+    def _stored_start_offset(self) -> int:
+        files = self.storage.list_files(f"{self._dir}/{TRUNCATION_DIR}")
+        return max((int(n) for n in files if _CHUNK_NAME.fullmatch(n)), default=0)
+
+    # -- reading -------------------------------------------------------------------------------
+    def read(self, offset: int, length: int) -> bytes:
+        """Read ``length`` bytes at ``offset``; they must lie within ``[start_offset, length)``."""
+        self._check_open()
+        if not isinstance(offset, int) or not isinstance(length, int) or offset < 0 or length < 0:
+            raise InvalidInputError(f"offset and length must be non-negative ints, got {offset!r}, {length!r}")
+        chunks, start_offset = self._chunks, self._start_offset
+        end = offset + length
+        if offset < start_offset or end > (chunks[-1].end if chunks else start_offset):
+            self.refresh()
+            chunks, start_offset = self._chunks, self._start_offset
+            self._check_range(offset, length, chunks, start_offset)
+        if length == 0:
+            return b""
+        try:
+            return self._read_chunks(chunks, offset, end)
+        except FileNotFoundError:
+            self.refresh()  # a chunk vanished: truncated by another handle
+            self._check_range(offset, length, self._chunks, self._start_offset)
+            raise StorageError(f"segment {self.name!r}: a chunk holding offset {offset} is missing") from None
+
+    def _check_range(self, offset: int, length: int, chunks: list[ChunkInfo], start_offset: int) -> None:
+        end_offset = chunks[-1].end if chunks else start_offset
+        if offset < start_offset:
+            raise TruncatedError(self.name, offset, length, start_offset, end_offset)
+        if offset + length > end_offset:
+            raise OffsetOutOfRangeError(self.name, offset, length, start_offset, end_offset)
+
+    def _read_chunks(self, chunks: list[ChunkInfo], offset: int, end: int) -> bytes:
+        pieces = []
+        index = bisect.bisect_right(chunks, offset, key=lambda c: c.start) - 1
+        position = offset
+        while position < end:
+            chunk = chunks[index]
+            stop = min(chunk.end, end)
+            pieces.append(self.storage.read(f"{self._dir}/{chunk.name}", position - chunk.start, stop - chunk.start))
+            position, index = stop, index + 1
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    # -- truncating and deleting ---------------------------------------------------------------
+    def truncate(self, offset: int) -> None:
+        """Make bytes below ``offset`` unreadable and delete every chunk lying wholly below it.
+
+        The truncation offset only moves forward (a lower ``offset`` is a no-op) and survives
+        reopening. The last chunk is kept even when it lies below ``offset``: it holds the length.
+        """
+        self._check_open()
+        if not isinstance(offset, int) or offset < 0:
+            raise InvalidInputError(f"truncation offset must be a non-negative int, got {offset!r}")
+        with self._mutex:
+            self.refresh()  # rare, and only the true chunk list tells which chunk is the last
+            if offset > self.length:
+                raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
+            if offset <= self._start_offset:
+                return
+            # The marker goes first: a crash before the deletions leaves only unreachable chunks.
+            self.storage.put_marker(f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(offset)}")
+            doomed = [c for c in self._chunks[:-1] if c.end <= offset]
+            self.storage.delete([f"{self._dir}/{c.name}" for c in doomed])
+            self.storage.delete([f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in self._markers if m < offset])
+            self._chunks = self._chunks[len(doomed):]
+            self._start_offset, self._markers = offset, [offset]
+
+    def delete(self) -> None:
+        """Delete the segment and all its chunks; the handle then sees an empty segment."""
+        self._check_open()
+        with self._mutex:
+            self.storage.remove_directory(self._dir)
+            self._chunks, self._start_offset, self._markers = [], 0, []
+
+    def close(self) -> None:
+        """Forget the handle's view; later calls raise ``StorageError``. Data is already durable."""
+        self._closed = True
+
+    def __enter__(self) -> "RollingSegment":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(f"segment {self.name!r} handle is closed")
+
+
+def _as_bytes(data: object) -> bytes:
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, (bytearray, memoryview)):
+        return bytes(data)
+    raise InvalidInputError(f"data must be bytes-like, got {type(data).__name__}")
