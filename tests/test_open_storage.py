@@ -1,0 +1,133 @@
+"""open_storage: schemes, options, clear errors; the S3 exclusive-create probe; ranged reads on S3."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from storage_adapters import (
+    ExclusiveCreateUnsupportedError,
+    InvalidInputError,
+    RollingSegment,
+    StorageError,
+    UnsupportedSchemeError,
+    open_storage,
+)
+from storage_adapters.local import LocalChunkStorage
+from storage_adapters.memory import MemoryChunkStorage
+from storage_adapters.s3 import S3ChunkStorage, probe_exclusive_create
+
+from .conftest import make_s3_url
+
+
+def test_schemes_pick_backends(tmp_path, s3_options):
+    assert isinstance(open_storage(str(tmp_path)), LocalChunkStorage)
+    assert isinstance(open_storage("file://" + str(tmp_path)), LocalChunkStorage)
+    assert open_storage("file://" + str(tmp_path)).root == str(tmp_path)
+    assert isinstance(open_storage("memory://x"), MemoryChunkStorage)
+    assert isinstance(open_storage("s3://bucket/prefix", **s3_options), S3ChunkStorage)
+
+
+def test_plain_path_and_file_url_share_data(tmp_path):
+    RollingSegment(open_storage(str(tmp_path)), "s").append(b"data")
+    assert RollingSegment(open_storage("file://" + str(tmp_path)), "s").read(0, 4) == b"data"
+
+
+def test_memory_url_is_shared_within_the_process():
+    RollingSegment(open_storage("memory://shared-root"), "s").append(b"data")
+    assert RollingSegment(open_storage("memory://shared-root"), "s").read(0, 4) == b"data"
+    assert RollingSegment(open_storage("memory://other-root"), "s").length == 0
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/x", "hdfs://host/path", "ftp://h/p"])
+def test_unknown_scheme_is_a_clear_error(url):
+    with pytest.raises(UnsupportedSchemeError) as caught:
+        open_storage(url)
+    message = str(caught.value)
+    assert url.split(":")[0] in message and "memory://" in message and "s3://" in message
+    assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("url", ["", "   ", None, 42])
+def test_bad_url(url):
+    with pytest.raises(InvalidInputError):
+        open_storage(url)
+
+
+def test_s3_url_needs_a_bucket():
+    with pytest.raises(InvalidInputError, match="bucket"):
+        open_storage("s3://")
+
+
+@pytest.mark.parametrize("url", ["memory://x", "/tmp/somewhere"])
+def test_local_and_memory_take_no_options(url):
+    with pytest.raises(InvalidInputError, match="endpoint_url"):
+        open_storage(url, endpoint_url="http://127.0.0.1:1")
+
+
+def test_missing_s3fs_names_the_extra():
+    code = (
+        "import sys; sys.modules['s3fs'] = None\n"
+        "from storage_adapters import open_storage, MissingDependencyError\n"
+        "try:\n    open_storage('s3://bucket/p')\n"
+        "except MissingDependencyError as exc:\n    print(exc); assert isinstance(exc, ImportError)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "attrindex[s3]" in out
+
+
+def test_missing_bucket_is_a_storage_error(s3_options):
+    storage = open_storage("s3://no-such-bucket-attrindex/p", **s3_options)
+    with pytest.raises(StorageError, match="no-such-bucket-attrindex"):
+        RollingSegment(storage, "s").append(b"x")
+
+
+class IgnoresIfNoneMatch(MemoryFileSystem):
+    """An object store that accepts ``If-None-Match: *`` and overwrites anyway (as some S3 clones do)."""
+
+    protocol = "ignoring"
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        return super().pipe_file(path, value, mode="overwrite", **kwargs)
+
+
+def test_probe_tells_refusing_stores_from_ignoring_ones(s3_options):
+    url = make_s3_url(s3_options)
+    s3 = open_storage(url, **s3_options)
+    assert probe_exclusive_create(s3.fs, url[len("s3://"):] + "/probe") is True
+    assert not s3.fs.exists(url[len("s3://"):] + "/probe")  # the probe cleans up
+    assert probe_exclusive_create(IgnoresIfNoneMatch(), "/probe/object") is False
+
+
+def test_store_ignoring_exclusive_create_is_refused_unless_single_writer(s3_options):
+    url = make_s3_url(s3_options)
+    storage = open_storage(url, **s3_options)
+    storage.fs = IgnoresIfNoneMatch()  # same bucket name, a store that ignores the header
+    storage._endpoint = "ignoring-store"
+    with pytest.raises(ExclusiveCreateUnsupportedError, match="single_writer=True"):
+        RollingSegment(storage, "s").append(b"x")
+    storage.single_writer = True
+    assert RollingSegment(storage, "s").append(b"x") == 0
+
+
+def test_s3_reads_are_ranged(s3_options):
+    """A 100-byte read of an 8 MiB chunk fetches about 100 bytes, counted on the HTTP responses."""
+    storage = open_storage(make_s3_url(s3_options), **s3_options)
+    seg = RollingSegment(storage, "big")
+    blob = bytes(range(256)) * (8 * 4096)
+    seg.append(blob)
+    fetched = []
+
+    def count(parsed, **_):
+        fetched.append(parsed.get("ContentLength", 0))
+
+    events = storage.fs.s3.meta.events  # s3fs's (cached, shared) aiobotocore client
+    events.register("after-call.s3.GetObject", count)
+    try:
+        assert seg.read(5_000_000, 100) == blob[5_000_000:5_000_100]
+    finally:
+        events.unregister("after-call.s3.GetObject", count)
+    assert fetched and sum(fetched) <= 200

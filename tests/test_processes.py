@@ -1,0 +1,104 @@
+"""Compare-and-append across OS processes, and a writer killed with SIGKILL mid-append."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from storage_adapters import RollingSegment, open_storage
+
+from . import workers
+from .conftest import make_s3_url
+
+
+@pytest.fixture(params=["local", "s3"])
+def shared_url(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "store"), {}
+    options = request.getfixturevalue("s3_options")
+    return make_s3_url(options), options
+
+
+def _run(target, args_for, count):
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(count), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args_for(i), barrier, results)) for i in range(count)]
+    for proc in procs:
+        proc.start()
+    out = [results.get(timeout=180) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    return out
+
+
+def test_every_raced_offset_is_won_by_exactly_one_process(shared_url):
+    url, options = shared_url
+    writers, rounds = 4, 12
+    out = _run(workers.race_rounds, lambda i: (url, options, "race", i, rounds), writers)
+    winners = {}
+    for writer, outcome in out:
+        for result, round_number, offset in outcome:
+            if result == "won":
+                assert round_number not in winners, f"round {round_number} won twice"
+                winners[round_number] = (writer, offset)
+    assert sorted(winners) == list(range(rounds))  # every round has exactly one winner
+    losses = Counter(r for _, outcome in out for result, r, _ in outcome if result == "lost")
+    assert all(losses[r] == writers - 1 for r in range(rounds))
+    data = RollingSegment(open_storage(url, **options), "race").read(0, rounds * (workers.RECORD_HEADER.size + 40))
+    records = workers.parse_records(data)
+    # The segment is exactly the winners' records, in round order, at the offsets they were given.
+    assert [(off, w, seq) for off, w, seq, _ in records] == [
+        (winners[r][1], winners[r][0], r) for r in range(rounds)
+    ]
+
+
+def test_free_for_all_appends_are_neither_lost_nor_interleaved(shared_url):
+    url, options = shared_url
+    writers, appends = 3, 25
+    out = _run(workers.race_free_for_all, lambda i: (url, options, "ffa", i, appends), writers)
+    seg = RollingSegment(open_storage(url, **options), "ffa")
+    records = workers.parse_records(seg.read(0, seg.length))
+    assert len(records) == writers * appends
+    acknowledged = {(writer, seq): offset for writer, won, _ in out for offset, seq in won}
+    assert {(w, seq): off for off, w, seq, _ in records} == acknowledged
+    # Per writer, its records appear in its own order.
+    for writer in range(writers):
+        assert [seq for _, w, seq, _ in records if w == writer] == list(range(appends))
+
+
+def test_killed_writer_leaves_a_prefix_of_completed_appends(tmp_path):
+    directory, name = str(tmp_path / "store"), "crash"
+    rng = random.Random(1234)
+    acknowledged: list[tuple[int, int, int]] = []
+    torn = 0  # kills that left bytes past the last commit (i.e. landed mid-append)
+    for attempt in range(6):
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.workers", "append_forever", directory, name, str(len(acknowledged))],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(0.3 + rng.random() * 0.5)
+        child.send_signal(signal.SIGKILL)
+        lines = child.stdout.read().split()
+        child.wait()
+        acknowledged += [tuple(map(int, lines[i:i + 3])) for i in range(0, len(lines) - 2, 3)]
+        seg = RollingSegment(open_storage(directory), name, rolling_size=4 << 20)
+        records = workers.parse_records(seg.read(0, seg.length))  # asserts no partial record
+        stored = [(off, seq, length) for off, _, seq, length in records]
+        # Everything acknowledged is there; at most the one append in flight was completed too.
+        assert stored[: len(acknowledged)] == acknowledged, f"attempt {attempt}"
+        assert len(stored) - len(acknowledged) in (0, 1)
+        acknowledged = stored  # the next child continues after what is stored
+        last = seg.chunks()[-1]
+        torn += os.path.getsize(os.path.join(directory, name + ".seg", last.name)) > last.length
+    assert len(acknowledged) > 10
+    assert torn > 0, "no kill landed inside an append; the test did not exercise a torn write"

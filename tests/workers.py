@@ -1,0 +1,78 @@
+"""Code run in child processes by the concurrency and crash tests (importable under ``spawn``)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+
+from storage_adapters import BadOffsetError, RollingSegment, open_storage
+
+RECORD_HEADER = struct.Struct("<IIQ")  # writer id, sequence number, payload length
+
+
+def make_record(writer: int, seq: int, size: int) -> bytes:
+    """A self-describing record whose payload is derived from (writer, seq), so it can be verified."""
+    seed = hashlib.sha256(b"%d/%d" % (writer, seq)).digest()
+    payload = (seed * (size // len(seed) + 1))[:size]
+    return RECORD_HEADER.pack(writer, seq, size) + payload
+
+
+def parse_records(data: bytes) -> list[tuple[int, int, int, int]]:
+    """``[(offset, writer, seq, length)]`` of back-to-back records; asserts each payload is intact."""
+    out, position = [], 0
+    while position < len(data):
+        writer, seq, size = RECORD_HEADER.unpack_from(data, position)
+        length = RECORD_HEADER.size + size
+        assert data[position:position + length] == make_record(writer, seq, size), f"bad record at {position}"
+        out.append((position, writer, seq, length))
+        position += length
+    assert position == len(data), "partial record at the end"
+    return out
+
+
+def race_rounds(url, options, name, writer, rounds, barrier, results):
+    """Each round: look at the length, wait for everyone, then all append at that same offset."""
+    seg = RollingSegment(open_storage(url, **options), name, rolling_size=256)
+    outcome = []
+    for round_number in range(rounds):
+        seg.refresh()
+        expected = seg.length
+        barrier.wait()
+        try:
+            offset = seg.append(make_record(writer, round_number, 40), expected_offset=expected)
+            outcome.append(("won", round_number, offset))
+        except BadOffsetError as exc:
+            outcome.append(("lost", round_number, exc.actual_offset))
+        barrier.wait()
+    results.put((writer, outcome))
+
+
+def race_free_for_all(url, options, name, writer, appends, barrier, results):
+    """Append ``appends`` records, each with the expected offset this handle believes in."""
+    seg = RollingSegment(open_storage(url, **options), name, rolling_size=512)
+    won, lost, seq = [], 0, 0
+    barrier.wait()
+    while seq < appends:
+        try:
+            won.append((seg.append(make_record(writer, seq, 8 + seq % 50), expected_offset=seg.length), seq))
+            seq += 1
+        except BadOffsetError:
+            lost += 1
+    results.put((writer, won, lost))
+
+
+def append_forever(directory: str, name: str) -> None:
+    """Append large records in a loop, printing 'offset seq length' after each append returns."""
+    seg = RollingSegment(open_storage(directory), name, rolling_size=4 << 20)
+    seq = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    while True:
+        record = make_record(7, seq, 4096 * (1 + seq % 97))
+        offset = seg.append(record, expected_offset=seg.length)
+        print(offset, seq, len(record), flush=True)
+        seq += 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "append_forever":
+        append_forever(sys.argv[2], sys.argv[3])
