@@ -1,0 +1,244 @@
+"""``AttributeIndex``: the public key-value index (16-byte keys, int64 values) over any storage URL."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import attrs
+
+from storage_adapters import DEFAULT_ROLLING_SIZE, ChunkStorage, RollingSegment, open_storage
+
+from .btree import BTreeIndex, policy_for
+from .btree.page import IndexPage, decode_page
+from .cache import ShardedLRUCache
+from .errors import CorruptDataError, InvalidInputError
+from .keys import MIN_KEY, to_key, to_update
+from .value_cache import MISSING, ValueCache
+
+DEFAULT_CACHE_BYTES = 64 << 20
+DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
+
+
+@attrs.frozen
+class IndexStats:
+    """A snapshot of an index's shape, storage use and I/O counters."""
+
+    entry_count: int
+    page_count: int
+    height: int
+    length: int  #: bytes ever appended to the index's storage
+    start_offset: int  #: truncation offset: the smallest offset of a live page
+    storage_bytes: int  #: bytes still held in storage (whole chunks; at least length - start_offset)
+    live_bytes: int  #: bytes of the pages reachable from the root
+    bytes_written: int  #: bytes this handle appended
+    updates_written: int  #: appends this handle made
+    pages_relocated: int  #: pages this handle moved to the tail for compaction
+    storage_reads: int  #: page reads that went to storage
+    cache_hits: int  #: page lookups served by the page cache (tier 2)
+    cache_misses: int
+    value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
+    value_cache_misses: int
+
+
+@attrs.frozen
+class VerifyReport:
+    """What ``verify`` checked."""
+
+    pages: int
+    entries: int
+    bytes: int
+    height: int
+
+
+class AttributeIndex:
+    """A durable map of 16-byte keys to signed 64-bit values, stored as an append-only B+tree.
+
+    Keys may be given as 16 ``bytes``, a ``uuid.UUID`` or an ``int`` in ``[0, 2**128)``; they come
+    back as ``bytes`` in unsigned byte order. Each ``update`` is one durable append. Several handles
+    and processes may update one index: an update that loses the race reloads and re-applies
+    itself. Reads see this handle's latest view; ``refresh()`` picks up other writers' updates.
+    """
+
+    def __init__(
+        self,
+        storage: ChunkStorage,
+        name: str = "attributes",
+        *,
+        page_size: int = 32768,
+        rolling_size: int = DEFAULT_ROLLING_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        value_cache_entries: int = DEFAULT_VALUE_CACHE_ENTRIES,
+        compaction: bool | str | object = True,
+    ):
+        if not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise InvalidInputError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        self._segment = RollingSegment(storage, name, rolling_size=rolling_size)
+        self._page_cache = ShardedLRUCache(cache_bytes) if cache_bytes else None
+        self._values = ValueCache(value_cache_entries)
+        self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache, policy=policy_for(compaction))
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        name: str = "attributes",
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> "AttributeIndex":
+        """Open (or create) the index ``name`` at a storage URL: ``memory://``, ``file://``, ``s3://``.
+
+        ``options``: ``page_size`` (default 32768), ``rolling_size`` (32 MiB), ``cache_bytes`` for
+        decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
+        the bounded policy; "pravega"; False).
+        """
+        return cls(open_storage(url, **dict(storage_options or {})), name, **options)
+
+    # -- reading -------------------------------------------------------------------------------
+    def get(self, key: object) -> int | None:
+        """The value stored for ``key``, or ``None``."""
+        k = to_key(key)
+        value = self._values.get(k)
+        if value is MISSING:
+            value = self._tree.get(k)
+            self._values.put(k, value)
+        return value  # type: ignore[return-value]
+
+    def get_many(self, keys: Iterable[object]) -> list[int | None]:
+        """Values for ``keys`` in input order (``None`` where absent)."""
+        canonical = [to_key(k) for k in keys]
+        cached = [self._values.get(k) for k in canonical]
+        missing = [k for k, v in zip(canonical, cached) if v is MISSING]
+        if missing:
+            found = dict(zip(missing, self._tree.get_many(missing)))
+            self._values.put_many(found.keys(), found.values())
+            return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
+        return cached  # type: ignore[return-value]
+
+    def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
+        """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order."""
+        low = None if start is None else to_key(start)
+        high = None if stop is None else to_key(stop)
+        return self._tree.items(low, high)
+
+    def __len__(self) -> int:
+        return self._tree.state.footer.entry_count
+
+    def __contains__(self, key: object) -> bool:
+        return self.get(key) is not None
+
+    # -- writing -------------------------------------------------------------------------------
+    def update(self, updates: Mapping[object, int | None] | Iterable[tuple[object, int | None]]) -> None:
+        """Apply ``key -> value`` updates (``None`` removes) as one durable append.
+
+        Within one call the last value given for a key wins. Invalid keys or values raise before
+        anything changes.
+        """
+        pairs = updates.items() if isinstance(updates, Mapping) else updates
+        batch: dict[bytes, int | None] = {}
+        for key, value in pairs:
+            batch[to_key(key)] = to_update(value)
+        if not batch:
+            return
+        keys = sorted(batch)
+        values = [batch[k] for k in keys]
+        self._tree.update(keys, values)
+        self._values.put_many(keys, values)
+
+    def refresh(self) -> None:
+        """Pick up updates made by other handles or processes."""
+        before = self._tree.state
+        if self._tree.reload() is not before:
+            self._values.clear()
+
+    # -- inspection ----------------------------------------------------------------------------
+    def stats(self) -> IndexStats:
+        """Counts, storage use and I/O counters of this handle."""
+        state, io = self._tree.state, self._tree.io
+        footer = state.footer
+        cache = self._page_cache
+        return IndexStats(
+            entry_count=footer.entry_count,
+            page_count=footer.page_count,
+            height=footer.height,
+            length=state.length,
+            start_offset=footer.min_offset if state.footer_offset >= 0 else state.length,
+            storage_bytes=sum(c.end - max(c.start, self._segment.start_offset) for c in self._segment.chunks()),
+            live_bytes=footer.live_bytes,
+            bytes_written=io.bytes_written,
+            updates_written=io.updates_written,
+            pages_relocated=io.pages_relocated,
+            storage_reads=io.storage_reads,
+            cache_hits=cache.hits if cache else 0,
+            cache_misses=cache.misses if cache else 0,
+            value_cache_hits=self._values.hits,
+            value_cache_misses=self._values.misses,
+        )
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """Read every live page from storage, check its checksum, ordering and the tree's invariants.
+
+        Raises ``CorruptDataError`` naming the first fault; returns what was checked otherwise.
+        ``progress(pages_done, pages_total)`` is called as pages are checked.
+        """
+        state = self._tree.reload()
+        footer = state.footer
+        if not footer.root_length:
+            return VerifyReport(0, 0, 0, 0)
+        seg = self._segment
+        pages = entries = size = 0
+        # (offset, length, low key, high key or None, depth, expected min offset or None)
+        stack = [(footer.root_offset, footer.root_length, MIN_KEY, None, 1, footer.min_offset)]
+        while stack:
+            offset, length, low, high, depth, expected_min = stack.pop()
+            page = decode_page(seg.read(offset, length), offset, seg.name)
+            pages, size = pages + 1, size + length
+            if progress is not None:
+                progress(pages, footer.page_count)
+
+            def fault(what: str) -> CorruptDataError:
+                return CorruptDataError(f"segment {seg.name!r}: B+tree page at offset {offset}: {what}", segment=seg.name, offset=offset)
+
+            keys = page.keys
+            if any(a >= b for a, b in zip(keys, keys[1:])):
+                raise fault("keys are not strictly ascending")
+            if isinstance(page, IndexPage):
+                if len(keys) < 1 or depth >= footer.height:
+                    raise fault("index page at leaf depth or without children")
+                if any(c >= offset for c in page.offsets):
+                    raise fault("a child is stored after its parent")
+                if expected_min is not None and min(page.min_offsets) != expected_min:
+                    raise fault(f"subtree minimum offset {min(page.min_offsets)} differs from {expected_min} in its parent")
+                bounds = [low, *keys[1:], high]
+                for i in range(len(keys)):
+                    stack.append((page.offsets[i], page.lengths[i], bounds[i], bounds[i + 1], depth + 1, page.min_offsets[i]))
+            else:
+                if depth != footer.height:
+                    raise fault(f"leaf at depth {depth} in a tree of height {footer.height}")
+                if expected_min is not None and expected_min != offset:
+                    raise fault(f"parent records minimum offset {expected_min} for this leaf")
+                if keys and (keys[0] < low or (high is not None and keys[-1] >= high)):
+                    raise fault("keys outside the range its parent routes to it")
+                entries += len(keys)
+        if (pages, entries, size) != (footer.page_count, footer.entry_count, footer.live_bytes):
+            raise CorruptDataError(
+                f"segment {seg.name!r}: footer counts {footer.page_count} pages, {footer.entry_count} entries, "
+                f"{footer.live_bytes} bytes but the tree holds {pages}, {entries}, {size}",
+                segment=seg.name,
+                offset=state.footer_offset,
+            )
+        return VerifyReport(pages, entries, size, footer.height)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the handle (every update is already durable)."""
+        self._segment.close()
+
+    def __enter__(self) -> "AttributeIndex":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"AttributeIndex({self._segment.storage.url!r}, {self._segment.name!r}, entries={len(self)})"

@@ -1,0 +1,497 @@
+"""``BTreeIndex``: an append-only B+tree of 16-byte keys and int64 values over a ``RollingSegment``.
+
+An update rewrites the leaves it touches and their paths (copy-on-write), plus whatever the
+compaction policy relocates, and appends them in one compare-and-append: children before parents,
+the root, then the footer. Readers work on a snapshot of the root and never block the writer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Iterator, Sequence
+
+import attrs
+
+from storage_adapters import BadOffsetError, RollingSegment, TruncatedError
+from storage_adapters.errors import CorruptDataError, InvalidInputError
+
+from ..keys import MIN_KEY
+from .compaction import OnePagePolicy, TreeShape
+from .footer import EMPTY, FOOTER_SIZE, Footer, decode_footer, find_last_footer
+from .page import (
+    HEADER_SIZE,
+    INDEX_ENTRY_SIZE,
+    IndexPage,
+    LeafPage,
+    decode_page,
+    encode_index,
+    encode_leaf,
+    index_capacity,
+    leaf_capacity,
+)
+
+MIN_PAGE_SIZE = HEADER_SIZE + 3 * INDEX_ENTRY_SIZE  # an index page must hold at least 3 children
+MAX_PAGE_SIZE = 1 << 24
+_SCAN_WINDOW = 1 << 20
+# Small batches per leaf are inserted by bisection; larger ones merged through a dict.
+_BISECT_MERGE_LIMIT = 32
+
+
+@attrs.frozen
+class TreeState:
+    """A durable version of the tree: its footer, and the segment length it was read or written at."""
+
+    footer: Footer
+    footer_offset: int  # -1: nothing written yet
+    length: int
+
+
+@attrs.define
+class IOStats:
+    storage_reads: int = 0
+    bytes_written: int = 0
+    updates_written: int = 0
+    pages_relocated: int = 0
+
+
+class _Cacheless:
+    """Stands in for the page cache when it is disabled: every page access reads storage."""
+
+    hits = misses = 0
+
+    def get(self, key: int) -> None:
+        return None
+
+    def get_or_load(self, key, load):
+        return load()[0]
+
+    def insert(self, key, value, charge) -> None:
+        pass
+
+    def erase(self, key) -> None:
+        pass
+
+
+class _UpdateBuilder:
+    """Serialises the pages of one update into one buffer, assigning offsets as it goes."""
+
+    def __init__(self, base: int, segment_name: str):
+        self.base = base
+        self.segment_name = segment_name
+        self.buffer = bytearray()
+        self.new_pages: list[tuple[int, LeafPage | IndexPage, int]] = []
+        self.pages: dict[int, LeafPage | IndexPage] = {}
+        self.retired: list[int] = []
+        self.live_delta = 0
+        self.page_delta = 0
+        self.entry_delta = 0
+        self.relocated = 0
+
+    def retire(self, offset: int, length: int) -> None:
+        self.retired.append(offset)
+        self.live_delta -= length
+        self.page_delta -= 1
+
+    def leaf(self, keys: list[bytes], values: list[int]) -> tuple[int, int, int]:
+        offset = self.base + len(self.buffer)
+        data = encode_leaf(keys, values, offset)
+        return self._add(offset, data, LeafPage(keys, values)) + (offset,)
+
+    def index(self, keys: list[bytes], offsets: list[int], lengths: list[int], mins: list[int]) -> tuple[int, int, int]:
+        offset = self.base + len(self.buffer)
+        keys = [MIN_KEY, *keys[1:]]
+        data = encode_index(keys, offsets, lengths, mins, offset)
+        return self._add(offset, data, IndexPage(keys, offsets, lengths, mins)) + (min(mins),)
+
+    def _add(self, offset: int, data: bytes, page: LeafPage | IndexPage) -> tuple[int, int]:
+        self.buffer += data
+        self.new_pages.append((offset, page, len(data)))
+        self.pages[offset] = page
+        self.live_delta += len(data)
+        self.page_delta += 1
+        return offset, len(data)
+
+
+def _split_sizes(count: int, capacity: int, appending: bool) -> list[int]:
+    """Entries per page when ``count`` entries must fit pages of ``capacity``.
+
+    Growth at the right edge (ascending inserts) fills pages completely and leaves the remainder
+    last; anything else is spread evenly, as a plain B+tree split would.
+    """
+    if count <= capacity:
+        return [count]
+    if appending:
+        full, rest = divmod(count, capacity)
+        return [capacity] * full + ([rest] if rest else [])
+    pages = -(-count // capacity)
+    base, extra = divmod(count, pages)
+    return [base + 1] * extra + [base] * (pages - extra)
+
+
+def _merge_leaf(keys: list[bytes], values: list[int], ukeys: Sequence[bytes], uvalues: Sequence[int | None]) -> tuple[list[bytes], list[int], bool]:
+    """Apply sorted updates to a leaf's entries; returns new lists and whether they only appended."""
+    if not ukeys:
+        return keys, values, False
+    if not keys or ukeys[0] > keys[-1]:
+        new_keys = [k for k, v in zip(ukeys, uvalues) if v is not None]
+        new_values = [v for v in uvalues if v is not None]
+        return keys + new_keys, values + new_values, True
+    if len(ukeys) <= _BISECT_MERGE_LIMIT:
+        keys, values, low = list(keys), list(values), 0
+        for key, value in zip(ukeys, uvalues):
+            i = bisect.bisect_left(keys, key, low)
+            if i < len(keys) and keys[i] == key:
+                if value is None:
+                    del keys[i], values[i]
+                else:
+                    values[i] = value
+            elif value is not None:
+                keys.insert(i, key)
+                values.insert(i, value)
+            low = i
+        return keys, values, False
+    merged = dict(zip(keys, values))
+    for key, value in zip(ukeys, uvalues):
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    new_keys = sorted(merged)
+    return new_keys, [merged[k] for k in new_keys], False
+
+
+class BTreeIndex:
+    """The B+tree over one segment. Keys and values passed here are already canonical.
+
+    ``cache`` is the tier-2 page cache (anything with ``get``/``get_or_load``/``insert``/``erase``),
+    ``None`` to disable; ``policy`` a compaction policy from ``compaction.py``.
+    """
+
+    def __init__(self, segment: RollingSegment, *, page_size: int = 32768, cache=None, policy=None):
+        if not isinstance(page_size, int) or not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
+            raise InvalidInputError(f"page_size must be an int in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size!r}")
+        self.segment = segment
+        self.page_size = page_size
+        self.leaf_capacity = leaf_capacity(page_size)
+        self.index_capacity = index_capacity(page_size)
+        self.cache = cache if cache is not None else _Cacheless()
+        self.policy = policy if policy is not None else OnePagePolicy()
+        self.io = IOStats()
+        self._write_lock = threading.Lock()
+        self._state = TreeState(EMPTY, -1, 0)
+        self.reload()
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def state(self) -> TreeState:
+        return self._state
+
+    def reload(self) -> TreeState:
+        """Read the newest durable version of the tree from storage (others may have written)."""
+        self.segment.refresh()
+        length, start = self.segment.length, self.segment.start_offset
+        if length != self._state.length or self._state.footer_offset < 0:
+            self._state = self._read_state(length, start)
+        return self._state
+
+    def _read_state(self, length: int, start: int) -> TreeState:
+        if length == start:
+            return TreeState(EMPTY, -1, length)
+        tail = length - FOOTER_SIZE
+        if tail >= start:
+            footer = decode_footer(self.segment.read(tail, FOOTER_SIZE), tail)
+            if footer is not None:
+                return TreeState(footer, tail, length)
+        # The tail is not a footer (garbage was appended): the last complete update wins.
+        window_end = length
+        while window_end > start:
+            window_start = max(start, window_end - _SCAN_WINDOW)
+            # Overlap windows by a footer so one straddling the boundary is still found.
+            found = find_last_footer(self.segment.read(window_start, min(length, window_end + FOOTER_SIZE) - window_start), window_start)
+            if found is not None:
+                return TreeState(found[1], found[0], length)
+            window_end = window_start
+        if start == 0:
+            return TreeState(EMPTY, -1, length)  # nothing but garbage was ever written
+        raise CorruptDataError(
+            f"segment {self.segment.name!r}: no valid B+tree footer in [{start}, {length})",
+            segment=self.segment.name,
+            offset=start,
+        )
+
+    # -- pages ---------------------------------------------------------------------------------
+    def _page(self, offset: int, length: int) -> LeafPage | IndexPage:
+        return self.cache.get_or_load(offset, lambda: self._read_page(offset, length))
+
+    def _read_page(self, offset: int, length: int) -> tuple[LeafPage | IndexPage, int]:
+        self.io.storage_reads += 1
+        return decode_page(self.segment.read(offset, length), offset, self.segment.name), length
+
+    # -- reading -------------------------------------------------------------------------------
+    def get(self, key: bytes) -> int | None:
+        """The value of ``key``, or ``None``."""
+        while True:
+            footer = self._state.footer
+            if not footer.root_length:
+                return None
+            try:
+                page = self._page(footer.root_offset, footer.root_length)
+                while not page.is_leaf:
+                    i = bisect.bisect_right(page.keys, key) - 1
+                    page = self._page(page.offsets[i], page.lengths[i])
+                return page.get(key)
+            except TruncatedError:
+                self.reload()  # compacted away under this snapshot: read the new root
+
+    def get_many(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Values of ``keys`` in input order (``None`` where absent), sharing page visits."""
+        while True:
+            footer = self._state.footer
+            if not footer.root_length or not keys:
+                return [None] * len(keys)
+            ordered = sorted(set(keys))
+            found: dict[bytes, int] = {}
+            try:
+                self._collect(footer.root_offset, footer.root_length, ordered, 0, len(ordered), found)
+            except TruncatedError:
+                self.reload()
+                continue
+            return [found.get(k) for k in keys]
+
+    def _collect(self, offset: int, length: int, keys: list[bytes], lo: int, hi: int, found: dict) -> None:
+        page = self._page(offset, length)
+        if page.is_leaf:
+            for key in keys[lo:hi]:
+                value = page.get(key)
+                if value is not None:
+                    found[key] = value
+            return
+        bounds = page.keys
+        while lo < hi:
+            i = bisect.bisect_right(bounds, keys[lo]) - 1
+            end = bisect.bisect_left(keys, bounds[i + 1], lo, hi) if i + 1 < len(bounds) else hi
+            self._collect(page.offsets[i], page.lengths[i], keys, lo, end, found)
+            lo = end
+
+    def items(self, start: bytes | None = None, stop: bytes | None = None) -> Iterator[tuple[bytes, int]]:
+        """Entries with ``start <= key < stop`` in ascending order, from a snapshot of the root.
+
+        If compaction frees pages under the snapshot, iteration resumes from the new root after the
+        last key returned, so it never repeats or skips a key that stayed in the tree.
+        """
+        last: bytes | None = None
+        while True:
+            footer = self._state.footer
+            if not footer.root_length:
+                return
+            try:
+                for key, value in self._walk(footer.root_offset, footer.root_length, start, stop, last):
+                    last = key
+                    yield key, value
+                return
+            except TruncatedError:
+                self.reload()
+
+    def _walk(self, offset, length, start, stop, after) -> Iterator[tuple[bytes, int]]:
+        page = self._page(offset, length)
+        keys = page.keys
+        if page.is_leaf:
+            i = 0
+            if after is not None:
+                i = bisect.bisect_right(keys, after)
+            if start is not None:
+                i = max(i, bisect.bisect_left(keys, start))
+            j = len(keys) if stop is None else bisect.bisect_left(keys, stop)
+            values = page.values
+            for n in range(i, j):
+                yield keys[n], values[n]
+            return
+        low = after if after is not None and (start is None or after >= start) else start
+        i = 0 if low is None else max(bisect.bisect_right(keys, low) - 1, 0)
+        for n in range(i, len(keys)):
+            if stop is not None and n > i and keys[n] >= stop:
+                return
+            yield from self._walk(page.offsets[n], page.lengths[n], start, stop, after)
+
+    def pages(self) -> Iterator[tuple[int, int, int, LeafPage | IndexPage]]:
+        """Every live page as ``(depth, offset, length, page)``, depth-first (for verification)."""
+        footer = self._state.footer
+        if not footer.root_length:
+            return
+        stack = [(1, footer.root_offset, footer.root_length)]
+        while stack:
+            depth, offset, length = stack.pop()
+            page = self._page(offset, length)
+            yield depth, offset, length, page
+            if not page.is_leaf:
+                stack.extend((depth + 1, o, n) for o, n in zip(reversed(page.offsets), reversed(page.lengths)))
+
+    # -- writing -------------------------------------------------------------------------------
+    def update(self, keys: Sequence[bytes], values: Sequence[int | None], checkpoint: int | None = None) -> TreeState:
+        """Apply ``keys[i] -> values[i]`` (``None`` removes); keys sorted, unique. One durable append.
+
+        A lost compare-and-append race reloads the tree and applies the batch again.
+        """
+        with self._write_lock:
+            while True:
+                state = self._state
+                try:
+                    builder = self._build(state, keys, values, checkpoint)
+                except TruncatedError:  # another writer compacted pages this stale state needs
+                    self.reload()
+                    continue
+                if builder is None:
+                    return state
+                data, footer = builder
+                try:
+                    self.segment.append(data.buffer, expected_offset=state.length)
+                except BadOffsetError:
+                    self.reload()
+                    continue
+                self._commit(state, data, footer)
+                return self._state
+
+    def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[_UpdateBuilder, Footer] | None:
+        footer = state.footer
+        shape = TreeShape(state.length, footer.min_offset, footer.live_bytes, self.page_size)
+        relocate_below = self.policy.threshold(shape) if footer.root_length else 0
+        unchanged_checkpoint = checkpoint in (None, footer.checkpoint)
+        if not keys and relocate_below <= footer.min_offset and unchanged_checkpoint:
+            return None
+        if not footer.root_length and all(v is None for v in values) and unchanged_checkpoint:
+            return None  # removing keys from an empty tree changes nothing
+        builder = _UpdateBuilder(state.length, self.segment.name)
+        if footer.root_length:
+            pointers = self._rewrite(builder, footer.root_offset, footer.root_length, keys, values, 0, len(keys), relocate_below)
+            height = footer.height
+        else:
+            pointers = self._leaves(builder, [k for k, v in zip(keys, values) if v is not None], [v for v in values if v is not None], True)
+            builder.entry_delta = sum(1 for v in values if v is not None)
+            height = 1
+        root, height = self._root(builder, pointers, height)
+        footer_offset = state.length + len(builder.buffer)
+        new_footer = Footer(
+            root_offset=root[1] if root else 0,
+            root_length=root[2] if root else 0,
+            height=height if root else 0,
+            entry_count=footer.entry_count + builder.entry_delta,
+            page_count=footer.page_count + builder.page_delta,
+            live_bytes=footer.live_bytes + builder.live_delta,
+            min_offset=root[3] if root else footer_offset,
+            checkpoint=footer.checkpoint if checkpoint is None else checkpoint,
+            update_length=len(builder.buffer) + FOOTER_SIZE,
+        )
+        builder.buffer += new_footer.encode(footer_offset)
+        return builder, new_footer
+
+    def _root(self, builder: _UpdateBuilder, pointers: list[tuple], height: int) -> tuple[tuple | None, int]:
+        """Stack index pages over ``pointers`` until one root remains; collapse single-child roots."""
+        while len(pointers) > 1:
+            columns = list(zip(*pointers))
+            pointers = self._indexes(builder, *map(list, columns), False)
+            height += 1
+        if not pointers:
+            return None, 0
+        root = pointers[0]
+        while height > 1:
+            page = builder.pages.get(root[1])
+            if page is None:
+                page = self._page(root[1], root[2])
+            if len(page) != 1:
+                break
+            # A root with one child is replaced by that child: the tree gets shorter.
+            builder.retire(root[1], root[2])
+            root = (MIN_KEY, page.offsets[0], page.lengths[0], page.min_offsets[0])
+            height -= 1
+        return root, height
+
+    def _rewrite(self, builder: _UpdateBuilder, offset: int, length: int, keys, values, lo: int, hi: int, relocate_below: int) -> list[tuple]:
+        """Rewrite the page at ``offset`` with updates ``[lo, hi)``; returns its replacement pointers."""
+        page = self._page(offset, length)
+        builder.retire(offset, length)
+        if offset < relocate_below and lo == hi:
+            builder.relocated += 1
+        if page.is_leaf:
+            new_keys, new_values, appending = _merge_leaf(page.keys, page.values, keys[lo:hi], values[lo:hi])
+            builder.entry_delta += len(new_keys) - len(page.keys)
+            return self._leaves(builder, new_keys, new_values, appending)
+        bounds, count = page.keys, len(page.keys)
+        visits: dict[int, tuple[int, int]] = {}
+        while lo < hi:
+            i = bisect.bisect_right(bounds, keys[lo]) - 1
+            end = bisect.bisect_left(keys, bounds[i + 1], lo, hi) if i + 1 < count else hi
+            visits[i] = (lo, end)
+            lo = end
+        if relocate_below and min(page.min_offsets) < relocate_below:
+            for i, low in enumerate(page.min_offsets):
+                if low < relocate_below and i not in visits:
+                    visits[i] = (hi, hi)
+        new_keys, new_offsets, new_lengths, new_mins = [], [], [], []
+        copied = 0
+        appending = False
+        for i in sorted(visits):
+            new_keys += bounds[copied:i]
+            new_offsets += page.offsets[copied:i]
+            new_lengths += page.lengths[copied:i]
+            new_mins += page.min_offsets[copied:i]
+            replaced = self._rewrite(builder, page.offsets[i], page.lengths[i], keys, values, *visits[i], relocate_below)
+            for n, pointer in enumerate(replaced):
+                new_keys.append(bounds[i] if n == 0 else pointer[0])
+                new_offsets.append(pointer[1])
+                new_lengths.append(pointer[2])
+                new_mins.append(pointer[3])
+            appending = i == count - 1 and len(replaced) > 1
+            copied = i + 1
+        new_keys += bounds[copied:]
+        new_offsets += page.offsets[copied:]
+        new_lengths += page.lengths[copied:]
+        new_mins += page.min_offsets[copied:]
+        return self._indexes(builder, new_keys, new_offsets, new_lengths, new_mins, appending)
+
+    def _leaves(self, builder: _UpdateBuilder, keys: list[bytes], values: list[int], appending: bool) -> list[tuple]:
+        pointers, at = [], 0
+        if not keys:
+            return []
+        for size in _split_sizes(len(keys), self.leaf_capacity, appending):
+            chunk_keys = keys[at:at + size]
+            pointers.append((chunk_keys[0], *builder.leaf(chunk_keys, values[at:at + size])))
+            at += size
+        return pointers
+
+    def _indexes(self, builder: _UpdateBuilder, keys, offsets, lengths, mins, appending: bool) -> list[tuple]:
+        pointers, at = [], 0
+        if not keys:
+            return []
+        for size in _split_sizes(len(keys), self.index_capacity, appending):
+            end = at + size
+            pointers.append((keys[at], *builder.index(keys[at:end], offsets[at:end], lengths[at:end], mins[at:end])))
+            at = end
+        return pointers
+
+    def _commit(self, old: TreeState, builder: _UpdateBuilder, footer: Footer) -> None:
+        """After a successful append: publish the new root, cache the new pages, truncate."""
+        length = old.length + len(builder.buffer)
+        self._state = TreeState(footer, length - FOOTER_SIZE, length)
+        retired = set(builder.retired)
+        for offset in retired:
+            self.cache.erase(offset)
+        for offset, page, size in builder.new_pages:
+            if offset not in retired:
+                self.cache.insert(offset, page, size)
+        self.io.bytes_written += len(builder.buffer)
+        self.io.updates_written += 1
+        self.io.pages_relocated += builder.relocated
+        self._truncate(footer.min_offset)
+
+    def _truncate(self, min_offset: int) -> None:
+        """Delete storage chunks lying wholly below the live tree (the new root is already durable)."""
+        chunks = self.segment.chunks()
+        freeable = 0
+        for chunk in chunks[:-1]:
+            if chunk.end > min_offset:
+                break
+            freeable += 1
+        # Object stores make one chunk per update: delete them in batches, not one by one.
+        if freeable and (self.segment.storage.appendable or freeable >= 16):
+            self.segment.truncate(min_offset)

@@ -1,0 +1,50 @@
+"""Attribute keys and values: what users may pass, and the canonical form stored.
+
+A key is 16 bytes compared as unsigned bytes. ``uuid.UUID`` maps to its big-endian ``bytes`` and
+an ``int`` in ``[0, 2**128)`` to its 16-byte big-endian form, so both keep their natural order.
+A value is a signed 64-bit int; ``None`` in an update means "remove".
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from .errors import InvalidKeyError, InvalidValueError
+
+KEY_SIZE = 16
+MIN_KEY = bytes(KEY_SIZE)
+VALUE_MIN, VALUE_MAX = -(1 << 63), (1 << 63) - 1
+_KEY_LIMIT = 1 << 128
+
+
+def to_key(key: object) -> bytes:
+    """The canonical 16-byte form of a user key, or ``InvalidKeyError`` saying what is wrong."""
+    if type(key) is bytes:
+        if len(key) == KEY_SIZE:
+            return key
+        raise InvalidKeyError(f"key must be {KEY_SIZE} bytes, got {len(key)} bytes: {key!r}")
+    if isinstance(key, uuid.UUID):
+        return key.bytes
+    if isinstance(key, (bytearray, memoryview)):
+        return to_key(bytes(key))
+    if isinstance(key, int) and not isinstance(key, bool):
+        if 0 <= key < _KEY_LIMIT:
+            return key.to_bytes(KEY_SIZE, "big")
+        raise InvalidKeyError(f"int key must be in [0, 2**128), got {key}")
+    raise InvalidKeyError(f"key must be 16 bytes, a uuid.UUID or an int in [0, 2**128), got {type(key).__name__}")
+
+
+def to_value(value: object) -> int:
+    """A stored value (signed 64-bit int), or ``InvalidValueError``."""
+    if type(value) is int and VALUE_MIN <= value <= VALUE_MAX:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidValueError(f"value must be an int (or None to remove), got {type(value).__name__}: {value!r}")
+    if not VALUE_MIN <= value <= VALUE_MAX:
+        raise InvalidValueError(f"value {value} is outside the signed 64-bit range [-2**63, 2**63)")
+    return int(value)
+
+
+def to_update(value: object) -> int | None:
+    """A value in an update: an int, or ``None`` meaning remove."""
+    return None if value is None else to_value(value)

@@ -1,0 +1,55 @@
+"""Tier 1 of the cache: recent attribute values (and known absences), in two dict generations.
+
+A lookup is one or two dict probes; there is no per-hit bookkeeping. New entries go to the young
+generation; when it fills, it becomes the old one and the previous old one is dropped. A hit in the
+old generation is promoted. So the cache holds between ``capacity`` and ``2 * capacity`` entries,
+and what survives a turnover is whatever was used since the last one (a clock-like policy).
+"""
+
+from __future__ import annotations
+
+MISSING = object()
+
+
+class ValueCache:
+    """Maps 16-byte keys to their value, or to ``None`` when the key is known to be absent."""
+
+    __slots__ = ("capacity", "young", "old", "hits", "misses")
+
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"value cache capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.young: dict[bytes, int | None] = {}
+        self.old: dict[bytes, int | None] = {}
+        self.hits = self.misses = 0
+
+    def get(self, key: bytes) -> object:
+        """The cached value (``None`` = known absent) or ``MISSING``."""
+        value = self.young.get(key, MISSING)
+        if value is MISSING:
+            value = self.old.get(key, MISSING)
+            if value is MISSING:
+                self.misses += 1
+                return MISSING
+            self.put(key, value)
+        self.hits += 1
+        return value
+
+    def put(self, key: bytes, value: int | None) -> None:
+        if not self.capacity:
+            return
+        young = self.young
+        young[key] = value
+        if len(young) >= self.capacity:
+            self.old, self.young = young, {}
+
+    def put_many(self, keys, values) -> None:
+        for key, value in zip(keys, values):
+            self.put(key, value)
+
+    def clear(self) -> None:
+        self.young, self.old = {}, {}
+
+    def __len__(self) -> int:
+        return len(self.young) + sum(1 for k in self.old if k not in self.young)
