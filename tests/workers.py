@@ -73,6 +73,32 @@ def append_forever(directory: str, name: str) -> None:
         seq += 1
 
 
+def index_disjoint_writer(url, options, writer, count, batch, barrier, results):
+    """Update keys ``writer, writer + N, ...`` of one shared index in batches, racing the others."""
+    from attrindex.attribute_index import AttributeIndex
+
+    index = AttributeIndex.open(url, storage_options=options, page_size=1024)
+    barrier.wait()
+    keys = [writer + 1000 * i for i in range(count)]
+    for start in range(0, count, batch):
+        index.update({key: key * 10 for key in keys[start:start + batch]})
+    results.put((writer, index.stats().updates_written))
+
+
+def index_update_forever(directory: str, first_batch: int) -> None:
+    """Update batches of 50 keys forever, printing each batch number after its update returns."""
+    from attrindex.attribute_index import AttributeIndex
+
+    index = AttributeIndex.open(directory, page_size=2048, rolling_size=1 << 16)
+    batch = first_batch
+    while True:
+        index.update({(batch * 50 + i) % 20_000: batch for i in range(50)})
+        print(batch, flush=True)
+        batch += 1
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "append_forever":
         append_forever(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "index_update_forever":
+        index_update_forever(sys.argv[2], int(sys.argv[3]))

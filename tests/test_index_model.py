@@ -1,0 +1,101 @@
+"""Hypothesis model test: AttributeIndex against a dict, with tiny pages so trees are 4+ levels deep."""
+
+from __future__ import annotations
+
+import uuid
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from attrindex.attribute_index import AttributeIndex
+from storage_adapters import open_storage
+
+PAGE_SIZE = 120  # 4 leaf entries or 3 index entries per page: deep trees from few keys
+# Keys from a small universe so updates hit existing keys, removes find them, and ranges are dense.
+KEYS = st.integers(min_value=0, max_value=400).map(lambda i: (i * 0x9E3779B97F4A7C15 % (1 << 128)).to_bytes(16, "big"))
+VALUES = st.one_of(st.none(), st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1))
+
+
+def machine_for(new_url, compaction, heights):
+    class IndexMachine(RuleBasedStateMachine):
+        @initialize(rolling=st.sampled_from([256, 4096, 1 << 20]))
+        def open(self, rolling):
+            self.url = new_url()
+            self.rolling = rolling
+            self.index = self._open()
+            self.model: dict[bytes, int] = {}
+            self.max_height = 0
+
+        def _open(self, cache_bytes=1 << 20):
+            return AttributeIndex(open_storage(self.url), page_size=PAGE_SIZE, rolling_size=self.rolling,
+                                  cache_bytes=cache_bytes, compaction=compaction)
+
+        @rule(batch=st.lists(st.tuples(KEYS, VALUES), min_size=1, max_size=40))
+        def update(self, batch):
+            self.index.update(batch)
+            for key, value in batch:  # the last value for a key wins
+                if value is None:
+                    self.model.pop(key, None)
+                else:
+                    self.model[key] = value
+            self.max_height = max(self.max_height, self.index.stats().height)
+
+        @rule(key=KEYS)
+        def get(self, key):
+            assert self.index.get(key) == self.model.get(key)
+
+        @rule(keys=st.lists(KEYS, max_size=30))
+        def get_many(self, keys):
+            assert self.index.get_many(keys) == [self.model.get(k) for k in keys]
+
+        @rule(start=st.one_of(st.none(), KEYS), stop=st.one_of(st.none(), KEYS))
+        def items(self, start, stop):
+            expected = sorted((k, v) for k, v in self.model.items() if (start is None or k >= start) and (stop is None or k < stop))
+            assert list(self.index.items(start, stop)) == expected
+
+        @rule(cache_bytes=st.sampled_from([0, 1 << 20]))
+        def reopen(self, cache_bytes):
+            self.index.close()
+            self.index = self._open(cache_bytes)
+
+        @precondition(lambda self: hasattr(self, "index"))
+        @invariant()
+        def tree_is_sound(self):
+            stats = self.index.stats()
+            assert stats.entry_count == len(self.model) == len(self.index)
+            report = self.index.verify()  # checksums, ordering, minimum offsets, footer counts
+            assert report.entries == len(self.model)
+            if report.pages:
+                # The truncation offset is the smallest offset of any live page.
+                live = [offset for _, offset, _, _ in self.index._tree.pages()]
+                assert stats.start_offset == min(live)
+
+        def teardown(self):
+            if hasattr(self, "index"):
+                heights.append(self.max_height)
+
+    return IndexMachine
+
+
+def _run(new_url, compaction, examples):
+    heights: list[int] = []
+    run_state_machine_as_test(
+        machine_for(new_url, compaction, heights),
+        settings=settings(max_examples=examples, stateful_step_count=30, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]),
+    )
+    assert max(heights) >= 4, f"no run built a tree of 4+ levels: {sorted(heights)[-5:]}"
+
+
+def test_index_matches_dict_on_memory():
+    _run(lambda: f"memory://index-model-{uuid.uuid4().hex}", True, 120)
+
+
+def test_index_matches_dict_on_local_disk(tmp_path):
+    _run(lambda: str(tmp_path / uuid.uuid4().hex), True, 40)
+
+
+def test_index_matches_dict_with_pravega_policy_and_without_compaction():
+    _run(lambda: f"memory://index-model-{uuid.uuid4().hex}", "pravega", 40)
+    _run(lambda: f"memory://index-model-{uuid.uuid4().hex}", False, 40)
