@@ -33,3 +33,34 @@ def test_no_command_prints_help_and_fails(capsys):
 def test_storage_errors_become_messages_not_tracebacks(capsys):
     assert main(["demo", "--path", "gs://bucket/x"]) == 1
     assert "unsupported storage scheme 'gs'" in capsys.readouterr().err
+
+
+def test_index_put_get_scan_stats(tmp_path, capsys):
+    url = str(tmp_path)
+    assert main(["index", "put", url, "1=10", "0x2=20", "00000000000000000000000000000003=-3", "4=5", "4=none"]) == 0
+    assert "holds 3 entries" in capsys.readouterr().out
+    assert main(["index", "get", url, "1", "2", "3", "4"]) == 0
+    assert capsys.readouterr().out.split("\n")[:4] == ["1\t10", "2\t20", "3\t-3", "4\tabsent"]
+    assert main(["index", "scan", url, "--start", "2", "--limit", "5"]) == 0
+    assert capsys.readouterr().out.split() == ["00000000000000000000000000000002", "20", "00000000000000000000000000000003", "-3"]
+    assert main(["index", "stats", url, "--json"]) == 0
+    assert '"entry_count": 3' in capsys.readouterr().out
+
+
+def test_index_verify_passes_then_fails_on_a_flipped_byte(tmp_path, capsys):
+    url = str(tmp_path)
+    main(["index", "put", url, *[f"{i}={i}" for i in range(100)]])
+    assert main(["index", "verify", url]) == 0
+    assert "ok: 1 pages, 100 entries" in capsys.readouterr().out
+    chunk = tmp_path / "attributes.seg" / "00000000000000000000"
+    raw = bytearray(chunk.read_bytes())
+    raw[30] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    assert main(["index", "verify", url]) == 3
+    err = capsys.readouterr().err
+    assert "FAULT" in err and "page at offset 0: checksum mismatch" in err
+
+
+def test_index_bad_key_text_is_an_error_message(tmp_path, capsys):
+    assert main(["index", "get", str(tmp_path), "not-a-key"]) == 1
+    assert "cannot read 'not-a-key' as a key" in capsys.readouterr().err
