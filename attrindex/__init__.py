@@ -1,10 +1,12 @@
 """attrindex: append-only segments with an attribute index, on any fsspec filesystem.
 
-The storage layer is available now as ``storage_adapters`` (``open_storage``, ``RollingSegment``);
-the attribute index, segments and the Spark integration are built on top of it.
+``AttributeIndex`` is a durable map of 16-byte keys to int64 values stored as an append-only B+tree
+with progressive compaction; ``storage_adapters`` (``open_storage``, ``RollingSegment``) is the
+storage layer beneath it. Every error raised on purpose is in ``attrindex.errors``.
 """
 
-from ._version import __version__
 from . import errors
+from ._version import __version__
+from .attribute_index import AttributeIndex, IndexStats, VerifyReport
 
-__all__ = ["__version__", "errors"]
+__all__ = ["AttributeIndex", "IndexStats", "VerifyReport", "__version__", "errors"]

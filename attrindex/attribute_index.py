@@ -12,11 +12,49 @@ from .btree import BTreeIndex, policy_for
 from .btree.page import IndexPage, decode_page
 from .cache import ShardedLRUCache
 from .errors import CorruptDataError, InvalidInputError
-from .keys import MIN_KEY, to_key, to_update
+from .keys import KEY_SIZE, MIN_KEY, VALUE_MAX, VALUE_MIN, to_key, to_update
 from .value_cache import MISSING, ValueCache
 
 DEFAULT_CACHE_BYTES = 64 << 20
 DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
+
+
+# Updates up to this size enter the recent-values cache; larger ones only refresh cached entries.
+_CACHE_UPDATES_UP_TO = 10_000
+
+
+def _is_canonical_key(key: object) -> bool:
+    return type(key) is bytes and len(key) == KEY_SIZE
+
+
+def _is_canonical_update(value: object) -> bool:
+    return value is None or (type(value) is int and VALUE_MIN <= value <= VALUE_MAX)
+
+
+def _canonical_batch(updates) -> dict[bytes, int | None]:
+    """``{16-byte key: int64 or None}``, the last value for a key winning; raises on bad input.
+
+    Input that is already canonical (bytes keys, int values) is checked at C speed and used as is.
+    """
+    if isinstance(updates, Mapping):
+        batch = updates if isinstance(updates, dict) else dict(updates)
+        pairs = updates.items()
+    else:
+        pairs = updates if isinstance(updates, (list, tuple)) else list(updates)
+        try:
+            batch = dict(pairs)
+        except (TypeError, ValueError):  # unhashable key forms (bytearray) or malformed pairs
+            batch = {}
+    if batch and all(map(_is_canonical_key, batch)) and all(map(_is_canonical_update, batch.values())):
+        return batch
+    canonical: dict[bytes, int | None] = {}
+    for key, value in pairs:  # the original order, so the last value wins across key forms
+        canonical[to_key(key)] = to_update(value)
+    return canonical
+
+
+def _is_index_page(page: object) -> bool:
+    return not page.is_leaf  # type: ignore[attr-defined]
 
 
 @attrs.frozen
@@ -73,7 +111,8 @@ class AttributeIndex:
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise InvalidInputError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         self._segment = RollingSegment(storage, name, rolling_size=rolling_size)
-        self._page_cache = ShardedLRUCache(cache_bytes) if cache_bytes else None
+        # Index pages are high priority: scans of leaves never push the upper levels out.
+        self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
         self._values = ValueCache(value_cache_entries)
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache, policy=policy_for(compaction))
 
@@ -134,16 +173,16 @@ class AttributeIndex:
         Within one call the last value given for a key wins. Invalid keys or values raise before
         anything changes.
         """
-        pairs = updates.items() if isinstance(updates, Mapping) else updates
-        batch: dict[bytes, int | None] = {}
-        for key, value in pairs:
-            batch[to_key(key)] = to_update(value)
+        batch = _canonical_batch(updates)
         if not batch:
             return
         keys = sorted(batch)
-        values = [batch[k] for k in keys]
+        values = list(map(batch.__getitem__, keys))
         self._tree.update(keys, values)
-        self._values.put_many(keys, values)
+        if len(keys) <= _CACHE_UPDATES_UP_TO:
+            self._values.put_many(keys, values)
+        else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
+            self._values.refresh_many(batch)
 
     def refresh(self) -> None:
         """Pick up updates made by other handles or processes."""

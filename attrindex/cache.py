@@ -42,35 +42,52 @@ class _Shard:
     """One LRU shard; every field is guarded by ``lock``.
 
     ``data`` maps key -> ``(value, charge)`` in recency order (least recently used first);
+    ``high`` is the same for high-priority entries, which are evicted only when ``data`` is empty;
     ``inflight`` maps key -> ``_Flight`` for the keys ``get_or_load`` is loading right now.
     """
 
-    __slots__ = ("lock", "data", "inflight", "usage", "capacity", "hits", "misses")
+    __slots__ = ("lock", "data", "high", "inflight", "usage", "capacity", "hits", "misses")
 
     def __init__(self, capacity: int) -> None:
         self.lock = threading.Lock()
         self.data: OrderedDict[int, tuple[object, int]] = OrderedDict()
+        self.high: OrderedDict[int, tuple[object, int]] = OrderedDict()
         self.inflight: dict[int, _Flight] = {}
         self.usage = 0
         self.capacity = capacity
         self.hits = 0
         self.misses = 0
 
-    def put(self, key: int, value: object, charge: int) -> None:
+    def put(self, key: int, value: object, charge: int, high: bool = False) -> None:
         """Store ``value`` under ``key`` and evict down to capacity; the caller holds ``lock``."""
         data = self.data
-        old = data.pop(key, None)
+        old = data.pop(key, None) or self.high.pop(key, None)
         if old is not None:
             self.usage -= old[1]
         if charge > self.capacity or self.capacity == 0:
             # Too big to ever fit (it would evict everything else for nothing), or caching is off.
             # Any previous entry under this key is gone too: it must not outlive its replacement.
             return
-        data[key] = (value, charge)
+        (self.high if high else data)[key] = (value, charge)
         self.usage += charge
         while self.usage > self.capacity:
-            _, (_, evicted_charge) = data.popitem(last=False)
+            _, (_, evicted_charge) = (data or self.high).popitem(last=False)
             self.usage -= evicted_charge
+
+    def find(self, key: int) -> tuple[object, int] | None:
+        """The entry under ``key`` made most recently used, or ``None``; the caller holds ``lock``."""
+        for table in (self.high, self.data):
+            entry = table.get(key)
+            if entry is not None:
+                table.move_to_end(key)
+                return entry
+        return None
+
+    def remove(self, key: int) -> None:
+        """Drop ``key`` from either pool; the caller holds ``lock``."""
+        entry = self.data.pop(key, None) or self.high.pop(key, None)
+        if entry is not None:
+            self.usage -= entry[1]
 
 
 class ShardedLRUCache:
@@ -83,11 +100,15 @@ class ShardedLRUCache:
     ``hits`` and ``misses`` count the lookups of ``get`` and ``get_or_load``; a caller of
     ``get_or_load`` that waits for another thread's load of the same key counts as a hit, since it
     caused no storage read.
+
+    ``high_priority(value)``, if given, marks values (for the B+tree: index pages) that are evicted
+    only after every ordinary entry of their shard, like RocksDB's high-priority pool: a scan of
+    leaves cannot push the upper levels of the tree out.
     """
 
-    __slots__ = ("_shards", "_shift", "_capacity")
+    __slots__ = ("_shards", "_shift", "_capacity", "_high_priority")
 
-    def __init__(self, capacity: int, shards: int = 16) -> None:
+    def __init__(self, capacity: int, shards: int = 16, high_priority: Callable[[object], bool] | None = None) -> None:
         """Create an empty cache holding at most ``capacity`` charge across ``shards`` shards.
 
         Raises ``InvalidInputError`` (a ``ValueError``) if ``capacity`` is not a non-negative int or
@@ -107,6 +128,7 @@ class ShardedLRUCache:
         # The shard is the top log2(shards) bits of the 64-bit product; 64 when shards == 1 (-> 0).
         self._shift = 64 - (shards.bit_length() - 1)
         self._capacity = capacity
+        self._high_priority = high_priority
 
     def _shard(self, key: int) -> _Shard:
         return self._shards[((key * _GOLDEN) & _MASK64) >> self._shift]
@@ -119,11 +141,10 @@ class ShardedLRUCache:
         lock = shard.lock
         lock.acquire()
         try:
-            data = shard.data
-            if key in data:
-                data.move_to_end(key)
+            entry = shard.find(key)
+            if entry is not None:
                 shard.hits += 1
-                return data[key][0]
+                return entry[0]
             shard.misses += 1
             return None
         finally:
@@ -140,8 +161,9 @@ class ShardedLRUCache:
         if charge < 0:
             raise InvalidInputError(f"cache charge must be non-negative, got {charge!r}")
         shard = self._shard(key)
+        high = self._high_priority is not None and self._high_priority(value)
         with shard.lock:
-            shard.put(key, value, charge)
+            shard.put(key, value, charge, high)
 
     def erase(self, key: int) -> None:
         """Drop the entry under ``key``, if any.
@@ -151,9 +173,7 @@ class ShardedLRUCache:
         """
         shard = self._shard(key)
         with shard.lock:
-            entry = shard.data.pop(key, None)
-            if entry is not None:
-                shard.usage -= entry[1]
+            shard.remove(key)
             shard.inflight.pop(key, None)
 
     def get_or_load(self, key: int, load: Callable[[], tuple[object, int]]) -> object:
@@ -169,11 +189,10 @@ class ShardedLRUCache:
         lock = shard.lock
         lock.acquire()
         try:
-            data = shard.data
-            if key in data:
-                data.move_to_end(key)
+            entry = shard.find(key)
+            if entry is not None:
                 shard.hits += 1
-                return data[key][0]
+                return entry[0]
             flight = shard.inflight.get(key)
             if flight is None:
                 flight = shard.inflight[key] = _Flight()
@@ -202,11 +221,12 @@ class ShardedLRUCache:
                     del shard.inflight[key]
             flight.done.set()
             raise
+        high = self._high_priority is not None and self._high_priority(value)
         with shard.lock:
             # Cache the result only if no erase() or clear() detached this flight meanwhile.
             if shard.inflight.get(key) is flight:
                 del shard.inflight[key]
-                shard.put(key, value, charge)
+                shard.put(key, value, charge, high)
         flight.value = value
         flight.done.set()
         return value
@@ -216,6 +236,7 @@ class ShardedLRUCache:
         for shard in self._shards:
             with shard.lock:
                 shard.data.clear()
+                shard.high.clear()
                 shard.usage = 0
                 shard.inflight.clear()
 
@@ -241,7 +262,7 @@ class ShardedLRUCache:
 
     def __len__(self) -> int:
         """The number of entries held."""
-        return sum(len(shard.data) for shard in self._shards)
+        return sum(len(shard.data) + len(shard.high) for shard in self._shards)
 
     def __repr__(self) -> str:
         return (

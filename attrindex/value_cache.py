@@ -48,6 +48,16 @@ class ValueCache:
         for key, value in zip(keys, values):
             self.put(key, value)
 
+    def refresh_many(self, updates: dict[bytes, int | None]) -> None:
+        """Update the keys of ``updates`` that are cached; add none (for bulk writes)."""
+        for table in (self.young, self.old):
+            if len(table) < len(updates):
+                for key in [k for k in table if k in updates]:
+                    table[key] = updates[key]
+            else:
+                for key in [k for k in updates if k in table]:
+                    table[key] = updates[key]
+
     def clear(self) -> None:
         self.young, self.old = {}, {}
 

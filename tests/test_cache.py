@@ -463,3 +463,29 @@ def test_erase_during_load_does_not_cache_the_result():
     assert cache.get(9) is None  # ... but it is not cached
     second = object()
     assert cache.get_or_load(9, lambda: (second, 1)) is second
+
+
+def test_high_priority_entries_outlive_any_flood_of_ordinary_ones():
+    cache = ShardedLRUCache(1000, shards=1, high_priority=lambda value: value.startswith("index"))
+    for i in range(5):
+        cache.insert(i, f"index-{i}", 100)
+    for i in range(100, 400):  # a scan of "leaves", far beyond capacity
+        cache.insert(i, f"leaf-{i}", 100)
+        assert cache.usage <= 1000
+    assert [cache.get(i) for i in range(5)] == [f"index-{i}" for i in range(5)]
+    assert sum(cache.get(i) is not None for i in range(100, 400)) == 5  # the leaves share what is left
+    # High-priority entries go only once no ordinary entry is left, oldest first.
+    for i in range(5, 11):
+        cache.insert(i, f"index-{i}", 100)
+    assert cache.get(0) is None and cache.get(1) is not None
+    assert all(cache.get(i) is None for i in range(100, 400))
+    cache.erase(3)
+    assert cache.get(3) is None and cache.usage == 900 and len(cache) == 9
+
+
+def test_get_or_load_applies_the_priority_to_loaded_values():
+    cache = ShardedLRUCache(300, shards=1, high_priority=lambda value: value == "index")
+    cache.get_or_load(1, lambda: ("index", 100))
+    for i in range(10, 20):
+        cache.get_or_load(i, lambda: ("leaf", 100))
+    assert cache.get(1) == "index"

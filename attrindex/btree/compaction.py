@@ -19,6 +19,7 @@ class TreeShape:
     min_offset: int  # smallest offset of a live page
     live_bytes: int  # bytes of the pages reachable from the root
     page_size: int
+    last_update: int = 0  # bytes of the previous update: an estimate of what this one appends
 
 
 class NoCompaction:
@@ -41,21 +42,24 @@ class OnePagePolicy:
 
 @attrs.frozen
 class BoundedPolicy:
-    """Keep ``(length - min_offset) / live_bytes`` near ``target_ratio``.
+    """Keep ``(length - min_offset) / live_bytes`` near ``target_ratio`` after every update.
 
-    Relocates every live page stored below ``length - target_ratio * live_bytes``: the head of the
-    storage is swept as fast as garbage accumulates, and nothing is moved while the retained bytes
-    are within the target. Each update sweeps at most ``max_sweep_pages`` pages' worth of offsets,
-    so no single update stalls on a large relocation.
+    The update about to be written will add about as many bytes as the previous one, so every live
+    page stored below ``length + last_update - target_ratio * live_bytes`` is relocated: the head of
+    the storage is swept as fast as garbage accumulates, and nothing moves while the retained bytes
+    are within the target. One update sweeps at most ``max(max_sweep_pages pages, max_sweep_updates
+    updates)`` worth of offsets, so no single update stalls on a large relocation.
     """
 
     target_ratio: float = 1.4
     max_sweep_pages: int = 16
+    max_sweep_updates: int = 4
     name = "bounded"
 
     def threshold(self, shape: TreeShape) -> int:
-        wanted = shape.length - int(self.target_ratio * shape.live_bytes)
-        return min(max(wanted, 0), shape.min_offset + self.max_sweep_pages * shape.page_size)
+        wanted = shape.length + shape.last_update - int(self.target_ratio * shape.live_bytes)
+        sweep = max(self.max_sweep_pages * shape.page_size, self.max_sweep_updates * shape.last_update)
+        return min(max(wanted, 0), shape.min_offset + sweep)
 
 
 def policy_for(compaction: bool | str | object) -> NoCompaction | OnePagePolicy | BoundedPolicy:

@@ -354,7 +354,7 @@ class BTreeIndex:
 
     def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[_UpdateBuilder, Footer] | None:
         footer = state.footer
-        shape = TreeShape(state.length, footer.min_offset, footer.live_bytes, self.page_size)
+        shape = TreeShape(state.length, footer.min_offset, footer.live_bytes, self.page_size, footer.update_length)
         relocate_below = self.policy.threshold(shape) if footer.root_length else 0
         unchanged_checkpoint = checkpoint in (None, footer.checkpoint)
         if not keys and relocate_below <= footer.min_offset and unchanged_checkpoint:
@@ -366,8 +366,11 @@ class BTreeIndex:
             pointers = self._rewrite(builder, footer.root_offset, footer.root_length, keys, values, 0, len(keys), relocate_below)
             height = footer.height
         else:
-            pointers = self._leaves(builder, [k for k, v in zip(keys, values) if v is not None], [v for v in values if v is not None], True)
-            builder.entry_delta = sum(1 for v in values if v is not None)
+            if None in values:
+                keys = [k for k, v in zip(keys, values) if v is not None]
+                values = [v for v in values if v is not None]
+            pointers = self._leaves(builder, keys, values, True)
+            builder.entry_delta = len(keys)
             height = 1
         root, height = self._root(builder, pointers, height)
         footer_offset = state.length + len(builder.buffer)
