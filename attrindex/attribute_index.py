@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import attrs
 
-from storage_adapters import DEFAULT_ROLLING_SIZE, ChunkStorage, RollingSegment, open_storage
+from storage_adapters import ChunkStorage, RollingSegment, open_storage
 
 from .btree import BTreeIndex, policy_for
 from .btree.page import IndexPage, decode_page
@@ -16,6 +16,9 @@ from .keys import KEY_SIZE, MIN_KEY, VALUE_MAX, VALUE_MIN, to_key, to_update
 from .value_cache import MISSING, ValueCache
 
 DEFAULT_CACHE_BYTES = 64 << 20
+# Space comes back a whole chunk at a time, so the index's chunks are small next to its live bytes:
+# with 32 MiB chunks, an index of 25 MiB could hold a whole dead chunk more than it needs.
+DEFAULT_INDEX_ROLLING_SIZE = 4 << 20
 DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
 
 
@@ -103,7 +106,7 @@ class AttributeIndex:
         name: str = "attributes",
         *,
         page_size: int = 32768,
-        rolling_size: int = DEFAULT_ROLLING_SIZE,
+        rolling_size: int = DEFAULT_INDEX_ROLLING_SIZE,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         value_cache_entries: int = DEFAULT_VALUE_CACHE_ENTRIES,
         compaction: bool | str | object = True,
@@ -127,7 +130,7 @@ class AttributeIndex:
     ) -> "AttributeIndex":
         """Open (or create) the index ``name`` at a storage URL: ``memory://``, ``file://``, ``s3://``.
 
-        ``options``: ``page_size`` (default 32768), ``rolling_size`` (32 MiB), ``cache_bytes`` for
+        ``options``: ``page_size`` (default 32768), ``rolling_size`` (4 MiB), ``cache_bytes`` for
         decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
         the bounded policy; "pravega"; False).
         """
@@ -136,7 +139,7 @@ class AttributeIndex:
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: object) -> int | None:
         """The value stored for ``key``, or ``None``."""
-        k = to_key(key)
+        k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
         value = self._values.get(k)
         if value is MISSING:
             value = self._tree.get(k)

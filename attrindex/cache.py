@@ -176,10 +176,10 @@ class ShardedLRUCache:
             shard.remove(key)
             shard.inflight.pop(key, None)
 
-    def get_or_load(self, key: int, load: Callable[[], tuple[object, int]]) -> object:
+    def get_or_load(self, key: int, load: Callable[..., tuple[object, int]], *args: object) -> object:
         """Return the value cached under ``key``, calling ``load()`` to produce and cache it on a miss.
 
-        ``load`` returns ``(value, charge)`` and runs without any lock held, so loads of different
+        ``load(*args)`` returns ``(value, charge)`` and runs without any lock held, so loads of different
         keys run in parallel. Loading is single-flight: while one caller runs ``load`` for a key,
         other callers missing the same key wait for its result instead of loading it themselves. If
         ``load`` raises, that exception is raised to the loading caller and to every waiter, and
@@ -211,7 +211,7 @@ class ShardedLRUCache:
             return flight.value
 
         try:
-            value, charge = load()
+            value, charge = load(*args)
             if charge < 0:
                 raise InvalidInputError(f"cache charge must be non-negative, got {charge!r}")
         except BaseException as exc:

@@ -40,11 +40,16 @@ _BISECT_MERGE_LIMIT = 32
 
 @attrs.frozen
 class TreeState:
-    """A durable version of the tree: its footer, and the segment length it was read or written at."""
+    """A durable version of the tree: its footer, and the segment length it was read or written at.
+
+    ``root`` is the decoded root page when known: every lookup starts there, so it is kept here
+    rather than fetched from the page cache each time.
+    """
 
     footer: Footer
     footer_offset: int  # -1: nothing written yet
     length: int
+    root: LeafPage | IndexPage | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.define
@@ -63,8 +68,8 @@ class _Cacheless:
     def get(self, key: int) -> None:
         return None
 
-    def get_or_load(self, key, load):
-        return load()[0]
+    def get_or_load(self, key, load, *args):
+        return load(*args)[0]
 
     def insert(self, key, value, charge) -> None:
         pass
@@ -222,21 +227,31 @@ class BTreeIndex:
 
     # -- pages ---------------------------------------------------------------------------------
     def _page(self, offset: int, length: int) -> LeafPage | IndexPage:
-        return self.cache.get_or_load(offset, lambda: self._read_page(offset, length))
+        return self.cache.get_or_load(offset, self._read_page, offset, length)
 
     def _read_page(self, offset: int, length: int) -> tuple[LeafPage | IndexPage, int]:
         self.io.storage_reads += 1
         return decode_page(self.segment.read(offset, length), offset, self.segment.name), length
 
     # -- reading -------------------------------------------------------------------------------
+    def _root_page(self, state: TreeState) -> LeafPage | IndexPage:
+        root = state.root
+        if root is None:
+            root = self._page(state.footer.root_offset, state.footer.root_length)
+            if self._state is state:
+                self._state = attrs.evolve(state, root=root)
+        return root
+
     def get(self, key: bytes) -> int | None:
         """The value of ``key``, or ``None``."""
         while True:
-            footer = self._state.footer
-            if not footer.root_length:
+            state = self._state
+            if not state.footer.root_length:
                 return None
             try:
-                page = self._page(footer.root_offset, footer.root_length)
+                page = state.root
+                if page is None:
+                    page = self._root_page(state)
                 while not page.is_leaf:
                     i = bisect.bisect_right(page.keys, key) - 1
                     page = self._page(page.offsets[i], page.lengths[i])
@@ -475,7 +490,8 @@ class BTreeIndex:
     def _commit(self, old: TreeState, builder: _UpdateBuilder, footer: Footer) -> None:
         """After a successful append: publish the new root, cache the new pages, truncate."""
         length = old.length + len(builder.buffer)
-        self._state = TreeState(footer, length - FOOTER_SIZE, length)
+        root = builder.pages.get(footer.root_offset) if footer.root_length else None
+        self._state = TreeState(footer, length - FOOTER_SIZE, length, root)
         retired = set(builder.retired)
         for offset in retired:
             self.cache.erase(offset)
