@@ -246,3 +246,24 @@ def test_bulk_update_refreshes_cached_values_without_flooding_the_cache():
     idx.update({i: -i for i in range(20_000)})  # a bulk write, beyond the tier-1 admission size
     assert idx.get(1) == -1 and idx.get(3) == -3
     assert len(idx._values) < 100
+
+
+def test_compaction_off_keeps_everything_and_the_policies_differ(url):
+    written = {}
+    for policy in (False, "pravega", True):
+        idx = AttributeIndex.open(f"{url}-{policy}" if url.startswith("memory") else f"{url}/{policy}",
+                                  page_size=256, rolling_size=2048, compaction=policy)
+        for step in range(120):
+            idx.update({k((step * 37 + i) % 500): step for i in range(5)})
+        stats = idx.stats()
+        written[policy] = stats
+        assert idx.verify().entries == len({(step * 37 + i) % 500 for step in range(120) for i in range(5)})
+    off, pravega, bounded = written[False], written["pravega"], written[True]
+    assert off.storage_bytes == off.length and off.pages_relocated == 0  # the storage only grows
+    assert pravega.pages_relocated > 0 and pravega.storage_bytes < off.storage_bytes
+    assert (bounded.length - bounded.start_offset) / bounded.live_bytes <= 1.6
+
+
+def test_unknown_compaction_policy_is_an_error():
+    with pytest.raises(ValueError, match="compaction must be"):
+        AttributeIndex.open(f"memory://p-{uuid.uuid4().hex}", compaction="sometimes")

@@ -23,9 +23,10 @@ class TreeShape:
 
 
 class NoCompaction:
-    """Relocate nothing: the storage only grows (the experiment's baseline)."""
+    """Relocate and truncate nothing: the storage only grows (Pravega's baseline, for experiments)."""
 
     name = "none"
+    truncates = False
 
     def threshold(self, shape: TreeShape) -> int:
         return 0
@@ -35,6 +36,7 @@ class OnePagePolicy:
     """Pravega's policy: relocate exactly the page with the smallest offset (and its path)."""
 
     name = "pravega"
+    truncates = True
 
     def threshold(self, shape: TreeShape) -> int:
         return shape.min_offset + 1
@@ -55,6 +57,7 @@ class BoundedPolicy:
     max_sweep_pages: int = 16
     max_sweep_updates: int = 4
     name = "bounded"
+    truncates = True
 
     def threshold(self, shape: TreeShape) -> int:
         wanted = shape.length + shape.last_update - int(self.target_ratio * shape.live_bytes)

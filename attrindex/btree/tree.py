@@ -501,7 +501,8 @@ class BTreeIndex:
         self.io.bytes_written += len(builder.buffer)
         self.io.updates_written += 1
         self.io.pages_relocated += builder.relocated
-        self._truncate(footer.min_offset)
+        if getattr(self.policy, "truncates", True):
+            self._truncate(footer.min_offset)
 
     def _truncate(self, min_offset: int) -> None:
         """Delete storage chunks lying wholly below the live tree (the new root is already durable)."""

@@ -22,6 +22,7 @@ import sys
 import time
 
 from attrindex.attribute_index import AttributeIndex
+from attrindex.btree import BoundedPolicy
 
 from .null_storage import NullChunkStorage
 
@@ -36,11 +37,18 @@ def key(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
-def run_one(workload: str, batch: int, policy: str, keys: int, position: int = 0) -> dict:
+def make_policy(name: str):
+    """"none", "pravega", "bounded" or "bounded:R" (the bounded policy with target ratio R)."""
+    if name.startswith("bounded:"):
+        return BoundedPolicy(target_ratio=float(name.split(":", 1)[1]))
+    return name
+
+
+def run_one(workload: str, batch: int, policy: str, keys: int, updates: int | None = None, position: int = 0) -> dict:
     from tqdm import tqdm
 
     storage = NullChunkStorage()
-    index = AttributeIndex(storage, compaction=policy, cache_bytes=1 << 40, value_cache_entries=0)
+    index = AttributeIndex(storage, compaction=make_policy(policy), cache_bytes=1 << 40, value_cache_entries=0)
     started = time.perf_counter()
     label = f"{workload:>10} batch {batch:>5} {policy:>7}"
     with tqdm(total=keys, desc=label, unit="key", position=position, leave=False, mininterval=1.0) as bar:
@@ -52,10 +60,11 @@ def run_one(workload: str, batch: int, policy: str, keys: int, position: int = 0
             rng = random.Random(0)
             universe = [rng.getrandbits(128) for _ in range(keys)]
             index.update({key(i): 0 for i in universe})  # bulk load, one update
-            before = index.stats()
-            for start in range(0, keys, batch):
-                index.update({key(rng.choice(universe)): start for _ in range(min(batch, keys - start))})
-                bar.update(min(batch, keys - start))
+            total = keys if updates is None else updates
+            bar.reset(total)
+            for start in range(0, total, batch):
+                index.update({key(rng.choice(universe)): start for _ in range(min(batch, total - start))})
+                bar.update(min(batch, total - start))
     stats = index.stats()
     leaves = [len(p) for _, _, _, p in index._tree.pages() if p.is_leaf]
     from attrindex.btree.page import leaf_capacity
@@ -76,7 +85,7 @@ def _run_star(args):
     return run_one(*args)
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], policies: tuple[str, ...], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,10 +95,10 @@ def plot(rows: list[dict], path: str) -> None:
     for col, workload in enumerate(WORKLOADS):
         for row_index, (metric, title) in enumerate([("storage_bytes", "storage held (MiB)"), ("bytes_written", "bytes written (MiB)")]):
             ax = axes[row_index][col]
-            width = 0.27
-            for n, policy in enumerate(POLICIES):
+            width = 0.8 / len(policies)
+            for n, policy in enumerate(policies):
                 values = [next((r[metric] / 2**20 for r in rows if r["workload"] == workload and r["batch"] == b and r["policy"] == policy), 0) for b in BATCHES]
-                ax.bar([i + (n - 1) * width for i in range(len(BATCHES))], values, width, label=policy)
+                ax.bar([i + (n - (len(policies) - 1) / 2) * width for i in range(len(BATCHES))], values, width, label=policy)
             ax.set_xticks(range(len(BATCHES)), [str(b) for b in BATCHES])
             ax.set_yscale("log")
             ax.set_xlabel("batch size")
@@ -106,26 +115,31 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated: none, pravega, bounded, bounded:R (R = target ratio)")
+    parser.add_argument("--updates", type=int, default=None,
+                        help="random workload: updates to apply (default: as many keys as loaded)")
     args = parser.parse_args(argv)
+    policies = tuple(args.policies.split(","))
     os.makedirs(args.out, exist_ok=True)
-    configs = [(w, b, p, args.keys) for w in args.workloads.split(",") for b in map(int, args.batches.split(",")) for p in POLICIES]
+    configs = [(w, b, p, args.keys, args.updates) for w in args.workloads.split(",") for b in map(int, args.batches.split(",")) for p in policies]
     # Longest first: small random batches dominate.
     configs.sort(key=lambda c: (c[0] != "random", c[1]))
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         rows = list(pool.imap_unordered(_run_star, [(*c, i % args.jobs) for i, c in enumerate(configs)]))
-    rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), r["batch"], POLICIES.index(r["policy"])))
+    rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), r["batch"], policies.index(r["policy"])))
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as handle:
         writer = csv.DictWriter(handle, FIELDS)
         writer.writeheader()
         writer.writerows(rows)
     print(f"\n{'workload':>10} {'batch':>6} {'policy':>8} {'storage MiB':>12} {'written MiB':>12} {'retained/live':>14} {'reduction':>10} {'vs pravega written':>19} {'s':>6}")
     for r in rows:
-        base = next(x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"] and x["policy"] == "none")
-        pravega = next(x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"] and x["policy"] == "pravega")
+        base = next((x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"] and x["policy"] == "none"), r)
+        pravega = next((x for x in rows if x["workload"] == r["workload"] and x["batch"] == r["batch"] and x["policy"] == "pravega"), r)
         reduction = 1 - r["storage_bytes"] / base["storage_bytes"]
         print(f"{r['workload']:>10} {r['batch']:>6} {r['policy']:>8} {r['storage_bytes'] / 2**20:>12.1f} {r['bytes_written'] / 2**20:>12.1f} "
               f"{r['retained_ratio']:>14.2f} {reduction:>10.1%} {r['bytes_written'] / pravega['bytes_written']:>18.2f}x {r['seconds']:>6}")
-    plot(rows, os.path.join(args.out, "compaction.png"))
+    plot(rows, policies, os.path.join(args.out, "compaction.png"))
     print(f"\nwrote {args.out}/results.csv and {args.out}/compaction.png")
     return 0
 
