@@ -26,6 +26,11 @@ DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
 _CACHE_UPDATES_UP_TO = 10_000
 
 
+def _all_canonical_keys(keys: list) -> bool:
+    """Whether every key is 16 ``bytes`` (checked with C-level passes, no Python call per key)."""
+    return not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE})
+
+
 def _is_canonical_key(key: object) -> bool:
     return type(key) is bytes and len(key) == KEY_SIZE
 
@@ -148,14 +153,15 @@ class AttributeIndex:
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
         """Values for ``keys`` in input order (``None`` where absent)."""
-        canonical = [to_key(k) for k in keys]
-        cached = [self._values.get(k) for k in canonical]
+        keys = keys if isinstance(keys, list) else list(keys)
+        canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
+        cached = self._values.get_many(canonical)
         missing = [k for k, v in zip(canonical, cached) if v is MISSING]
-        if missing:
-            found = dict(zip(missing, self._tree.get_many(missing)))
-            self._values.put_many(found.keys(), found.values())
-            return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
-        return cached  # type: ignore[return-value]
+        if not missing:
+            return cached  # type: ignore[return-value]
+        found = dict(zip(missing, self._tree.get_many(missing)))
+        self._values.put_many(found.keys(), found.values())
+        return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order."""

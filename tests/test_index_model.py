@@ -13,19 +13,26 @@ from storage_adapters import open_storage
 
 PAGE_SIZE = 120  # 4 leaf entries or 3 index entries per page: deep trees from few keys
 # Keys from a small universe so updates hit existing keys, removes find them, and ranges are dense.
-KEYS = st.integers(min_value=0, max_value=400).map(lambda i: (i * 0x9E3779B97F4A7C15 % (1 << 128)).to_bytes(16, "big"))
+def KEY_OF(i: int) -> bytes:
+    return (i * 0x9E3779B97F4A7C15 % (1 << 128)).to_bytes(16, "big")
+
+
+KEYS = st.integers(min_value=0, max_value=400).map(KEY_OF)
 VALUES = st.one_of(st.none(), st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1))
 
 
 def machine_for(new_url, compaction, heights):
     class IndexMachine(RuleBasedStateMachine):
-        @initialize(rolling=st.sampled_from([256, 4096, 1 << 20]))
-        def open(self, rolling):
+        @initialize(rolling=st.sampled_from([256, 4096, 1 << 20]), preload=st.integers(min_value=120, max_value=400))
+        def open(self, rolling, preload):
             self.url = new_url()
             self.rolling = rolling
             self.index = self._open()
-            self.model: dict[bytes, int] = {}
-            self.max_height = 0
+            # Start from a tree at least 4 levels deep (more than 4 * 3 * 3 = 36 * 3 entries).
+            self.model = {KEY_OF(i): i for i in range(preload)}
+            self.index.update(self.model)
+            self.max_height = self.index.stats().height
+            assert self.max_height >= 4
 
         def _open(self, cache_bytes=1 << 20):
             return AttributeIndex(open_storage(self.url), page_size=PAGE_SIZE, rolling_size=self.rolling,

@@ -262,32 +262,40 @@ class BTreeIndex:
     def get_many(self, keys: Sequence[bytes]) -> list[int | None]:
         """Values of ``keys`` in input order (``None`` where absent), sharing page visits."""
         while True:
-            footer = self._state.footer
-            if not footer.root_length or not keys:
+            state = self._state
+            if not state.footer.root_length or not keys:
                 return [None] * len(keys)
-            ordered = sorted(set(keys))
-            found: dict[bytes, int] = {}
             try:
-                self._collect(footer.root_offset, footer.root_length, ordered, 0, len(ordered), found)
+                root = state.root
+                if root is None:
+                    root = self._root_page(state)
+                found = self._lookup_sorted(root, sorted(set(keys)))
             except TruncatedError:
                 self.reload()
                 continue
-            return [found.get(k) for k in keys]
+            return list(map(found.get, keys))
 
-    def _collect(self, offset: int, length: int, keys: list[bytes], lo: int, hi: int, found: dict) -> None:
-        page = self._page(offset, length)
-        if page.is_leaf:
-            for key in keys[lo:hi]:
-                value = page.get(key)
-                if value is not None:
-                    found[key] = value
-            return
-        bounds = page.keys
-        while lo < hi:
-            i = bisect.bisect_right(bounds, keys[lo]) - 1
-            end = bisect.bisect_left(keys, bounds[i + 1], lo, hi) if i + 1 < len(bounds) else hi
-            self._collect(page.offsets[i], page.lengths[i], keys, lo, end, found)
-            lo = end
+    def _lookup_sorted(self, root: LeafPage | IndexPage, keys: list[bytes]) -> dict[bytes, int]:
+        """Look up ascending ``keys``, keeping the root-to-leaf path between consecutive keys."""
+        found: dict[bytes, int] = {}
+        path: list[tuple[LeafPage | IndexPage, bytes | None]] = [(root, None)]  # (page, end key)
+        page = root
+        for key in keys:
+            end = path[-1][1]
+            if end is not None and key >= end:
+                while path[-1][1] is not None and key >= path[-1][1]:
+                    path.pop()
+                page = path[-1][0]
+            while not page.is_leaf:
+                bounds = page.keys
+                i = bisect.bisect_right(bounds, key) - 1
+                end = bounds[i + 1] if i + 1 < len(bounds) else path[-1][1]
+                page = self._page(page.offsets[i], page.lengths[i])
+                path.append((page, end))
+            value = page.get(key)
+            if value is not None:
+                found[key] = value
+        return found
 
     def items(self, start: bytes | None = None, stop: bytes | None = None) -> Iterator[tuple[bytes, int]]:
         """Entries with ``start <= key < stop`` in ascending order, from a snapshot of the root.
