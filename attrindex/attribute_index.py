@@ -145,6 +145,8 @@ class AttributeIndex:
     def get(self, key: object) -> int | None:
         """The value stored for ``key``, or ``None``."""
         k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
+        if not self._values.capacity:
+            return self._tree.get(k)
         value = self._values.get(k)
         if value is MISSING:
             value = self._tree.get(k)
@@ -155,6 +157,8 @@ class AttributeIndex:
         """Values for ``keys`` in input order (``None`` where absent)."""
         keys = keys if isinstance(keys, list) else list(keys)
         canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
+        if not self._values.capacity:
+            return self._tree.get_many(canonical)
         cached = self._values.get_many(canonical)
         missing = [k for k, v in zip(canonical, cached) if v is MISSING]
         if not missing:

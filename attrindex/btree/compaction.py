@@ -53,7 +53,7 @@ class BoundedPolicy:
     updates)`` worth of offsets, so no single update stalls on a large relocation.
     """
 
-    target_ratio: float = 1.4
+    target_ratio: float = 1.45
     max_sweep_pages: int = 16
     max_sweep_updates: int = 4
     name = "bounded"

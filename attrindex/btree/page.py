@@ -42,7 +42,7 @@ def _column(code: str, count: int) -> struct.Struct:
 class LeafPage:
     """Sorted keys and their values. ``lookup`` builds a dict on first use (pages are immutable)."""
 
-    __slots__ = ("keys", "values", "_map")
+    __slots__ = ("keys", "values", "_map", "__weakref__")
     is_leaf = True
 
     def __init__(self, keys: list[bytes], values: list[int]):
@@ -61,9 +61,13 @@ class LeafPage:
 
 
 class IndexPage:
-    """Child pointers: ``keys[i]`` is the lowest key routed to child ``i`` (``keys[0]`` is all zeros)."""
+    """Child pointers: ``keys[i]`` is the lowest key routed to child ``i`` (``keys[0]`` is all zeros).
 
-    __slots__ = ("keys", "offsets", "lengths", "min_offsets")
+    ``children[i]``, once filled in by the tree, is a weak reference to child ``i``'s decoded page:
+    a warm descent follows it without asking the page cache, while the cache alone keeps pages alive.
+    """
+
+    __slots__ = ("keys", "offsets", "lengths", "min_offsets", "children", "__weakref__")
     is_leaf = False
 
     def __init__(self, keys: list[bytes], offsets: list[int], lengths: list[int], min_offsets: list[int]):
@@ -71,6 +75,7 @@ class IndexPage:
         self.offsets = offsets
         self.lengths = lengths
         self.min_offsets = min_offsets
+        self.children: list | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -137,7 +142,3 @@ def decode_page(page: bytes, offset: int, segment: str = "?") -> LeafPage | Inde
     min_offsets = list(_column("Q", n).unpack_from(page, at + 12 * n))
     return IndexPage(keys, offsets, lengths, min_offsets)
 
-
-def page_offsets_below(page: IndexPage, limit: int) -> list[int]:
-    """Positions of the children whose subtree holds a page stored below ``limit``."""
-    return [i for i, low in enumerate(page.min_offsets) if low < limit]

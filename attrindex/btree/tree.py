@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import weakref
 from typing import Iterator, Sequence
 
 import attrs
@@ -81,9 +82,8 @@ class _Cacheless:
 class _UpdateBuilder:
     """Serialises the pages of one update into one buffer, assigning offsets as it goes."""
 
-    def __init__(self, base: int, segment_name: str):
+    def __init__(self, base: int):
         self.base = base
-        self.segment_name = segment_name
         self.buffer = bytearray()
         self.new_pages: list[tuple[int, LeafPage | IndexPage, int]] = []
         self.pages: dict[int, LeafPage | IndexPage] = {}
@@ -229,6 +229,20 @@ class BTreeIndex:
     def _page(self, offset: int, length: int) -> LeafPage | IndexPage:
         return self.cache.get_or_load(offset, self._read_page, offset, length)
 
+    def _child(self, page: IndexPage, i: int) -> LeafPage | IndexPage:
+        """Child ``i`` of an index page: through its weak reference if alive, else the cache."""
+        refs = page.children
+        if refs is None:
+            refs = page.children = [None] * len(page.keys)
+        ref = refs[i]
+        if ref is not None:
+            child = ref()
+            if child is not None:
+                return child
+        child = self._page(page.offsets[i], page.lengths[i])
+        refs[i] = weakref.ref(child)
+        return child
+
     def _read_page(self, offset: int, length: int) -> tuple[LeafPage | IndexPage, int]:
         self.io.storage_reads += 1
         return decode_page(self.segment.read(offset, length), offset, self.segment.name), length
@@ -252,10 +266,7 @@ class BTreeIndex:
                 page = state.root
                 if page is None:
                     page = self._root_page(state)
-                while not page.is_leaf:
-                    i = bisect.bisect_right(page.keys, key) - 1
-                    page = self._page(page.offsets[i], page.lengths[i])
-                return page.get(key)
+                return self._descend(page, key)
             except TruncatedError:
                 self.reload()  # compacted away under this snapshot: read the new root
 
@@ -269,11 +280,19 @@ class BTreeIndex:
                 root = state.root
                 if root is None:
                     root = self._root_page(state)
-                found = self._lookup_sorted(root, sorted(set(keys)))
+                if 2 * len(keys) < state.footer.page_count:
+                    # Sparse keys share few pages: sorting them would cost more than it saves.
+                    return [self._descend(root, key) for key in keys]
+                found = self._lookup_sorted(root, sorted(keys))
             except TruncatedError:
                 self.reload()
                 continue
             return list(map(found.get, keys))
+
+    def _descend(self, page: LeafPage | IndexPage, key: bytes) -> int | None:
+        while not page.is_leaf:
+            page = self._child(page, bisect.bisect_right(page.keys, key) - 1)
+        return page.get(key)
 
     def _lookup_sorted(self, root: LeafPage | IndexPage, keys: list[bytes]) -> dict[bytes, int]:
         """Look up ascending ``keys``, keeping the root-to-leaf path between consecutive keys."""
@@ -290,7 +309,7 @@ class BTreeIndex:
                 bounds = page.keys
                 i = bisect.bisect_right(bounds, key) - 1
                 end = bounds[i + 1] if i + 1 < len(bounds) else path[-1][1]
-                page = self._page(page.offsets[i], page.lengths[i])
+                page = self._child(page, i)
                 path.append((page, end))
             value = page.get(key)
             if value is not None:
@@ -384,7 +403,7 @@ class BTreeIndex:
             return None
         if not footer.root_length and all(v is None for v in values) and unchanged_checkpoint:
             return None  # removing keys from an empty tree changes nothing
-        builder = _UpdateBuilder(state.length, self.segment.name)
+        builder = _UpdateBuilder(state.length)
         if footer.root_length:
             pointers = self._rewrite(builder, footer.root_offset, footer.root_length, keys, values, 0, len(keys), relocate_below)
             height = footer.height

@@ -91,15 +91,17 @@ def plot(rows: list[dict], policies: tuple[str, ...], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for col, workload in enumerate(WORKLOADS):
+    batches = sorted({r["batch"] for r in rows})
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
+    fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 8), squeeze=False)
+    for col, workload in enumerate(workloads):
         for row_index, (metric, title) in enumerate([("storage_bytes", "storage held (MiB)"), ("bytes_written", "bytes written (MiB)")]):
             ax = axes[row_index][col]
             width = 0.8 / len(policies)
             for n, policy in enumerate(policies):
-                values = [next((r[metric] / 2**20 for r in rows if r["workload"] == workload and r["batch"] == b and r["policy"] == policy), 0) for b in BATCHES]
-                ax.bar([i + (n - (len(policies) - 1) / 2) * width for i in range(len(BATCHES))], values, width, label=policy)
-            ax.set_xticks(range(len(BATCHES)), [str(b) for b in BATCHES])
+                values = [next((r[metric] / 2**20 for r in rows if r["workload"] == workload and r["batch"] == b and r["policy"] == policy), 0) for b in batches]
+                ax.bar([i + (n - (len(policies) - 1) / 2) * width for i in range(len(batches))], values, width, label=policy)
+            ax.set_xticks(range(len(batches)), [str(b) for b in batches])
             ax.set_yscale("log")
             ax.set_xlabel("batch size")
             ax.set_title(f"{workload}: {title}")
