@@ -80,7 +80,8 @@ class IndexStats:
     updates_written: int  #: appends this handle made
     pages_relocated: int  #: pages this handle moved to the tail for compaction
     storage_reads: int  #: page reads that went to storage
-    cache_hits: int  #: page lookups served by the page cache (tier 2)
+    cache_hits: int  #: page lookups served by the page cache (tier 2); descents that follow an
+    #: index page's references to children still decoded in memory bypass the cache and are not counted
     cache_misses: int
     value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
     value_cache_misses: int
