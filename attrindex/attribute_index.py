@@ -26,13 +26,9 @@ DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
 _CACHE_UPDATES_UP_TO = 10_000
 
 
-def _all_canonical_keys(keys: list) -> bool:
+def _all_canonical_keys(keys: Iterable[object]) -> bool:
     """Whether every key is 16 ``bytes`` (checked with C-level passes, no Python call per key)."""
     return not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE})
-
-
-def _is_canonical_key(key: object) -> bool:
-    return type(key) is bytes and len(key) == KEY_SIZE
 
 
 def _is_canonical_update(value: object) -> bool:
@@ -53,7 +49,7 @@ def _canonical_batch(updates) -> dict[bytes, int | None]:
             batch = dict(pairs)
         except (TypeError, ValueError):  # unhashable key forms (bytearray) or malformed pairs
             batch = {}
-    if batch and all(map(_is_canonical_key, batch)) and all(map(_is_canonical_update, batch.values())):
+    if batch and _all_canonical_keys(batch) and all(map(_is_canonical_update, batch.values())):
         return batch
     canonical: dict[bytes, int | None] = {}
     for key, value in pairs:  # the original order, so the last value wins across key forms
@@ -123,7 +119,9 @@ class AttributeIndex:
         # Index pages are high priority: scans of leaves never push the upper levels out.
         self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
         self._values = ValueCache(value_cache_entries)
-        self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache, policy=policy_for(compaction))
+        # Another writer's state makes tier 1 stale: the tree says when it adopts one.
+        self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
+                                policy=policy_for(compaction), on_external_change=self._values.clear)
 
     @classmethod
     def open(
@@ -200,9 +198,7 @@ class AttributeIndex:
 
     def refresh(self) -> None:
         """Pick up updates made by other handles or processes."""
-        before = self._tree.state
-        if self._tree.reload() is not before:
-            self._values.clear()
+        self._tree.reload()
 
     # -- inspection ----------------------------------------------------------------------------
     def stats(self) -> IndexStats:

@@ -83,6 +83,13 @@ class _Shard:
                 return entry
         return None
 
+    def lookup(self, key: int) -> tuple[object, int] | None:
+        """``find`` that counts a hit; the caller holds ``lock`` and decides what a miss counts as."""
+        entry = self.find(key)
+        if entry is not None:
+            self.hits += 1
+        return entry
+
     def remove(self, key: int) -> None:
         """Drop ``key`` from either pool; the caller holds ``lock``."""
         entry = self.data.pop(key, None) or self.high.pop(key, None)
@@ -135,20 +142,13 @@ class ShardedLRUCache:
 
     def get(self, key: int) -> object | None:
         """Return the value cached under ``key`` and mark it most recently used, or ``None``."""
-        # The hot path of every page access: the hash is inlined and the lock is taken with
-        # acquire()/release() in a try block, which is cheaper than ``with`` on CPython 3.11.
-        shard = self._shards[((key * _GOLDEN) & _MASK64) >> self._shift]
-        lock = shard.lock
-        lock.acquire()
-        try:
-            entry = shard.find(key)
-            if entry is not None:
-                shard.hits += 1
-                return entry[0]
-            shard.misses += 1
-            return None
-        finally:
-            lock.release()
+        shard = self._shard(key)
+        with shard.lock:
+            entry = shard.lookup(key)
+            if entry is None:
+                shard.misses += 1
+                return None
+            return entry[0]
 
     def insert(self, key: int, value: object, charge: int) -> None:
         """Cache ``value`` under ``key`` with ``charge`` bytes, replacing any entry with that key.
@@ -185,13 +185,14 @@ class ShardedLRUCache:
         ``load`` raises, that exception is raised to the loading caller and to every waiter, and
         nothing is cached; the next call loads again.
         """
+        # Every page access that misses a page's child references comes here: the hash is inlined
+        # and the lock taken with acquire()/release(), cheaper than ``with`` on CPython 3.11.
         shard = self._shards[((key * _GOLDEN) & _MASK64) >> self._shift]
         lock = shard.lock
         lock.acquire()
         try:
-            entry = shard.find(key)
+            entry = shard.lookup(key)
             if entry is not None:
-                shard.hits += 1
                 return entry[0]
             flight = shard.inflight.get(key)
             if flight is None:

@@ -267,3 +267,14 @@ def test_compaction_off_keeps_everything_and_the_policies_differ(url):
 def test_unknown_compaction_policy_is_an_error():
     with pytest.raises(ValueError, match="compaction must be"):
         AttributeIndex.open(f"memory://p-{uuid.uuid4().hex}", compaction="sometimes")
+
+
+def test_a_writer_that_lost_a_race_does_not_serve_values_it_cached_before(url):
+    a, b = AttributeIndex.open(url), AttributeIndex.open(url)
+    a.update({1: 1})
+    assert a.get(1) == 1  # now in a's recent-values cache
+    b.refresh()
+    b.update({1: 2})
+    a.update({2: 2})  # loses the race, reloads b's update and re-applies
+    assert a.get(1) == 2
+    assert a.get_many([1, 2]) == [2, 2]

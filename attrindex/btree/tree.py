@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import attrs
 
@@ -66,9 +66,6 @@ class _Cacheless:
 
     hits = misses = 0
 
-    def get(self, key: int) -> None:
-        return None
-
     def get_or_load(self, key, load, *args):
         return load(*args)[0]
 
@@ -85,8 +82,7 @@ class _UpdateBuilder:
     def __init__(self, base: int):
         self.base = base
         self.buffer = bytearray()
-        self.new_pages: list[tuple[int, LeafPage | IndexPage, int]] = []
-        self.pages: dict[int, LeafPage | IndexPage] = {}
+        self.pages: dict[int, tuple[LeafPage | IndexPage, int]] = {}  # offset -> (page, length)
         self.retired: list[int] = []
         self.live_delta = 0
         self.page_delta = 0
@@ -111,8 +107,7 @@ class _UpdateBuilder:
 
     def _add(self, offset: int, data: bytes, page: LeafPage | IndexPage) -> tuple[int, int]:
         self.buffer += data
-        self.new_pages.append((offset, page, len(data)))
-        self.pages[offset] = page
+        self.pages[offset] = (page, len(data))
         self.live_delta += len(data)
         self.page_delta += 1
         return offset, len(data)
@@ -139,9 +134,10 @@ def _merge_leaf(keys: list[bytes], values: list[int], ukeys: Sequence[bytes], uv
     if not ukeys:
         return keys, values, False
     if not keys or ukeys[0] > keys[-1]:
-        new_keys = [k for k, v in zip(ukeys, uvalues) if v is not None]
-        new_values = [v for v in uvalues if v is not None]
-        return keys + new_keys, values + new_values, True
+        if None in uvalues:
+            ukeys = [k for k, v in zip(ukeys, uvalues) if v is not None]
+            uvalues = [v for v in uvalues if v is not None]
+        return [*keys, *ukeys], [*values, *uvalues], True
     if len(ukeys) <= _BISECT_MERGE_LIMIT:
         keys, values, low = list(keys), list(values), 0
         for key, value in zip(ukeys, uvalues):
@@ -169,11 +165,14 @@ def _merge_leaf(keys: list[bytes], values: list[int], ukeys: Sequence[bytes], uv
 class BTreeIndex:
     """The B+tree over one segment. Keys and values passed here are already canonical.
 
-    ``cache`` is the tier-2 page cache (anything with ``get``/``get_or_load``/``insert``/``erase``),
-    ``None`` to disable; ``policy`` a compaction policy from ``compaction.py``.
+    ``cache`` is the tier-2 page cache (anything with ``get_or_load``/``insert``/``erase``), ``None``
+    to disable; ``policy`` a compaction policy from ``compaction.py``; ``on_external_change`` is
+    called whenever the tree adopts a state written by another handle, so caches derived from the
+    old state (tier 1) can be dropped.
     """
 
-    def __init__(self, segment: RollingSegment, *, page_size: int = 32768, cache=None, policy=None):
+    def __init__(self, segment: RollingSegment, *, page_size: int = 32768, cache=None, policy=None,
+                 on_external_change: Callable[[], None] | None = None):
         if not isinstance(page_size, int) or not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
             raise InvalidInputError(f"page_size must be an int in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size!r}")
         self.segment = segment
@@ -183,6 +182,7 @@ class BTreeIndex:
         self.cache = cache if cache is not None else _Cacheless()
         self.policy = policy if policy is not None else OnePagePolicy()
         self.io = IOStats()
+        self._on_external_change = on_external_change
         self._write_lock = threading.Lock()
         self._state = TreeState(EMPTY, -1, 0)
         self.reload()
@@ -198,6 +198,8 @@ class BTreeIndex:
         length, start = self.segment.length, self.segment.start_offset
         if length != self._state.length or self._state.footer_offset < 0:
             self._state = self._read_state(length, start)
+            if self._on_external_change is not None:
+                self._on_external_change()
         return self._state
 
     def _read_state(self, length: int, start: int) -> TreeState:
@@ -324,19 +326,18 @@ class BTreeIndex:
         """
         last: bytes | None = None
         while True:
-            footer = self._state.footer
-            if not footer.root_length:
+            state = self._state
+            if not state.footer.root_length:
                 return
             try:
-                for key, value in self._walk(footer.root_offset, footer.root_length, start, stop, last):
+                for key, value in self._walk(self._root_page(state), start, stop, last):
                     last = key
                     yield key, value
                 return
             except TruncatedError:
                 self.reload()
 
-    def _walk(self, offset, length, start, stop, after) -> Iterator[tuple[bytes, int]]:
-        page = self._page(offset, length)
+    def _walk(self, page, start, stop, after) -> Iterator[tuple[bytes, int]]:
         keys = page.keys
         if page.is_leaf:
             i = 0
@@ -354,7 +355,7 @@ class BTreeIndex:
         for n in range(i, len(keys)):
             if stop is not None and n > i and keys[n] >= stop:
                 return
-            yield from self._walk(page.offsets[n], page.lengths[n], start, stop, after)
+            yield from self._walk(self._child(page, n), start, stop, after)
 
     def pages(self) -> Iterator[tuple[int, int, int, LeafPage | IndexPage]]:
         """Every live page as ``(depth, offset, length, page)``, depth-first (for verification)."""
@@ -401,18 +402,16 @@ class BTreeIndex:
         unchanged_checkpoint = checkpoint in (None, footer.checkpoint)
         if not keys and relocate_below <= footer.min_offset and unchanged_checkpoint:
             return None
-        if not footer.root_length and all(v is None for v in values) and unchanged_checkpoint:
-            return None  # removing keys from an empty tree changes nothing
         builder = _UpdateBuilder(state.length)
         if footer.root_length:
             pointers = self._rewrite(builder, footer.root_offset, footer.root_length, keys, values, 0, len(keys), relocate_below)
             height = footer.height
         else:
-            if None in values:
-                keys = [k for k, v in zip(keys, values) if v is not None]
-                values = [v for v in values if v is not None]
-            pointers = self._leaves(builder, keys, values, True)
-            builder.entry_delta = len(keys)
+            new_keys, new_values, _ = _merge_leaf([], [], keys, values)
+            if not new_keys and unchanged_checkpoint:
+                return None  # removing keys from an empty tree changes nothing
+            pointers = self._leaves(builder, new_keys, new_values, True)
+            builder.entry_delta = len(new_keys)
             height = 1
         root, height = self._root(builder, pointers, height)
         footer_offset = state.length + len(builder.buffer)
@@ -440,9 +439,7 @@ class BTreeIndex:
             return None, 0
         root = pointers[0]
         while height > 1:
-            page = builder.pages.get(root[1])
-            if page is None:
-                page = self._page(root[1], root[2])
+            page = builder.pages[root[1]][0] if root[1] in builder.pages else self._page(root[1], root[2])
             if len(page) != 1:
                 break
             # A root with one child is replaced by that child: the tree gets shorter.
@@ -517,12 +514,12 @@ class BTreeIndex:
     def _commit(self, old: TreeState, builder: _UpdateBuilder, footer: Footer) -> None:
         """After a successful append: publish the new root, cache the new pages, truncate."""
         length = old.length + len(builder.buffer)
-        root = builder.pages.get(footer.root_offset) if footer.root_length else None
+        root = builder.pages[footer.root_offset][0] if footer.root_length else None
         self._state = TreeState(footer, length - FOOTER_SIZE, length, root)
         retired = set(builder.retired)
         for offset in retired:
             self.cache.erase(offset)
-        for offset, page, size in builder.new_pages:
+        for offset, (page, size) in builder.pages.items():
             if offset not in retired:
                 self.cache.insert(offset, page, size)
         self.io.bytes_written += len(builder.buffer)
