@@ -235,3 +235,19 @@ def test_errors_module_reexports_storage_errors():
         assert issubclass(getattr(errors, name), errors.StorageError)
     for name in ("InvalidInputError", "InvalidKeyError", "InvalidValueError", "UnsupportedSchemeError"):
         assert issubclass(getattr(errors, name), ValueError)
+
+
+def test_stale_handle_cannot_resurrect_a_truncated_chunk(storage):
+    stale, owner = RollingSegment(storage, "s", rolling_size=2), RollingSegment(storage, "s", rolling_size=2)
+    owner.append(b"aa")
+    stale.refresh()  # stale believes the segment ends at 2
+    owner.append(b"bb")
+    owner.append(b"cc")
+    owner.truncate(6)  # the chunk starting at 2 is deleted: its name is free again
+    with pytest.raises(BadOffsetError) as caught:
+        stale.append(b"XX", expected_offset=2)
+    assert caught.value.actual_offset == 6
+    assert stale.append(b"dd") == 6  # an unconditional append retries at the true end
+    fresh = RollingSegment(storage, "s")
+    assert (fresh.start_offset, fresh.length) == (6, 8) and fresh.read(6, 2) == b"dd"
+    assert [c.start for c in fresh.chunks()] == [6]  # the dead chunk at 4 went with the append
