@@ -1,12 +1,37 @@
 """attrindex: append-only segments with an attribute index, on any fsspec filesystem.
 
-``AttributeIndex`` is a durable map of 16-byte keys to int64 values stored as an append-only B+tree
-with progressive compaction; ``storage_adapters`` (``open_storage``, ``RollingSegment``) is the
-storage layer beneath it. Every error raised on purpose is in ``attrindex.errors``.
+``SegmentStore`` opens segments: record logs whose appends carry conditional attribute updates
+(``AttributeUpdate``, ``UpdateType``), the basis of exactly-once writers (``EventWriter``).
+``AttributeIndex`` is the durable map of 16-byte keys to int64 values beneath them, an append-only
+B+tree with progressive compaction; ``storage_adapters`` (``open_storage``, ``RollingSegment``) is
+the storage layer. Every error raised on purpose is in ``attrindex.errors``.
 """
 
 from . import errors
 from ._version import __version__
 from .attribute_index import AttributeIndex, IndexStats, VerifyReport
+from .conditional import AttributeUpdate, UpdateFailure, UpdateType
+from .log.batch import Codec, Record
+from .reader import SegmentReader
+from .segment import AppendResult, Segment, SegmentStats
+from .store import SegmentStore
+from .writer import EventWriter
 
-__all__ = ["AttributeIndex", "IndexStats", "VerifyReport", "__version__", "errors"]
+__all__ = [
+    "AppendResult",
+    "AttributeIndex",
+    "AttributeUpdate",
+    "Codec",
+    "EventWriter",
+    "IndexStats",
+    "Record",
+    "Segment",
+    "SegmentReader",
+    "SegmentStats",
+    "SegmentStore",
+    "UpdateFailure",
+    "UpdateType",
+    "VerifyReport",
+    "__version__",
+    "errors",
+]

@@ -179,22 +179,37 @@ class AttributeIndex:
         return self.get(key) is not None
 
     # -- writing -------------------------------------------------------------------------------
-    def update(self, updates: Mapping[object, int | None] | Iterable[tuple[object, int | None]]) -> None:
-        """Apply ``key -> value`` updates (``None`` removes) as one durable append.
+    def update(self, updates: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
+               checkpoint: int | None = None) -> bool:
+        """Apply ``key -> value`` updates (``None`` removes) as one durable append; return whether it was.
 
         Within one call the last value given for a key wins. Invalid keys or values raise before
-        anything changes.
+        anything changes. ``checkpoint`` (an int >= 0) is stored with the update, as the position
+        in some other log that the index now covers (segments use it): it only moves forward, so
+        an update whose checkpoint the index already covers is skipped and returns False.
         """
+        if checkpoint is not None and (type(checkpoint) is not int or checkpoint < 0):
+            raise InvalidInputError(f"checkpoint must be an int >= 0, got {checkpoint!r}")
         batch = _canonical_batch(updates)
-        if not batch:
-            return
+        if not batch and checkpoint is None:
+            return False
         keys = sorted(batch)
         values = list(map(batch.__getitem__, keys))
-        self._tree.update(keys, values)
+        if checkpoint is not None and self._tree.update(keys, values, checkpoint).footer.checkpoint != checkpoint:
+            return False
+        if checkpoint is None:
+            self._tree.update(keys, values)
         if len(keys) <= _CACHE_UPDATES_UP_TO:
             self._values.put_many(keys, values)
         else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
             self._values.refresh_many(batch)
+        return True
+
+    @property
+    def checkpoint(self) -> int | None:
+        """The checkpoint stored by the last update that gave one (``None`` if none ever did)."""
+        checkpoint = self._tree.state.footer.checkpoint
+        return None if checkpoint < 0 else checkpoint
 
     def refresh(self) -> None:
         """Pick up updates made by other handles or processes."""

@@ -27,10 +27,65 @@ class InvalidValueError(InvalidInputError):
     """An attribute value is not an int in the signed 64-bit range."""
 
 
+class ConditionalUpdateError(AttrIndexError):
+    """An append's attribute conditions failed; nothing was appended and nothing changed.
+
+    ``failures`` lists every failed update (an ``attrindex.conditional.UpdateFailure`` each: the
+    update, the value it was checked against, and why it failed), not just the first.
+    """
+
+    def __init__(self, failures):
+        # Stored as given: importing attrindex.conditional here would be an import cycle.
+        self.failures = list(failures)
+        details = "; ".join(map(self._describe, self.failures))
+        super().__init__(f"{len(self.failures)} attribute update(s) failed: {details}")
+
+    def __reduce__(self):
+        # The default pickling would call __init__(message); rebuild from the failures instead
+        # so the error survives crossing a process boundary.
+        return (type(self), (self.failures,))
+
+    @staticmethod
+    def _describe(failure) -> str:
+        try:
+            update = failure.update
+            return (
+                f"key {update.key.hex()} {update.update_type.name} value={update.value}"
+                f" compare={update.compare} current={failure.current}: {failure.reason}"
+            )
+        except AttributeError:  # not an UpdateFailure; still say something useful
+            return repr(failure)
+
+
+class SegmentNotFoundError(AttrIndexError, LookupError):
+    """A segment that does not exist was opened without ``create=True``."""
+
+
+class StreamNotFoundError(AttrIndexError, LookupError):
+    """A stream that does not exist was named without a segment count to create it."""
+
+
+class RecordTruncatedError(AttrIndexError, LookupError):
+    """Records were read below a segment's start offset: retention removed them."""
+
+    def __init__(self, segment: str, offset: int, start_offset: int):
+        self.segment, self.offset, self.start_offset = segment, offset, start_offset
+        super().__init__(f"segment {segment!r}: offset {offset} was removed by retention; records start at {start_offset}")
+
+    def __reduce__(self):
+        return (type(self), (self.segment, self.offset, self.start_offset))
+
+
+class WriterConflictError(AttrIndexError):
+    """A segment holds event numbers for a writer id that this writer never sent: two live
+    writers share one id."""
+
+
 __all__ = [
     "AttrIndexError",
     "BadOffsetError",
     "ChunkExistsError",
+    "ConditionalUpdateError",
     "CorruptDataError",
     "ExclusiveCreateUnsupportedError",
     "InvalidInputError",
@@ -38,6 +93,10 @@ __all__ = [
     "InvalidValueError",
     "MissingDependencyError",
     "OffsetOutOfRangeError",
+    "RecordTruncatedError",
+    "SegmentNotFoundError",
+    "StreamNotFoundError",
+    "WriterConflictError",
     "StorageError",
     "TruncatedError",
     "UnsupportedSchemeError",

@@ -97,8 +97,20 @@ def index_update_forever(directory: str, first_batch: int) -> None:
         batch += 1
 
 
+def segment_append(directory: str, name: str, count: int) -> None:
+    """Append records b"p0" ... one per append, to an existing segment (a second process's writes)."""
+    from attrindex import SegmentStore
+
+    with SegmentStore.open(directory) as store:
+        seg = store.segment(name)
+        for i in range(count):
+            seg.append([b"p%d" % i])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "append_forever":
         append_forever(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "index_update_forever":
         index_update_forever(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1] == "segment_append":
+        segment_append(sys.argv[2], sys.argv[3], int(sys.argv[4]))

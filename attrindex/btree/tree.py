@@ -374,11 +374,16 @@ class BTreeIndex:
     def update(self, keys: Sequence[bytes], values: Sequence[int | None], checkpoint: int | None = None) -> TreeState:
         """Apply ``keys[i] -> values[i]`` (``None`` removes); keys sorted, unique. One durable append.
 
-        A lost compare-and-append race reloads the tree and applies the batch again.
+        A lost compare-and-append race reloads the tree and applies the batch again. With
+        ``checkpoint`` (the log position the batch brings the tree up to), checkpoints only move
+        forward: a tree that already covers ``checkpoint`` (another writer got there first) is left
+        as it is, since re-applying older values would undo newer ones.
         """
         with self._write_lock:
             while True:
                 state = self._state
+                if checkpoint is not None and state.footer.checkpoint >= checkpoint:
+                    return state
                 try:
                     builder = self._build(state, keys, values, checkpoint)
                 except TruncatedError:  # another writer compacted pages this stale state needs

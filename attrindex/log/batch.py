@@ -1,0 +1,785 @@
+"""Record batches of the segment log: a core that does no I/O (records in, bytes out, and back).
+
+A batch is a fixed 56-byte header and a payload; docs/format.md has the layout byte by byte::
+
+    0   4s   magic b"AIXB"
+    4   u16  format version (1)
+    6   u16  flags: bits 0-2 codec, bit 3 keys column, bit 4 timestamps column, bit 5 headers column
+    8   u32  size of the whole batch, header included
+    12  u32  record count
+    16  u32  attribute update count
+    20  u32  payload length before compression
+    24  i64  base offset (logical offset of the first record)
+    32  i64  first timestamp (the first record's; the append timestamp if there are no records)
+    40  i64  max timestamp
+    48  u32  CRC-32 of the stored (possibly compressed) payload
+    52  u32  CRC-32 of bytes 0..51
+
+The header has its own checksum, so a reader tells a torn tail (a valid header whose payload is not
+all there yet) from garbage (a header that fails its checksum). The payload is columnar so that
+both directions run on C-level bulk operations: value lengths (varints), all values as one blob,
+then the optional key, timestamp and header columns, then the attribute updates, whose size is
+fixed (25 bytes each) so they sit at a known place at the end of the payload.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import functools
+import itertools
+import struct
+import sys
+import typing
+import zlib
+from collections.abc import Iterator
+
+import attrs
+
+from ..errors import CorruptDataError, InvalidInputError, MissingDependencyError
+from .varint import decode_varints, encode_lengths
+
+__all__ = [
+    "BATCH_HEADER_SIZE",
+    "BATCH_MAGIC",
+    "BATCH_VERSION",
+    "BatchHeader",
+    "Codec",
+    "Record",
+    "available_codecs",
+    "check_batch",
+    "codec_for",
+    "decode_attribute_updates",
+    "decode_records",
+    "encode_batch",
+    "iter_batches",
+    "read_header",
+]
+
+BATCH_MAGIC = b"AIXB"
+BATCH_VERSION = 1
+_HEADER = struct.Struct("<4sHHIIIIqqqII")
+BATCH_HEADER_SIZE = _HEADER.size  # 56
+_CHECKED_HEADER = BATCH_HEADER_SIZE - 4  # the header checksum covers the bytes before it
+_PAYLOAD_CRC_AT = BATCH_HEADER_SIZE - 8
+
+_CODEC_MASK = 0x07
+FLAG_KEYS = 0x08
+FLAG_TIMESTAMPS = 0x10
+FLAG_HEADERS = 0x20
+_KNOWN_FLAGS = _CODEC_MASK | FLAG_KEYS | FLAG_TIMESTAMPS | FLAG_HEADERS
+
+MAX_RECORDS = (1 << 31) - 1
+_U32_MAX = (1 << 32) - 1
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_U64_MASK = (1 << 64) - 1
+KEY_SIZE = 16
+_UPDATE_SIZE = KEY_SIZE + 8 + 1  # key, i64 value, removed flag
+_BIG_ENDIAN = sys.byteorder == "big"
+
+# --------------------------------------------------------------------------------------- codecs
+
+
+class Codec(enum.IntEnum):
+    """How a batch's payload is compressed (the low three bits of the header flags)."""
+
+    NONE = 0
+    GZIP = 1
+    ZSTD = 2
+    LZ4 = 3
+
+
+_CODEC_PACKAGES = {Codec.ZSTD: ("zstandard", "zstandard"), Codec.LZ4: ("lz4.frame", "lz4")}
+_codec_modules: dict[Codec, object] = {}  # Codec -> imported module, or None if it is missing
+
+
+def _codec_module(codec: Codec):
+    try:
+        return _codec_modules[codec]
+    except KeyError:
+        pass
+    import importlib
+
+    try:
+        module = importlib.import_module(_CODEC_PACKAGES[codec][0])
+    except ImportError:
+        module = None
+    _codec_modules[codec] = module
+    return module
+
+
+def available_codecs() -> frozenset[Codec]:
+    """The codecs this interpreter can write and read: NONE and GZIP always, ZSTD and LZ4 if installed."""
+    return frozenset(c for c in Codec if c not in _CODEC_PACKAGES or _codec_module(c) is not None)
+
+
+def _require(codec: Codec):
+    """The module that implements ``codec`` (None for the built-in ones), or MissingDependencyError."""
+    if codec not in _CODEC_PACKAGES:
+        return None
+    module = _codec_module(codec)
+    if module is None:
+        package = _CODEC_PACKAGES[codec][1]
+        raise MissingDependencyError(
+            f"codec {codec.name.lower()!r} needs the {package!r} package: pip install {package}"
+        )
+    return module
+
+
+_CODEC_CHOICES = ", ".join(repr(c.name.lower()) for c in Codec)
+
+
+def codec_for(spec: str | int | Codec | None) -> Codec:
+    """The codec named by ``spec``: a ``Codec``, its number, its name (any case), or None for NONE."""
+    if spec is None or spec is Codec.NONE:
+        return Codec.NONE
+    if isinstance(spec, str):
+        try:
+            codec = Codec[spec.strip().upper()]
+        except KeyError:
+            raise InvalidInputError(f"unknown codec {spec!r}; choose one of {_CODEC_CHOICES}") from None
+    elif isinstance(spec, int) and not isinstance(spec, bool):
+        try:
+            codec = Codec(spec)
+        except ValueError:
+            raise InvalidInputError(f"unknown codec number {spec!r}; choose one of {_CODEC_CHOICES}") from None
+    else:
+        raise InvalidInputError(
+            f"codec must be a name ({_CODEC_CHOICES}), a Codec or None, got {type(spec).__name__}"
+        )
+    _require(codec)
+    return codec
+
+
+def _compress(codec: Codec, payload: bytes) -> bytes:
+    module = _require(codec)
+    if codec == Codec.GZIP:
+        compressor = zlib.compressobj(6, zlib.DEFLATED, 31)  # wbits 31: the gzip wrapper
+        return compressor.compress(payload) + compressor.flush()
+    if codec == Codec.ZSTD:
+        return module.ZstdCompressor(level=3, write_content_size=True).compress(payload)
+    return module.compress(payload, store_size=True)  # lz4.frame
+
+
+def _decompress(codec: Codec, data, expected: int, corrupt) -> bytes:
+    """Decompress ``data``, producing at most ``expected`` bytes; anything else is ``corrupt``."""
+    module = _require(codec)
+    try:
+        if codec == Codec.GZIP:
+            inflater = zlib.decompressobj(31)
+            out = inflater.decompress(data, expected + 1)  # max_length 0 would mean unlimited
+            complete = inflater.eof and not inflater.unused_data and not inflater.unconsumed_tail
+        elif codec == Codec.ZSTD:
+            declared = module.frame_content_size(data)
+            if declared != expected:
+                raise corrupt(f"zstd frame declares {declared} bytes, the header {expected}")
+            out = module.ZstdDecompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
+            complete = True
+        else:
+            declared = module.get_frame_info(data)["content_size"]
+            if declared not in (0, expected):  # 0: the frame does not record its size
+                raise corrupt(f"lz4 frame declares {declared} bytes, the header {expected}")
+            inflater = module.LZ4FrameDecompressor()
+            out = inflater.decompress(data, max_length=expected + 1)
+            complete = inflater.eof and not inflater.unused_data
+    except CorruptDataError:
+        raise
+    except Exception as exc:  # zlib.error, ZstdError, lz4's RuntimeError, ...: all mean bad bytes
+        raise corrupt(f"{codec.name.lower()} payload does not decompress: {exc}") from exc
+    if len(out) > expected:
+        raise corrupt(f"{codec.name.lower()} payload decompresses to more than the declared {expected} bytes")
+    if len(out) != expected or not complete:
+        raise corrupt(
+            f"{codec.name.lower()} payload does not end cleanly after the declared {expected} bytes "
+            f"(got {len(out)}, stream complete: {bool(complete)})"
+        )
+    return out
+
+
+# -------------------------------------------------------------------------------------- records
+
+
+class Record(typing.NamedTuple):
+    """One record: the input form of ``encode_batch`` and what ``decode_records`` returns."""
+
+    value: bytes
+    key: bytes | None = None
+    timestamp: int | None = None  # ms since the epoch; None on input means the batch's timestamp
+    headers: tuple = ()  # (name: str, value: bytes) pairs
+    offset: int | None = None  # set on records read back; ignored on input
+
+
+@attrs.frozen
+class BatchHeader:
+    """A decoded batch header. ``size`` counts the whole batch, header included."""
+
+    size: int
+    base_offset: int
+    record_count: int
+    attribute_count: int
+    first_timestamp: int
+    max_timestamp: int
+    codec: Codec
+    payload_size: int = 0  # payload length before compression
+    payload_crc: int = 0  # CRC-32 of the stored payload
+    flags: int = 0  # the raw header flags (codec and which optional columns are present)
+
+    @property
+    def next_offset(self) -> int:
+        return self.base_offset + self.record_count
+
+    @property
+    def last_offset(self) -> int:
+        return self.base_offset + self.record_count - 1
+
+
+# ------------------------------------------------------------------------------------- encoding
+
+
+def _as_bytes(obj, what: str) -> bytes:
+    if type(obj) is bytes:
+        return obj
+    if isinstance(obj, str):
+        raise InvalidInputError(f"{what} must be bytes-like, got str (encode it first)")
+    try:
+        return bytes(memoryview(obj))
+    except TypeError:
+        raise InvalidInputError(f"{what} must be bytes-like, got {type(obj).__name__}") from None
+
+
+def _check_i64(value, what: str) -> int:
+    if type(value) is int and _I64_MIN <= value <= _I64_MAX:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{what} must be an int, got {type(value).__name__}")
+    if not _I64_MIN <= value <= _I64_MAX:
+        raise InvalidInputError(f"{what} must be in the signed 64-bit range, got {value}")
+    return int(value)
+
+
+def _normalize(records, timestamp: int):
+    """Per-record path: (values, keys or None, timestamps or None, headers or None)."""
+    values: list[bytes] = []
+    keys: list[bytes | None] = []
+    stamps: list[int] = []
+    headers: list[tuple] = []
+    any_key = any_headers = False
+    for i, record in enumerate(records):
+        if isinstance(record, Record):
+            value, key, stamp, pairs, _offset = record
+            value = _as_bytes(value, f"record {i}: value")
+            if key is not None:
+                if isinstance(key, str):
+                    raise InvalidInputError(f"record {i}: key must be bytes or None, got str")
+                key = _as_bytes(key, f"record {i}: key")
+                any_key = True
+            if stamp is None:
+                stamp = timestamp
+            else:
+                stamp = _check_i64(stamp, f"record {i}: timestamp")
+            if pairs:
+                pairs = _normalize_headers(pairs, i)
+                any_headers = any_headers or bool(pairs)
+            else:
+                pairs = ()
+        elif isinstance(record, tuple):
+            raise InvalidInputError(f"record {i}: must be bytes-like or a Record, got a plain tuple")
+        else:
+            value, key, stamp, pairs = _as_bytes(record, f"record {i}: value"), None, timestamp, ()
+        values.append(value)
+        keys.append(key)
+        stamps.append(stamp)
+        headers.append(pairs)
+    return values, keys if any_key else None, stamps, headers if any_headers else None
+
+
+def _normalize_headers(pairs, i: int) -> tuple:
+    if isinstance(pairs, (str, bytes, bytearray, memoryview, dict)):
+        raise InvalidInputError(f"record {i}: headers must be a sequence of (str, bytes) pairs, got {type(pairs).__name__}")
+    out = []
+    try:
+        items = list(pairs)
+    except TypeError:
+        raise InvalidInputError(f"record {i}: headers must be a sequence of (str, bytes) pairs, got {type(pairs).__name__}") from None
+    for j, pair in enumerate(items):
+        try:
+            name, value = pair
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"record {i}: header {j} must be a (name, value) pair, got {pair!r:.60}") from None
+        if not isinstance(name, str):
+            raise InvalidInputError(f"record {i}: header {j} name must be a str, got {type(name).__name__}")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(f"record {i}: header {j} name {name!r} is not encodable as UTF-8") from None
+        out.append((name, _as_bytes(value, f"record {i}: header {name!r} value")))
+    return tuple(out)
+
+
+def _encode_updates(attribute_updates) -> tuple[int, list[bytes]]:
+    try:
+        keys, values = attribute_updates
+    except (TypeError, ValueError):
+        raise InvalidInputError("attribute_updates must be a pair (keys, values)") from None
+    keys, values = list(keys), list(values)
+    n = len(keys)
+    if len(values) != n:
+        raise InvalidInputError(f"attribute_updates has {n} keys but {len(values)} values")
+    if n == 0:
+        return 0, []
+    try:
+        key_blob = b"".join(keys)
+    except TypeError:
+        raise InvalidInputError("attribute update keys must be 16-byte bytes objects") from None
+    if len(key_blob) != KEY_SIZE * n or set(map(len, keys)) != {KEY_SIZE}:
+        raise InvalidInputError(f"attribute update keys must be {KEY_SIZE} bytes each")
+    if None in values:
+        removed = bytes(v is None for v in values)
+        values = [0 if v is None else v for v in values]
+    else:
+        removed = bytes(n)
+    try:
+        column = array.array("q", values)
+    except (TypeError, OverflowError):
+        bad = next((v for v in values if type(v) is not int or not _I64_MIN <= v <= _I64_MAX), None)
+        raise InvalidInputError(
+            f"attribute update values must be ints in the signed 64-bit range or None, got {bad!r:.60}"
+        ) from None
+    if _BIG_ENDIAN:
+        column.byteswap()
+    return n, [key_blob, column.tobytes(), removed]
+
+
+def encode_batch(
+    base_offset: int,
+    records,
+    *,
+    timestamp: int,
+    attribute_updates=((), ()),
+    codec: Codec | str | int | None = Codec.NONE,
+) -> bytes:
+    """One batch holding ``records`` (numbered from ``base_offset``) and ``attribute_updates``.
+
+    ``records`` items are bytes-like values or ``Record``s; a record without a timestamp gets
+    ``timestamp``. ``attribute_updates`` is ``(keys, values)``: 16-byte keys and int64 values,
+    ``None`` meaning "remove". Either may be empty.
+    """
+    codec = codec_for(codec)
+    if type(base_offset) is not int or base_offset < 0:
+        raise InvalidInputError(f"base_offset must be an int >= 0, got {base_offset!r}")
+    timestamp = _check_i64(timestamp, "timestamp")
+    if isinstance(records, (bytes, bytearray, memoryview, str)):
+        raise InvalidInputError("records must be a sequence of values or Records, not a single value")
+    if not isinstance(records, (list, tuple)):
+        try:
+            records = list(records)
+        except TypeError:
+            raise InvalidInputError(f"records must be a sequence, got {type(records).__name__}") from None
+    count = len(records)
+    if count > MAX_RECORDS:
+        raise InvalidInputError(f"a batch holds at most {MAX_RECORDS} records, got {count}")
+    if base_offset + count - 1 > _I64_MAX:
+        raise InvalidInputError(f"offsets {base_offset}..{base_offset + count - 1} exceed the signed 64-bit range")
+
+    flags = int(codec)
+    keys = stamps = headers = None
+    values = records
+    crc = total = 0
+    lengths_column = b""
+    if count:
+        # Fast path: plain bytes-like values. join and crc32 refuse non-buffers (Records, str,
+        # ints), and the byte total catches memoryviews whose len() is not their byte count.
+        try:
+            lengths = list(map(len, records))
+            expected = sum(lengths)
+            lengths_column = encode_lengths(lengths)
+            values = list(records)
+            crc, total = _checksum_values(values, lengths_column, expected)
+        except (TypeError, BufferError):
+            expected, total = 0, -1
+        if total != expected:
+            values, keys, stamps, headers = _normalize(records, timestamp)
+            lengths = list(map(len, values))
+            lengths_column = encode_lengths(lengths)
+            crc, total = _checksum_values(values, lengths_column, sum(lengths))
+        total += len(lengths_column)
+    parts: list = []  # the payload after the values
+    first_ts = max_ts = timestamp
+    if stamps is not None:
+        first_ts, max_ts = stamps[0], max(stamps)
+        if stamps.count(first_ts) == count:
+            stamps = None
+    if keys is not None:
+        flags |= FLAG_KEYS
+        parts.append(encode_lengths([0 if k is None else len(k) + 1 for k in keys]))
+        parts.append(b"".join([k for k in keys if k is not None]))
+    if stamps is not None:
+        flags |= FLAG_TIMESTAMPS
+        deltas = []
+        for t in stamps:
+            d = t - first_ts
+            if not _I64_MIN <= d <= _I64_MAX:  # wrap to int64; the reader wraps back
+                d = ((d - _I64_MIN) & _U64_MASK) + _I64_MIN
+            deltas.append((d << 1) ^ (d >> 63))
+        parts.append(encode_lengths(deltas))
+    if headers is not None:
+        flags |= FLAG_HEADERS
+        pairs = [pair for record_headers in headers for pair in record_headers]
+        names = [name.encode("utf-8") for name, _ in pairs]
+        header_values = [value for _, value in pairs]
+        parts.append(encode_lengths(list(map(len, headers))))
+        parts.append(encode_lengths(list(map(len, names))))
+        parts.append(encode_lengths(list(map(len, header_values))))
+        parts.append(b"".join(names))
+        parts.append(b"".join(header_values))
+    update_count, update_parts = _encode_updates(attribute_updates)
+    parts.extend(update_parts)
+
+    pieces = [lengths_column, *values, *parts] if count else parts
+    if codec == Codec.NONE:
+        # no intermediate payload object: the pieces are copied once, into the batch itself
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+            total += len(part)
+        payload_size = stored_size = total
+    else:
+        payload = b"".join(pieces)
+        payload_size = len(payload)
+        pieces = [_compress(codec, payload)]
+        stored_size = len(pieces[0])
+        crc = zlib.crc32(pieces[0])
+    size = BATCH_HEADER_SIZE + stored_size
+    if payload_size > _U32_MAX or size > _U32_MAX:
+        raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, payload_size)} bytes")
+    header = _HEADER.pack(
+        BATCH_MAGIC, BATCH_VERSION, flags, size, count, update_count, payload_size,
+        base_offset, first_ts, max_ts, crc, 0,
+    )[:_CHECKED_HEADER]
+    return b"".join([header, zlib.crc32(header).to_bytes(4, "little"), *pieces])
+
+
+_CHUNK_BYTES = 32768
+
+
+def _checksum_values(values, lengths_column: bytes, expected: int) -> tuple[int, int]:
+    """CRC-32 of ``lengths_column`` followed by all ``values``, and the values' byte count.
+
+    Values are joined a few dozen kilobytes at a time: one big intermediate buffer next to the
+    batch itself makes glibc trim and re-fault the heap on every call, which costs more than the
+    copy. ``expected`` (the values' total ``len()``) only sizes the chunks. Raises TypeError or
+    BufferError for a value that is not a contiguous buffer.
+    """
+    crc = zlib.crc32(lengths_column)
+    total = 0
+    n = len(values)
+    step = max(1, (_CHUNK_BYTES * n) // max(1, expected))
+    if step == 1:
+        for value in values:
+            view = memoryview(value)
+            crc = zlib.crc32(view, crc)
+            total += view.nbytes
+        return crc, total
+    chunks = []
+    for i in range(0, n, step):
+        chunk = b"".join(values[i : i + step])
+        crc = zlib.crc32(chunk, crc)
+        total += len(chunk)
+        chunks.append(chunk)
+    values[:] = chunks  # the batch is then assembled from these few chunks
+    return crc, total
+
+
+# ------------------------------------------------------------------------------------- decoding
+
+
+def _corrupt_at(segment: str | None, offset: int):
+    where = f"segment {segment!r}: " if segment is not None else ""
+
+    def corrupt(what: str) -> CorruptDataError:
+        return CorruptDataError(f"{where}record batch at offset {offset}: {what}", segment=segment, offset=offset)
+
+    return corrupt
+
+
+def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = None) -> BatchHeader | None:
+    """The header of the batch at ``buf[pos]``, or None if that batch is not all in ``buf`` yet.
+
+    Raises ``CorruptDataError`` (offset ``position + pos``) when the bytes there are not a batch
+    header: a wrong magic or version, a checksum mismatch or impossible fields. Fewer than a
+    header's worth of bytes count as incomplete only if they are a prefix of the magic-led header.
+    """
+    if pos < 0:
+        raise InvalidInputError(f"position must be >= 0, got {pos}")
+    available = len(buf) - pos
+    if available < BATCH_HEADER_SIZE:
+        if available > 0:
+            start = bytes(buf[pos : pos + min(available, len(BATCH_MAGIC))])
+            if not BATCH_MAGIC.startswith(start):
+                raise _corrupt_at(segment, position + pos)(f"bad magic {start!r} in a {available}-byte tail")
+        return None
+    (magic, version, flags, size, count, update_count, payload_size,
+     base_offset, first_ts, max_ts, payload_crc, header_crc) = _HEADER.unpack_from(buf, pos)
+    if magic != BATCH_MAGIC:
+        raise _corrupt_at(segment, position + pos)(f"bad magic {magic!r}")
+    if zlib.crc32(memoryview(buf)[pos : pos + _CHECKED_HEADER]) != header_crc:
+        raise _corrupt_at(segment, position + pos)("header checksum mismatch")
+    problem = _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts)
+    if problem:
+        raise _corrupt_at(segment, position + pos)(problem)
+    if size > available:
+        return None
+    return BatchHeader(
+        size, base_offset, count, update_count, first_ts, max_ts, Codec(flags & _CODEC_MASK), payload_size, payload_crc, flags
+    )
+
+
+def _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts) -> str:
+    if version != BATCH_VERSION:
+        return f"unknown format version {version}"
+    if flags & ~_KNOWN_FLAGS or (flags & _CODEC_MASK) > max(Codec):
+        return f"unknown flags {flags:#x}"
+    if size < BATCH_HEADER_SIZE:
+        return f"size {size} is smaller than the {BATCH_HEADER_SIZE}-byte header"
+    if count > MAX_RECORDS:
+        return f"record count {count} is above the limit {MAX_RECORDS}"
+    if base_offset < 0 or base_offset + count - 1 > _I64_MAX:
+        return f"base offset {base_offset} with {count} records is out of range"
+    if max_ts < first_ts:
+        return f"max timestamp {max_ts} is below the first timestamp {first_ts}"
+    columns = bool(flags & FLAG_KEYS) + bool(flags & FLAG_TIMESTAMPS) + bool(flags & FLAG_HEADERS)
+    if count == 0 and columns:
+        return "optional record columns are flagged in a batch without records"
+    if not flags & FLAG_TIMESTAMPS and max_ts != first_ts:
+        return "timestamps differ but the batch has no timestamp column"
+    smallest = count * (1 + columns) + _UPDATE_SIZE * update_count  # a varint per record and column
+    if payload_size < smallest or (count == 0 and payload_size != smallest):
+        return f"payload of {payload_size} bytes cannot hold {count} records and {update_count} attribute updates"
+    if flags & _CODEC_MASK == Codec.NONE and size - BATCH_HEADER_SIZE != payload_size:
+        return f"uncompressed payload of {size - BATCH_HEADER_SIZE} bytes, but the header says {payload_size}"
+    return ""
+
+
+def check_batch(buf, pos: int, header: BatchHeader, *, position: int = 0, segment: str | None = None) -> None:
+    """Verify the payload checksum of the batch at ``buf[pos]`` whose header is ``header``."""
+    end = pos + header.size
+    if pos < 0 or end > len(buf):
+        raise InvalidInputError(f"the batch at {pos} ({header.size} bytes) is not all in the buffer")
+    if zlib.crc32(memoryview(buf)[pos + BATCH_HEADER_SIZE : end]) != header.payload_crc:
+        raise _corrupt_at(segment, position + pos)("payload checksum mismatch")
+
+
+def iter_batches(
+    buf, pos: int = 0, *, position: int = 0, segment: str | None = None, verify: bool = True
+) -> Iterator[tuple[int, BatchHeader]]:
+    """Yield ``(pos, header)`` for each complete batch from ``buf[pos]``; stop at an incomplete tail.
+
+    Raises ``CorruptDataError`` at the first invalid batch (with ``verify``, payload checksums too).
+    """
+    while True:
+        header = read_header(buf, pos, position=position, segment=segment)
+        if header is None:
+            return
+        if verify:
+            check_batch(buf, pos, header, position=position, segment=segment)
+        yield pos, header
+        pos += header.size
+
+
+def _payload(buf, pos, header, corrupt, verify) -> tuple[bytes, int, int]:
+    """The uncompressed payload as ``(data, start, end)``: ``data[start:end]`` (bytes, maybe ``buf``)."""
+    end = pos + header.size
+    if pos < 0 or end > len(buf):
+        raise InvalidInputError(f"the batch at {pos} ({header.size} bytes) is not all in the buffer")
+    start = pos + BATCH_HEADER_SIZE
+    if verify and zlib.crc32(memoryview(buf)[start:end]) != header.payload_crc:
+        raise corrupt("payload checksum mismatch")
+    if header.codec == Codec.NONE:
+        if header.payload_size != end - start:
+            raise corrupt(f"uncompressed payload of {end - start} bytes, but the header says {header.payload_size}")
+        if type(buf) is bytes:
+            return buf, start, end
+        return bytes(buf[start:end]), 0, end - start
+    data = _decompress(header.codec, memoryview(buf)[start:end], header.payload_size, corrupt)
+    return data, 0, len(data)
+
+
+def _varints(data, at: int, count: int, limit: int, corrupt, what: str) -> tuple[list[int], int]:
+    try:
+        values, at = decode_varints(data, at, count)
+    except CorruptDataError as exc:  # VarintError: truncated or overflowing
+        raise corrupt(f"{what}: {exc}") from None
+    if at > limit:
+        raise corrupt(f"{what} run past the end of the records section")
+    return values, at
+
+
+def _bounds(lengths: list[int], at: int, limit: int, corrupt, what: str) -> list[int]:
+    bounds = list(itertools.accumulate(lengths, initial=at))
+    if bounds[-1] > limit:
+        raise corrupt(f"{what} add up to {bounds[-1] - at} bytes, more than the payload holds")
+    return bounds
+
+
+class _Layout:
+    """Where each column of a payload lies, after strict length checks (no values materialized).
+
+    A blob column is its lengths and the bounds of its pieces (``len(lengths) + 1`` positions).
+    """
+
+    __slots__ = ("value_lengths", "value_bounds", "key_codes", "key_lengths", "key_bounds", "deltas",
+                 "header_counts", "name_lengths", "name_bounds", "header_value_lengths",
+                 "header_value_bounds", "updates_at")
+
+
+def _layout(data, start: int, end: int, header: BatchHeader, corrupt) -> _Layout:
+    count, flags = header.record_count, header.flags
+    layout = _Layout()
+    updates_at = end - _UPDATE_SIZE * header.attribute_count
+    if updates_at < start:
+        raise corrupt("payload is too short for its attribute updates")
+    layout.updates_at = updates_at
+    layout.key_codes = layout.deltas = layout.header_counts = None
+    at = start
+    lengths, at = _varints(data, at, count, updates_at, corrupt, "value lengths")
+    layout.value_lengths = lengths
+    layout.value_bounds = bounds = _bounds(lengths, at, updates_at, corrupt, "value lengths")
+    at = bounds[-1]
+    if flags & FLAG_KEYS:
+        codes, at = _varints(data, at, count, updates_at, corrupt, "key lengths")
+        layout.key_codes = codes
+        layout.key_lengths = lengths = [c - 1 if c else 0 for c in codes]
+        layout.key_bounds = bounds = _bounds(lengths, at, updates_at, corrupt, "key lengths")
+        at = bounds[-1]
+    if flags & FLAG_TIMESTAMPS:
+        layout.deltas, at = _varints(data, at, count, updates_at, corrupt, "timestamp deltas")
+    if flags & FLAG_HEADERS:
+        counts, at = _varints(data, at, count, updates_at, corrupt, "header counts")
+        total = sum(counts)
+        if 2 * total > updates_at - at:  # each header takes at least two length bytes
+            raise corrupt(f"{total} headers cannot fit in the payload")
+        layout.header_counts = counts
+        layout.name_lengths, at = _varints(data, at, total, updates_at, corrupt, "header name lengths")
+        layout.header_value_lengths, at = _varints(data, at, total, updates_at, corrupt, "header value lengths")
+        layout.name_bounds = bounds = _bounds(layout.name_lengths, at, updates_at, corrupt, "header name lengths")
+        layout.header_value_bounds = bounds = _bounds(
+            layout.header_value_lengths, bounds[-1], updates_at, corrupt, "header value lengths"
+        )
+        at = bounds[-1]
+    if at != updates_at:
+        raise corrupt(f"{updates_at - at} unexpected bytes after the record columns")
+    return layout
+
+
+_CUT_RUN = 1024  # pieces per precompiled struct when cutting equal-length pieces
+
+
+@functools.lru_cache(maxsize=64)
+def _equal_pieces(length: int, count: int) -> struct.Struct:
+    return struct.Struct(f"{length}s" * count)
+
+
+def _cut(data, at: int, length: int, count: int) -> list[bytes]:
+    """``count`` consecutive pieces of ``length`` bytes from ``data[at]``, cut in C by struct."""
+    if count <= _CUT_RUN:
+        return list(_equal_pieces(length, count).unpack_from(data, at))
+    out: list[bytes] = []
+    run = _equal_pieces(length, _CUT_RUN)
+    step = length * _CUT_RUN
+    full, rest = divmod(count, _CUT_RUN)
+    for _ in range(full):
+        out.extend(run.unpack_from(data, at))
+        at += step
+    if rest:
+        out.extend(_equal_pieces(length, rest).unpack_from(data, at))
+    return out
+
+
+def _slices(data, bounds: list[int], lengths: list[int]) -> list[bytes]:
+    """``data[bounds[i]:bounds[i + 1]]`` for each ``i`` (``lengths[i]`` bytes), as bytes."""
+    count = len(lengths)
+    if count > 1 and lengths.count(lengths[0]) == count:
+        return _cut(data, bounds[0], lengths[0], count)
+    return list(map(data.__getitem__, map(slice, bounds, itertools.islice(bounds, 1, None))))
+
+
+def decode_records(
+    buf, pos: int, header: BatchHeader, *, position: int = 0, segment: str | None = None, verify: bool = True
+) -> list[Record]:
+    """The records of the batch at ``buf[pos]``, with offsets, timestamps, keys and headers filled in.
+
+    With ``verify`` (the default) the payload checksum is checked first. Any inconsistency in the
+    payload is a ``CorruptDataError`` naming ``position + pos``.
+    """
+    corrupt = _corrupt_at(segment, position + pos)
+    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    layout = _layout(data, start, end, header, corrupt)
+    count = header.record_count
+    if not count:
+        return []
+    values = _slices(data, layout.value_bounds, layout.value_lengths)
+    keys = itertools.repeat(None)
+    if layout.key_codes is not None:
+        pieces = _slices(data, layout.key_bounds, layout.key_lengths)
+        keys = [k if c else None for k, c in zip(pieces, layout.key_codes)]
+    stamps = itertools.repeat(header.first_timestamp)
+    if layout.deltas is not None:
+        stamps = _timestamps(layout.deltas, header, corrupt)
+    headers = itertools.repeat(())
+    if layout.header_counts is not None:
+        headers = _headers(data, layout, corrupt)
+    base = header.base_offset
+    rows = zip(values, keys, stamps, headers, range(base, base + count))
+    return list(map(tuple.__new__, itertools.repeat(Record), rows))
+
+
+def _timestamps(deltas: list[int], header: BatchHeader, corrupt) -> list[int]:
+    first = header.first_timestamp
+    stamps = [first + ((u >> 1) ^ -(u & 1)) for u in deltas]
+    if min(stamps) < _I64_MIN or max(stamps) > _I64_MAX:
+        stamps = [((t - _I64_MIN) & _U64_MASK) + _I64_MIN for t in stamps]
+    if deltas[0] != 0 or max(stamps) != header.max_timestamp:
+        raise corrupt("timestamp column disagrees with the header's first and max timestamps")
+    return stamps
+
+
+def _headers(data, layout: _Layout, corrupt) -> list[tuple]:
+    raw_names = _slices(data, layout.name_bounds, layout.name_lengths)
+    try:
+        names = [name.decode("utf-8") for name in raw_names]
+    except UnicodeDecodeError as exc:
+        raise corrupt(f"a header name is not UTF-8: {exc}") from None
+    pairs = list(zip(names, _slices(data, layout.header_value_bounds, layout.header_value_lengths)))
+    bounds = list(itertools.accumulate(layout.header_counts, initial=0))
+    return [tuple(pairs[a:b]) if a != b else () for a, b in zip(bounds, itertools.islice(bounds, 1, None))]
+
+
+def decode_attribute_updates(
+    buf, pos: int, header: BatchHeader, *, position: int = 0, segment: str | None = None, verify: bool = True
+) -> tuple[list[bytes], list[int | None]]:
+    """The attribute updates of the batch at ``buf[pos]``: ``(keys, values)``, None meaning removed.
+
+    The record columns are length-checked too (not materialized), so a batch is either valid for
+    every reader or ``CorruptDataError`` for all of them.
+    """
+    n = header.attribute_count
+    corrupt = _corrupt_at(segment, position + pos)
+    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    at = _layout(data, start, end, header, corrupt).updates_at
+    if not n:
+        return [], []
+    keys = _cut(data, at, KEY_SIZE, n)
+    at += KEY_SIZE * n
+    column = array.array("q")
+    column.frombytes(data[at : at + 8 * n])
+    if _BIG_ENDIAN:
+        column.byteswap()
+    values: list[int | None] = column.tolist()
+    removed = data[at + 8 * n : at + 9 * n]
+    if removed.count(0) != n:
+        if removed.translate(None, b"\x00\x01"):
+            raise corrupt("an attribute update's removed flag is neither 0 nor 1")
+        for i in itertools.compress(range(n), removed):
+            if values[i]:
+                raise corrupt(f"removed attribute update {i} carries a value")
+            values[i] = None
+    return keys, values

@@ -1,0 +1,487 @@
+"""``SegmentLog``: the record log of one segment, as record batches in a ``RollingSegment``.
+
+A batch never spans chunks: appendable backends put a whole append in the last chunk, object
+stores make one object per append. Each chunk therefore holds whole batches, and gets a sparse
+offset and time index (``ChunkSummary``), kept in memory for the chunk being appended to and
+stored beside the data as a small checksummed file once the chunk is sealed. Index files are
+derived data: a missing or corrupt one is rebuilt from the chunk.
+
+Byte layout of segment ``NAME`` (see docs/format.md)::
+
+    NAME/_log.seg/<20-digit byte position>   chunks of record batches (RollingSegment)
+    NAME/_index/<20-digit byte position>     sparse index of a sealed chunk
+    NAME/_gaps/<20-digit start>-<20-digit end>   bytes a writer found to be garbage and skipped
+
+A garbage tail (bytes that are not a valid batch, with nothing valid after them) ends the log for
+readers. The next writer records the garbage range as a gap marker, then appends after it, so the
+records before the garbage keep their offsets and the new ones continue from there. Invalid bytes
+that are not a tail and not a recorded gap are ``CorruptDataError``.
+
+This class is not thread-safe on its own; ``Segment`` serialises writers and catch-ups.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import re
+from typing import Callable, Iterator
+
+import attrs
+
+from storage_adapters import ChunkStorage, RollingSegment
+from storage_adapters.rolling import chunk_name
+
+from ..errors import ChunkExistsError, CorruptDataError, InvalidInputError, StorageError, TruncatedError
+from .batch import BatchHeader, Record, check_batch, decode_records, read_header
+from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
+
+LOG_DIR, INDEX_DIR, GAP_DIR = "_log", "_index", "_gaps"
+DEFAULT_LOG_ROLLING_SIZE = 16 << 20
+DEFAULT_INDEX_INTERVAL_BYTES = 4096
+_READ_WINDOW = 1 << 20
+_GAP_NAME = re.compile(r"(\d{20})-(\d{20})")
+_NO_TIMESTAMP = -(1 << 63)
+
+# visitor(position, header, buffer, position of the batch in buffer) for each new batch
+BatchVisitor = Callable[[int, BatchHeader, bytes, int], None]
+
+
+@attrs.define
+class _Chunk:
+    """This handle's knowledge of one chunk: its bytes, and the valid batches scanned so far."""
+
+    start: int
+    end: int
+    summary: ChunkSummary | None = None  #: complete summary of a sealed chunk, once loaded
+    builder: ChunkIndexBuilder | None = None  #: summary being built as the chunk is scanned
+
+
+class SegmentLog:
+    """The batches of one segment, appended by compare-and-append, with sparse indexes per chunk."""
+
+    def __init__(self, storage: ChunkStorage, segment: str, *, rolling_size: int = DEFAULT_LOG_ROLLING_SIZE,
+                 index_interval_bytes: int = DEFAULT_INDEX_INTERVAL_BYTES):
+        if not isinstance(index_interval_bytes, int) or index_interval_bytes <= 0:
+            raise InvalidInputError(f"index_interval_bytes must be a positive int, got {index_interval_bytes!r}")
+        self.storage = storage
+        self.segment = segment
+        self.interval = index_interval_bytes
+        self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size)
+        self._chunks: list[_Chunk] = []
+        self._gaps: dict[int, int] = {}
+        self.position = 0  #: bytes scanned and valid (the append position once any garbage is skipped)
+        self.next_offset = 0  #: record offset after the last record scanned
+        self.max_timestamp = _NO_TIMESTAMP
+        self.garbage_from: int | None = None  #: start of a garbage tail seen at the end, if any
+        self._start_cache: tuple[int, int] | None = None  #: (start position, its record offset)
+
+    # -- positions and chunks ------------------------------------------------------------------
+    @property
+    def start_position(self) -> int:
+        return self.bytes.start_offset
+
+    def _sync_chunks(self) -> None:
+        """Align the chunk list with the byte stream's (new chunks, grown last chunk, truncation)."""
+        stored = self.bytes.chunks()
+        by_start = {c.start: c for c in self._chunks}
+        chunks = []
+        for info in stored:
+            known = by_start.get(info.start)
+            if known is None:
+                known = _Chunk(info.start, info.end)
+            known.end = info.end
+            chunks.append(known)
+        self._chunks = chunks
+
+    def _chunk_index(self, position: int) -> int:
+        """Index of the chunk holding ``position`` (the last chunk for the end position)."""
+        i = bisect.bisect_right(self._chunks, position, key=lambda c: c.start) - 1
+        return max(i, 0)
+
+    def _is_last(self, chunk: _Chunk) -> bool:
+        return chunk is self._chunks[-1]
+
+    # -- gaps ----------------------------------------------------------------------------------
+    def _gap_at(self, position: int) -> int | None:
+        """End of the recorded garbage range starting at ``position``, reloading markers if unknown."""
+        if position not in self._gaps:
+            for name in self.storage.list_files(f"{self.segment}/{GAP_DIR}"):
+                match = _GAP_NAME.fullmatch(name)
+                if match:
+                    self._gaps[int(match[1])] = int(match[2])
+        return self._gaps.get(position)
+
+    def skip_garbage(self) -> None:
+        """Before appending after a garbage tail: record it as a gap, so readers can step over it."""
+        start = self.garbage_from
+        if start is None:
+            return
+        end = self.bytes.length
+        self.storage.put_marker(f"{self.segment}/{GAP_DIR}/{chunk_name(start)}-{chunk_name(end)}")
+        self._gaps[start] = end
+        chunk = self._chunks[self._chunk_index(start)]
+        self._feed_gap(chunk, start, min(end, chunk.end))
+        self.position, self.garbage_from = end, None
+
+    def _feed_gap(self, chunk: _Chunk, start: int, end: int) -> None:
+        """Account garbage bytes in a chunk's summary as a record-less batch (it holds no records)."""
+        if chunk.builder is not None and end > start:
+            chunk.builder.add(start - chunk.start, end - start, self.next_offset, 0, _NO_TIMESTAMP)
+
+    # -- scanning the tail ---------------------------------------------------------------------
+    def catch_up(self, visit: BatchVisitor | None = None, *, refresh: bool = True) -> int:
+        """Scan batches beyond ``position``, calling ``visit`` for each; return how many were new.
+
+        Stops at the end or at a garbage tail (``garbage_from``); steps over recorded gaps.
+        """
+        if refresh:
+            self.bytes.refresh()
+        self._sync_chunks()
+        if self.position < self.start_position:
+            self._restart_at_start()
+        seen = 0
+        while self.position < self.bytes.length:
+            chunk = self._chunks[self._chunk_index(self.position)]
+            if chunk.builder is None and chunk.start == self.position:
+                chunk.builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
+            seen, stopped = self._scan_chunk(chunk, visit, seen)
+            if stopped:
+                break
+        return seen
+
+    def _restart_at_start(self) -> None:
+        """The bytes this handle stood at were truncated away (retention elsewhere): resync."""
+        self.position = self.start_position
+        header = self._header_at(self.position)
+        if header is not None:
+            self.next_offset = header.base_offset
+        first = self._chunks[0] if self._chunks else None
+        if first is not None and first.start == self.position:
+            first.builder = ChunkIndexBuilder(first.start, self.interval, next_offset=self.next_offset)
+
+    def _scan_chunk(self, chunk: _Chunk, visit: BatchVisitor | None, seen: int) -> tuple[int, bool]:
+        """Scan ``chunk`` from ``position``; return (batches seen, whether scanning stopped)."""
+        for at, header, buf, pos in self._walk(self.position, chunk.end):
+            if header is None:  # invalid or incomplete at the chunk's end: a gap, a tail, or corruption
+                return seen, self._invalid_at(chunk, at)
+            if visit is not None:
+                visit(at, header, buf, pos)
+            if chunk.builder is not None:
+                chunk.builder.add(at - chunk.start, header.size, header.base_offset, header.record_count,
+                                  header.max_timestamp if header.record_count else _NO_TIMESTAMP)
+            self.next_offset = header.next_offset  # a record-less batch's base is the next offset
+            if header.record_count:
+                self.max_timestamp = max(self.max_timestamp, header.max_timestamp)
+            self.position = at + header.size
+            seen += 1
+        if not self._is_last(chunk) and chunk.builder is not None and chunk.summary is None:
+            chunk.summary = chunk.builder.summary()  # sealed: its summary is complete
+            chunk.builder = None
+        return seen, False
+
+    def _walk(self, start: int, end: int) -> Iterator[tuple[int, BatchHeader | None, bytes, int]]:
+        """Verified batches in ``[start, end)`` read in windows, as (position, header, buffer, pos).
+
+        Ends after yielding ``(position, None, ...)`` at the first invalid or incomplete batch.
+        """
+        position = start
+        while position < end:
+            window_end = min(end, position + _READ_WINDOW)
+            buf = self.bytes.read(position, window_end - position)
+            pos = 0
+            while pos < len(buf):
+                try:
+                    header = read_header(buf, pos, position=position, segment=self.segment)
+                    if header is not None:
+                        check_batch(buf, pos, header, position=position, segment=self.segment)
+                except CorruptDataError:
+                    yield position + pos, None, buf, pos
+                    return
+                if header is None:
+                    break
+                yield position + pos, header, buf, pos
+                pos += header.size
+            if pos == 0:  # incomplete: a batch larger than the window, or a torn end
+                if window_end == end:
+                    yield position, None, buf, 0
+                    return
+                window_end = end
+                buf = self.bytes.read(position, window_end - position)
+                continue
+            position += pos
+
+    def _invalid_at(self, chunk: _Chunk, at: int) -> bool:
+        """Handle invalid bytes at ``at``; return whether scanning must stop there."""
+        gap_end = self._gap_at(at)
+        if gap_end is not None:
+            self._feed_gap(chunk, at, min(gap_end, chunk.end))
+            self.position = gap_end
+            if gap_end >= chunk.end and not self._is_last(chunk) and chunk.builder is not None:
+                chunk.summary, chunk.builder = chunk.builder.summary(), None
+            return False
+        if self._is_last(chunk):
+            self.garbage_from = at
+            return True
+        raise CorruptDataError(
+            f"segment {self.segment!r}: invalid record batch at log byte {at} (chunk {chunk.start}) "
+            f"with valid data after it",
+            segment=self.segment,
+            offset=at,
+        )
+
+    # -- appending -----------------------------------------------------------------------------
+    def append(self, data: bytes, header: BatchHeader) -> int:
+        """Append one encoded batch at ``position`` (compare-and-append); return its byte position.
+
+        ``BadOffsetError`` means another writer appended first: ``catch_up`` and try again.
+        """
+        if self.garbage_from is not None:
+            self.skip_garbage()
+        at = self.bytes.append(data, expected_offset=self.position)
+        self._sync_chunks()
+        chunk = self._chunks[-1]
+        if chunk.start == at:
+            chunk.builder = ChunkIndexBuilder(at, self.interval, next_offset=self.next_offset)
+            if len(self._chunks) > 1:
+                self._seal(self._chunks[-2])
+        if chunk.builder is not None:
+            chunk.builder.add(at - chunk.start, header.size, header.base_offset, header.record_count,
+                              header.max_timestamp if header.record_count else _NO_TIMESTAMP)
+        self.next_offset = header.next_offset
+        if header.record_count:
+            self.max_timestamp = max(self.max_timestamp, header.max_timestamp)
+        self.position = at + header.size
+        return at
+
+    def _seal(self, chunk: _Chunk) -> None:
+        """A chunk stopped growing: keep its summary and store its index if it is worth a file."""
+        if chunk.builder is not None and chunk.summary is None:
+            chunk.summary, chunk.builder = chunk.builder.summary(), None
+        if chunk.summary is not None and chunk.summary.batch_count > 1:
+            self._store_index(chunk.summary)
+
+    def _store_index(self, summary: ChunkSummary) -> None:
+        # Derived data, written best effort: a reader without write access still works.
+        with contextlib.suppress(ChunkExistsError, StorageError, OSError):
+            self.storage.create(f"{self.segment}/{INDEX_DIR}/{chunk_name(summary.chunk_start)}", encode_chunk_index(summary))
+
+    # -- summaries of sealed chunks ------------------------------------------------------------
+    def summary(self, i: int) -> ChunkSummary:
+        """The summary of chunk ``i``: in memory, from its index file, or rebuilt from its data."""
+        chunk = self._chunks[i]
+        if chunk.summary is not None:
+            return chunk.summary
+        if chunk.builder is not None and (self._is_last(chunk) or self.position >= chunk.end):
+            return chunk.builder.summary()
+        path = f"{self.segment}/{INDEX_DIR}/{chunk_name(chunk.start)}"
+        try:
+            data = self.storage.read(path, 0, 1 << 30)
+            summary = decode_chunk_index(data, chunk_start=chunk.start, segment=self.segment)
+            if summary.size != chunk.end - chunk.start:
+                raise CorruptIndexError(f"index of chunk {chunk.start} covers {summary.size} bytes, chunk has "
+                                        f"{chunk.end - chunk.start}", segment=self.segment, offset=chunk.start)
+        except FileNotFoundError:
+            summary = self._rebuild(i, store=True)
+        except CorruptIndexError:
+            self.storage.delete([path])
+            summary = self._rebuild(i, store=True)
+        if not self._is_last(chunk):
+            chunk.summary = summary
+        return summary
+
+    def _rebuild(self, i: int, *, store: bool) -> ChunkSummary:
+        """Scan chunk ``i`` and build its summary (stepping over recorded gaps)."""
+        chunk = self._chunks[i]
+        start = max(chunk.start, self.start_position)
+        limit = chunk.end if not self._is_last(chunk) else min(chunk.end, self.position)
+        first = self._header_at(start)
+        base = first.base_offset if first is not None else self._base_before(i)
+        builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=base)
+        if start > chunk.start:  # truncated mid-chunk: the unreadable prefix holds no records for us
+            builder.add(0, start - chunk.start, base, 0, _NO_TIMESTAMP)
+        for at, header, _buf, _pos in self._batches(start, limit, builder, base):
+            builder.add(at - chunk.start, header.size, header.base_offset, header.record_count,
+                        header.max_timestamp if header.record_count else _NO_TIMESTAMP)
+        summary = builder.summary()
+        if store and not self._is_last(chunk) and summary.batch_count > 1 and chunk.start >= self.start_position:
+            self._store_index(summary)
+        return summary
+
+    def open_at(self, position: int) -> None:
+        """Position the handle at the start of the chunk holding byte ``position``, ready to scan.
+
+        Everything from there to the end is scanned by the next ``catch_up``.
+        """
+        self.bytes.refresh()
+        self._sync_chunks()
+        position = max(position, self.start_position)
+        if not self._chunks or position >= self.bytes.length:
+            self.position = self.bytes.length
+            if self._chunks:
+                i = len(self._chunks) - 1
+                self.position = self._chunks[i].start
+                position = self.position
+            else:
+                return
+        i = self._chunk_index(position)
+        chunk = self._chunks[i]
+        start = max(chunk.start, self.start_position)
+        self.position = start
+        header = self._header_at(start)
+        self.next_offset = header.base_offset if header is not None else self._base_before(i)
+        if start == chunk.start:
+            chunk.builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
+
+    def _base_before(self, i: int) -> int:
+        """Record offset at the start of chunk ``i`` when it starts with garbage (rare)."""
+        return self.summary(i - 1).next_offset if i > 0 else 0
+
+    def _header_at(self, position: int) -> BatchHeader | None:
+        if position >= self.bytes.length:
+            return None
+        buf = self.bytes.read(position, min(self.bytes.length, position + 4096) - position)
+        try:
+            return read_header(buf, 0, position=position, segment=self.segment)
+        except CorruptDataError:
+            return None
+
+    # -- reading batches -----------------------------------------------------------------------
+    def _batches(self, start: int, end: int, builder: ChunkIndexBuilder | None = None,
+                 next_offset: int = 0) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
+        """Verified batches in ``[start, end)``, stepping over recorded gaps (else ``CorruptDataError``).
+
+        ``builder``/``next_offset`` let a rebuild account for gaps as record-less bytes.
+        """
+        position = start
+        while position < end:
+            for at, header, buf, pos in self._walk(position, end):
+                if header is None:
+                    gap_end = self._gap_at(at)
+                    if gap_end is None:
+                        raise CorruptDataError(f"segment {self.segment!r}: invalid record batch at log byte {at}",
+                                               segment=self.segment, offset=at)
+                    if builder is not None:
+                        builder.add(at - builder.chunk_start, min(gap_end, end) - at, next_offset, 0, _NO_TIMESTAMP)
+                    position = gap_end
+                    break
+                yield at, header, buf, pos
+                next_offset = header.next_offset
+                position = at + header.size
+
+    def read_records(self, offset: int, max_records: int, max_bytes: int) -> list[Record]:
+        """Records from ``offset`` on (at most ``max_records``; whole batches up to about ``max_bytes``)."""
+        if offset >= self.next_offset or max_records <= 0:
+            return []
+        i = self._chunk_for_offset(offset)
+        out: list[Record] = []
+        budget = max_bytes
+        while i < len(self._chunks) and len(out) < max_records:
+            chunk = self._chunks[i]
+            summary = self.summary(i)
+            start = max(chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start,
+                        self.start_position)
+            end = min(chunk.end, self.position)
+            for at, header, buf, pos in self._batches(start, end):
+                if header.next_offset <= offset or not header.record_count:
+                    continue
+                records = decode_records(buf, pos, header, position=at - pos, segment=self.segment)
+                if header.base_offset < offset:
+                    records = records[offset - header.base_offset:]
+                out.extend(records)
+                budget -= header.size
+                if len(out) >= max_records or budget <= 0:
+                    break
+            if len(out) >= max_records or budget <= 0 or end >= self.position:
+                break
+            i += 1
+        del out[max_records:]
+        return out
+
+    def batch_position(self, offset: int) -> int:
+        """Byte position of the batch holding record ``offset`` (``position`` if it is past the end)."""
+        if offset >= self.next_offset:
+            return self.position
+        i = self._chunk_for_offset(offset)
+        chunk, summary = self._chunks[i], self.summary(i)
+        start = max(chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start,
+                    self.start_position)
+        for at, header, _buf, _pos in self._batches(start, self.position):
+            if header.next_offset > offset:
+                return at
+        return self.position
+
+    def _chunk_for_offset(self, offset: int) -> int:
+        """Index of the chunk holding record ``offset`` (binary search over chunk base offsets)."""
+        first = self._chunk_index(self.start_position)
+        lo, hi = first, len(self._chunks) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.summary(mid).base_offset <= offset:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
+    def start_offset(self) -> int:
+        """Record offset of the first readable record (``next_offset`` when none is left)."""
+        start = self.start_position
+        if start >= self.position:
+            return self.next_offset
+        cached = self._start_cache
+        if cached is not None and cached[0] == start:
+            return cached[1]
+        i = self._chunk_index(start)
+        if self._chunks[i].start == start:
+            offset = self.summary(i).base_offset
+        else:  # truncated inside a chunk, at a batch boundary
+            header = self._header_at(start)
+            offset = header.base_offset if header is not None else self.next_offset
+        self._start_cache = (start, offset)
+        return offset
+
+    def offset_for_timestamp(self, timestamp: int) -> int | None:
+        """The first record offset whose timestamp is ``>= timestamp``, or ``None`` if there is none."""
+        if self.max_timestamp < timestamp:
+            return None
+        first = self._chunk_index(self.start_position)
+        for i in range(first, len(self._chunks)):
+            summary = self.summary(i)
+            if summary.max_timestamp < timestamp:
+                continue  # skip whole chunks by their newest timestamp
+            chunk = self._chunks[i]
+            start = max(chunk.start + summary.locate_time(timestamp), self.start_position)
+            for at, header, buf, pos in self._batches(start, min(chunk.end, self.position)):
+                if not header.record_count or header.max_timestamp < timestamp:
+                    continue
+                for record in decode_records(buf, pos, header, position=at - pos, segment=self.segment):
+                    if record.timestamp >= timestamp:
+                        return record.offset
+        return None
+
+    # -- retention -----------------------------------------------------------------------------
+    def chunk_summaries(self) -> list[ChunkSummary]:
+        """Summaries of the readable chunks, oldest first."""
+        first = self._chunk_index(self.start_position)
+        return [self.summary(i) for i in range(first, len(self._chunks))]
+
+    def truncate_chunks(self, position: int) -> None:
+        """Delete whole chunks below ``position`` (a chunk start), with their index files and gaps."""
+        doomed = [c.start for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
+        self.bytes.truncate(position)
+        self.storage.delete([f"{self.segment}/{INDEX_DIR}/{chunk_name(s)}" for s in doomed])
+        self.storage.delete([f"{self.segment}/{GAP_DIR}/{chunk_name(s)}-{chunk_name(e)}"
+                             for s, e in self._gaps.items() if e <= position])
+        self._gaps = {s: e for s, e in self._gaps.items() if e > position}
+        self._sync_chunks()
+
+    def truncate_at(self, position: int) -> None:
+        """Make bytes below ``position`` (a batch start) unreadable; whole chunks below it are deleted."""
+        self.truncate_chunks(position)
+
+    def close(self) -> None:
+        self.bytes.close()
+
+
+__all__ = ["SegmentLog", "TruncatedError"]

@@ -1,0 +1,84 @@
+"""``SegmentReader``: follows a segment from an offset, waiting at the tail for new records."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Iterator
+
+from .log.batch import Record
+
+_FETCH_RECORDS = 4096
+
+
+class SegmentReader:
+    """Reads records in offset order from ``offset`` on and waits at the tail for more.
+
+    Records appended through the same ``Segment`` wake it at once; records appended by other
+    handles or processes are found by polling every ``poll_interval`` seconds. Iterating yields
+    records until ``cancel()``. Get one from ``Segment.reader``.
+    """
+
+    def __init__(self, segment, offset: int, *, poll_interval: float = 0.05):
+        self.segment = segment
+        self.position = offset  #: the offset of the next record this reader returns
+        self.poll_interval = poll_interval
+        self._buffer: list[Record] = []
+        self._next = 0
+        self._cancelled = threading.Event()
+
+    def read(self, timeout: float | None = None) -> Record | None:
+        """The next record; waits up to ``timeout`` seconds (forever if ``None``) for one to come.
+
+        Returns ``None`` on timeout and once the reader is cancelled.
+        """
+        if self._next < len(self._buffer):
+            return self._take()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._cancelled.is_set():
+            records = self.segment.read(self.position, _FETCH_RECORDS)
+            if records:
+                self._buffer, self._next = records, 0
+                return self._take()
+            remaining = self.poll_interval if deadline is None else min(self.poll_interval, deadline - time.monotonic())
+            if remaining <= 0:
+                return None
+            if self.segment.closed:
+                return None
+            self.segment._wait(self.position, remaining)
+        return None
+
+    def read_batch(self, max_records: int = _FETCH_RECORDS, timeout: float | None = None) -> list[Record]:
+        """Up to ``max_records`` records: what is buffered or readable now, else waits as ``read``."""
+        first = self.read(timeout)
+        if first is None:
+            return []
+        out = [first]
+        take = min(max_records - 1, len(self._buffer) - self._next)
+        if take > 0:
+            out.extend(self._buffer[self._next:self._next + take])
+            self._next += take
+            self.position = out[-1].offset + 1
+        return out
+
+    def _take(self) -> Record:
+        record = self._buffer[self._next]
+        self._next += 1
+        self.position = record.offset + 1
+        return record
+
+    def cancel(self) -> None:
+        """Stop the reader: a waiting ``read`` returns ``None`` now, and every later one too."""
+        self._cancelled.set()
+        self.segment._wake_readers()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def __iter__(self) -> Iterator[Record]:
+        while True:
+            record = self.read()
+            if record is None:
+                return
+            yield record

@@ -1,0 +1,450 @@
+"""``Segment``: an append-only record log whose appends carry conditional attribute updates.
+
+The log is the single source of truth. Every append is one record batch holding the records and
+the *resolved* attribute values (the result of checking the conditions), written by one
+compare-and-append at the log position this handle last saw. So the check and the write are
+atomic: a writer that loses the race catches up from the log tail, re-validates and retries.
+
+Attribute state = the B+tree (a checkpoint of the state up to a log position, stored in its
+footer) + tier 1, a sorted overlay of the values in the log after that position. The overlay is
+merged into the tree in large sorted batches (thresholds on keys, bytes and time, and ``flush``);
+opening a segment reads the tree's footer and replays the log after its checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import attrs
+
+from .attribute_index import AttributeIndex, _canonical_batch
+from .conditional import AttributeUpdate, resolve_updates
+from .errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
+from .keys import to_key
+from .log.batch import Codec, Record, codec_for, decode_attribute_updates, encode_batch, read_header
+from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog
+from .log.retention import plan_retention
+from .overlay import AttributeOverlay, merge_scan
+from .reader import SegmentReader
+from .value_cache import MISSING
+
+ATTRIBUTES_NAME = "_attributes"
+DEFAULT_FLUSH_KEYS = 250_000
+DEFAULT_FLUSH_BYTES = 64 << 20
+DEFAULT_FLUSH_SECONDS = 30.0
+DEFAULT_READ_BYTES = 4 << 20
+
+
+@attrs.frozen
+class AppendResult:
+    """Where an append landed: the offsets of its first and last records.
+
+    An append of attribute updates only has no records: ``first_offset == last_offset + 1``, the
+    offset the next record will get.
+    """
+
+    first_offset: int
+    last_offset: int
+
+    @property
+    def record_count(self) -> int:
+        return self.last_offset - self.first_offset + 1
+
+
+@attrs.frozen
+class SegmentOptions:
+    """Tuning of a segment handle (all have defaults; see ``SegmentStore.open``)."""
+
+    log_rolling_size: int = DEFAULT_LOG_ROLLING_SIZE
+    index_interval_bytes: int = DEFAULT_INDEX_INTERVAL_BYTES
+    codec: Codec = attrs.field(default=Codec.NONE, converter=codec_for)
+    flush_keys: int = DEFAULT_FLUSH_KEYS
+    flush_bytes: int = DEFAULT_FLUSH_BYTES
+    flush_seconds: float = DEFAULT_FLUSH_SECONDS
+    poll_interval: float = 0.05
+    attribute_options: dict = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class SegmentStats:
+    """A snapshot of a segment's log and attribute state, as this handle sees it."""
+
+    name: str
+    start_offset: int
+    next_offset: int
+    log_bytes: int  #: bytes of the log still stored
+    log_chunks: int
+    max_timestamp: int | None
+    pending_attributes: int  #: keys in tier 1 not yet merged into the B+tree
+    attribute_checkpoint: int | None  #: log byte position the B+tree covers
+    attributes: Any  #: ``IndexStats`` of the B+tree
+
+
+class Segment:
+    """One segment: records with offsets 0, 1, 2, ... and attributes (16-byte key -> int64).
+
+    Get one from ``SegmentStore.segment``. Every method is safe to call from several threads;
+    several handles and processes may append to one segment (compare-and-append serialises them).
+    Reads see this handle's view, which moves with its own appends and with ``refresh()``.
+    """
+
+    def __init__(self, storage, name: str, options: SegmentOptions):
+        self.name = name
+        self.options = options
+        self._lock = threading.RLock()
+        self._appended = threading.Condition(self._lock)
+        self._log = SegmentLog(storage, name, rolling_size=options.log_rolling_size,
+                               index_interval_bytes=options.index_interval_bytes)
+        self._index = AttributeIndex(storage, f"{name}/{ATTRIBUTES_NAME}", **options.attribute_options)
+        self._overlay = AttributeOverlay()
+        self._flushed_at = time.monotonic()
+        self._closed = False
+        with self._lock:
+            self._open()
+
+    # -- opening and catching up ---------------------------------------------------------------
+    def _open(self) -> None:
+        """Read the tree's checkpoint and replay the log after it into tier 1."""
+        checkpoint = self._index.checkpoint or 0
+        if checkpoint < self._log.start_position and self._log.bytes.length > self._log.start_position:
+            raise CorruptDataError(
+                f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, but the log "
+                f"starts at {self._log.start_position}: attribute updates in between are lost",
+                segment=self.name, offset=checkpoint)
+        self._overlay.clear()
+        self._log.open_at(checkpoint)
+        self._log.catch_up(self._replayer(checkpoint), refresh=False)
+
+    def _replayer(self, since: int):
+        overlay, name = self._overlay, self.name
+
+        def replay(position: int, header, buf, pos: int) -> None:
+            if header.attribute_count and position >= since:
+                keys, values = decode_attribute_updates(buf, pos, header, position=position - pos, segment=name)
+                overlay.apply(keys, values)
+        return replay
+
+    def _catch_up(self) -> int:
+        """Read what other writers appended since this handle last looked; return batches seen."""
+        seen = self._log.catch_up(self._replayer(0))
+        if seen:
+            self._appended.notify_all()
+        return seen
+
+    def refresh(self) -> None:
+        """Catch up with appends made through other handles or processes."""
+        with self._lock:
+            self._check_open()
+            self._catch_up()
+
+    # -- appending -----------------------------------------------------------------------------
+    def append(self, records: Iterable[bytes | Record] = (), attribute_updates: Iterable[AttributeUpdate | tuple] = (),
+               expected_offset: int | None = None, *, timestamp: int | None = None,
+               codec: str | Codec | None = None) -> AppendResult:
+        """Append records and attribute updates atomically, as one durable batch.
+
+        ``records``: ``bytes`` values or ``Record``s (key, timestamp, headers). ``attribute_updates``:
+        ``AttributeUpdate``s (or ``(key, value)`` pairs meaning REPLACE), checked against the true
+        current values and applied in order. ``expected_offset``: append only if the segment's next
+        offset is this (``BadOffsetError`` otherwise). ``timestamp`` (ms) is given to records
+        without one (default: now). If a condition fails, ``ConditionalUpdateError`` names every
+        failed update and its current value; nothing is appended and nothing changes.
+        """
+        records = records if isinstance(records, list) else list(records)
+        updates, replacements = _split_updates(attribute_updates)
+        if not records and not updates and not replacements[0]:
+            raise InvalidInputError(f"segment {self.name!r}: nothing to append (no records and no attribute updates)")
+        if expected_offset is not None and (type(expected_offset) is not int or expected_offset < 0):
+            raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
+        stamp = int(time.time() * 1000) if timestamp is None else timestamp
+        chosen = self.options.codec if codec is None else codec_for(codec)
+        with self._lock:
+            self._check_open()
+            fresh = False
+            while True:
+                try:
+                    keys, values = replacements if updates is None else resolve_updates(updates, self._current_values)
+                except ConditionalUpdateError:
+                    if fresh:
+                        raise
+                    self._catch_up()  # the view may be stale: only the true tail can fail an update
+                    fresh = True
+                    continue
+                log = self._log
+                if expected_offset is not None and expected_offset != log.next_offset:
+                    if fresh:
+                        raise BadOffsetError(self.name, expected_offset, log.next_offset)
+                    self._catch_up()
+                    fresh = True
+                    continue
+                data = encode_batch(log.next_offset, records, timestamp=stamp, attribute_updates=(keys, values), codec=chosen)
+                header = read_header(data)
+                try:
+                    log.append(data, header)
+                except BadOffsetError:
+                    self._catch_up()
+                    fresh = True
+                    continue
+                if keys:
+                    self._overlay.apply(keys, values)
+                self._appended.notify_all()
+                self._maybe_flush()
+                return AppendResult(header.base_offset, header.last_offset)
+
+    def update_attributes(self, updates: Iterable[AttributeUpdate | tuple], expected_offset: int | None = None) -> AppendResult:
+        """Apply attribute updates (conditions checked as in ``append``) with no records."""
+        updates = list(updates)
+        if not updates:
+            raise InvalidInputError(f"segment {self.name!r}: no attribute updates given")
+        return self.append((), updates, expected_offset)
+
+    def _current_values(self, keys: list[bytes]) -> list[int | None]:
+        """True current values: tier 1 (the log after the tree's checkpoint), then the B+tree."""
+        found = self._overlay.get_many(keys)
+        missing = [k for k, v in zip(keys, found) if v is MISSING]
+        if missing:
+            stored = dict(zip(missing, self._index.get_many(missing)))
+            found = [stored[k] if v is MISSING else v for k, v in zip(keys, found)]
+        return found  # type: ignore[return-value]
+
+    # -- attributes ----------------------------------------------------------------------------
+    def get_attribute(self, key: object) -> int | None:
+        """The value of attribute ``key`` (``None`` if absent)."""
+        with self._lock:
+            return self._current_values([to_key(key)])[0]
+
+    def get_attributes(self, keys: Iterable[object]) -> list[int | None]:
+        """Values of ``keys`` in input order (``None`` where absent)."""
+        canonical = [to_key(k) for k in keys]
+        with self._lock:
+            return self._current_values(canonical)
+
+    def attributes(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
+        """``(key, value)`` with ``start <= key < stop`` ascending: tier 1 merged over the B+tree."""
+        low = None if start is None else to_key(start)
+        high = None if stop is None else to_key(stop)
+        with self._lock:
+            overlay = list(self._overlay.items(low, high))  # a snapshot: appends may follow
+        return merge_scan(iter(overlay), self._index.items(low, high))
+
+    # -- flushing tier 1 into the B+tree -------------------------------------------------------
+    def _maybe_flush(self) -> None:
+        overlay = self._overlay
+        if not len(overlay):
+            self._flushed_at = time.monotonic()
+            return
+        options = self.options
+        if (len(overlay) >= options.flush_keys or overlay.nbytes >= options.flush_bytes
+                or time.monotonic() - self._flushed_at >= options.flush_seconds):
+            self._flush()
+
+    def flush(self) -> None:
+        """Merge every attribute update seen so far into the B+tree (one sorted batch)."""
+        with self._lock:
+            self._check_open()
+            self._flush()
+
+    def _flush(self) -> None:
+        position = self._log.position
+        keys, values = self._overlay.sorted_items()
+        covered = self._index.checkpoint or 0
+        if covered < position:
+            if not self._index.update(zip(keys, values), checkpoint=position):
+                self._rebuild_overlay()  # another handle flushed further: tier 1 restarts from there
+                return
+        elif covered > position:
+            self._rebuild_overlay()
+            return
+        self._overlay.clear()
+        self._flushed_at = time.monotonic()
+
+    def _rebuild_overlay(self) -> None:
+        """The tree covers more of the log than this handle had seen: catch up, replay after it."""
+        self._catch_up()
+        checkpoint = self._index.checkpoint or 0
+        self._overlay.clear()
+        replay = self._replayer(checkpoint)
+        for at, header, buf, pos in self._log._batches(max(checkpoint, self._log.start_position), self._log.position):
+            replay(at, header, buf, pos)
+        self._flushed_at = time.monotonic()
+
+    # -- reading records -----------------------------------------------------------------------
+    @property
+    def next_offset(self) -> int:
+        """The offset the next record will get (as of this handle's last look)."""
+        return self._log.next_offset
+
+    @property
+    def start_offset(self) -> int:
+        """The offset of the first record still stored (retention moves it forward)."""
+        with self._lock:
+            return self._log.start_offset
+
+    def read(self, offset: int, max_records: int = 1000, *, max_bytes: int = DEFAULT_READ_BYTES) -> list[Record]:
+        """Records from ``offset`` on, at most ``max_records`` (fewer at the end; ``[]`` past it).
+
+        An offset below ``start_offset`` (removed by retention) raises ``RecordTruncatedError``.
+        """
+        if type(offset) is not int or offset < 0:
+            raise InvalidInputError(f"offset must be an int >= 0, got {offset!r}")
+        if type(max_records) is not int or max_records < 1:
+            raise InvalidInputError(f"max_records must be an int >= 1, got {max_records!r}")
+        with self._lock:
+            self._check_open()
+            start = self._log.start_offset
+            if offset < start:
+                raise RecordTruncatedError(self.name, offset, start)
+            return self._log.read_records(offset, max_records, max_bytes)
+
+    def reader(self, offset: int | None = None, timestamp: int | None = None) -> SegmentReader:
+        """A reader from ``offset``, or from the first record with timestamp ``>= timestamp``, or
+        (neither given) from the first record still stored. It follows the tail as records come."""
+        if offset is not None and timestamp is not None:
+            raise InvalidInputError("give a reader an offset or a timestamp, not both")
+        with self._lock:
+            self._check_open()
+            if timestamp is not None:
+                found = self._log.offset_for_timestamp(timestamp)
+                start = self._log.next_offset if found is None else found
+            else:
+                start = self._log.start_offset if offset is None else offset
+        return SegmentReader(self, start, poll_interval=self.options.poll_interval)
+
+    def offset_for_timestamp(self, timestamp: int) -> int | None:
+        """The first offset whose record timestamp is ``>= timestamp``, or ``None`` if none is."""
+        if type(timestamp) is not int:
+            raise InvalidInputError(f"timestamp must be an int (ms), got {timestamp!r}")
+        with self._lock:
+            return self._log.offset_for_timestamp(timestamp)
+
+    def _wait(self, offset: int, timeout: float) -> None:
+        """Wait until a record at ``offset`` may exist (an append here, or a poll finding one)."""
+        with self._lock:
+            if self._log.next_offset > offset or self._closed:
+                return
+            self._appended.wait(timeout)
+            if self._log.next_offset <= offset and not self._closed:
+                self._catch_up()  # appends by other processes are found by polling
+
+    def _wake_readers(self) -> None:
+        with self._lock:
+            self._appended.notify_all()
+
+    # -- retention -----------------------------------------------------------------------------
+    def apply_retention(self, max_age_ms: int | None = None, max_bytes: int | None = None,
+                        start_offset: int | None = None, *, now_ms: int | None = None) -> int:
+        """Delete old records; return how many chunks were deleted (see docs/user-guide.md).
+
+        ``max_age_ms``: chunks whose newest record is older; ``max_bytes``: the oldest chunks while
+        the log exceeds it; ``start_offset``: records below it (whole chunks, then the batch holding
+        it). The chunk being appended to is never deleted, and attribute updates are merged into
+        the B+tree first, so no update lives only in deleted log data.
+        """
+        for name, value in (("max_age_ms", max_age_ms), ("max_bytes", max_bytes), ("start_offset", start_offset)):
+            if value is not None and (type(value) is not int or value < 0):
+                raise InvalidInputError(f"{name} must be an int >= 0 or None, got {value!r}")
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        with self._lock:
+            self._check_open()
+            self._catch_up()
+            self._flush()
+            if start_offset is not None and start_offset > self._log.next_offset:
+                raise InvalidInputError(f"segment {self.name!r}: start_offset {start_offset} is past the end "
+                                        f"(next offset {self._log.next_offset})")
+            position, deleted = plan_retention(self._log, max_age_ms, max_bytes, start_offset, now)
+            if position >= self._log.position > self._log.start_position:
+                # Nothing readable would be left, and with it the next offset: keep an empty batch
+                # that records it (Kafka rolls a new segment for the same reason).
+                position = self._append_empty_batch(now)
+            if position > self._log.start_position:
+                self._log.truncate_at(position)
+            return deleted
+
+    def _append_empty_batch(self, timestamp: int) -> int:
+        """Append a batch with no records and no updates; return its byte position."""
+        while True:
+            data = encode_batch(self._log.next_offset, [], timestamp=timestamp)
+            try:
+                return self._log.append(data, read_header(data))
+            except BadOffsetError:
+                self._catch_up()
+
+    # -- inspection and lifecycle --------------------------------------------------------------
+    def stats(self) -> SegmentStats:
+        """Offsets, sizes and attribute state of this segment."""
+        with self._lock:
+            self._check_open()
+            log = self._log
+            chunks = log.bytes.chunks()
+            stored = sum(c.end - max(c.start, log.start_position) for c in chunks)
+            return SegmentStats(
+                name=self.name,
+                start_offset=log.start_offset,
+                next_offset=log.next_offset,
+                log_bytes=stored,
+                log_chunks=len(chunks),
+                max_timestamp=None if log.max_timestamp == -(1 << 63) else log.max_timestamp,
+                pending_attributes=len(self._overlay),
+                attribute_checkpoint=self._index.checkpoint,
+                attributes=self._index.stats(),
+            )
+
+    def close(self) -> None:
+        """Merge pending attribute updates into the B+tree and release the handle."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._flush()
+            finally:
+                self._closed = True
+                self._appended.notify_all()
+                self._log.close()
+                self._index.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInputError(f"segment {self.name!r} handle is closed")
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, next_offset={self._log.next_offset})"
+
+
+def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[bytes], list[int | None]]]:
+    """``(conditional updates, None)``, or ``(None, (keys, values))`` when every update is a plain
+    replacement: ``(key, value)`` pairs or a mapping. Those need no current values, and are
+    validated at C speed (bulk writers send thousands per append)."""
+    if isinstance(given, Mapping):
+        batch = _canonical_batch(given)
+    else:
+        items = given if isinstance(given, list) else list(given)
+        if not items:
+            return None, ([], [])
+        if AttributeUpdate in set(map(type, items)):
+            return [u if isinstance(u, AttributeUpdate) else _pair_update(u) for u in items], ([], [])
+        if not all(isinstance(u, tuple) and len(u) == 2 for u in items):
+            raise InvalidInputError("attribute updates must be AttributeUpdates, (key, value) pairs or a mapping")
+        batch = _canonical_batch(items)
+    keys = sorted(batch)
+    return None, (keys, list(map(batch.__getitem__, keys)))
+
+
+def _pair_update(update: object) -> AttributeUpdate:
+    if isinstance(update, tuple) and len(update) == 2:
+        return AttributeUpdate(update[0], value=update[1])
+    raise InvalidInputError(f"an attribute update must be an AttributeUpdate or a (key, value) pair, got {update!r}")
+
+
+__all__ = ["AppendResult", "Segment", "SegmentOptions", "SegmentStats", "Sequence"]

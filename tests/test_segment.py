@@ -1,0 +1,280 @@
+"""Segments through the public API: appends, reads, attributes, conditional appends, reopening."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from attrindex import AttributeUpdate, Record, SegmentStore, UpdateType
+from attrindex.errors import (
+    BadOffsetError,
+    ConditionalUpdateError,
+    InvalidInputError,
+    RecordTruncatedError,
+    SegmentNotFoundError,
+)
+from attrindex.log.batch import available_codecs
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+@pytest.fixture
+def store(storage_url):
+    url, options = storage_url
+    with SegmentStore.open(url, storage_options=options) as opened:
+        yield opened
+
+
+def reopen(storage_url, **options) -> SegmentStore:
+    url, storage_options = storage_url
+    return SegmentStore.open(url, storage_options=storage_options, **options)
+
+
+def test_append_and_read_records(store):
+    seg = store.segment("orders-0", create=True)
+    first = seg.append([b"v1", Record(value=b"v2", key=b"k", timestamp=5, headers=[("h", b"x")])], timestamp=3)
+    second = seg.append([b"v3"], timestamp=7)
+    assert (first.first_offset, first.last_offset, second.first_offset, second.last_offset) == (0, 1, 2, 2)
+    records = seg.read(0)
+    assert [(r.offset, r.value, r.key, r.timestamp, r.headers) for r in records] == [
+        (0, b"v1", None, 3, ()),
+        (1, b"v2", b"k", 5, (("h", b"x"),)),
+        (2, b"v3", None, 7, ()),
+    ]
+    assert [r.offset for r in seg.read(1, max_records=1)] == [1]
+    assert seg.read(3) == []  # after the last
+    assert (seg.start_offset, seg.next_offset) == (0, 3)
+
+
+def test_missing_segment_and_bad_names(store):
+    with pytest.raises(SegmentNotFoundError, match="nope"):
+        store.segment("nope")
+    for bad in ("", "a/_x", "_hidden", "a//b", "x.seg"):
+        with pytest.raises(InvalidInputError):
+            store.segment(bad, create=True)
+    store.segment("a/b", create=True)
+    store.segment("a", create=True)
+    assert store.segments() == ["a", "a/b"]
+
+
+def test_bad_input_is_rejected_before_anything_changes(store):
+    seg = store.segment("s", create=True)
+    with pytest.raises(InvalidInputError, match="nothing to append"):
+        seg.append([])
+    with pytest.raises(InvalidInputError):
+        seg.append(["text is not bytes"])
+    with pytest.raises(InvalidInputError):
+        seg.append([b"x"], [AttributeUpdate(key(1), UpdateType.ACCUMULATE, value=None)])
+    with pytest.raises(InvalidInputError):
+        seg.append([b"x"], expected_offset=-1)
+    with pytest.raises(InvalidInputError):
+        seg.read(-1)
+    assert seg.next_offset == 0
+
+
+def test_reopen_sees_records_and_attributes(storage_url):
+    with reopen(storage_url) as store:
+        seg = store.segment("s", create=True)
+        for i in range(20):
+            seg.append([b"r%d" % i], [(key(i % 5), i)])
+    with reopen(storage_url) as store:
+        seg = store.segment("s")
+        assert seg.next_offset == 20
+        assert [r.value for r in seg.read(0, 100)] == [b"r%d" % i for i in range(20)]
+        assert seg.get_attributes([key(i) for i in range(6)]) == [15, 16, 17, 18, 19, None]
+
+
+def test_reopen_replays_the_log_after_the_checkpoint(storage_url):
+    """Updates not yet merged into the B+tree come back from the log (no close = a crash)."""
+    store = reopen(storage_url)
+    seg = store.segment("s", create=True)
+    seg.append([b"a"], [(key(1), 1), (key(2), 2)])
+    seg.flush()
+    seg.append([b"b"], [(key(2), None), (key(3), 3)])  # not flushed
+    checkpoint = seg.stats().attribute_checkpoint
+    with reopen(storage_url) as again:
+        seg2 = again.segment("s")
+        assert seg2.stats().attribute_checkpoint == checkpoint
+        assert seg2.stats().pending_attributes == 2
+        assert seg2.get_attributes([key(1), key(2), key(3)]) == [1, None, 3]
+        assert list(seg2.attributes()) == [(key(1), 1), (key(3), 3)]
+
+
+def test_attribute_scans_merge_tier1_over_the_tree(store):
+    seg = store.segment("s", create=True)
+    seg.update_attributes([(key(i), i) for i in range(0, 40, 2)])
+    seg.flush()
+    assert seg.stats().pending_attributes == 0
+    seg.update_attributes([(key(4), None), (key(5), 55), (key(6), 66)])
+    assert dict(seg.attributes(key(3), key(9))) == {key(5): 55, key(6): 66, key(8): 8}
+    expected = {key(i): i for i in range(0, 40, 2)}
+    expected.update({key(5): 55, key(6): 66})
+    del expected[key(4)]
+    assert dict(seg.attributes()) == expected
+    assert [k for k, _ in seg.attributes()] == sorted(expected)
+
+
+def test_attribute_only_append_keeps_offsets(store):
+    seg = store.segment("s", create=True)
+    seg.append([b"a"])
+    result = seg.update_attributes([(key(1), 7)])
+    assert (result.first_offset, result.last_offset, result.record_count) == (1, 0, 0)
+    assert seg.append([b"b"]).first_offset == 1
+    assert [r.value for r in seg.read(0)] == [b"a", b"b"]
+
+
+# -- conditional appends -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "update_type, value, compare, start, passes, result",
+    [
+        (UpdateType.REPLACE, 5, None, None, True, 5),
+        (UpdateType.REPLACE, None, None, 3, True, None),
+        (UpdateType.REPLACE_IF_GREATER, 5, None, None, True, 5),
+        (UpdateType.REPLACE_IF_GREATER, 5, None, 4, True, 5),
+        (UpdateType.REPLACE_IF_GREATER, 5, None, 5, False, 5),
+        (UpdateType.REPLACE_IF_GREATER, 5, None, 6, False, 6),
+        (UpdateType.REPLACE_IF_EQUALS, 5, 4, 4, True, 5),
+        (UpdateType.REPLACE_IF_EQUALS, 5, 4, 3, False, 3),
+        (UpdateType.REPLACE_IF_EQUALS, 5, 4, None, False, None),
+        (UpdateType.REPLACE_IF_EQUALS, 5, None, None, True, 5),
+        (UpdateType.REPLACE_IF_EQUALS, 5, None, 1, False, 1),
+        (UpdateType.REPLACE_IF_EQUALS, None, 4, 4, True, None),
+        (UpdateType.ACCUMULATE, 5, None, None, True, 5),
+        (UpdateType.ACCUMULATE, 5, None, 2, True, 7),
+        (UpdateType.ACCUMULATE, 1, None, (1 << 63) - 1, False, (1 << 63) - 1),
+        (UpdateType.NONE, 5, None, None, True, 5),
+        (UpdateType.NONE, 5, None, 3, False, 3),
+    ],
+)
+@pytest.mark.parametrize("flushed", [False, True], ids=["tier1", "btree"])
+def test_conditional_append_semantics(store, update_type, value, compare, start, passes, result, flushed):
+    """Each row of the semantics table, with the current value in tier 1 or in the B+tree."""
+    seg = store.segment("s", create=True)
+    if start is not None:
+        seg.update_attributes([(key(1), start)])
+    if flushed:
+        seg.flush()
+    before = seg.next_offset
+    update = AttributeUpdate(key(1), update_type, value=value, compare=compare)
+    if passes:
+        appended = seg.append([b"x"], [update])
+        assert appended.first_offset == before
+    else:
+        with pytest.raises(ConditionalUpdateError) as caught:
+            seg.append([b"x"], [update])
+        (failure,) = caught.value.failures
+        assert failure.current == start
+        assert seg.next_offset == before  # nothing appended
+        assert seg.read(before) == []
+    assert seg.get_attribute(key(1)) == result
+
+
+def test_failed_append_names_every_failure_and_retry_is_not_double_counted(store):
+    seg = store.segment("s", create=True)
+    seg.update_attributes([(key(1), 10), (key(2), 20)])
+    request = [
+        AttributeUpdate(key(3), UpdateType.ACCUMULATE, value=5),
+        AttributeUpdate(key(1), UpdateType.REPLACE_IF_EQUALS, value=11, compare=9),
+        AttributeUpdate(key(2), UpdateType.NONE, value=1),
+    ]
+    with pytest.raises(ConditionalUpdateError) as caught:
+        seg.append([b"x"], request)
+    assert [(f.update.key, f.current) for f in caught.value.failures] == [(key(1), 10), (key(2), 20)]
+    assert seg.get_attribute(key(3)) is None
+    fixed = [request[0], AttributeUpdate(key(1), UpdateType.REPLACE_IF_EQUALS, value=11, compare=10)]
+    seg.append([b"x"], fixed)
+    assert seg.get_attributes([key(1), key(3)]) == [11, 5]
+    with pytest.raises(ConditionalUpdateError):
+        seg.append([b"y"], fixed)  # the same request again: compare no longer holds
+    assert seg.get_attribute(key(3)) == 5  # and the accumulate did not apply twice
+
+
+def test_expected_offset(store):
+    seg = store.segment("s", create=True)
+    seg.append([b"a"], expected_offset=0)
+    with pytest.raises(BadOffsetError):
+        seg.append([b"b"], expected_offset=0)
+    with pytest.raises(BadOffsetError):
+        seg.append([b"b"], expected_offset=5)
+    assert seg.append([b"b"], expected_offset=1).first_offset == 1
+
+
+def test_stale_handle_catches_up_and_revalidates(storage_url):
+    """Two handles on one segment: each append checks the true state, whatever the handle saw."""
+    with reopen(storage_url) as one, reopen(storage_url) as two:
+        a = one.segment("s", create=True)
+        b = two.segment("s")
+        a.append([b"a0"], [AttributeUpdate(key(1), UpdateType.NONE, value=1)])
+        with pytest.raises(ConditionalUpdateError):  # b has not seen a's append yet
+            b.append([b"b0"], [AttributeUpdate(key(1), UpdateType.NONE, value=2)])
+        assert b.append([b"b1"], [AttributeUpdate(key(1), UpdateType.ACCUMULATE, value=1)], expected_offset=1).first_offset == 1
+        a.append([b"a1"], [AttributeUpdate(key(1), UpdateType.ACCUMULATE, value=1)])
+        b.refresh()
+        assert a.get_attribute(key(1)) == b.get_attribute(key(1)) == 3
+        assert [r.value for r in b.read(0)] == [b"a0", b"b1", b"a1"]
+
+
+def test_racing_threads_one_winner_per_round(storage_url):
+    """Threads with their own handles race REPLACE_IF_EQUALS on one key: one winner per value."""
+    stores = [reopen(storage_url) for _ in range(3)]
+    stores[0].segment("s", create=True)
+    wins: list[tuple[int, int]] = []
+
+    def run(i: int) -> None:
+        seg = stores[i].segment("s")
+        for _ in range(6):
+            while True:
+                current = seg.get_attribute(key(0))
+                try:
+                    seg.append([b"%d" % i], [AttributeUpdate(key(0), UpdateType.REPLACE_IF_EQUALS, value=(current or 0) + 1, compare=current)])
+                    wins.append((i, (current or 0) + 1))
+                    break
+                except ConditionalUpdateError:
+                    continue
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(v for _, v in wins) == list(range(1, 19))
+    seg = stores[0].segment("s")
+    seg.refresh()
+    assert seg.get_attribute(key(0)) == 18 and seg.next_offset == 18
+    for s in stores:
+        s.close()
+
+
+@pytest.mark.parametrize("codec", sorted(c.name.lower() for c in available_codecs()))
+def test_codecs(storage_url, codec):
+    with reopen(storage_url, codec=codec) as store:
+        seg = store.segment("s", create=True)
+        seg.append([b"x" * 300, b"y" * 5], [(key(1), 1)])
+        seg.append([b"z"], codec="none")
+    with reopen(storage_url) as store:
+        assert [r.value for r in store.segment("s").read(0)] == [b"x" * 300, b"y" * 5, b"z"]
+
+
+def test_stats_and_uuid_keys(store):
+    seg = store.segment("s", create=True)
+    writer = uuid.uuid4()
+    seg.append([b"a", b"b"], [(writer, 2)], timestamp=1000)
+    stats = seg.stats()
+    assert (stats.next_offset, stats.start_offset, stats.max_timestamp, stats.pending_attributes) == (2, 0, 1000, 1)
+    assert seg.get_attribute(writer) == 2
+
+
+def test_read_before_start_after_retention(store):
+    seg = store.segment("s", create=True)
+    for i in range(10):
+        seg.append([b"%d" % i])
+    seg.apply_retention(start_offset=4)
+    assert seg.start_offset == 4
+    with pytest.raises(RecordTruncatedError) as caught:
+        seg.read(2)
+    assert caught.value.start_offset == 4
+    assert [r.offset for r in seg.read(4)] == list(range(4, 10))
