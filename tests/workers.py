@@ -107,6 +107,31 @@ def segment_append(directory: str, name: str, count: int) -> None:
             seg.append([b"p%d" % i])
 
 
+def chaos_writer(url: str, options_json: str, stream: str, writer: int, total: int, rate: float, seed: int) -> None:
+    """Write events ``writer:1`` ... ``writer:total`` exactly once through a flaky store.
+
+    The writer id depends only on ``writer``, and the events are always written in the same
+    order, so a killed and restarted worker resumes where its earlier life stopped.
+    """
+    import json
+    import uuid
+
+    from attrindex import EventWriter, SegmentStore
+    from storage_adapters import open_storage
+    from tests.flaky import FlakyStorage
+
+    flaky = FlakyStorage(open_storage(url, **json.loads(options_json)), rate=rate, seed=seed)
+    store = SegmentStore(flaky, poll_interval=0.01)
+    events = EventWriter(store, stream, writer_id=uuid.UUID(int=writer + 1), batch_events=8, retries=200, retry_delay=0.001)
+    for n in range(1, total + 1):
+        events.write(b"%d:%d" % (writer, n), routing_key=b"%d-%d" % (writer, n % 5))
+        if n % 10 == 0:
+            events.flush()
+            print(n, flush=True)
+    events.flush()
+    print("done", events.events_skipped, flaky.lost_acks, flaky.failed_writes, flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "append_forever":
         append_forever(sys.argv[2], sys.argv[3])
@@ -114,3 +139,5 @@ if __name__ == "__main__":
         index_update_forever(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "segment_append":
         segment_append(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "chaos_writer":
+        chaos_writer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7]), int(sys.argv[8]))

@@ -1,0 +1,68 @@
+"""Chaos: writer processes on one stream, killed at random, with dropped acknowledgements.
+
+Afterwards every (writer, event number) is in the stream exactly once and none is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from attrindex import SegmentStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def start(url, options, writer, total, seed):
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.workers", "chaos_writer", url, json.dumps(options), "chaos", str(writer),
+         str(total), "0.05", str(seed)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
+def test_writers_killed_at_random_write_every_event_exactly_once(storage_url):
+    url, options = storage_url
+    writers, total = 3, (150 if "s3" in url else 3000)
+    with SegmentStore.open(url, storage_options=options) as store:
+        store.create_stream("chaos", 3)
+    rng = random.Random(11)
+    procs = {w: start(url, options, w, total, rng.randrange(10**6)) for w in range(writers)}
+    kills = skipped = lost_acks = 0
+    deadline = time.monotonic() + 240
+    while procs:
+        assert time.monotonic() < deadline, "chaos writers did not finish in time"
+        time.sleep(rng.uniform(0.05, 0.4))
+        for w, proc in list(procs.items()):
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                if proc.returncode == 0:
+                    assert "done" in out, err
+                    _, events_skipped, acks, _failed = out.strip().splitlines()[-1].split()
+                    skipped, lost_acks = skipped + int(events_skipped), lost_acks + int(acks)
+                    del procs[w]
+                    continue
+                assert proc.returncode == -signal.SIGKILL, f"writer {w} failed:\n{err}"
+                procs[w] = start(url, options, w, total, rng.randrange(10**6))
+            elif kills < 8 and rng.random() < 0.4:
+                proc.kill()  # mid-write, whatever it was doing
+                kills += 1
+    assert kills >= 3 and skipped > 0 and lost_acks > 0  # restarts replayed, acknowledgements were lost
+    seen: dict[tuple[int, int], int] = {}
+    with SegmentStore.open(url, storage_options=options) as store:
+        for name in store.stream_segments("chaos"):
+            seg = store.segment(name)
+            for record in seg.read(0, 1_000_000):
+                writer, number = map(int, record.value.split(b":"))
+                seen[(writer, number)] = seen.get((writer, number), 0) + 1
+    duplicates = {k: v for k, v in seen.items() if v > 1}
+    missing = [(w, n) for w in range(writers) for n in range(1, total + 1) if (w, n) not in seen]
+    assert not duplicates and not missing
