@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
+import datetime
+import decimal
 import json
+import os
+import re
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import attrs
 
 from ._version import __version__
-from .errors import AttrIndexError, BadOffsetError, CorruptDataError, InvalidInputError
+from .errors import AttrIndexError, BadOffsetError, CorruptDataError, InvalidInputError, SegmentNotFoundError
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -172,6 +179,420 @@ def _add_index_commands(commands) -> None:
     action("verify", _index_verify, "read every live page, check checksums and ordering; exit 3 on a fault")
 
 
+# -- segment commands --------------------------------------------------------------------------
+#
+# Exit codes of the segment commands: 0 success, 1 the operation failed (a storage error, an
+# expected offset that did not match, records removed by retention), 2 bad input (a malformed
+# argument, an unsupported URL scheme, a segment that does not exist). Ctrl-C ends ``tail`` with 0.
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|w)?")  # lower case only: is 10M minutes or months?
+_DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?", re.IGNORECASE)
+_SIZE_BYTES = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_READ_PAGE = 1000
+
+_READ_FORMATS_HELP = """\
+output formats:
+  text  one line per record: offset, timestamp (ms), key and value, separated by tabs. A key or
+        value is shown as UTF-8 text when it decodes as UTF-8 and holds no control characters
+        (tabs, newlines...) and does not start with "0x"; otherwise as 0x followed by its bytes
+        in hex. A record without a key has an empty key column. Headers are not shown.
+  json  one JSON object per line: {"offset", "timestamp", "key", "value", "headers"}. A key or
+        value that is valid UTF-8 is a JSON string; one that is not is given base64-encoded
+        under "key_base64" / "value_base64" instead (and "key" / "value" is then absent). A
+        record without a key has "key": null. "headers" is a list of {"name", "value"} objects,
+        a header value that is not UTF-8 given as "value_base64" likewise.
+"""
+
+
+def _whole(number: str, unit: int) -> int:
+    """``number`` (decimal digits, maybe a fraction) times ``unit``, rounded to an int, exactly."""
+    return int((decimal.Decimal(number) * unit).to_integral_value(decimal.ROUND_HALF_EVEN))
+
+
+def parse_duration(text: str) -> int:
+    """A duration typed on the command line, in ms: ``90s``, ``15m``, ``12h``, ``7d``, ``2w``,
+    ``250ms`` or a plain number of ms."""
+    match = _DURATION.fullmatch(text.strip())
+    if not match:
+        raise InvalidInputError(
+            f"cannot read {text!r} as a duration: give a number with a unit ms, s, m, h, d or w "
+            "(e.g. 90s, 15m, 12h, 7d), or plain milliseconds")
+    return _whole(match[1], _DURATION_MS[match[2] or "ms"])
+
+
+def parse_size(text: str) -> int:
+    """A size typed on the command line, in bytes: ``10MB`` (10**6 each), ``512KiB`` (2**10 each),
+    ``1.5GiB``, ``100B`` or a plain number of bytes."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match:
+        raise InvalidInputError(
+            f"cannot read {text!r} as a size: give bytes, or a number with a unit "
+            "B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024)")
+    return _whole(match[1], _SIZE_BYTES[(match[2] or "b").lower()])
+
+
+def _shown(data: bytes | None) -> str:
+    """Bytes for the text format: UTF-8 text if that is unambiguous on one line, else 0x + hex."""
+    if data is None:
+        return ""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "0x" + data.hex()
+    if text.startswith("0x") or any(c < " " or c == "\x7f" or "\x80" <= c <= "\x9f" or c in "\u2028\u2029" for c in text):
+        return "0x" + data.hex()
+    return text
+
+
+def _json_field(out: dict, name: str, data: bytes | None) -> None:
+    if data is None:
+        out[name] = None
+        return
+    try:
+        out[name] = data.decode("utf-8")
+    except UnicodeDecodeError:
+        out[f"{name}_base64"] = base64.b64encode(data).decode("ascii")
+
+
+def _format_record(record, fmt: str) -> str:
+    if fmt == "json":
+        out: dict = {"offset": record.offset, "timestamp": record.timestamp}
+        _json_field(out, "key", record.key)
+        _json_field(out, "value", record.value)
+        headers = []
+        for name, value in record.headers:
+            header = {"name": name}
+            _json_field(header, "value", value)
+            headers.append(header)
+        out["headers"] = headers
+        return json.dumps(out, ensure_ascii=False)
+    return f"{record.offset}\t{record.timestamp}\t{_shown(record.key)}\t{_shown(record.value)}"
+
+
+def _check_count(value: int | None, option: str, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise InvalidInputError(f"{option} must be at least {minimum}, got {value}")
+
+
+@contextlib.contextmanager
+def _open_store(args: argparse.Namespace, *, writes: bool) -> Iterator:
+    """The ``SegmentStore`` at ``args.url``. Commands that only read release the storage without
+    closing the segment handles: closing a handle merges the attribute updates it replayed from the
+    log into the B+tree, which is a write, and a reader should never write."""
+    from .store import SegmentStore
+
+    store = SegmentStore.open(args.url, storage_options=_storage_options(args.storage_option))
+    try:
+        yield store
+    finally:
+        if writes:
+            store.close()
+        else:
+            store.storage.close()
+
+
+def _attribute_updates(pairs: list[str]) -> list:
+    from .conditional import AttributeUpdate, UpdateType
+
+    updates = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise InvalidInputError(f"--attribute {pair!r} must look like KEY=VALUE (VALUE 'none' removes)")
+        updates.append(AttributeUpdate(parse_key(key), UpdateType.REPLACE, _parse_value(value)))
+    return updates
+
+
+def _stdin_values() -> Iterator[bytes]:
+    """One value per line of standard input (read as bytes), without its line ending."""
+    stream = getattr(sys.stdin, "buffer", None)
+    lines = stream if stream is not None else (line.encode("utf-8") for line in sys.stdin)
+    for line in lines:
+        if line.endswith(b"\n"):
+            line = line[:-2] if line.endswith(b"\r\n") else line[:-1]
+        yield line
+
+
+def _batches(values, size: int) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for value in values:
+        batch.append(value)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _ranges(ranges: list[list[int]]) -> str:
+    return ", ".join(f"{first}..{last}" for first, last in ranges)
+
+
+def _segment_append(args: argparse.Namespace) -> int:
+    from .log.batch import Record, codec_for
+
+    # Everything the user typed is checked before the store is touched, so bad input creates nothing.
+    _check_count(args.batch, "--batch")
+    _check_count(args.expected_offset, "--expected-offset", 0)
+    updates = _attribute_updates(args.attribute)
+    codec = None if args.codec is None else codec_for(args.codec)
+    key = None if args.key is None else args.key.encode("utf-8", "surrogateescape")
+    if args.values:
+        values = [v.encode("utf-8", "surrogateescape") for v in args.values]
+    else:
+        values = _stdin_values()
+
+    ranges: list[list[int]] = []  # [first, last] offsets appended, merged where contiguous
+    count = 0
+    with _open_store(args, writes=True) as store:
+        try:
+            segment = store.segment(args.name, create=args.create)
+        except SegmentNotFoundError as exc:
+            raise SegmentNotFoundError(f"{exc} (give --create to create it)") from None
+        expected = args.expected_offset
+        pending = updates
+        try:
+            for batch in _batches(values, args.batch):
+                records = batch if key is None else [Record(value=v, key=key) for v in batch]
+                result = segment.append(records, pending, expected, timestamp=args.timestamp, codec=codec)
+                pending = []
+                if expected is not None:  # keep the whole run contiguous, as the user asked for the first offset
+                    expected = result.last_offset + 1
+                count += result.record_count
+                if ranges and ranges[-1][1] + 1 == result.first_offset:
+                    ranges[-1][1] = result.last_offset
+                else:
+                    ranges.append([result.first_offset, result.last_offset])
+        except (AttrIndexError, OSError):
+            if count:  # the earlier batches are durable: say so next to the error
+                print(f"attrindex: appended {count} records at offsets {_ranges(ranges)} before the error below", file=sys.stderr)
+            raise
+        if pending:  # no records at all: the attribute updates go alone
+            segment.append((), pending, expected, timestamp=args.timestamp, codec=codec)
+        next_offset = segment.next_offset
+    with_updates = f" with {len(updates)} attribute update(s)" if updates else ""
+    if count:
+        print(f"appended {count} records at offsets {_ranges(ranges)}{with_updates}")
+    else:
+        print(f"appended 0 records{with_updates}; next offset {next_offset}")
+    return 0
+
+
+def _read_start(segment, args: argparse.Namespace) -> int | None:
+    """The offset a read starts at, or None if ``--timestamp`` is newer than every record."""
+    if args.timestamp is not None:
+        return segment.offset_for_timestamp(args.timestamp)
+    return segment.start_offset if args.offset is None else args.offset
+
+
+def _segment_read(args: argparse.Namespace) -> int:
+    _check_count(args.max, "--max")
+    _check_count(args.offset, "--offset", 0)
+    with _open_store(args, writes=False) as store:
+        segment = store.segment(args.name)
+        offset = _read_start(segment, args)
+        remaining = args.max
+        write = sys.stdout.write
+        while offset is not None and (remaining is None or remaining > 0):
+            records = segment.read(offset, _READ_PAGE if remaining is None else min(_READ_PAGE, remaining))
+            if not records:
+                break
+            for record in records:
+                write(_format_record(record, args.format) + "\n")
+            offset = records[-1].offset + 1
+            if remaining is not None:
+                remaining -= len(records)
+        sys.stdout.flush()
+    return 0
+
+
+def _segment_tail(args: argparse.Namespace) -> int:
+    _check_count(args.max, "--max")
+    _check_count(args.offset, "--offset", 0)
+    if args.timeout is not None and args.timeout < 0:
+        raise InvalidInputError(f"--timeout must be at least 0 seconds, got {args.timeout}")
+    with _open_store(args, writes=False) as store:
+        segment = store.segment(args.name)
+        if args.from_end:
+            reader = segment.reader(offset=segment.next_offset)
+        elif args.timestamp is not None:
+            reader = segment.reader(timestamp=args.timestamp)
+        else:
+            reader = segment.reader(offset=args.offset)
+        try:
+            printed = 0
+            while args.max is None or printed < args.max:
+                record = reader.read(args.timeout)
+                if record is None:  # --timeout seconds without a new record
+                    break
+                print(_format_record(record, args.format), flush=True)
+                printed += 1
+        finally:  # Ctrl-C included: it is how a tail without --max or --timeout ends (exit 0, see _guarded)
+            reader.cancel()
+    return 0
+
+
+def _shown_timestamp(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    try:
+        moment = datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        return str(ms)
+    return f"{ms} ({moment.isoformat(timespec='milliseconds').replace('+00:00', 'Z')})"
+
+
+_ATTRIBUTE_FIGURES = ("entry_count", "page_count", "height", "storage_bytes", "live_bytes")
+
+
+def _segment_stats(args: argparse.Namespace) -> int:
+    with _open_store(args, writes=False) as store:
+        stats = store.segment(args.name).stats()
+    if args.json:
+        print(json.dumps(attrs.asdict(stats), indent=2))
+        return 0
+    rows = [
+        ("name", stats.name),
+        ("start_offset", f"{stats.start_offset:,}"),
+        ("next_offset", f"{stats.next_offset:,}"),
+        ("records", f"{stats.next_offset - stats.start_offset:,}"),
+        ("log_bytes", f"{stats.log_bytes:,}"),
+        ("log_chunks", f"{stats.log_chunks:,}"),
+        ("max_timestamp", _shown_timestamp(stats.max_timestamp)),
+        ("pending_attributes", f"{stats.pending_attributes:,}"),
+        ("attribute_checkpoint", "-" if stats.attribute_checkpoint is None else f"{stats.attribute_checkpoint:,}"),
+    ]
+    rows += [(f"attributes.{field}", f"{getattr(stats.attributes, field):,}") for field in _ATTRIBUTE_FIGURES]
+    for field, value in rows:
+        print(f"{field:26} {value}")
+    return 0
+
+
+def _segment_retention(args: argparse.Namespace) -> int:
+    max_age = None if args.max_age is None else parse_duration(args.max_age)
+    max_bytes = None if args.max_bytes is None else parse_size(args.max_bytes)
+    _check_count(args.start_offset, "--start-offset", 0)
+    if max_age is None and max_bytes is None and args.start_offset is None:
+        raise InvalidInputError("retention needs at least one rule: --max-age, --max-bytes or --start-offset")
+    with _open_store(args, writes=True) as store:
+        segment = store.segment(args.name)
+        before = segment.start_offset
+        deleted = segment.apply_retention(max_age_ms=max_age, max_bytes=max_bytes, start_offset=args.start_offset)
+        after, end = segment.start_offset, segment.next_offset
+    print(f"deleted {deleted} chunk(s); start offset {before} -> {after} ({end - after:,} records remain)")
+    return 0
+
+
+def _segment_list(args: argparse.Namespace) -> int:
+    from .store import validate_name
+
+    prefix = args.prefix.strip("/")
+    if prefix:
+        validate_name(prefix, "prefix")  # also keeps '..' from listing outside the store
+    with _open_store(args, writes=False) as store:
+        for name in store.segments(prefix):
+            print(name)
+    return 0
+
+
+def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Run a segment command, turning every expected failure into one line on stderr and an exit code."""
+
+    def guarded(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except (InvalidInputError, SegmentNotFoundError) as exc:
+            print(f"attrindex: error: {exc}", file=sys.stderr)
+            return 2
+        except AttrIndexError as exc:
+            print(f"attrindex: error: {exc}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:
+            # The reader of our output went away (e.g. `| head`): stop quietly. Point stdout at
+            # devnull so the interpreter's final flush does not complain again.
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        except OSError as exc:
+            print(f"attrindex: error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return getattr(args, "interrupted_exit", 130)
+
+    return guarded
+
+
+def _add_segment_commands(commands) -> None:
+    segment = commands.add_parser("segment", help="append to, read, follow or inspect segments",
+                                  description="Append to, read, follow or inspect the segments of a store. "
+                                  "Exit codes: 0 ok, 1 the operation failed, 2 bad input or no such segment.")
+    actions = segment.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    def action(name: str, run, help_text: str, *, named: bool = True, epilog: str | None = None) -> argparse.ArgumentParser:
+        parser = actions.add_parser(name, help=help_text, description=textwrap.fill(help_text[0].upper() + help_text[1:] + ".", 78),
+                                    epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("url", metavar="URL", help="storage URL: a directory, file://, memory:// or s3://bucket/prefix")
+        if named:
+            parser.add_argument("name", metavar="NAME", help="the segment's name, e.g. orders or orders/0")
+        parser.add_argument("-o", "--storage-option", action="append", default=[], metavar="NAME=VALUE",
+                            help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000 (repeatable)")
+        parser.set_defaults(run=_guarded(run))
+        return parser
+
+    append = action("append", _segment_append,
+                    "append the VALUEs, or with none, each line of standard input, as records")
+    append.add_argument("values", nargs="*", metavar="VALUE",
+                        help="record values (UTF-8); none: read stdin, one record per line (its \\n or \\r\\n dropped)")
+    append.set_defaults(trailing_values="values")
+    append.add_argument("--key", help="record key given to every record (UTF-8)")
+    append.add_argument("--create", action="store_true", help="create the segment if it does not exist")
+    append.add_argument("--attribute", action="append", default=[], metavar="KEY=VALUE",
+                        help="set attribute KEY (32 hex digits, a UUID or an integer) to VALUE (an integer, "
+                             "or 'none' to remove) with the first batch (repeatable)")
+    append.add_argument("--expected-offset", type=int, metavar="N",
+                        help="append only if the segment's next offset is N (later batches follow on from it)")
+    append.add_argument("--codec", help="compression of the batches: none, gzip, zstd or lz4 (default: none)")
+    append.add_argument("--timestamp", type=int, metavar="MS", help="record timestamp in ms since the epoch (default: now)")
+    append.add_argument("--batch", type=int, default=1000, metavar="N",
+                        help="records per append when reading stdin (default 1000)")
+
+    read = action("read", _segment_read, "print records, from the first one still stored or from --offset/--timestamp",
+                  epilog=_READ_FORMATS_HELP)
+    start = read.add_mutually_exclusive_group()
+    start.add_argument("--offset", type=int, metavar="N", help="first offset to print")
+    start.add_argument("--timestamp", type=int, metavar="MS", help="start at the first record with a timestamp >= MS")
+    read.add_argument("--max", type=int, metavar="N", help="print at most N records")
+    read.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text; see below)")
+
+    tail = action("tail", _segment_tail,
+                  "print records as they are appended, like tail -f, from the first record still stored, "
+                  "--offset, --timestamp or --from-end; Ctrl-C stops it", epilog=_READ_FORMATS_HELP)
+    start = tail.add_mutually_exclusive_group()
+    start.add_argument("--offset", type=int, metavar="N", help="first offset to print")
+    start.add_argument("--timestamp", type=int, metavar="MS", help="start at the first record with a timestamp >= MS")
+    start.add_argument("--from-end", action="store_true", help="print only records appended from now on")
+    tail.add_argument("--max", type=int, metavar="N", help="stop after N records")
+    tail.add_argument("--timeout", type=float, metavar="S", help="stop after S seconds without a new record (default: never)")
+    tail.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text; see below)")
+    tail.set_defaults(interrupted_exit=0)
+
+    action("stats", _segment_stats, "print offsets, log size and the attribute index's figures").add_argument(
+        "--json", action="store_true", help="print every figure as JSON")
+
+    retention = action("retention", _segment_retention,
+                       "delete old records by age, total size or start offset (whole chunks; the newest chunk is kept)")
+    retention.add_argument("--max-age", metavar="DURATION",
+                           help="delete chunks whose newest record is older: 90s, 15m, 12h, 7d, 2w or plain ms")
+    retention.add_argument("--max-bytes", metavar="SIZE",
+                           help="delete the oldest chunks while the log holds more: 10MB, 512KiB or plain bytes")
+    retention.add_argument("--start-offset", type=int, metavar="N", help="delete the records below offset N")
+
+    action("list", _segment_list, "print the names of the segments in the store", named=False).add_argument(
+        "--prefix", default="", metavar="P", help="only the segments under this path, e.g. orders")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attrindex", description=__doc__)
     parser.add_argument("--version", action="version", version=f"attrindex {__version__}")
@@ -180,12 +601,32 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--path", help="storage URL to run in (default: a temporary directory)")
     demo.set_defaults(run=_demo)
     _add_index_commands(commands)
+    _add_segment_commands(commands)
     return parser
+
+
+_NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that a command whose last positional takes any number of values
+    (``segment append``'s VALUEs) also gets the values typed after its options: argparse alone
+    gives ``append URL NAME --create a b`` no VALUE and calls ``a b`` unrecognized."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        into = getattr(args, "trailing_values", None)
+        options = extra[: extra.index("--")] if "--" in extra else extra  # after "--" all are values
+        if into is None or any(e.startswith("-") and e != "-" and not _NEGATIVE_NUMBER.fullmatch(e) for e in options):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if "--" in extra:
+            extra.remove("--")
+        getattr(args, into).extend(extra)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

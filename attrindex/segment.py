@@ -100,6 +100,7 @@ class Segment:
         self._index = AttributeIndex(storage, f"{name}/{ATTRIBUTES_NAME}", **options.attribute_options)
         self._overlay = AttributeOverlay()
         self._flushed_at = time.monotonic()
+        self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
         with self._lock:
             self._open()
@@ -189,6 +190,7 @@ class Segment:
                     continue
                 if keys:
                     self._overlay.apply(keys, values)
+                self._wrote = True
                 self._appended.notify_all()
                 self._maybe_flush()
                 return AppendResult(header.base_offset, header.last_offset)
@@ -246,10 +248,19 @@ class Segment:
             self._check_open()
             self._flush()
 
-    def _flush(self) -> None:
+    def _flush(self, *, force: bool = False) -> None:
+        """Merge tier 1 into the B+tree and move its checkpoint to this handle's log position.
+
+        With nothing to merge, the checkpoint alone is written only if ``force`` (retention is
+        about to delete log data below it) or the log has grown by a chunk since: then opening
+        replays at most about a chunk, and readers that merely replayed never write.
+        """
         position = self._log.position
-        keys, values = self._overlay.sorted_items()
         covered = self._index.checkpoint or 0
+        if not len(self._overlay) and not force and position - covered < self.options.log_rolling_size:
+            self._flushed_at = time.monotonic()
+            return
+        keys, values = self._overlay.sorted_items()
         if covered < position:
             if not self._index.update(zip(keys, values), checkpoint=position):
                 self._rebuild_overlay()  # another handle flushed further: tier 1 restarts from there
@@ -349,7 +360,7 @@ class Segment:
         with self._lock:
             self._check_open()
             self._catch_up()
-            self._flush()
+            self._flush(force=True)
             if start_offset is not None and start_offset > self._log.next_offset:
                 raise InvalidInputError(f"segment {self.name!r}: start_offset {start_offset} is past the end "
                                         f"(next offset {self._log.next_offset})")
@@ -397,7 +408,8 @@ class Segment:
             if self._closed:
                 return
             try:
-                self._flush()
+                if self._wrote:  # a handle that only read leaves the merge to the writers
+                    self._flush()
             finally:
                 self._closed = True
                 self._appended.notify_all()

@@ -86,6 +86,8 @@ class SegmentStore:
     def segments(self, prefix: str = "") -> list[str]:
         """Names of the segments in the store (under ``prefix``), sorted."""
         root = prefix.rstrip("/")
+        if root:
+            validate_name(root, "prefix")
         found = self.storage.list_files(root) if root else self.storage.list_files("")
         names = []
         suffix = "/" + SEGMENT_MARKER

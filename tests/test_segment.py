@@ -278,3 +278,17 @@ def test_read_before_start_after_retention(store):
         seg.read(2)
     assert caught.value.start_offset == 4
     assert [r.offset for r in seg.read(4)] == list(range(4, 10))
+
+
+def test_a_handle_that_only_reads_writes_nothing(storage_url):
+    with reopen(storage_url) as store:
+        seg = store.segment("s", create=True)
+        seg.append([b"a"], [(key(1), 1)])  # left in tier 1: below every flush threshold
+    with reopen(storage_url) as store:
+        seg = store.segment("s")
+        length = seg._index._segment.length
+        assert seg.read(0)[0].value == b"a" and seg.get_attribute(key(1)) == 1
+        log_length = seg._log.bytes.length
+    with reopen(storage_url) as store:  # closing the reader wrote no index update, no log bytes
+        seg = store.segment("s")
+        assert (seg._index._segment.length, seg._log.bytes.length) == (length, log_length)

@@ -61,7 +61,6 @@ BATCH_VERSION = 1
 _HEADER = struct.Struct("<4sHHIIIIqqqII")
 BATCH_HEADER_SIZE = _HEADER.size  # 56
 _CHECKED_HEADER = BATCH_HEADER_SIZE - 4  # the header checksum covers the bytes before it
-_PAYLOAD_CRC_AT = BATCH_HEADER_SIZE - 8
 
 _CODEC_MASK = 0x07
 FLAG_KEYS = 0x08
@@ -127,6 +126,7 @@ def _require(codec: Codec):
 
 
 _CODEC_CHOICES = ", ".join(repr(c.name.lower()) for c in Codec)
+_MAX_CODEC = max(Codec)
 
 
 def codec_for(spec: str | int | Codec | None) -> Codec:
@@ -170,11 +170,17 @@ def _decompress(codec: Codec, data, expected: int, corrupt) -> bytes:
             out = inflater.decompress(data, expected + 1)  # max_length 0 would mean unlimited
             complete = inflater.eof and not inflater.unused_data and not inflater.unconsumed_tail
         elif codec == Codec.ZSTD:
-            declared = module.frame_content_size(data)
+            declared = module.frame_content_size(data)  # -1 when the frame does not record it
             if declared != expected:
-                raise corrupt(f"zstd frame declares {declared} bytes, the header {expected}")
-            out = module.ZstdDecompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
-            complete = True
+                raise corrupt(f"zstd frame declares {declared} bytes of content, the header {expected}")
+            if expected:
+                # allocates exactly the declared size; a frame that inflates past it is an error
+                out = module.ZstdDecompressor().decompress(data, max_output_size=expected, allow_extra_data=False)
+                complete = True
+            else:  # decompress() returns b"" for an empty frame without looking at what follows
+                inflater = module.ZstdDecompressor().decompressobj()
+                out = inflater.decompress(data)
+                complete = inflater.eof and not inflater.unused_data
         else:
             declared = module.get_frame_info(data)["content_size"]
             if declared not in (0, expected):  # 0: the frame does not record its size
@@ -182,7 +188,7 @@ def _decompress(codec: Codec, data, expected: int, corrupt) -> bytes:
             inflater = module.LZ4FrameDecompressor()
             out = inflater.decompress(data, max_length=expected + 1)
             complete = inflater.eof and not inflater.unused_data
-    except CorruptDataError:
+    except (CorruptDataError, MemoryError):
         raise
     except Exception as exc:  # zlib.error, ZstdError, lz4's RuntimeError, ...: all mean bad bytes
         raise corrupt(f"{codec.name.lower()} payload does not decompress: {exc}") from exc
@@ -220,6 +226,8 @@ class BatchHeader:
     first_timestamp: int
     max_timestamp: int
     codec: Codec
+    # Beyond the fields above, what the payload readers need (defaulted, so that code building a
+    # header from the seven fields above still works; such a header cannot verify a payload).
     payload_size: int = 0  # payload length before compression
     payload_crc: int = 0  # CRC-32 of the stored payload
     flags: int = 0  # the raw header flags (codec and which optional columns are present)
@@ -294,13 +302,14 @@ def _normalize(records, timestamp: int):
 
 
 def _normalize_headers(pairs, i: int) -> tuple:
+    wrong = f"record {i}: headers must be a sequence of (str, bytes) pairs, got {type(pairs).__name__}"
     if isinstance(pairs, (str, bytes, bytearray, memoryview, dict)):
-        raise InvalidInputError(f"record {i}: headers must be a sequence of (str, bytes) pairs, got {type(pairs).__name__}")
+        raise InvalidInputError(wrong)
     out = []
     try:
         items = list(pairs)
     except TypeError:
-        raise InvalidInputError(f"record {i}: headers must be a sequence of (str, bytes) pairs, got {type(pairs).__name__}") from None
+        raise InvalidInputError(wrong) from None
     for j, pair in enumerate(items):
         try:
             name, value = pair
@@ -378,8 +387,11 @@ def encode_batch(
     count = len(records)
     if count > MAX_RECORDS:
         raise InvalidInputError(f"a batch holds at most {MAX_RECORDS} records, got {count}")
-    if base_offset + count - 1 > _I64_MAX:
-        raise InvalidInputError(f"offsets {base_offset}..{base_offset + count - 1} exceed the signed 64-bit range")
+    if base_offset + count > _I64_MAX:
+        raise InvalidInputError(
+            f"offsets from {base_offset} for {count} records exceed the signed 64-bit range "
+            "(the next offset must fit too)"
+        )
 
     flags = int(codec)
     keys = stamps = headers = None
@@ -506,7 +518,8 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
 
     Raises ``CorruptDataError`` (offset ``position + pos``) when the bytes there are not a batch
     header: a wrong magic or version, a checksum mismatch or impossible fields. Fewer than a
-    header's worth of bytes count as incomplete only if they are a prefix of the magic-led header.
+    header's worth of bytes count as incomplete only if they start like the magic (a torn header
+    always does), so short garbage at the end of a log is reported too.
     """
     if pos < 0:
         raise InvalidInputError(f"position must be >= 0, got {pos}")
@@ -528,21 +541,22 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
         raise _corrupt_at(segment, position + pos)(problem)
     if size > available:
         return None
+    codec = Codec(flags & _CODEC_MASK)
     return BatchHeader(
-        size, base_offset, count, update_count, first_ts, max_ts, Codec(flags & _CODEC_MASK), payload_size, payload_crc, flags
+        size, base_offset, count, update_count, first_ts, max_ts, codec, payload_size, payload_crc, flags
     )
 
 
 def _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts) -> str:
     if version != BATCH_VERSION:
         return f"unknown format version {version}"
-    if flags & ~_KNOWN_FLAGS or (flags & _CODEC_MASK) > max(Codec):
+    if flags & ~_KNOWN_FLAGS or (flags & _CODEC_MASK) > _MAX_CODEC:
         return f"unknown flags {flags:#x}"
     if size < BATCH_HEADER_SIZE:
         return f"size {size} is smaller than the {BATCH_HEADER_SIZE}-byte header"
     if count > MAX_RECORDS:
         return f"record count {count} is above the limit {MAX_RECORDS}"
-    if base_offset < 0 or base_offset + count - 1 > _I64_MAX:
+    if base_offset < 0 or base_offset + count > _I64_MAX:
         return f"base offset {base_offset} with {count} records is out of range"
     if max_ts < first_ts:
         return f"max timestamp {max_ts} is below the first timestamp {first_ts}"
