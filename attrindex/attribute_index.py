@@ -31,8 +31,14 @@ def _all_canonical_keys(keys: Iterable[object]) -> bool:
     return not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE})
 
 
-def _is_canonical_update(value: object) -> bool:
-    return value is None or (type(value) is int and VALUE_MIN <= value <= VALUE_MAX)
+def _all_canonical_values(values) -> bool:
+    """Whether every value is an int64 or ``None`` (C-level passes but for dropping the ``None``s)."""
+    values = values if isinstance(values, list) else list(values)
+    types = set(map(type, values))
+    if not types <= {int, type(None)}:
+        return False
+    ints = [v for v in values if v is not None] if type(None) in types else values
+    return not ints or (VALUE_MIN <= min(ints) and max(ints) <= VALUE_MAX)
 
 
 def _canonical_batch(updates) -> dict[bytes, int | None]:
@@ -49,7 +55,7 @@ def _canonical_batch(updates) -> dict[bytes, int | None]:
             batch = dict(pairs)
         except (TypeError, ValueError):  # unhashable key forms (bytearray) or malformed pairs
             batch = {}
-    if batch and _all_canonical_keys(batch) and all(map(_is_canonical_update, batch.values())):
+    if batch and _all_canonical_keys(batch) and _all_canonical_values(batch.values()):
         return batch
     canonical: dict[bytes, int | None] = {}
     for key, value in pairs:  # the original order, so the last value wins across key forms
@@ -194,7 +200,11 @@ class AttributeIndex:
         if not batch and checkpoint is None:
             return False
         keys = sorted(batch)
-        values = list(map(batch.__getitem__, keys))
+        return self.update_sorted(keys, list(map(batch.__getitem__, keys)), checkpoint=checkpoint)
+
+    def update_sorted(self, keys: list[bytes], values: list[int | None], *, checkpoint: int | None = None) -> bool:
+        """``update`` for input already canonical: ``keys`` 16-byte ``bytes``, sorted and unique,
+        ``values`` int64 or ``None``. Not checked (segments merge their checked tier 1 this way)."""
         if checkpoint is not None and self._tree.update(keys, values, checkpoint).footer.checkpoint != checkpoint:
             return False
         if checkpoint is None:
@@ -202,7 +212,7 @@ class AttributeIndex:
         if len(keys) <= _CACHE_UPDATES_UP_TO:
             self._values.put_many(keys, values)
         else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
-            self._values.refresh_many(batch)
+            self._values.refresh_many(dict(zip(keys, values)))
         return True
 
     @property

@@ -36,14 +36,14 @@ class SegmentReader:
             return self._take()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._cancelled.is_set():
-            records = self.segment.read(self.position, _FETCH_RECORDS)
+            if self.segment.closed:
+                return None
+            records = self.segment._read_whole_batches(self.position, _FETCH_RECORDS)
             if records:
                 self._buffer, self._next = records, 0
                 return self._take()
             remaining = self.poll_interval if deadline is None else min(self.poll_interval, deadline - time.monotonic())
             if remaining <= 0:
-                return None
-            if self.segment.closed:
                 return None
             self.segment._wait(self.position, remaining)
         return None

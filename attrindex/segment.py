@@ -262,7 +262,7 @@ class Segment:
             return
         keys, values = self._overlay.sorted_items()
         if covered < position:
-            if not self._index.update(zip(keys, values), checkpoint=position):
+            if not self._index.update_sorted(keys, values, checkpoint=position):
                 self._rebuild_overlay()  # another handle flushed further: tier 1 restarts from there
                 return
         elif covered > position:
@@ -293,6 +293,16 @@ class Segment:
         with self._lock:
             return self._log.start_offset
 
+    def _read_whole_batches(self, offset: int, max_records: int) -> list[Record]:
+        """``read`` for readers: the last batch comes whole, so the next read starts at a batch."""
+        with self._lock:
+            self._check_open()
+            start = self._log.start_offset
+            if offset < start:
+                raise RecordTruncatedError(self.name, offset, start)
+            ranges = self._log.plan_read(offset)
+        return self._log.read_planned(ranges, offset, max_records, DEFAULT_READ_BYTES, whole_batches=True)
+
     def read(self, offset: int, max_records: int = 1000, *, max_bytes: int = DEFAULT_READ_BYTES) -> list[Record]:
         """Records from ``offset`` on, at most ``max_records`` (fewer at the end; ``[]`` past it).
 
@@ -302,12 +312,13 @@ class Segment:
             raise InvalidInputError(f"offset must be an int >= 0, got {offset!r}")
         if type(max_records) is not int or max_records < 1:
             raise InvalidInputError(f"max_records must be an int >= 1, got {max_records!r}")
-        with self._lock:
+        with self._lock:  # only to plan: the reads and decoding run without it, beside appends
             self._check_open()
             start = self._log.start_offset
             if offset < start:
                 raise RecordTruncatedError(self.name, offset, start)
-            return self._log.read_records(offset, max_records, max_bytes)
+            ranges = self._log.plan_read(offset)
+        return self._log.read_planned(ranges, offset, max_records, max_bytes)
 
     def reader(self, offset: int | None = None, timestamp: int | None = None) -> SegmentReader:
         """A reader from ``offset``, or from the first record with timestamp ``>= timestamp``, or
@@ -444,9 +455,10 @@ def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[byte
         items = given if isinstance(given, list) else list(given)
         if not items:
             return None, ([], [])
-        if AttributeUpdate in set(map(type, items)):
+        types = set(map(type, items))
+        if AttributeUpdate in types:
             return [u if isinstance(u, AttributeUpdate) else _pair_update(u) for u in items], ([], [])
-        if not all(isinstance(u, tuple) and len(u) == 2 for u in items):
+        if types != {tuple} or set(map(len, items)) != {2}:
             raise InvalidInputError("attribute updates must be AttributeUpdates, (key, value) pairs or a mapping")
         batch = _canonical_batch(items)
     keys = sorted(batch)

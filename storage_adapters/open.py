@@ -20,15 +20,18 @@ def open_storage(url: str, *, single_writer: bool = False, **storage_options: An
     ``s3://bucket/prefix``. ``storage_options`` go to the filesystem (for S3: ``endpoint_url``,
     ``key``, ``secret``, ``client_kwargs``, ...). ``single_writer=True`` declares that exactly one
     process writes each segment, which lets S3-compatible stores that ignore ``If-None-Match`` be used.
+    Local disk takes one option, ``sync`` (default True): False skips fsync, so writes survive a
+    killed process but not a power loss or an OS crash.
     """
     if not isinstance(url, str) or not url.strip():
         raise InvalidInputError(f"storage URL must be a non-empty string, got {url!r}")
     protocol, path = split_protocol(url)
     if protocol in (None, "file", "local"):
+        sync = _flag(storage_options.pop("sync", True), "sync")
         _no_options("local disk", storage_options)
         from .local import LocalChunkStorage
 
-        return LocalChunkStorage(os.path.expanduser(path))
+        return LocalChunkStorage(os.path.expanduser(path), sync=sync)
     if protocol == "memory":
         _no_options("memory", storage_options)
         from .memory import MemoryChunkStorage
@@ -51,6 +54,15 @@ def open_storage(url: str, *, single_writer: bool = False, **storage_options: An
         + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
         + " or a plain directory path"
     )
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A boolean option, also from the strings a command line gives (``-o sync=false``)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise InvalidInputError(f"storage option {name!r} must be true or false, got {value!r}")
 
 
 def _no_options(backend: str, storage_options: dict[str, Any]) -> None:

@@ -131,3 +131,15 @@ def test_s3_reads_are_ranged(s3_options):
     finally:
         events.unregister("after-call.s3.GetObject", count)
     assert fetched and sum(fetched) <= 200
+
+
+def test_local_sync_option(tmp_path):
+    """sync=False (also from a command line string) skips fsync; data still reaches other handles."""
+    from storage_adapters import RollingSegment
+
+    storage = open_storage(str(tmp_path), sync="false")
+    assert storage.sync is False and open_storage(str(tmp_path)).sync is True
+    RollingSegment(storage, "s").append(b"abc")
+    assert RollingSegment(open_storage(str(tmp_path)), "s").read(0, 3) == b"abc"
+    with pytest.raises(InvalidInputError, match="sync"):
+        open_storage(str(tmp_path), sync="maybe")

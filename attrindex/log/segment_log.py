@@ -369,34 +369,46 @@ class SegmentLog:
                 next_offset = header.next_offset
                 position = at + header.size
 
-    def read_records(self, offset: int, max_records: int, max_bytes: int) -> list[Record]:
-        """Records from ``offset`` on (at most ``max_records``; whole batches up to about ``max_bytes``)."""
-        if offset >= self.next_offset or max_records <= 0:
+    def plan_read(self, offset: int) -> list[tuple[int, int]]:
+        """Byte ranges to scan for records from ``offset`` on: one per chunk, the first narrowed by
+        its sparse index. Cheap; the scan itself (``read_planned``) needs no lock."""
+        if offset >= self.next_offset:
             return []
         i = self._chunk_for_offset(offset)
+        chunk, summary = self._chunks[i], self.summary(i)
+        first = chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start
+        ranges = [(max(first, self.start_position), min(chunk.end, self.position))]
+        ranges += [(c.start, min(c.end, self.position)) for c in self._chunks[i + 1:] if c.start < self.position]
+        return ranges
+
+    def read_planned(self, ranges: list[tuple[int, int]], offset: int, max_records: int,
+                     max_bytes: int, *, whole_batches: bool = False) -> list[Record]:
+        """Records from ``offset`` on within ``ranges`` (at most ``max_records``, unless
+        ``whole_batches`` asks for the last batch whole; whole batches up to about ``max_bytes``).
+        Safe to run while another thread appends."""
         out: list[Record] = []
         budget = max_bytes
-        while i < len(self._chunks) and len(out) < max_records:
-            chunk = self._chunks[i]
-            summary = self.summary(i)
-            start = max(chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start,
-                        self.start_position)
-            end = min(chunk.end, self.position)
+        for start, end in ranges:
             for at, header, buf, pos in self._batches(start, end):
                 if header.next_offset <= offset or not header.record_count:
                     continue
-                records = decode_records(buf, pos, header, position=at - pos, segment=self.segment)
+                # _batches verified the checksums already
+                records = decode_records(buf, pos, header, position=at - pos, segment=self.segment, verify=False)
                 if header.base_offset < offset:
                     records = records[offset - header.base_offset:]
                 out.extend(records)
                 budget -= header.size
                 if len(out) >= max_records or budget <= 0:
-                    break
-            if len(out) >= max_records or budget <= 0 or end >= self.position:
-                break
-            i += 1
-        del out[max_records:]
+                    if not whole_batches:
+                        del out[max_records:]
+                    return out
         return out
+
+    def read_records(self, offset: int, max_records: int, max_bytes: int) -> list[Record]:
+        """Records from ``offset`` on (at most ``max_records``; whole batches up to about ``max_bytes``)."""
+        if max_records <= 0:
+            return []
+        return self.read_planned(self.plan_read(offset), offset, max_records, max_bytes)
 
     def batch_position(self, offset: int) -> int:
         """Byte position of the batch holding record ``offset`` (``position`` if it is past the end)."""

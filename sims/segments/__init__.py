@@ -1,0 +1,1 @@
+"""Segment benchmarks: tail throughput, conditional appends, durable attribute updates (run.py)."""
