@@ -9,6 +9,7 @@ from typing import Iterator
 from .log.batch import Record
 
 _FETCH_RECORDS = 4096
+_FETCH_BYTES = 4 << 20
 
 
 class SegmentReader:
@@ -38,7 +39,7 @@ class SegmentReader:
         while not self._cancelled.is_set():
             if self.segment.closed:
                 return None
-            records = self.segment._read_whole_batches(self.position, _FETCH_RECORDS)
+            records = self.segment._read(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
             if records:
                 self._buffer, self._next = records, 0
                 return self._take()

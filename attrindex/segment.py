@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
 
@@ -277,7 +277,7 @@ class Segment:
         checkpoint = self._index.checkpoint or 0
         self._overlay.clear()
         replay = self._replayer(checkpoint)
-        for at, header, buf, pos in self._log._batches(max(checkpoint, self._log.start_position), self._log.position):
+        for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
         self._flushed_at = time.monotonic()
 
@@ -293,16 +293,6 @@ class Segment:
         with self._lock:
             return self._log.start_offset
 
-    def _read_whole_batches(self, offset: int, max_records: int) -> list[Record]:
-        """``read`` for readers: the last batch comes whole, so the next read starts at a batch."""
-        with self._lock:
-            self._check_open()
-            start = self._log.start_offset
-            if offset < start:
-                raise RecordTruncatedError(self.name, offset, start)
-            ranges = self._log.plan_read(offset)
-        return self._log.read_planned(ranges, offset, max_records, DEFAULT_READ_BYTES, whole_batches=True)
-
     def read(self, offset: int, max_records: int = 1000, *, max_bytes: int = DEFAULT_READ_BYTES) -> list[Record]:
         """Records from ``offset`` on, at most ``max_records`` (fewer at the end; ``[]`` past it).
 
@@ -312,13 +302,18 @@ class Segment:
             raise InvalidInputError(f"offset must be an int >= 0, got {offset!r}")
         if type(max_records) is not int or max_records < 1:
             raise InvalidInputError(f"max_records must be an int >= 1, got {max_records!r}")
+        return self._read(offset, max_records, max_bytes, whole_batches=False)
+
+    def _read(self, offset: int, max_records: int, max_bytes: int, *, whole_batches: bool) -> list[Record]:
+        """``read`` without argument checks; ``whole_batches`` (for readers) keeps the last batch
+        whole, so the next read starts at a batch boundary instead of decoding it again."""
         with self._lock:  # only to plan: the reads and decoding run without it, beside appends
             self._check_open()
             start = self._log.start_offset
             if offset < start:
                 raise RecordTruncatedError(self.name, offset, start)
             ranges = self._log.plan_read(offset)
-        return self._log.read_planned(ranges, offset, max_records, max_bytes)
+        return self._log.read_planned(ranges, offset, max_records, max_bytes, whole_batches=whole_batches)
 
     def reader(self, offset: int | None = None, timestamp: int | None = None) -> SegmentReader:
         """A reader from ``offset``, or from the first record with timestamp ``>= timestamp``, or
@@ -471,4 +466,4 @@ def _pair_update(update: object) -> AttributeUpdate:
     raise InvalidInputError(f"an attribute update must be an AttributeUpdate or a (key, value) pair, got {update!r}")
 
 
-__all__ = ["AppendResult", "Segment", "SegmentOptions", "SegmentStats", "Sequence"]
+__all__ = ["AppendResult", "Segment", "SegmentOptions", "SegmentStats"]

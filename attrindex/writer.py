@@ -131,9 +131,7 @@ class EventWriter:
                 self.retried_appends += 1
                 time.sleep(self.retry_delay * failures)
                 continue
-            del state.pending[: len(batch)]
-            state.pending_bytes = sum(len(r.value) for r in state.pending)
-            state.acked = last
+            _acknowledge(state, last)
 
     def _adopt(self, state: _SegmentState, current: int) -> None:
         """The segment holds events up to ``current``: they are acknowledged, resend the rest."""
@@ -143,10 +141,7 @@ class EventWriter:
                 f"{current}, but this writer has acknowledged {state.acked} and sent up to "
                 f"{state.acked + len(state.pending)}: is another writer using the same id?")
         self.retried_appends += 1
-        done = current - state.acked
-        del state.pending[:done]
-        state.pending_bytes = sum(len(r.value) for r in state.pending)
-        state.acked = current
+        _acknowledge(state, current)
 
     def last_event_numbers(self) -> dict[str, int]:
         """The last event number acknowledged per segment name (read from the segments if unknown)."""
@@ -167,6 +162,14 @@ class EventWriter:
     def __exit__(self, exc_type, *exc_info: object) -> None:
         if exc_type is None:
             self.close()
+
+
+def _acknowledge(state: _SegmentState, number: int) -> None:
+    """Events up to ``number`` are in the segment: drop them from the queue."""
+    done = state.pending[: number - state.acked]
+    del state.pending[: len(done)]
+    state.pending_bytes -= sum(len(r.value) for r in done)
+    state.acked = number
 
 
 def _writer_uuid(writer_id: object) -> uuid.UUID:

@@ -10,7 +10,7 @@ import pytest
 
 from attrindex.attribute_index import AttributeIndex
 from attrindex.btree.page import leaf_capacity
-from attrindex.errors import CorruptDataError, InvalidKeyError, InvalidValueError
+from attrindex.errors import CorruptDataError, InvalidInputError, InvalidKeyError, InvalidValueError
 from storage_adapters import RollingSegment, open_storage
 
 
@@ -278,3 +278,15 @@ def test_a_writer_that_lost_a_race_does_not_serve_values_it_cached_before(url):
     a.update({2: 2})  # loses the race, reloads b's update and re-applies
     assert a.get(1) == 2
     assert a.get_many([1, 2]) == [2, 2]
+
+
+def test_checkpoints_only_move_forward(tmp_path):
+    idx = AttributeIndex.open(str(tmp_path))
+    assert idx.checkpoint is None
+    assert idx.update({1: 1}, checkpoint=100) is True and idx.checkpoint == 100
+    assert idx.update({1: 2}, checkpoint=50) is False  # already covered: older values are not applied
+    assert idx.get(1) == 1 and idx.checkpoint == 100
+    assert idx.update({}, checkpoint=200) is True and idx.checkpoint == 200  # a checkpoint alone
+    with pytest.raises(InvalidInputError):
+        idx.update({1: 3}, checkpoint=-1)
+    assert AttributeIndex.open(str(tmp_path)).checkpoint == 200

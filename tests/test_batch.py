@@ -620,3 +620,11 @@ def test_batch_header_is_frozen():
     assert isinstance(header, BatchHeader)
     with pytest.raises(AttributeError):
         header.size = 3
+
+
+def test_read_header_partial_needs_only_the_header():
+    batch = encode_batch(7, [b"x" * 5000], timestamp=1)
+    head = batch[:BATCH_HEADER_SIZE]
+    assert read_header(head) is None  # the batch is not all there
+    header = read_header(head, partial=True)
+    assert (header.base_offset, header.size) == (7, len(batch))

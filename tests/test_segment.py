@@ -292,3 +292,55 @@ def test_a_handle_that_only_reads_writes_nothing(storage_url):
     with reopen(storage_url) as store:  # closing the reader wrote no index update, no log bytes
         seg = store.segment("s")
         assert (seg._index._segment.length, seg._log.bytes.length) == (length, log_length)
+
+
+def test_a_batch_larger_than_the_read_window(store):
+    """Batches bigger than the 1 MiB scan window are read whole (this used to loop forever)."""
+    seg = store.segment("s", create=True)
+    seg.append([b"x" * (3 << 20)])
+    seg.append([b"y"])
+    assert [len(r.value) for r in seg.read(0)] == [3 << 20, 1]
+    seg.refresh()
+    assert seg.reader(offset=1).read(timeout=0).value == b"y"
+
+
+def test_opening_scans_past_a_big_batch(storage_url):
+    with reopen(storage_url) as store:
+        store.segment("s", create=True).append([b"x" * (3 << 20)], [(key(1), 1)])
+    with reopen(storage_url) as store:
+        seg = store.segment("s")
+        assert seg.next_offset == 1 and seg.get_attribute(key(1)) == 1
+
+
+def test_a_merge_that_another_handle_overtook_rebuilds_tier1(storage_url):
+    """Checkpoints only move forward: a handle whose merge comes second keeps the newer values."""
+    with reopen(storage_url) as one, reopen(storage_url) as two:
+        a = one.segment("s", create=True)
+        b = two.segment("s")
+        a.update_attributes([(key(1), 1), (key(2), 2)])
+        b.refresh()  # b's tier 1 now holds key 1 = 1 and key 2 = 2
+        a.update_attributes([(key(1), 10), (key(3), 3)])
+        a.flush()  # the tree now covers a's whole log, past what b has seen
+        b.flush()  # must not write b's older key 1 = 1 over the tree
+        assert b.stats().pending_attributes == 0
+        assert b.get_attributes([key(1), key(2), key(3)]) == [10, 2, 3]
+    with reopen(storage_url) as again:
+        assert again.segment("s").get_attributes([key(1), key(2), key(3)]) == [10, 2, 3]
+
+
+def test_writers_move_the_checkpoint_once_the_log_grew_a_chunk(tmp_path):
+    """Without attribute updates, a closing writer still bounds how much opening must replay."""
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root, log_rolling_size=4096) as store:
+        seg = store.segment("s", create=True)
+        seg.append([b"r"], [(key(1), 1)])
+        seg.flush()
+        first = seg.stats().attribute_checkpoint
+        seg.append([b"r" * 100])  # less than a chunk more: not worth a write
+        seg.flush()
+        assert seg.stats().attribute_checkpoint == first
+        for _ in range(60):
+            seg.append([b"r" * 100])
+    with SegmentStore.open(root, log_rolling_size=4096) as store:
+        seg = store.segment("s")
+        assert seg.stats().attribute_checkpoint == seg._log.position > first + 4096

@@ -273,3 +273,19 @@ def test_reader_sees_records_appended_by_another_process(tmp_path):
             values.append(record.value)
         assert child.wait(timeout=30) == 0
         assert values == [b"p%d" % i for i in range(300)]
+
+
+def test_start_offset_inside_a_chunk_of_big_batches(tmp_path):
+    """Finding a chunk's or a truncation point's record offset needs only the batch header, however
+    big the batch (batches of 10 KB here, beyond any fixed read size)."""
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root, log_rolling_size=1 << 20) as store:
+        seg = store.segment("s", create=True)
+        for i in range(20):
+            seg.append([b"%02d" % i + b"." * 10_000] * 2)
+        seg.apply_retention(start_offset=13)
+        assert seg.start_offset == 12  # the batch holding offset 13 starts at 12
+    with SegmentStore.open(root, log_rolling_size=1 << 20) as store:
+        seg = store.segment("s")
+        assert (seg.start_offset, seg.next_offset) == (12, 40)
+        assert [r.offset for r in seg.read(12, 100)] == list(range(12, 40))

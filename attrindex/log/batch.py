@@ -513,8 +513,10 @@ def _corrupt_at(segment: str | None, offset: int):
     return corrupt
 
 
-def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = None) -> BatchHeader | None:
-    """The header of the batch at ``buf[pos]``, or None if that batch is not all in ``buf`` yet.
+def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = None,
+                partial: bool = False) -> BatchHeader | None:
+    """The header of the batch at ``buf[pos]``, or None if that batch is not all in ``buf`` yet
+    (with ``partial``, only the header must be: for callers that need just its fields).
 
     Raises ``CorruptDataError`` (offset ``position + pos``) when the bytes there are not a batch
     header: a wrong magic or version, a checksum mismatch or impossible fields. Fewer than a
@@ -539,7 +541,7 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
     problem = _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts)
     if problem:
         raise _corrupt_at(segment, position + pos)(problem)
-    if size > available:
+    if size > available and not partial:
         return None
     codec = Codec(flags & _CODEC_MASK)
     return BatchHeader(

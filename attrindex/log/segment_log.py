@@ -32,8 +32,8 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
-from ..errors import ChunkExistsError, CorruptDataError, InvalidInputError, StorageError, TruncatedError
-from .batch import BatchHeader, Record, check_batch, decode_records, read_header
+from ..errors import ChunkExistsError, CorruptDataError, InvalidInputError, StorageError
+from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, read_header
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
 LOG_DIR, INDEX_DIR, GAP_DIR = "_log", "_index", "_gaps"
@@ -167,27 +167,35 @@ class SegmentLog:
                 return seen, self._invalid_at(chunk, at)
             if visit is not None:
                 visit(at, header, buf, pos)
-            if chunk.builder is not None:
-                chunk.builder.add(at - chunk.start, header.size, header.base_offset, header.record_count,
-                                  header.max_timestamp if header.record_count else _NO_TIMESTAMP)
-            self.next_offset = header.next_offset  # a record-less batch's base is the next offset
-            if header.record_count:
-                self.max_timestamp = max(self.max_timestamp, header.max_timestamp)
-            self.position = at + header.size
+            self._advance(chunk, at, header)
             seen += 1
-        if not self._is_last(chunk) and chunk.builder is not None and chunk.summary is None:
-            chunk.summary = chunk.builder.summary()  # sealed: its summary is complete
-            chunk.builder = None
+        if not self._is_last(chunk):
+            self._finish_summary(chunk)
         return seen, False
+
+    def _advance(self, chunk: _Chunk, at: int, header: BatchHeader) -> None:
+        """Move past the valid batch at ``at`` (scanned or just appended), indexing it."""
+        if chunk.builder is not None:
+            _index_batch(chunk.builder, at, header)
+        self.next_offset = header.next_offset  # a record-less batch's base is the next offset
+        if header.record_count:
+            self.max_timestamp = max(self.max_timestamp, header.max_timestamp)
+        self.position = at + header.size
+
+    @staticmethod
+    def _finish_summary(chunk: _Chunk) -> None:
+        """A chunk scanned to its end that no longer grows: its summary is complete."""
+        if chunk.builder is not None and chunk.summary is None:
+            chunk.summary, chunk.builder = chunk.builder.summary(), None
 
     def _walk(self, start: int, end: int) -> Iterator[tuple[int, BatchHeader | None, bytes, int]]:
         """Verified batches in ``[start, end)`` read in windows, as (position, header, buffer, pos).
 
         Ends after yielding ``(position, None, ...)`` at the first invalid or incomplete batch.
         """
-        position = start
+        position, window = start, _READ_WINDOW
         while position < end:
-            window_end = min(end, position + _READ_WINDOW)
+            window_end = min(end, position + window)
             buf = self.bytes.read(position, window_end - position)
             pos = 0
             while pos < len(buf):
@@ -206,10 +214,9 @@ class SegmentLog:
                 if window_end == end:
                     yield position, None, buf, 0
                     return
-                window_end = end
-                buf = self.bytes.read(position, window_end - position)
+                window = end - position  # read the big batch whole
                 continue
-            position += pos
+            position, window = position + pos, _READ_WINDOW
 
     def _invalid_at(self, chunk: _Chunk, at: int) -> bool:
         """Handle invalid bytes at ``at``; return whether scanning must stop there."""
@@ -217,8 +224,8 @@ class SegmentLog:
         if gap_end is not None:
             self._feed_gap(chunk, at, min(gap_end, chunk.end))
             self.position = gap_end
-            if gap_end >= chunk.end and not self._is_last(chunk) and chunk.builder is not None:
-                chunk.summary, chunk.builder = chunk.builder.summary(), None
+            if gap_end >= chunk.end and not self._is_last(chunk):
+                self._finish_summary(chunk)
             return False
         if self._is_last(chunk):
             self.garbage_from = at
@@ -245,19 +252,12 @@ class SegmentLog:
             chunk.builder = ChunkIndexBuilder(at, self.interval, next_offset=self.next_offset)
             if len(self._chunks) > 1:
                 self._seal(self._chunks[-2])
-        if chunk.builder is not None:
-            chunk.builder.add(at - chunk.start, header.size, header.base_offset, header.record_count,
-                              header.max_timestamp if header.record_count else _NO_TIMESTAMP)
-        self.next_offset = header.next_offset
-        if header.record_count:
-            self.max_timestamp = max(self.max_timestamp, header.max_timestamp)
-        self.position = at + header.size
+        self._advance(chunk, at, header)
         return at
 
     def _seal(self, chunk: _Chunk) -> None:
         """A chunk stopped growing: keep its summary and store its index if it is worth a file."""
-        if chunk.builder is not None and chunk.summary is None:
-            chunk.summary, chunk.builder = chunk.builder.summary(), None
+        self._finish_summary(chunk)
         if chunk.summary is not None and chunk.summary.batch_count > 1:
             self._store_index(chunk.summary)
 
@@ -282,16 +282,16 @@ class SegmentLog:
                 raise CorruptIndexError(f"index of chunk {chunk.start} covers {summary.size} bytes, chunk has "
                                         f"{chunk.end - chunk.start}", segment=self.segment, offset=chunk.start)
         except FileNotFoundError:
-            summary = self._rebuild(i, store=True)
+            summary = self._rebuild(i)
         except CorruptIndexError:
             self.storage.delete([path])
-            summary = self._rebuild(i, store=True)
+            summary = self._rebuild(i)
         if not self._is_last(chunk):
             chunk.summary = summary
         return summary
 
-    def _rebuild(self, i: int, *, store: bool) -> ChunkSummary:
-        """Scan chunk ``i`` and build its summary (stepping over recorded gaps)."""
+    def _rebuild(self, i: int) -> ChunkSummary:
+        """Scan chunk ``i``, build its summary (stepping over recorded gaps), and store it if sealed."""
         chunk = self._chunks[i]
         start = max(chunk.start, self.start_position)
         limit = chunk.end if not self._is_last(chunk) else min(chunk.end, self.position)
@@ -300,11 +300,10 @@ class SegmentLog:
         builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=base)
         if start > chunk.start:  # truncated mid-chunk: the unreadable prefix holds no records for us
             builder.add(0, start - chunk.start, base, 0, _NO_TIMESTAMP)
-        for at, header, _buf, _pos in self._batches(start, limit, builder, base):
-            builder.add(at - chunk.start, header.size, header.base_offset, header.record_count,
-                        header.max_timestamp if header.record_count else _NO_TIMESTAMP)
+        for at, header, _buf, _pos in self.batches(start, limit, builder, base):
+            _index_batch(builder, at, header)
         summary = builder.summary()
-        if store and not self._is_last(chunk) and summary.batch_count > 1 and chunk.start >= self.start_position:
+        if not self._is_last(chunk) and summary.batch_count > 1 and chunk.start >= self.start_position:
             self._store_index(summary)
         return summary
 
@@ -315,16 +314,9 @@ class SegmentLog:
         """
         self.bytes.refresh()
         self._sync_chunks()
-        position = max(position, self.start_position)
-        if not self._chunks or position >= self.bytes.length:
-            self.position = self.bytes.length
-            if self._chunks:
-                i = len(self._chunks) - 1
-                self.position = self._chunks[i].start
-                position = self.position
-            else:
-                return
-        i = self._chunk_index(position)
+        if not self._chunks:
+            return  # nothing was ever appended
+        i = self._chunk_index(max(position, self.start_position))  # the end lies in the last chunk
         chunk = self._chunks[i]
         start = max(chunk.start, self.start_position)
         self.position = start
@@ -338,16 +330,17 @@ class SegmentLog:
         return self.summary(i - 1).next_offset if i > 0 else 0
 
     def _header_at(self, position: int) -> BatchHeader | None:
+        """The header of the batch at ``position`` (one small read), or None if none is valid there."""
         if position >= self.bytes.length:
             return None
-        buf = self.bytes.read(position, min(self.bytes.length, position + 4096) - position)
+        buf = self.bytes.read(position, min(self.bytes.length, position + BATCH_HEADER_SIZE) - position)
         try:
-            return read_header(buf, 0, position=position, segment=self.segment)
+            return read_header(buf, 0, position=position, segment=self.segment, partial=True)
         except CorruptDataError:
             return None
 
     # -- reading batches -----------------------------------------------------------------------
-    def _batches(self, start: int, end: int, builder: ChunkIndexBuilder | None = None,
+    def batches(self, start: int, end: int, builder: ChunkIndexBuilder | None = None,
                  next_offset: int = 0) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
         """Verified batches in ``[start, end)``, stepping over recorded gaps (else ``CorruptDataError``).
 
@@ -389,7 +382,7 @@ class SegmentLog:
         out: list[Record] = []
         budget = max_bytes
         for start, end in ranges:
-            for at, header, buf, pos in self._batches(start, end):
+            for at, header, buf, pos in self.batches(start, end):
                 if header.next_offset <= offset or not header.record_count:
                     continue
                 # _batches verified the checksums already
@@ -418,7 +411,7 @@ class SegmentLog:
         chunk, summary = self._chunks[i], self.summary(i)
         start = max(chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start,
                     self.start_position)
-        for at, header, _buf, _pos in self._batches(start, self.position):
+        for at, header, _buf, _pos in self.batches(start, self.position):
             if header.next_offset > offset:
                 return at
         return self.position
@@ -464,7 +457,7 @@ class SegmentLog:
                 continue  # skip whole chunks by their newest timestamp
             chunk = self._chunks[i]
             start = max(chunk.start + summary.locate_time(timestamp), self.start_position)
-            for at, header, buf, pos in self._batches(start, min(chunk.end, self.position)):
+            for at, header, buf, pos in self.batches(start, min(chunk.end, self.position)):
                 if not header.record_count or header.max_timestamp < timestamp:
                     continue
                 for record in decode_records(buf, pos, header, position=at - pos, segment=self.segment):
@@ -478,8 +471,9 @@ class SegmentLog:
         first = self._chunk_index(self.start_position)
         return [self.summary(i) for i in range(first, len(self._chunks))]
 
-    def truncate_chunks(self, position: int) -> None:
-        """Delete whole chunks below ``position`` (a chunk start), with their index files and gaps."""
+    def truncate_at(self, position: int) -> None:
+        """Make bytes below ``position`` (a batch start) unreadable, deleting the chunks wholly
+        below it with their index files and gap markers."""
         doomed = [c.start for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
         self.bytes.truncate(position)
         self.storage.delete([f"{self.segment}/{INDEX_DIR}/{chunk_name(s)}" for s in doomed])
@@ -488,12 +482,14 @@ class SegmentLog:
         self._gaps = {s: e for s, e in self._gaps.items() if e > position}
         self._sync_chunks()
 
-    def truncate_at(self, position: int) -> None:
-        """Make bytes below ``position`` (a batch start) unreadable; whole chunks below it are deleted."""
-        self.truncate_chunks(position)
-
     def close(self) -> None:
         self.bytes.close()
 
 
-__all__ = ["SegmentLog", "TruncatedError"]
+def _index_batch(builder: ChunkIndexBuilder, at: int, header: BatchHeader) -> None:
+    """Add the batch at log byte ``at`` to a chunk's sparse index builder."""
+    builder.add(at - builder.chunk_start, header.size, header.base_offset, header.record_count,
+                header.max_timestamp if header.record_count else _NO_TIMESTAMP)
+
+
+__all__ = ["SegmentLog"]

@@ -101,21 +101,20 @@ def _check_base_and_size(base_offset: int, max_entries: int) -> None:
         raise InvalidInputError(f"max_entries must be >= 0, got {max_entries!r}")
 
 
-class OffsetIndex:
-    """Sparse map record offset -> byte position relative to the chunk start.
+class _SparseIndex:
+    """A sparse index as two parallel columns: sorted keys (what lookups floor on) and values.
 
-    Offsets ascend strictly, positions never decrease. ``lookup`` floors; with no entry at or below
-    the target it falls back to ``(base_offset, 0)``, the chunk's start.
+    Subclasses name the columns; both share search, copying, equality and truncation.
     """
 
-    __slots__ = ("_base_offset", "max_entries", "_offsets", "_positions")
+    __slots__ = ("_base_offset", "max_entries", "_keys", "_values")
 
     def __init__(self, base_offset: int, max_entries: int = DEFAULT_MAX_ENTRIES):
         _check_base_and_size(base_offset, max_entries)
         self._base_offset = base_offset
         self.max_entries = max_entries
-        self._offsets: list[int] = []
-        self._positions: list[int] = []
+        self._keys: list[int] = []
+        self._values: list[int] = []
 
     @property
     def base_offset(self) -> int:
@@ -123,40 +122,71 @@ class OffsetIndex:
         return self._base_offset
 
     def __len__(self) -> int:
-        return len(self._offsets)
+        return len(self._keys)
 
     @property
     def is_full(self) -> bool:
-        return len(self._offsets) >= self.max_entries
+        return len(self._keys) >= self.max_entries
+
+    @property
+    def entries(self) -> list[tuple[int, int]]:
+        """The entries as pairs, in ascending order (a copy)."""
+        return list(zip(self._keys, self._values))
+
+    def entry(self, n: int) -> tuple[int, int]:
+        """The ``n``-th entry."""
+        return self._keys[n], self._values[n]
+
+    def _truncate(self, offsets: list[int], offset: int) -> None:
+        """Drop every entry whose offset (in column ``offsets``) is ``>= offset``."""
+        slot = bisect_left(offsets, offset)
+        del self._keys[slot:], self._values[slot:]
+
+    def copy(self):
+        clone = type(self)(self._base_offset, self.max_entries)
+        clone._keys, clone._values = self._keys.copy(), self._values.copy()
+        return clone
+
+    def __eq__(self, other: object) -> bool:
+        # Capacity is not content: a decoded index equals the one that was encoded.
+        if type(other) is not type(self):
+            return NotImplemented
+        return (self._base_offset, self._keys, self._values) == (other._base_offset, other._keys, other._values)
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_offset={self._base_offset}, entries={len(self._keys)})"
+
+
+class OffsetIndex(_SparseIndex):
+    """Sparse map record offset -> byte position relative to the chunk start.
+
+    Offsets ascend strictly, positions never decrease. ``lookup`` floors; with no entry at or below
+    the target it falls back to ``(base_offset, 0)``, the chunk's start.
+    """
+
+    __slots__ = ()
 
     @property
     def last_offset(self) -> int:
         """Offset of the last entry (``base_offset`` if empty)."""
-        return self._offsets[-1] if self._offsets else self._base_offset
+        return self._keys[-1] if self._keys else self._base_offset
 
     @property
     def last_position(self) -> int:
         """Position of the last entry (0 if empty)."""
-        return self._positions[-1] if self._positions else 0
+        return self._values[-1] if self._values else 0
 
     @property
     def offsets(self) -> tuple[int, ...]:
         """Entry offsets, ascending (a copy)."""
-        return tuple(self._offsets)
+        return tuple(self._keys)
 
     @property
     def positions(self) -> tuple[int, ...]:
         """Entry positions, in entry order (a copy)."""
-        return tuple(self._positions)
-
-    @property
-    def entries(self) -> list[tuple[int, int]]:
-        """``(offset, position)`` pairs, ascending (a copy)."""
-        return list(zip(self._offsets, self._positions))
-
-    def entry(self, n: int) -> tuple[int, int]:
-        """The ``n``-th entry as ``(offset, position)``."""
-        return self._offsets[n], self._positions[n]
+        return tuple(self._values)
 
     def append(self, offset: int, position: int) -> None:
         """Add an entry after the last one.
@@ -165,50 +195,32 @@ class OffsetIndex:
         entry's (or is below ``base_offset``) or ``position`` is below the last entry's.
         """
         if self.is_full:
-            raise IndexFullError(f"offset index is full ({len(self._offsets)} entries)")
-        if self._offsets and offset <= self._offsets[-1]:
+            raise IndexFullError(f"offset index is full ({len(self._keys)} entries)")
+        if self._keys and offset <= self._keys[-1]:
             raise InvalidIndexEntryError(
-                f"offset {offset} is not above the last index entry's offset {self._offsets[-1]}")
+                f"offset {offset} is not above the last index entry's offset {self._keys[-1]}")
         if not self._base_offset <= offset <= _I64_MAX:
             raise InvalidIndexEntryError(f"offset {offset} is outside [base offset {self._base_offset}, 2**63)")
         if not self.last_position <= position <= _I64_MAX:
             raise InvalidIndexEntryError(
                 f"position {position} is below the last index entry's position {self.last_position} "
                 f"or not a 63-bit value")
-        self._offsets.append(offset)
-        self._positions.append(position)
+        self._keys.append(offset)
+        self._values.append(position)
 
     def lookup(self, offset: int) -> tuple[int, int]:
         """The entry with the largest offset ``<= offset``, or ``(base_offset, 0)`` if none."""
-        slot = _floor_slot(self._offsets, offset)
+        slot = _floor_slot(self._keys, offset)
         if slot < 0:
             return self._base_offset, 0
-        return self._offsets[slot], self._positions[slot]
+        return self._keys[slot], self._values[slot]
 
     def truncate_to(self, offset: int) -> None:
         """Drop every entry whose offset is ``>= offset`` (Kafka's ``truncateTo``)."""
-        slot = bisect_left(self._offsets, offset)
-        del self._offsets[slot:], self._positions[slot:]
-
-    def copy(self) -> OffsetIndex:
-        clone = OffsetIndex(self._base_offset, self.max_entries)
-        clone._offsets, clone._positions = self._offsets.copy(), self._positions.copy()
-        return clone
-
-    def __eq__(self, other: object) -> bool:
-        # Capacity is not content: a decoded index equals the one that was encoded.
-        if not isinstance(other, OffsetIndex):
-            return NotImplemented
-        return (self._base_offset, self._offsets, self._positions) == (
-            other._base_offset, other._offsets, other._positions)
-
-    __hash__ = None  # mutable
-
-    def __repr__(self) -> str:
-        return f"OffsetIndex(base_offset={self._base_offset}, entries={len(self._offsets)})"
+        self._truncate(self._keys, offset)
 
 
-class TimeIndex:
+class TimeIndex(_SparseIndex):
     """Sparse map timestamp -> record offset, with Kafka's meaning.
 
     Entry ``(T, O)``: ``T`` is the largest timestamp seen so far when the entry was written and
@@ -216,48 +228,22 @@ class TimeIndex:
     a timestamp ``< T``. Timestamps ascend strictly, offsets never decrease.
     """
 
-    __slots__ = ("_base_offset", "max_entries", "_timestamps", "_offsets")
-
-    def __init__(self, base_offset: int, max_entries: int = DEFAULT_MAX_ENTRIES):
-        _check_base_and_size(base_offset, max_entries)
-        self._base_offset = base_offset
-        self.max_entries = max_entries
-        self._timestamps: list[int] = []
-        self._offsets: list[int] = []
-
-    @property
-    def base_offset(self) -> int:
-        return self._base_offset
-
-    def __len__(self) -> int:
-        return len(self._timestamps)
-
-    @property
-    def is_full(self) -> bool:
-        return len(self._timestamps) >= self.max_entries
+    __slots__ = ()
 
     @property
     def last_entry(self) -> tuple[int, int]:
         """The last ``(timestamp, offset)``, or ``(NO_TIMESTAMP, base_offset)`` if empty."""
-        if not self._timestamps:
+        if not self._keys:
             return NO_TIMESTAMP, self._base_offset
-        return self._timestamps[-1], self._offsets[-1]
+        return self._keys[-1], self._values[-1]
 
     @property
     def timestamps(self) -> tuple[int, ...]:
-        return tuple(self._timestamps)
+        return tuple(self._keys)
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        return tuple(self._offsets)
-
-    @property
-    def entries(self) -> list[tuple[int, int]]:
-        """``(timestamp, offset)`` pairs, ascending (a copy)."""
-        return list(zip(self._timestamps, self._offsets))
-
-    def entry(self, n: int) -> tuple[int, int]:
-        return self._timestamps[n], self._offsets[n]
+        return tuple(self._values)
 
     def maybe_append(self, timestamp: int, offset: int) -> None:
         """Add ``(timestamp, offset)`` if ``timestamp`` is above the last entry's; else do nothing.
@@ -271,19 +257,19 @@ class TimeIndex:
             raise InvalidIndexEntryError(f"timestamp {timestamp} is not a 64-bit value")
         if not self._base_offset <= offset <= _I64_MAX:
             raise InvalidIndexEntryError(f"offset {offset} is outside [base offset {self._base_offset}, 2**63)")
-        if self._timestamps:
-            if offset < self._offsets[-1]:
+        if self._keys:
+            if offset < self._values[-1]:
                 raise InvalidIndexEntryError(
-                    f"offset {offset} is below the last time index entry's offset {self._offsets[-1]}")
-            if timestamp < self._timestamps[-1]:
+                    f"offset {offset} is below the last time index entry's offset {self._values[-1]}")
+            if timestamp < self._keys[-1]:
                 raise InvalidIndexEntryError(
-                    f"timestamp {timestamp} is below the last time index entry's {self._timestamps[-1]}")
-            if timestamp == self._timestamps[-1]:
+                    f"timestamp {timestamp} is below the last time index entry's {self._keys[-1]}")
+            if timestamp == self._keys[-1]:
                 return  # same maximum: the entry already names the first batch that reached it
         if self.is_full:
-            raise IndexFullError(f"time index is full ({len(self._timestamps)} entries)")
-        self._timestamps.append(timestamp)
-        self._offsets.append(offset)
+            raise IndexFullError(f"time index is full ({len(self._keys)} entries)")
+        self._keys.append(timestamp)
+        self._values.append(offset)
 
     def lookup(self, timestamp: int) -> tuple[int, int]:
         """Where to start looking for the first record with a timestamp ``>= timestamp``.
@@ -292,31 +278,14 @@ class TimeIndex:
         if the index is empty or ``timestamp`` is below its first entry. Safe: by the entry
         invariant, no record before the returned offset has a timestamp ``>= timestamp``.
         """
-        slot = _floor_slot(self._timestamps, timestamp)
+        slot = _floor_slot(self._keys, timestamp)
         if slot < 0:
             return NO_TIMESTAMP, self._base_offset
-        return self._timestamps[slot], self._offsets[slot]
+        return self._keys[slot], self._values[slot]
 
     def truncate_to(self, offset: int) -> None:
         """Drop every entry whose offset is ``>= offset`` (Kafka's ``truncateTo``)."""
-        slot = bisect_left(self._offsets, offset)
-        del self._timestamps[slot:], self._offsets[slot:]
-
-    def copy(self) -> TimeIndex:
-        clone = TimeIndex(self._base_offset, self.max_entries)
-        clone._timestamps, clone._offsets = self._timestamps.copy(), self._offsets.copy()
-        return clone
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TimeIndex):
-            return NotImplemented
-        return (self._base_offset, self._timestamps, self._offsets) == (
-            other._base_offset, other._timestamps, other._offsets)
-
-    __hash__ = None  # mutable
-
-    def __repr__(self) -> str:
-        return f"TimeIndex(base_offset={self._base_offset}, entries={len(self._timestamps)})"
+        self._truncate(self._values, offset)
 
 
 @attrs.frozen
@@ -557,7 +526,7 @@ def _problem(s: ChunkSummary) -> str | None:
     oi, ti = s.offset_index, s.time_index
     if oi.base_offset != s.base_offset or ti.base_offset != s.base_offset:
         return "index base offsets differ from the chunk's"
-    offsets, positions = oi._offsets, oi._positions
+    offsets, positions = oi._keys, oi._values
     if len(offsets) > _U32_MAX or len(ti) > _U32_MAX:
         return "too many index entries"
     if offsets:
@@ -568,7 +537,7 @@ def _problem(s: ChunkSummary) -> str | None:
         # An entry must point at or before the batch holding its offset, so before records_end.
         if positions[0] < 0 or positions[-1] >= s.records_end:
             return "offset index position beyond the chunk's records"
-    timestamps, time_offsets = ti._timestamps, ti._offsets
+    timestamps, time_offsets = ti._keys, ti._values
     if timestamps:
         if not _ascending(timestamps, True) or not _ascending(time_offsets, False):
             return "time index entries are not ascending"
@@ -597,8 +566,8 @@ def encode_chunk_index(summary: ChunkSummary) -> bytes:
     # Interleave each index's two columns into 16-byte entries; positions are < 2**63, so "q"
     # writes the same bytes as "Q".
     flat = [0] * (2 * (n + m))
-    flat[0:2 * n:2], flat[1:2 * n:2] = oi._offsets, oi._positions
-    flat[2 * n::2], flat[2 * n + 1::2] = ti._timestamps, ti._offsets
+    flat[0:2 * n:2], flat[1:2 * n:2] = oi._keys, oi._values
+    flat[2 * n::2], flat[2 * n + 1::2] = ti._keys, ti._values
     body = header + struct.pack(f"<{len(flat)}q", *flat)
     return body + _CRC.pack(zlib.crc32(body))
 
@@ -634,9 +603,9 @@ def decode_chunk_index(data: bytes, *, chunk_start: int, segment: str | None = N
     if base_offset < 0:
         raise corrupt(f"negative base offset {base_offset}")
     oi = OffsetIndex(base_offset, max(DEFAULT_MAX_ENTRIES, n))
-    oi._offsets, oi._positions = list(flat[0:2 * n:2]), list(flat[1:2 * n:2])
+    oi._keys, oi._values = list(flat[0:2 * n:2]), list(flat[1:2 * n:2])
     ti = TimeIndex(base_offset, max(DEFAULT_MAX_ENTRIES, m))
-    ti._timestamps, ti._offsets = list(flat[2 * n::2]), list(flat[2 * n + 1::2])
+    ti._keys, ti._values = list(flat[2 * n::2]), list(flat[2 * n + 1::2])
     summary = ChunkSummary(
         chunk_start=start, size=size, base_offset=base_offset, next_offset=next_offset, first_timestamp=first_ts,
         max_timestamp=max_ts, batch_count=batch_count, offset_index=oi, time_index=ti, interval_bytes=interval,
