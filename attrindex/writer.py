@@ -50,10 +50,16 @@ class EventWriter:
     names the writer across restarts; a new random one is used if omitted. Events are buffered and
     sent in batches of up to ``batch_events`` events or ``batch_bytes`` bytes; ``flush()`` sends
     the rest and returns once everything written is durable.
+
+    ``shared=True`` allows a twin: another copy of this writer (a speculative duplicate of a Spark
+    task) writing the same events in the same order at the same time. Events the twin wrote first
+    are skipped instead of raising ``WriterConflictError``. Without it, a segment found ahead of
+    everything this writer sent means two writers share an id by mistake, and that is an error.
     """
 
     def __init__(self, store: SegmentStore, stream: str, segments: int | None = None, writer_id: object = None, *,
-                 batch_events: int = 1000, batch_bytes: int = 1 << 20, retries: int = 8, retry_delay: float = 0.05):
+                 batch_events: int = 1000, batch_bytes: int = 1 << 20, retries: int = 8, retry_delay: float = 0.05,
+                 shared: bool = False):
         if segments is not None:
             names = store.create_stream(stream, segments)
         else:
@@ -69,6 +75,7 @@ class EventWriter:
                 raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
         self.batch_events, self.batch_bytes = batch_events, batch_bytes
         self.retries, self.retry_delay = retries, retry_delay
+        self.shared = bool(shared)
         self.events_skipped = 0  #: events a restarted writer found already written
         self.retried_appends = 0  #: appends repeated after an error or a lost acknowledgement
 
@@ -135,11 +142,20 @@ class EventWriter:
 
     def _adopt(self, state: _SegmentState, current: int) -> None:
         """The segment holds events up to ``current``: they are acknowledged, resend the rest."""
-        if not state.acked <= current <= state.acked + len(state.pending):
+        sent = state.acked + len(state.pending)
+        if self.shared and current > sent:
+            # A twin got further: everything queued is written, and so are the next events up to
+            # ``current``, which ``write`` will now skip as it numbers them.
+            self.events_skipped += len(state.pending)
+            state.pending.clear()
+            state.pending_bytes = 0
+            state.acked = current
+            return
+        if not state.acked <= current <= sent:
             raise WriterConflictError(
                 f"writer {self.writer_id} on segment {state.segment.name!r}: the segment holds event number "
                 f"{current}, but this writer has acknowledged {state.acked} and sent up to "
-                f"{state.acked + len(state.pending)}: is another writer using the same id?")
+                f"{sent}: is another writer using the same id?")
         self.retried_appends += 1
         _acknowledge(state, current)
 

@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from attrindex import EventWriter, SegmentStore
-from attrindex.errors import InvalidInputError, StreamNotFoundError
+from attrindex.errors import InvalidInputError, StreamNotFoundError, WriterConflictError
 from tests.flaky import FlakyStorage
 from storage_adapters import open_storage
 
@@ -82,3 +82,66 @@ def test_lost_acknowledgements_and_timeouts_never_duplicate_or_lose(storage_url)
     assert flaky.lost_acks > 5 and flaky.failed_writes > 5
     with SegmentStore.open(url, storage_options=options) as clean:
         assert sorted(int(v) for _, _, v in stream_events(clean, "s")) == list(range(300))
+
+
+def _twins(url, options, shared, events=400):
+    """Two copies of one writer (separate store handles, as two task attempts have) writing the same
+    events at the same time; returns what each raised."""
+    import threading
+
+    writer_id = uuid.uuid4()
+    with SegmentStore.open(url, storage_options=options) as setup:
+        setup.create_stream("s", 2)
+    errors = []
+    barrier = threading.Barrier(2)
+
+    def attempt():
+        with SegmentStore.open(url, storage_options=options) as own:
+            writer = EventWriter(own, "s", writer_id=writer_id, batch_events=7, shared=shared)
+            barrier.wait()
+            try:
+                for i in range(events):
+                    writer.write(b"%d" % i, routing_key=i % 5)
+                    if i % 50 == 0:
+                        writer.flush()
+                writer.flush()
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                errors.append(exc)
+
+    threads = [threading.Thread(target=attempt) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+@pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)
+def test_shared_twins_write_every_event_exactly_once(storage_url):
+    url, options = storage_url
+    assert _twins(url, options, shared=True) == []
+    with SegmentStore.open(url, storage_options=options) as clean:
+        assert sorted(int(v) for _, _, v in stream_events(clean, "s")) == list(range(400))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_twin_that_got_further_is_skipped_only_when_shared(store, shared):
+    writer_id = uuid.uuid4()
+    store.create_stream("s", 1)
+    first = EventWriter(store, "s", writer_id=writer_id, shared=shared)
+    for i in range(10):
+        first.write(b"%d" % i)  # queued, not sent yet
+    twin = EventWriter(store, "s", writer_id=writer_id, shared=shared)
+    for i in range(20):
+        twin.write(b"%d" % i)
+    twin.flush()
+    if not shared:
+        with pytest.raises(WriterConflictError, match="another writer using the same id"):
+            first.flush()
+        return
+    first.flush()  # finds the segment at event 20, past the 10 it queued: the twin wrote them
+    for i in range(10, 30):
+        first.write(b"%d" % i)
+    first.flush()
+    assert first.events_skipped == 20
+    assert [int(v) for _, _, v in stream_events(store, "s")] == list(range(30))
