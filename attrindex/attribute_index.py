@@ -178,6 +178,11 @@ class AttributeIndex:
         high = None if stop is None else to_key(stop)
         return self._tree.items(low, high)
 
+    def split_keys(self, parts: int) -> list[bytes]:
+        """Up to ``parts - 1`` ascending keys cutting the stored keys into about equal ranges
+        (for scanning in parallel); reads only a few upper pages."""
+        return self._tree.split_keys(parts)
+
     def __len__(self) -> int:
         return self._tree.state.footer.entry_count
 

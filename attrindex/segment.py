@@ -231,6 +231,13 @@ class Segment:
             overlay = list(self._overlay.items(low, high))  # a snapshot: appends may follow
         return merge_scan(iter(overlay), self._index.items(low, high))
 
+    def attribute_split_keys(self, parts: int) -> list[bytes]:
+        """Keys cutting the attributes into about ``parts`` ranges for parallel scans (by the
+        B+tree's pages; attributes still in tier 1 only are not weighed)."""
+        with self._lock:
+            self._check_open()
+            return self._index.split_keys(parts)
+
     # -- flushing tier 1 into the B+tree -------------------------------------------------------
     def _maybe_flush(self) -> None:
         overlay = self._overlay
@@ -335,6 +342,15 @@ class Segment:
             raise InvalidInputError(f"timestamp must be an int (ms), got {timestamp!r}")
         with self._lock:
             return self._log.offset_for_timestamp(timestamp)
+
+    def chunk_offsets(self) -> list[tuple[int, int]]:
+        """``(first offset, next offset)`` of the records in each stored log chunk, oldest first
+        (chunks without records left out): the units a parallel reader splits work by."""
+        with self._lock:
+            self._check_open()
+            start = self._log.start_offset
+            spans = [(max(s.base_offset, start), s.next_offset) for s in self._log.chunk_summaries()]
+        return [(first, end) for first, end in spans if end > first]
 
     def _wait(self, offset: int, timeout: float) -> None:
         """Wait until a record at ``offset`` may exist (an append here, or a poll finding one)."""

@@ -291,6 +291,27 @@ class BTreeIndex:
                 continue
             return list(map(found.get, keys))
 
+    def split_keys(self, parts: int) -> list[bytes]:
+        """Up to ``parts - 1`` ascending keys that cut the tree into ranges of about equal page
+        counts: separator keys of the highest level with enough pages (a few page reads)."""
+        while True:
+            state = self._state
+            if parts < 2 or not state.footer.root_length:
+                return []
+            try:
+                level = [self._root_page(state)]
+                while not level[0].is_leaf and sum(len(p.keys) for p in level) < parts:
+                    level = [self._child(p, i) for p in level for i in range(len(p.keys))]
+            except TruncatedError:
+                self.reload()
+                continue
+            if level[0].is_leaf:
+                keys = [k for p in level for k in p.keys]
+            else:
+                keys = [k for p in level for k in p.keys][1:]  # the first is all zeros
+            step = len(keys) / parts
+            return sorted({keys[int(step * i)] for i in range(1, parts) if int(step * i) < len(keys)})
+
     def _descend(self, page: LeafPage | IndexPage, key: bytes) -> int | None:
         while not page.is_leaf:
             page = self._child(page, bisect.bisect_right(page.keys, key) - 1)

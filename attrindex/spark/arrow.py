@@ -1,0 +1,119 @@
+"""Arrow record batches to and from attrindex's records and attribute pairs.
+
+Spark hands Python data sources Arrow batches and takes Arrow batches back; converting whole
+columns here (one ``to_pylist`` per column, casts in Arrow) is what keeps the Python per-row work
+small.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import InvalidInputError, InvalidKeyError
+from ..keys import to_key
+from ..log.batch import Record
+from .ingest import EventColumns
+
+HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+EVENT_SCHEMA = pa.schema([
+    ("segment", pa.string()),
+    ("offset", pa.int64()),
+    ("timestamp", pa.timestamp("us", tz="UTC")),
+    ("key", pa.binary()),
+    ("value", pa.binary()),
+    ("headers", HEADERS_TYPE),
+])
+ATTRIBUTE_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.int64())])
+
+
+def event_columns(batch: pa.RecordBatch, value: str, key: str | None, timestamp: str | None,
+                  headers: str | None) -> EventColumns:
+    """The events of one batch of input rows (column names as the write options gave them)."""
+    values = _column(batch, value)
+    if values.null_count:
+        raise InvalidInputError(f"the value column {value!r} holds nulls; every event needs a payload")
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        values = values.cast(pa.binary())
+    return EventColumns(
+        values=values.to_pylist(),
+        keys=_column(batch, key).to_pylist() if key else None,
+        timestamps=_millis(_column(batch, timestamp)) if timestamp else None,
+        headers=[tuple((h["key"], h["value"] or b"") for h in row) if row else () for row in
+                 _column(batch, headers).to_pylist()] if headers else None,
+    )
+
+
+def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
+    index = batch.schema.get_field_index(name)
+    if index < 0:  # Spark's column names are case-insensitive by default
+        matches = [i for i, f in enumerate(batch.schema) if f.name.lower() == name.lower()]
+        if len(matches) != 1:
+            raise InvalidInputError(f"no column {name!r} in {batch.schema.names}")
+        index = matches[0]
+    return batch.column(index)
+
+
+def _millis(column: pa.Array) -> list:
+    if pa.types.is_timestamp(column.type):
+        column = pc.cast(column, pa.timestamp("ms"), safe=False).cast(pa.int64())
+    return column.to_pylist()
+
+
+def records_batch(segment: str, records: Sequence[Record]) -> pa.RecordBatch:
+    """Records of one segment as a batch of ``EVENT_SCHEMA`` rows."""
+    n = len(records)
+    headers = [[{"key": k, "value": v} for k, v in r.headers] for r in records] \
+        if any(r.headers for r in records) else [[] for _ in range(n)]
+    return pa.RecordBatch.from_arrays([
+        pa.array([segment] * n, pa.string()),
+        pa.array([r.offset for r in records], pa.int64()),
+        pa.array([r.timestamp * 1000 for r in records], pa.timestamp("us", tz="UTC")),
+        pa.array([r.key for r in records], pa.binary()),
+        pa.array([r.value for r in records], pa.binary()),
+        pa.array(headers, HEADERS_TYPE),
+    ], schema=EVENT_SCHEMA)
+
+
+def attribute_keys(column: pa.Array, name: str = "key") -> list:
+    """Canonical 16-byte keys of a key column (16-byte binary, UUID strings, or ints >= 0);
+    nulls stay ``None``."""
+    kind = column.type
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_fixed_size_binary(kind):
+        convert = to_key
+    elif pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        convert = _uuid_key
+    elif pa.types.is_integer(kind):
+        convert = to_key
+    else:
+        raise InvalidInputError(f"the key column {name!r} has type {kind}; use 16-byte binary, UUID strings or ints >= 0")
+    keys = column.to_pylist()
+    try:
+        return [None if k is None else convert(k) for k in keys]
+    except InvalidKeyError as exc:
+        raise InvalidKeyError(f"column {name!r}: {exc}") from None
+
+
+def _uuid_key(text: str) -> bytes:
+    try:
+        return uuid.UUID(text).bytes
+    except ValueError:
+        raise InvalidKeyError(f"string key {text!r} is not a UUID") from None
+
+
+def attribute_values(column: pa.Array, name: str = "value") -> list:
+    """A value column as ints (``None`` where null: remove)."""
+    if not pa.types.is_integer(column.type):
+        raise InvalidInputError(f"the value column {name!r} has type {column.type}; it must be an integer (long)")
+    if pa.types.is_uint64(column.type):
+        column = column.cast(pa.int64())  # raises on values past 2**63 - 1
+    return column.to_pylist()
+
+
+def attributes_batch(pairs: Sequence[tuple[bytes, int]]) -> pa.RecordBatch:
+    keys, values = zip(*pairs) if pairs else ((), ())
+    return pa.RecordBatch.from_arrays([pa.array(keys, pa.binary()), pa.array(values, pa.int64())],
+                                      schema=ATTRIBUTE_SCHEMA)

@@ -1,0 +1,115 @@
+"""Planning and running parallel scans of a stream's records (no Spark in here).
+
+A scan is cut into ``ScanRange``s: an offset range of one segment, made of whole log chunks up to
+about ``max_records`` records, so a stream of N segments with M chunks each gives up to N*M tasks.
+``ScanBounds`` carries what filters narrowed: which segments, an offset range, a timestamp range.
+The lower timestamp bound moves each segment's start through its time index; the rest is checked
+per record, so the records returned match the bounds exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import attrs
+
+from ..log.batch import Record
+from ..store import SegmentStore
+
+READ_CHUNK = 10_000  #: records fetched per read call while scanning
+
+
+@attrs.frozen
+class ScanRange:
+    segment: str
+    start: int  #: first offset
+    end: int  #: offset past the last
+
+
+@attrs.define
+class ScanBounds:
+    """Conjunction of the supported filters: segments in ``segments`` (None: all), ``offset`` in
+    ``[offset_min, offset_max)`` and ``timestamp`` (ms) in ``[time_min, time_max)``."""
+
+    segments: frozenset | None = None
+    offset_min: int = 0
+    offset_max: int | None = None
+    time_min: int | None = None
+    time_max: int | None = None
+
+    def keep_segments(self, names) -> None:
+        names = frozenset(names)
+        self.segments = names if self.segments is None else self.segments & names
+
+    def raise_offset(self, low: int) -> None:
+        self.offset_min = max(self.offset_min, low)
+
+    def lower_offset_max(self, high: int) -> None:
+        self.offset_max = high if self.offset_max is None else min(self.offset_max, high)
+
+    def raise_time(self, low: int) -> None:
+        self.time_min = low if self.time_min is None else max(self.time_min, low)
+
+    def lower_time_max(self, high: int) -> None:
+        self.time_max = high if self.time_max is None else min(self.time_max, high)
+
+
+def plan_scan(store: SegmentStore, names: list[str], bounds: ScanBounds, max_records: int,
+              ends: dict[str, int] | None = None, starts: dict[str, int] | None = None) -> list[ScanRange]:
+    """The ranges to read of segments ``names``; ``starts``/``ends`` (offsets per segment, for
+    streaming micro-batches) narrow further."""
+    ranges = []
+    for name in names:
+        if bounds.segments is not None and name not in bounds.segments:
+            continue
+        segment = store.segment(name)
+        segment.refresh()
+        first = max(bounds.offset_min, (starts or {}).get(name, 0), segment.start_offset)
+        last = segment.next_offset
+        if ends is not None:
+            last = min(last, ends.get(name, 0))
+        if bounds.offset_max is not None:
+            last = min(last, bounds.offset_max)
+        if bounds.time_min is not None and first < last:
+            found = segment.offset_for_timestamp(bounds.time_min)
+            first = last if found is None else max(first, found)
+        if first >= last:
+            continue
+        ranges.extend(_split(name, first, last, segment.chunk_offsets(), max_records))
+    return ranges
+
+
+def _split(name: str, first: int, last: int, chunks: list[tuple[int, int]], max_records: int) -> list[ScanRange]:
+    """Cut ``[first, last)`` at chunk boundaries into ranges of about ``max_records`` records."""
+    out: list[ScanRange] = []
+    start = first
+    for _chunk_start, chunk_end in chunks:
+        if chunk_end <= start:
+            continue
+        end = min(chunk_end, last)
+        if end - start >= max_records or end == last:
+            out.append(ScanRange(name, start, end))
+            start = end
+        if start >= last:
+            break
+    if start < last:
+        out.append(ScanRange(name, start, last))
+    return out
+
+
+def scan(store: SegmentStore, scan_range: ScanRange, bounds: ScanBounds) -> Iterator[list[Record]]:
+    """The records of ``scan_range`` that satisfy ``bounds``, in lists of up to ``READ_CHUNK``."""
+    segment = store.segment(scan_range.segment)
+    offset = scan_range.start
+    lo, hi = bounds.time_min, bounds.time_max
+    while offset < scan_range.end:
+        if segment.next_offset < scan_range.end:
+            segment.refresh()
+        records = segment.read(offset, min(READ_CHUNK, scan_range.end - offset))
+        if not records:
+            return
+        offset = records[-1].offset + 1
+        if lo is not None or hi is not None:
+            records = [r for r in records if (lo is None or r.timestamp >= lo) and (hi is None or r.timestamp < hi)]
+        if records:
+            yield records
