@@ -11,46 +11,23 @@ import json
 import os
 import re
 import sys
-import tempfile
 import textwrap
-import time
 import uuid
 from typing import Callable, Iterator, Sequence
 
 import attrs
 
 from ._version import __version__
-from .errors import AttrIndexError, BadOffsetError, CorruptDataError, InvalidInputError, SegmentNotFoundError
+from .errors import AttrIndexError, CorruptDataError, InvalidInputError, SegmentNotFoundError
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """Show the storage layer at work; the full Spark pipeline demo is not built yet."""
-    from storage_adapters import RollingSegment, open_storage
+    """The Spark pipeline demo (attrindex/demo.py)."""
+    from .demo import main as demo_main
 
-    print("attrindex demo: the Spark ingestion pipeline is not built yet (it arrives with the Spark")
-    print("data source); this run shows the storage layer it stands on: compare-and-append and truncation.")
-    with tempfile.TemporaryDirectory(prefix="attrindex-demo-") as tmp:
-        url = args.path or tmp
-        storage = open_storage(url)
-        first, second = RollingSegment(storage, "demo", rolling_size=4096), RollingSegment(storage, "demo")
-        first.delete()
-        started, count = time.perf_counter(), 1000
-        for i in range(count):
-            first.append(b"event %06d\n" % i, expected_offset=first.length)
-        elapsed = time.perf_counter() - started
-        try:
-            second.append(b"stale write\n", expected_offset=0)
-            stale = "accepted (unexpected!)"
-        except BadOffsetError as exc:
-            stale = f"refused: {exc}"
-        first.truncate(first.length // 2)
-        print(f"  storage            {storage.url}")
-        print(f"  appends            {count} compare-and-appends in {elapsed:.2f} s ({count / elapsed:,.0f}/s, each durable)")
-        print(f"  stale writer       {stale}")
-        print(f"  after truncation   start_offset={first.start_offset} length={first.length} chunks={len(first.chunks())}")
-        print(f"  last record        {first.read(first.length - 13, 13)!r}")
-        first.delete()
-    return 0
+    if args.rows < 1000:
+        raise InvalidInputError(f"--rows must be at least 1000, got {args.rows}")
+    return demo_main(args.path, _storage_options(args.storage_option), args.rows, args.master)
 
 
 def parse_key(text: str) -> bytes | int | uuid.UUID:
@@ -597,8 +574,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attrindex", description=__doc__)
     parser.add_argument("--version", action="version", version=f"attrindex {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = commands.add_parser("demo", help="run the demonstration job")
-    demo.add_argument("--path", help="storage URL to run in (default: a temporary directory)")
+    demo = commands.add_parser("demo", help="run the Spark pipeline demo: exactly-once ingest, read back, attributes")
+    demo.add_argument("--path", help="storage URL to run in, e.g. s3://bucket/prefix (default: a temporary directory)")
+    demo.add_argument("-o", "--storage-option", action="append", default=[], metavar="NAME=VALUE",
+                      help="a storage option, e.g. -o endpoint_url=http://127.0.0.1:9000 (repeatable)")
+    demo.add_argument("--rows", type=int, default=400_000, help="events to generate (default 400,000)")
+    demo.add_argument("--master", default="local[*,4]", help="Spark master (default local[*,4]: retries failed tasks)")
     demo.set_defaults(run=_demo)
     _add_index_commands(commands)
     _add_segment_commands(commands)

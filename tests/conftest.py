@@ -95,3 +95,17 @@ def storage(storage_url):
     url, options = storage_url
     with open_storage(url, **options) as opened:
         yield opened
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One ``local[2,4]`` SparkSession for the whole run (2 cores; a task may fail 3 times and be
+    retried, which plain ``local[2]`` never does), with the attrindex formats registered."""
+    import attrindex.spark
+
+    session = attrindex.spark.session("local[2,4]", app_name="attrindex-tests",
+                                      conf={"spark.sql.shuffle.partitions": "4",
+                                            "spark.default.parallelism": "4"})
+    session.sparkContext.setLogLevel("OFF")  # injected task failures would log pages of traces
+    yield session
+    session.stop()

@@ -17,12 +17,9 @@ def test_version_from_the_installed_console_script():
     assert out.strip() == f"attrindex {__version__}"
 
 
-def test_demo_runs_and_says_what_is_not_built_yet(tmp_path, capsys):
-    assert main(["demo", "--path", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "not built yet" in out
-    assert "refused: segment 'demo': append expected offset 0" in out
-    assert "last record        b'event 000999\\n'" in out
+def test_demo_refuses_too_few_rows(capsys):
+    assert main(["demo", "--rows", "10"]) == 1
+    assert "--rows must be at least 1000" in capsys.readouterr().err
 
 
 def test_no_command_prints_help_and_fails(capsys):

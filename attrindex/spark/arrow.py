@@ -64,17 +64,22 @@ def _millis(column: pa.Array) -> list:
 
 
 def records_batch(segment: str, records: Sequence[Record]) -> pa.RecordBatch:
-    """Records of one segment as a batch of ``EVENT_SCHEMA`` rows."""
+    """Records of one segment as a batch of ``EVENT_SCHEMA`` rows (columns by one transpose)."""
     n = len(records)
-    headers = [[{"key": k, "value": v} for k, v in r.headers] for r in records] \
-        if any(r.headers for r in records) else [[] for _ in range(n)]
+    values, keys, stamps, headers, offsets = zip(*records) if n else ((),) * 5
+    if any(headers):
+        header_column = pa.array([[{"key": k, "value": v} for k, v in h] for h in headers], HEADERS_TYPE)
+    else:  # n empty lists: all offsets zero, no Python object per row
+        header_column = pa.ListArray.from_arrays(pa.array([0] * (n + 1), pa.int32()),
+                                                 pa.array([], HEADERS_TYPE.value_type))
+    micros = pc.multiply(pa.array(stamps, pa.int64()), 1000).cast(pa.timestamp("us", tz="UTC"))
     return pa.RecordBatch.from_arrays([
         pa.array([segment] * n, pa.string()),
-        pa.array([r.offset for r in records], pa.int64()),
-        pa.array([r.timestamp * 1000 for r in records], pa.timestamp("us", tz="UTC")),
-        pa.array([r.key for r in records], pa.binary()),
-        pa.array([r.value for r in records], pa.binary()),
-        pa.array(headers, HEADERS_TYPE),
+        pa.array(offsets, pa.int64()),
+        micros,
+        pa.array(keys, pa.binary()),
+        pa.array(values, pa.binary()),
+        header_column,
     ], schema=EVENT_SCHEMA)
 
 
@@ -109,7 +114,10 @@ def attribute_values(column: pa.Array, name: str = "value") -> list:
     if not pa.types.is_integer(column.type):
         raise InvalidInputError(f"the value column {name!r} has type {column.type}; it must be an integer (long)")
     if pa.types.is_uint64(column.type):
-        column = column.cast(pa.int64())  # raises on values past 2**63 - 1
+        try:
+            column = column.cast(pa.int64())
+        except pa.ArrowInvalid:
+            raise InvalidInputError(f"the value column {name!r} holds values past 2**63 - 1") from None
     return column.to_pylist()
 
 

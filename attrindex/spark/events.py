@@ -94,6 +94,7 @@ def write_settings(raw, schema: StructType, overwrite: bool) -> WriteSettings:
         faults=ingest.Faults(
             fail_partitions=options.int_set("testing.failPartitions"),
             fail_after_rows=options.integer("testing.failAfterRows", 1, minimum=1),
+            fail_attempts=options.integer("testing.failAttempts", 1, minimum=1),
             duplicate_partitions=options.int_set("testing.duplicatePartitions"),
         ),
     )
@@ -105,9 +106,19 @@ def _target(options: Options) -> ingest.StreamTarget:
         stream=options.required("stream", "the name of the stream of segments"),
         storage_options=options.storage_options(),
         segments=options.integer("segments", None, minimum=1),
-        store_options={"codec": options.text("codec")} if options.has("codec") else {},
+        store_options=_store_options(options),
         batch_events=options.integer("batchEvents", 1000, minimum=1),
     )
+
+
+def _store_options(options: Options) -> dict:
+    """SegmentStore options a write may set: ``codec`` and ``logRollingSize`` (bytes per chunk)."""
+    out = {}
+    if options.has("codec"):
+        out["codec"] = options.text("codec")
+    if options.has("logRollingSize"):
+        out["log_rolling_size"] = options.integer("logRollingSize", minimum=4096)
+    return out
 
 
 def _check_column(columns: dict, name: str, option: str, types: tuple, wanted: str) -> None:
@@ -170,8 +181,8 @@ def _write_task(settings: WriteSettings, token: uuid.UUID, version: int, iterato
     return ingest.write_direct(s.target, token, version, partition, attempt, batches, s.faults)
 
 
-def _staged_files(messages) -> list[str]:
-    return [path for m in messages if m is not None for path in m.report.staged]
+def _staged_files(messages) -> list[list]:
+    return [entry for m in messages if m is not None for entry in m.report.staged]
 
 
 # -- streaming write --------------------------------------------------------------------------
@@ -254,6 +265,8 @@ class _RangePartition(InputPartition):
 def _read_range(settings: ReadSettings, bounds: ScanBounds, scan_range: ScanRange):
     from .arrow import records_batch
 
+    if scan_range is None:  # Spark reads one partition None when partitions() found nothing
+        return
     with settings.open_store() as store:
         for records in scan(store, scan_range, bounds):
             yield records_batch(scan_range.segment, records)
@@ -271,7 +284,7 @@ class EventsReader(DataSourceReader):
         return [_RangePartition(r) for r in ranges]
 
     def read(self, partition):
-        return _read_range(self.settings, self.bounds, partition.value)
+        return _read_range(self.settings, self.bounds, getattr(partition, "value", None))
 
 
 class FilteringEventsReader(EventsReader):
@@ -373,7 +386,7 @@ class EventsStreamReader(DataSourceStreamReader):
         return [_RangePartition(r) for r in ranges]
 
     def read(self, partition):
-        return _read_range(self.settings, self.bounds, partition.value)
+        return _read_range(self.settings, self.bounds, getattr(partition, "value", None))
 
     def commit(self, end):
         pass  # nothing to release: offsets live in Spark's checkpoint, records stay until retention

@@ -86,10 +86,12 @@ class StreamTarget:
 
 @attrs.frozen
 class Faults:
-    """Failures to inject on a task's first attempt (the ``testing.*`` options)."""
+    """Failures to inject (the ``testing.*`` options): a twin on a task's first attempt, and
+    failures after ``fail_after_rows`` rows on its first ``fail_attempts`` attempts."""
 
     fail_partitions: frozenset = frozenset()  #: these tasks fail after writing ``fail_after_rows``
     fail_after_rows: int = 0
+    fail_attempts: int = 1
     duplicate_partitions: frozenset = frozenset()  #: these tasks run with a concurrent twin attempt
 
     def __bool__(self) -> bool:
@@ -123,7 +125,7 @@ class TaskReport:
     rows: int = 0
     written: int = 0  #: rows this attempt appended (direct mode)
     skipped: int = 0  #: rows an earlier attempt had appended already (direct mode)
-    staged: list = attrs.Factory(list)  #: staging file paths, in row order (staged mode)
+    staged: list = attrs.Factory(list)  #: ``[path, size]`` of each staging file, in row order (staged mode)
     already_committed: bool = False  #: the write was committed before: the task did nothing
 
 
@@ -200,10 +202,11 @@ def write_direct(target: StreamTarget, token: uuid.UUID, version: int, partition
         twin = threading.Thread(target=_twin_attempt, args=(target, token, version, partition, batches), daemon=True)
         twin.start()
         try:
-            return write_direct(target, token, version, partition, attempt, batches)
+            return write_direct(target, token, version, partition, attempt, batches,
+                                attrs.evolve(faults, duplicate_partitions=frozenset()))
         finally:
             twin.join()
-    fail_at = faults.fail_after_rows if attempt == 0 and partition in faults.fail_partitions else None
+    fail_at = faults.fail_after_rows if attempt < faults.fail_attempts and partition in faults.fail_partitions else None
     report = TaskReport(partition, attempt)
     with target.open_store() as store:
         writer = EventWriter(store, target.stream, writer_id=task_writer_id(token, version, partition),
@@ -235,7 +238,7 @@ def stage_attempt(target: StreamTarget, token: uuid.UUID, version: int, partitio
     if faults and attempt == 0 and partition in faults.duplicate_partitions:
         batches = list(batches)  # a twin stages a copy that nobody will publish
         stage_attempt(target, token, version, partition, 1, batches)
-    fail_at = faults.fail_after_rows if attempt == 0 and partition in faults.fail_partitions else None
+    fail_at = faults.fail_after_rows if attempt < faults.fail_attempts and partition in faults.fail_partitions else None
     report = TaskReport(partition, attempt)
     prefix = f"{staging_dir(target.stream, token, version)}/{partition:05d}-{uuid.uuid4().hex}"
     with target.open_store() as store:
@@ -258,10 +261,10 @@ def stage_attempt(target: StreamTarget, token: uuid.UUID, version: int, partitio
     return report
 
 
-def _stage_file(storage, prefix: str, n: int, batches: list[bytes]) -> str:
-    path = f"{prefix}-{n:05d}"
-    storage.create(path, b"".join(batches))
-    return path
+def _stage_file(storage, prefix: str, n: int, batches: list[bytes]) -> list:
+    path, data = f"{prefix}-{n:05d}", b"".join(batches)
+    storage.create(path, data)
+    return [path, len(data)]
 
 
 def _routing_bytes(key: object) -> bytes | None:
@@ -313,8 +316,8 @@ def publish(target: StreamTarget, store: SegmentStore, token: uuid.UUID, version
         writer = EventWriter(store, target.stream, writer_id=task_writer_id(token, version, partition),
                              batch_events=target.batch_events)
         rows = 0
-        for path in files:
-            data = store.storage.read(path, 0, 1 << 40)
+        for path, size in files:
+            data = store.storage.read(path, 0, size)
             for pos, header in iter_batches(data, segment=path):
                 for record in decode_records(data, pos, header, segment=path, verify=False):
                     writer.write(record.value, record.key, timestamp=record.timestamp, headers=record.headers)
@@ -327,7 +330,7 @@ def publish(target: StreamTarget, store: SegmentStore, token: uuid.UUID, version
     return {"published": sum(r for r, _ in results), "skipped": sum(s for _, s in results)}
 
 
-def abort_write(target: StreamTarget, token: uuid.UUID, version: int, files: list[str], *,
+def abort_write(target: StreamTarget, token: uuid.UUID, version: int, files: list[list], *,
                 everything: bool) -> None:
     """After a failed job (staged mode): drop the staging files of its tasks, or (``everything``,
     for a write nobody else can share: no ``writeId``) all staged files of the write. Files that a
@@ -339,7 +342,7 @@ def abort_write(target: StreamTarget, token: uuid.UUID, version: int, files: lis
         if everything:
             _drop_staging(store.storage, target.stream, token, version)
         else:
-            store.storage.delete(files)
+            store.storage.delete([path for path, _size in files])
 
 
 def _drop_staging(storage, stream: str, token: uuid.UUID, version: int) -> None:

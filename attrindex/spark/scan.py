@@ -80,20 +80,23 @@ def plan_scan(store: SegmentStore, names: list[str], bounds: ScanBounds, max_rec
 
 
 def _split(name: str, first: int, last: int, chunks: list[tuple[int, int]], max_records: int) -> list[ScanRange]:
-    """Cut ``[first, last)`` at chunk boundaries into ranges of about ``max_records`` records."""
+    """Cut ``[first, last)`` at chunk boundaries into ranges of at most ``max_records`` records
+    (a single chunk holding more gets a range of its own)."""
     out: list[ScanRange] = []
-    start = first
+    start = end = first
     for _chunk_start, chunk_end in chunks:
-        if chunk_end <= start:
+        chunk_end = min(chunk_end, last)
+        if chunk_end <= end:
             continue
-        end = min(chunk_end, last)
-        if end - start >= max_records or end == last:
-            out.append(ScanRange(name, start, end))
+        if chunk_end - start > max_records and end > start:
+            out.append(ScanRange(name, start, end))  # the next chunk would overfill this range
             start = end
-        if start >= last:
+        end = chunk_end
+        if end >= last:
             break
-    if start < last:
-        out.append(ScanRange(name, start, last))
+    end = max(end, last)
+    if start < end:
+        out.append(ScanRange(name, start, end))
     return out
 
 

@@ -1,0 +1,291 @@
+"""The PySpark data sources end to end, on one local[2,4] SparkSession: exactly-once writes
+through injected task failures and duplicate attempts (local disk and S3), writeId reruns,
+streaming through a restart with a replayed batch, attribute bulk loads and lookups."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import uuid
+
+import pytest
+
+pytest.importorskip("pyspark")  # the spark extra; the test extra always installs it
+
+import attrindex.spark  # noqa: E402
+from attrindex import SegmentStore  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROWS = 12_000
+
+
+def events_df(spark, rows=ROWS, partitions=4, start=0):
+    """Unique payloads (so duplicates and losses are countable), 97 routing keys, timestamps."""
+    return (spark.range(start, start + rows, numPartitions=partitions)
+            .selectExpr("concat('user-', cast(id % 97 as string)) as key",
+                        "cast(concat('event-', cast(id as string)) as binary) as value",
+                        "timestamp_millis(1700000000000 + id) as ts"))
+
+
+def write(df, url, stream, options=None, **extra):
+    writer = (df.write.format("attrindex").option("path", url).option("stream", stream)
+              .option("keyColumn", "key").option("timestampColumn", "ts"))
+    for key, value in {**(options or {}), **extra}.items():
+        writer = writer.option(key, value)
+    writer.mode("append").save()
+
+
+def read(spark, url, stream, options=None):
+    reader = spark.read.format("attrindex").option("path", url).option("stream", stream)
+    for key, value in (options or {}).items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def payloads(spark, url, stream, options=None) -> list[bytes]:
+    return [bytes(r.value) for r in read(spark, url, stream, options).select("value").collect()]
+
+
+def storage_opts(options: dict) -> dict:
+    return {f"storage.{k}": v for k, v in options.items()}
+
+
+FAULTS = {"testing.failPartitions": "1,2", "testing.failAfterRows": "1200", "testing.duplicatePartitions": "3"}
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_exactly_once_through_failed_and_duplicate_attempts(spark, storage_url, mode):
+    url, options = storage_url
+    write(events_df(spark), url, "events", storage_opts(options), segments=3, commitMode=mode,
+          writeId="load-1", **FAULTS)
+    got = payloads(spark, url, "events", storage_opts(options))
+    expected = {b"event-%d" % i for i in range(ROWS)}
+    assert len(got) == ROWS and set(got) == expected  # no duplicates, no losses
+    summary = attrindex.spark.write_summary(url, "events", "load-1", options)
+    assert summary["rows"] == ROWS
+    if mode == "direct":  # the retried tasks found the rows their failed attempts had written
+        assert summary["skipped"] > 0 and summary["written"] + summary["skipped"] == ROWS
+    with SegmentStore.open(url, storage_options=options) as store:
+        staging = store.storage.list_files("_streams/events/_staging")
+        assert staging == {}  # failed and duplicate attempts' staged files were cleaned up
+
+
+def test_routing_keys_timestamps_and_headers_survive(spark, tmp_path):
+    url = str(tmp_path / "store")
+    df = spark.createDataFrame(
+        [("a", b"1", 1_700_000_000_123, [("h", b"x")]), ("b", b"2", 1_700_000_000_456, []),
+         ("a", b"3", 1_700_000_000_789, None)],
+        "key string, value binary, ts long, headers array<struct<key:string,value:binary>>")
+    write(df, url, "s", segments=2, headersColumn="headers")
+    rows = {bytes(r.value): r for r in read(spark, url, "s").collect()}
+    assert bytes(rows[b"1"].key) == b"a" and rows[b"1"].segment == rows[b"3"].segment
+    assert rows[b"1"].headers[0].key == "h" and bytes(rows[b"1"].headers[0].value) == b"x"
+    assert rows[b"2"].headers == []
+    assert int(rows[b"2"].timestamp.timestamp() * 1000) == 1_700_000_000_456
+    offsets = sorted((r.segment, r.offset) for r in rows.values())
+    assert offsets[0][1] == 0
+
+
+def test_the_same_write_id_appends_once(spark, tmp_path):
+    url = str(tmp_path / "store")
+    df = events_df(spark, rows=3000)
+    write(df, url, "s", segments=2, writeId="nightly-2026-11-21")
+    write(df, url, "s", writeId="nightly-2026-11-21")  # a rerun of the whole job
+    assert read(spark, url, "s").count() == 3000
+    write(events_df(spark, rows=3000, start=3000), url, "s", writeId="nightly-2026-11-22")
+    assert sorted(payloads(spark, url, "s")) == sorted(b"event-%d" % i for i in range(6000))
+    write(df, url, "s", writeId="nightly-2026-11-21", commitMode="staged")  # recorded: skipped too
+    assert read(spark, url, "s").count() == 6000
+
+
+def test_a_failed_job_rerun_with_its_write_id_completes_it_exactly_once(spark, tmp_path):
+    url = str(tmp_path / "store")
+    df = events_df(spark, rows=4000)
+    with pytest.raises(Exception, match="injected failure"):  # every attempt of task 2 fails
+        write(df, url, "s", segments=2, writeId="w", **{"testing.failPartitions": "2",
+                                                         "testing.failAfterRows": "300",
+                                                         "testing.failAttempts": "4"})
+    partial = read(spark, url, "s").count()
+    write(df, url, "s", writeId="w")
+    assert 300 <= partial < 4000 and sorted(payloads(spark, url, "s")) == sorted(b"event-%d" % i for i in range(4000))
+
+
+def _run_stream(spark, url, checkpoint, source_options=None):
+    source = spark.readStream.format("attrindex").option("path", url).option("stream", "in")
+    for key, value in (source_options or {}).items():
+        source = source.option(key, value)
+    query = (source.load().selectExpr("key", "value", "timestamp as ts")
+             .writeStream.format("attrindex").option("path", url).option("stream", "out")
+             .option("segments", 2).option("keyColumn", "key").option("timestampColumn", "ts")
+             .option("checkpointLocation", checkpoint).start())
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    return query
+
+
+def _forget_last_spark_commit(checkpoint) -> int:
+    """Make Spark replay its last micro-batch, as after a crash between our commit and its own."""
+    commits = os.path.join(checkpoint, "commits")
+    last = max(int(n) for n in os.listdir(commits) if n.isdigit())
+    for name in (str(last), f".{last}.crc"):
+        path = os.path.join(commits, name)
+        if os.path.exists(path):
+            os.remove(path)
+    return last
+
+
+def test_streaming_read_to_write_through_a_restart_with_a_replayed_batch(spark, tmp_path):
+    url, checkpoint = str(tmp_path / "store"), str(tmp_path / "checkpoint")
+    write(events_df(spark, rows=5000), url, "in", segments=3)
+    _run_stream(spark, url, checkpoint)
+    assert read(spark, url, "out").count() == 5000
+
+    # A restart that replays the last batch, after more input arrived.
+    replayed = _forget_last_spark_commit(checkpoint)
+    write(events_df(spark, rows=2000, start=5000), url, "in")
+    query = _run_stream(spark, url, checkpoint)
+    assert [p["batchId"] for p in query.recentProgress][0] == replayed
+    assert sorted(payloads(spark, url, "out")) == sorted(b"event-%d" % i for i in range(7000))
+
+    # A crash after the tasks wrote but before anything was committed: both commit records go.
+    replayed = _forget_last_spark_commit(checkpoint)
+    with SegmentStore.open(url) as store:
+        ledger = store.storage.list_files("_streams/out/_commits")
+        store.storage.delete([f"_streams/out/_commits/{p}" for p in ledger if p.endswith(f"{replayed:020d}")])
+    _run_stream(spark, url, checkpoint)
+    assert sorted(payloads(spark, url, "out")) == sorted(b"event-%d" % i for i in range(7000))
+
+
+def test_streaming_reader_starts_at_latest_when_asked(spark, tmp_path):
+    url, checkpoint = str(tmp_path / "store"), str(tmp_path / "checkpoint")
+    write(events_df(spark, rows=1000), url, "in", segments=2)
+    with SegmentStore.open(url) as store:
+        store.create_stream("out", 2)
+    _run_stream(spark, url, checkpoint, {"startingOffsets": "latest"})
+    assert read(spark, url, "out").count() == 0
+    write(events_df(spark, rows=500, start=1000), url, "in")
+    _run_stream(spark, url, checkpoint)
+    assert sorted(payloads(spark, url, "out")) == sorted(b"event-%d" % i for i in range(1000, 1500))
+
+
+def test_reads_split_by_chunk_and_filter_by_time(spark, tmp_path):
+    url = str(tmp_path / "store")
+    write(events_df(spark, rows=6000), url, "s", segments=2, logRollingSize=4096, batchEvents=100)
+    df = read(spark, url, "s", {"maxRecordsPerPartition": "1000"})
+    assert df.rdd.getNumPartitions() >= 6  # 2 segments cut at chunk boundaries
+    assert df.count() == 6000
+    # Timestamps are 1700000000000 + id ms: the time index narrows the scan to ids 1000..1999.
+    narrowed = read(spark, url, "s", {"startingTimestamp": 1_700_000_001_000, "endingTimestamp": 1_700_000_002_000})
+    assert sorted(payloads(spark, url, "s", {"startingTimestamp": 1_700_000_001_000,
+                                             "endingTimestamp": 1_700_000_002_000})) == \
+        sorted(b"event-%d" % i for i in range(1000, 2000))
+    assert narrowed.count() == 1000
+
+
+def test_filters_on_a_reused_dataframe_stay_correct_by_default(spark, tmp_path):
+    url = str(tmp_path / "store")
+    write(events_df(spark, rows=2000), url, "s", segments=2)
+    df = read(spark, url, "s")
+    assert df.where("segment = 's/1' and offset < 10").count() == 10
+    assert df.count() == 2000  # PySpark 4.3 would reuse the filtered read if filters were pushed
+
+
+def test_pushed_filters_give_the_same_rows_as_spark_filtering(spark, tmp_path):
+    url = str(tmp_path / "store")
+    write(events_df(spark, rows=3000), url, "s", segments=3)
+    queries = ["segment = 's/1' and offset >= 100 and offset < 350",
+               "segment in ('s/0', 's/2') and offset > 5 and offset <= 40",
+               "timestamp >= timestamp_millis(1700000001000) and timestamp < timestamp_millis(1700000001500)",
+               "offset = 7"]
+    expected = {q: sorted(payloads_where(read(spark, url, "s"), q)) for q in queries}
+    attrindex.spark.register(spark, filter_pushdown=True)
+    try:
+        for q in queries:
+            df = read(spark, url, "s").where(q)  # a fresh DataFrame per query (see register())
+            assert sorted(bytes(r.value) for r in df.select("value").collect()) == expected[q], q
+        # The segment filter prunes whole segments: one segment's single chunk is one partition.
+        assert read(spark, url, "s").where("segment = 's/1'").rdd.getNumPartitions() == 1
+    finally:
+        spark.conf.set(attrindex.spark.FILTER_PUSHDOWN_CONF, "false")
+        attrindex.spark.register(spark)
+
+
+def payloads_where(df, condition):
+    return [bytes(r.value) for r in df.where(condition).select("value").collect()]
+
+
+def test_attribute_bulk_load_then_lookup_matches_a_dict(spark, tmp_path):
+    url = str(tmp_path / "store")
+    rng = random.Random(5)
+    model = {}
+    rows = []
+    for _ in range(3000):
+        key = rng.randrange(1 << 40)
+        value = rng.randrange(-(1 << 63), 1 << 63)
+        model[key] = value
+        rows.append((key, value))
+    df = spark.createDataFrame(rows, "key long, value long").repartition(3)
+    df.write.format("attrindex.attributes").option("path", url).option("segment", "attrs").mode("append").save()
+    # Updates by UUID string and removals by null, in a second load.
+    removed = rng.sample(sorted(model), 200)
+    second = [(str(uuid.UUID(int=k)), None) for k in removed] + [(str(uuid.UUID(int=7)), 70)]
+    for k in removed:
+        del model[k]
+    model[7] = 70
+    (spark.createDataFrame(second, "key string, value long").write.format("attrindex.attributes")
+     .option("path", url).option("segment", "attrs").mode("append").save())
+
+    probes = sorted(model)[::3] + removed[:50] + [1 << 41, 1 << 42]
+    looked = attrindex.spark.lookup(spark.createDataFrame([(k,) for k in probes], "k long"), "k", url, "attrs")
+    assert {r.k: r.value for r in looked.collect()} == {k: model.get(k) for k in probes}
+
+    back = (spark.read.format("attrindex.attributes").option("path", url).option("segment", "attrs")
+            .option("partitions", 4).load())
+    assert {int.from_bytes(bytes(r.key), "big"): r.value for r in back.collect()} == model
+
+
+def test_lookup_by_binary_and_uuid_keys(spark, tmp_path):
+    url = str(tmp_path / "store")
+    keys = [uuid.uuid4() for _ in range(50)]
+    df = spark.createDataFrame([(k.bytes, i) for i, k in enumerate(keys)], "key binary, value long")
+    df.write.format("attrindex.attributes").option("path", url).option("segment", "a").mode("append").save()
+    by_uuid = attrindex.spark.lookup(spark.createDataFrame([(str(k),) for k in keys], "id string"),
+                                     "id", url, "a", value_col="n")
+    assert {r.id: r.n for r in by_uuid.collect()} == {str(k): i for i, k in enumerate(keys)}
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s, u: read(s, u, "nope").count(), "stream 'nope' does not exist"),
+    (lambda s, u: s.read.format("attrindex").option("path", u).load().count(), "option 'stream' is required"),
+    (lambda s, u: write(s.range(3).selectExpr("id as value", "'k' as key", "current_timestamp() as ts"), u, "s",
+                        segments=1), "column 'value' (valueColumn) has type bigint; it must be binary or string"),
+    (lambda s, u: write(events_df(s, 10), u, "missing"), "stream 'missing' does not exist"),
+    (lambda s, u: events_df(s, 10).write.format("attrindex").option("path", u).option("stream", "s")
+     .option("segments", 1).mode("overwrite").save(), "streams are append-only"),
+    (lambda s, u: write(events_df(s, 10), u, "s", segments=1, commitMode="fast"), "'commitMode' must be one of"),
+    (lambda s, u: s.createDataFrame([(1.5, 1)], "key double, value long").write.format("attrindex.attributes")
+     .option("path", u).option("segment", "a").mode("append").save(), "column 'key' has type double"),
+    (lambda s, u: attrindex.spark.lookup(s.range(3), "id", u, "absent"), "segment 'absent' does not exist"),
+    (lambda s, u: s.createDataFrame([(b"short", 1)], "key binary, value long").write.format("attrindex.attributes")
+     .option("path", u).option("segment", "a").mode("append").save(), "key must be 16 bytes"),
+    (lambda s, u: read(s, "ftp://host/x", "s").count(), "unsupported storage scheme 'ftp'"),
+])
+def test_user_errors_are_clear_messages(spark, tmp_path, call, message):
+    url = str(tmp_path / "store")
+    with pytest.raises(Exception) as caught:
+        call(spark, url)
+    assert message in str(caught.value)
+
+
+def test_workers_run_this_interpreter(spark):
+    assert os.environ["PYSPARK_PYTHON"]
+    import sys
+
+    ran = spark.sparkContext.parallelize([0], 1).map(lambda _: __import__("sys").executable).collect()
+    assert ran == [os.environ.get("PYSPARK_PYTHON", sys.executable)]
+    assert shutil.which(ran[0]) or os.path.exists(ran[0])
