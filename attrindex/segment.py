@@ -23,7 +23,7 @@ from .attribute_index import AttributeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
 from .errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
 from .keys import to_key
-from .log.batch import Codec, Record, codec_for, decode_attribute_updates, encode_batch, read_header
+from .log.batch import Codec, Record, codec_for, decode_attribute_updates, encode_batch, read_header, rebase_batch
 from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog
 from .log.retention import plan_retention
 from .overlay import AttributeOverlay, merge_scan
@@ -164,6 +164,7 @@ class Segment:
         with self._lock:
             self._check_open()
             fresh = False
+            encoded = None  # (keys, values, batch) of the last try: a lost race needs only a rebase
             while True:
                 try:
                     keys, values = replacements if updates is None else resolve_updates(updates, self._current_values)
@@ -180,7 +181,12 @@ class Segment:
                     self._catch_up()
                     fresh = True
                     continue
-                data = encode_batch(log.next_offset, records, timestamp=stamp, attribute_updates=(keys, values), codec=chosen)
+                if encoded is not None and encoded[0] == keys and encoded[1] == values:
+                    data = rebase_batch(encoded[2], log.next_offset)
+                else:
+                    data = encode_batch(log.next_offset, records, timestamp=stamp,
+                                        attribute_updates=(keys, values), codec=chosen)
+                    encoded = (keys, values, data)
                 header = read_header(data)
                 try:
                     log.append(data, header)

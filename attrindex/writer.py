@@ -108,6 +108,44 @@ class EventWriter:
         if len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes:
             self._send(state)
 
+    def write_many(self, payloads: list, routing_keys: list | None = None, *, timestamps: list | None = None,
+                   headers: list | None = None) -> None:
+        """``write`` for many events at once (lists of equal length; ``None`` items allowed in the
+        keys and timestamps): the same events in the same order, with less work per event."""
+        count = len(payloads)
+        for name, column in (("routing_keys", routing_keys), ("timestamps", timestamps), ("headers", headers)):
+            if column is not None and len(column) != count:
+                raise InvalidInputError(f"{name} has {len(column)} items for {count} payloads")
+        if set(map(type, payloads)) - {bytes} or (
+                routing_keys is not None and set(map(type, routing_keys)) - {str, bytes, int, type(None)}):
+            for i, payload in enumerate(payloads):  # unusual types: the per-event path checks each
+                self.write(payload, None if routing_keys is None else routing_keys[i],
+                           timestamp=None if timestamps is None else timestamps[i],
+                           headers=() if headers is None or headers[i] is None else headers[i])
+            return
+        keys = [None] * count if routing_keys is None else [
+            k.encode() if type(k) is str else str(k).encode() if type(k) is int else k for k in routing_keys]
+        stamps = timestamps or [None] * count
+        pairs = headers or [()] * count
+        states, n = self._states, len(self._states)
+        crc32 = zlib.crc32
+        for payload, key, stamp, header in zip(payloads, keys, stamps, pairs):
+            if key is None:
+                state = states[self._round_robin % n]
+                self._round_robin += 1
+            else:
+                state = states[crc32(key) % n]
+            if state.acked is None:
+                state.acked = self._stored_number(state)
+            state.numbered += 1
+            if state.numbered <= state.acked:
+                self.events_skipped += 1
+                continue
+            state.pending.append(Record(payload, key, stamp, tuple(header) if header else ()))
+            state.pending_bytes += len(payload)
+            if len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes:
+                self._send(state)
+
     def flush(self) -> None:
         """Send every queued event; when this returns they are all durably written exactly once."""
         for state in self._states:

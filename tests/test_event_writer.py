@@ -145,3 +145,36 @@ def test_a_twin_that_got_further_is_skipped_only_when_shared(store, shared):
     first.flush()
     assert first.events_skipped == 20
     assert [int(v) for _, _, v in stream_events(store, "s")] == list(range(30))
+
+
+def test_write_many_is_write_in_a_loop(storage_url):
+    """The bulk path routes, numbers and skips exactly as write() does, for every key type."""
+    url, options = storage_url
+    rows = [(b"%d" % i, [f"k{i % 7}", b"b%d" % (i % 3), i % 5, None][i % 4], 1_700_000_000_000 + i,
+             [("h", b"%d" % i)] if i % 10 == 0 else ()) for i in range(250)]
+    with SegmentStore.open(url, storage_options=options) as store:
+        one = EventWriter(store, "one", segments=3, batch_events=16)
+        for value, key, stamp, headers in rows:
+            one.write(value, key, timestamp=stamp, headers=headers)
+        one.flush()
+        many = EventWriter(store, "many", segments=3, batch_events=16)
+        columns = list(zip(*rows))
+        many.write_many(list(columns[0][:100]), list(columns[1][:100]), timestamps=list(columns[2][:100]),
+                        headers=list(columns[3][:100]))
+        many.write_many(list(columns[0][100:]), list(columns[1][100:]), timestamps=list(columns[2][100:]),
+                        headers=list(columns[3][100:]))
+        many.flush()
+
+        def contents(stream):
+            return [[(r.value, r.key, r.timestamp, r.headers, r.offset) for r in store.segment(n).read(0, 1000)]
+                    for n in store.stream_segments(stream)]
+
+        assert contents("many") == contents("one")
+        again = EventWriter(store, "many", writer_id=many.writer_id)  # a restart: everything is skipped
+        again.write_many([v for v, *_ in rows], [k for _, k, *_ in rows])
+        again.flush()
+        assert again.events_skipped == 250 and contents("many") == contents("one")
+        with pytest.raises(InvalidInputError, match="routing_keys has 1 items for 2 payloads"):
+            again.write_many([b"a", b"b"], ["k"])
+        with pytest.raises(InvalidInputError, match="payload must be bytes"):
+            again.write_many(["text"])

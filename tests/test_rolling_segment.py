@@ -251,3 +251,12 @@ def test_stale_handle_cannot_resurrect_a_truncated_chunk(storage):
     fresh = RollingSegment(storage, "s")
     assert (fresh.start_offset, fresh.length) == (6, 8) and fresh.read(6, 2) == b"dd"
     assert [c.start for c in fresh.chunks()] == [6]  # the dead chunk at 4 went with the append
+
+
+def test_storage_read_clamps_a_range_past_the_end(storage):
+    """Reading [start, huge) gives the bytes there are, without allocating the range."""
+    storage.create("f/x", b"0123456789")
+    assert storage.read("f/x", 4, 1 << 40) == b"456789"
+    assert storage.read("f/x", 12, 1 << 40) == b""
+    with pytest.raises(FileNotFoundError):
+        storage.read("f/missing", 0, 1 << 40)

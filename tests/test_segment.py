@@ -218,6 +218,25 @@ def test_stale_handle_catches_up_and_revalidates(storage_url):
         assert [r.value for r in b.read(0)] == [b"a0", b"b1", b"a1"]
 
 
+@pytest.mark.parametrize("codec", ["none", "gzip"])
+def test_a_stale_handle_resends_its_batch_renumbered(storage_url, codec):
+    """A lost append race whose updates resolve the same again is resent by renumbering the encoded
+    batch (rebase_batch), not by encoding it again: offsets, records and attributes come out right."""
+    with reopen(storage_url, codec=codec) as one, reopen(storage_url, codec=codec) as two:
+        a = one.segment("s", create=True)
+        b = two.segment("s")
+        b.refresh()
+        a.append([b"a0", b"a1"], [(key(1), 10)])
+        result = b.append([Record(b"b0", b"k", 5), b"b1"], [(key(2), 20)])  # b still thinks offset 0 is next
+        assert (result.first_offset, result.last_offset) == (2, 3)
+        a.refresh()
+        assert [(r.value, r.offset) for r in a.read(0)] == [(b"a0", 0), (b"a1", 1), (b"b0", 2), (b"b1", 3)]
+        assert a.read(2)[0].key == b"k" and a.read(2)[0].timestamp == 5
+        assert a.get_attributes([key(1), key(2)]) == [10, 20]
+    with reopen(storage_url) as again:  # and the log verifies from storage
+        assert [r.value for r in again.segment("s").read(0)] == [b"a0", b"a1", b"b0", b"b1"]
+
+
 def test_racing_threads_one_winner_per_round(storage_url):
     """Threads with their own handles race REPLACE_IF_EQUALS on one key: one winner per value."""
     stores = [reopen(storage_url) for _ in range(3)]

@@ -293,24 +293,27 @@ class BTreeIndex:
 
     def split_keys(self, parts: int) -> list[bytes]:
         """Up to ``parts - 1`` ascending keys that cut the tree into ranges of about equal page
-        counts: separator keys of the highest level with enough pages (a few page reads)."""
+        counts: the lower bounds of the pages of the highest level with enough of them (a few
+        page reads; a tree of one leaf is cut by its keys)."""
         while True:
             state = self._state
             if parts < 2 or not state.footer.root_length:
                 return []
             try:
-                level = [self._root_page(state)]
-                while not level[0].is_leaf and sum(len(p.keys) for p in level) < parts:
-                    level = [self._child(p, i) for p in level for i in range(len(p.keys))]
+                level = [(None, self._root_page(state))]  # (lowest key routed there, page)
+                while not level[0][1].is_leaf and len(level) < parts:
+                    # An index page's keys[0] is all zeros: child 0 inherits the page's own bound.
+                    level = [(page.keys[i] if i else bound, self._child(page, i))
+                             for bound, page in level for i in range(len(page.keys))]
             except TruncatedError:
                 self.reload()
                 continue
-            if level[0].is_leaf:
-                keys = [k for p in level for k in p.keys]
+            if len(level) == 1:  # one page: a leaf is cut between its keys
+                candidates = level[0][1].keys if level[0][1].is_leaf else []
             else:
-                keys = [k for p in level for k in p.keys][1:]  # the first is all zeros
-            step = len(keys) / parts
-            return sorted({keys[int(step * i)] for i in range(1, parts) if int(step * i) < len(keys)})
+                candidates = [bound for bound, _page in level]
+            n = len(candidates)
+            return sorted({candidates[n * i // parts] for i in range(1, parts) if 0 < n * i // parts < n})
 
     def _descend(self, page: LeafPage | IndexPage, key: bytes) -> int | None:
         while not page.is_leaf:

@@ -212,16 +212,23 @@ def write_direct(target: StreamTarget, token: uuid.UUID, version: int, partition
         writer = EventWriter(store, target.stream, writer_id=task_writer_id(token, version, partition),
                              batch_events=target.batch_events, shared=True)
         for columns in batches:
-            for value, key, timestamp, headers in columns.records():
-                writer.write(value, key, timestamp=timestamp, headers=headers)
-                report.rows += 1
-                if report.rows == fail_at:
-                    writer.flush()  # the rows so far land, then the attempt dies
-                    raise InjectedFailure(f"injected failure in task {partition} after {fail_at} rows")
+            if fail_at is not None and report.rows < fail_at <= report.rows + len(columns):
+                columns = _first(columns, fail_at - report.rows)
+                writer.write_many(columns.values, columns.keys, timestamps=columns.timestamps, headers=columns.headers)
+                writer.flush()  # the rows so far land, then the attempt dies
+                raise InjectedFailure(f"injected failure in task {partition} after {fail_at} rows")
+            writer.write_many(columns.values, columns.keys, timestamps=columns.timestamps, headers=columns.headers)
+            report.rows += len(columns)
         writer.flush()
         report.skipped = writer.events_skipped
         report.written = report.rows - report.skipped
     return report
+
+
+def _first(columns: EventColumns, n: int) -> EventColumns:
+    """The first ``n`` rows of ``columns``."""
+    return EventColumns(*(None if c is None else c[:n] for c in
+                          (columns.values, columns.keys, columns.timestamps, columns.headers)))
 
 
 def _twin_attempt(target, token, version, partition, batches) -> None:
