@@ -128,7 +128,7 @@ class EventWriter:
         stamps = timestamps or [None] * count
         pairs = headers or [()] * count
         states, n = self._states, len(self._states)
-        crc32 = zlib.crc32
+        crc32, make = zlib.crc32, tuple.__new__  # Record(...) without its keyword-handling __new__
         for payload, key, stamp, header in zip(payloads, keys, stamps, pairs):
             if key is None:
                 state = states[self._round_robin % n]
@@ -141,7 +141,7 @@ class EventWriter:
             if state.numbered <= state.acked:
                 self.events_skipped += 1
                 continue
-            state.pending.append(Record(payload, key, stamp, tuple(header) if header else ()))
+            state.pending.append(make(Record, (payload, key, stamp, tuple(header) if header else (), None)))
             state.pending_bytes += len(payload)
             if len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes:
                 self._send(state)

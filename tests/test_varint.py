@@ -180,7 +180,8 @@ def mixed_ints():
     return st.one_of(
         st.integers(0, 0x7F),
         st.integers(0x80, (1 << 14) - 1),
-        st.integers(1 << 14, (1 << 64) - 1),
+        st.integers(1 << 14, (1 << 21) - 1),  # three bytes: the table path
+        st.integers(1 << 21, (1 << 64) - 1),
     )
 
 
@@ -203,6 +204,8 @@ def test_bulk_round_trip(values, prefix, suffix):
         [200, 16383, 128] * 40,  # all two bytes
         [5, 200] * 50,  # one and two bytes mixed
         [1, 1 << 40, 300, (1 << 64) - 1],  # long ones
+        [16384, (1 << 21) - 1, 99999] * 30,  # all three bytes
+        [7, 16383, 16384, 2_000_000, 1 << 21] * 20,  # one to four bytes
     ],
 )
 def test_bulk_shapes(values):

@@ -38,6 +38,7 @@ _ONE_BYTE = [bytes((i,)) for i in range(0x80)]
 _HIGH_BYTES = bytes(range(0x80, 0x100))
 _LOW7 = bytes(i & 0x7F for i in range(0x100))  # translate table clearing the continuation bit
 _TWO_BYTE_TABLE: list[bytes] | None = None  # encodings of 0 .. 2**14-1, built on first need
+_LOW_14_TABLE: list[bytes] | None = None  # the low 14 bits of a 3-byte varint: two continuation bytes
 
 
 class VarintError(CorruptDataError):
@@ -135,6 +136,13 @@ def _two_byte_table() -> list[bytes]:
     return _TWO_BYTE_TABLE
 
 
+def _low_14_table() -> list[bytes]:
+    global _LOW_14_TABLE
+    if _LOW_14_TABLE is None:
+        _LOW_14_TABLE = [bytes(((i & 0x7F) | 0x80, (i >> 7) | 0x80)) for i in range(1 << 14)]
+    return _LOW_14_TABLE
+
+
 def encode_varints(values) -> bytes:
     """The concatenated varint encodings of ``values`` (ints in ``[0, 2**64)``)."""
     if not isinstance(values, (list, tuple)):
@@ -158,8 +166,13 @@ def _encode_all(values, nonnegative: bool) -> bytes:
         if encoded.isascii():  # every value < 0x80: each is its own one-byte varint
             return encoded
     try:
-        if max(values) < (1 << 14) and (nonnegative or min(values) >= 0):
-            return b"".join(map(_two_byte_table().__getitem__, values))
+        top = max(values)
+        if top < (1 << 21) and (nonnegative or min(values) >= 0):
+            two = _two_byte_table()
+            if top < (1 << 14):
+                return b"".join(map(two.__getitem__, values))
+            low, one = _low_14_table(), _ONE_BYTE  # 3-byte varints by table too (timestamp deltas)
+            return b"".join([two[v] if v < 16384 else low[v & 16383] + one[v >> 14] for v in values])
     except TypeError:
         pass  # a non-int somewhere: the per-item path names it
     return b"".join(map(encode_varint, values))
@@ -196,6 +209,11 @@ def decode_varints(buf, pos: int, count: int) -> tuple[list[int], int]:
             if c < 0x80:
                 append((b & 0x7F) | (c << 7))
                 pos += 2
+                continue
+            d = buf[pos + 2]
+            if d < 0x80:
+                append((b & 0x7F) | ((c & 0x7F) << 7) | (d << 14))
+                pos += 3
                 continue
             value, pos = _decode(buf, pos, MAX_VARINT64_BYTES, 64)
             append(value)

@@ -40,7 +40,7 @@ def event_columns(batch: pa.RecordBatch, value: str, key: str | None, timestamp:
         values = values.cast(pa.binary())
     return EventColumns(
         values=values.to_pylist(),
-        keys=_column(batch, key).to_pylist() if key else None,
+        keys=_routing_keys(_column(batch, key)) if key else None,
         timestamps=_millis(_column(batch, timestamp)) if timestamp else None,
         headers=[tuple((h["key"], h["value"] or b"") for h in row) if row else () for row in
                  _column(batch, headers).to_pylist()] if headers else None,
@@ -55,6 +55,14 @@ def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
             raise InvalidInputError(f"no column {name!r} in {batch.schema.names}")
         index = matches[0]
     return batch.column(index)
+
+
+def _routing_keys(column: pa.Array) -> list:
+    """Routing keys as the writer hashes them: strings as their UTF-8 bytes (cast in Arrow, no
+    ``str`` objects), binary as is, integers as ints (the writer hashes their decimal text)."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        column = column.cast(pa.binary())
+    return column.to_pylist()
 
 
 def _millis(column: pa.Array) -> list:

@@ -107,7 +107,7 @@ def _target(options: Options) -> ingest.StreamTarget:
         storage_options=options.storage_options(),
         segments=options.integer("segments", None, minimum=1),
         store_options=_store_options(options),
-        batch_events=options.integer("batchEvents", 1000, minimum=1),
+        batch_events=options.integer("batchEvents", 5000, minimum=1),
     )
 
 
