@@ -145,8 +145,8 @@ def print_report(report: DemoReport, say: Callable[[str], None] = print) -> None
     say(f"  store                {report.url}")
     say(f"  ingest               {report.rows:,} rows in {report.ingest_seconds:.1f} s "
         f"({report.rows / report.ingest_seconds:,.0f} rows/s, exactly once, with 2 failed attempts and a duplicate)")
-    say(f"  read back            {report.rows_read:,} rows in {report.read_seconds:.1f} s "
-        f"({report.rows_read / max(report.read_seconds, 1e-9):,.0f} rows/s)")
+    say(f"  read back + verify   {report.rows_read:,} rows in {report.read_seconds:.1f} s "
+        f"({report.rows_read / max(report.read_seconds, 1e-9):,.0f} rows/s, JSON parsing and a distinct count included)")
     say(f"  exactly once         {'yes' if report.exactly_once else 'NO'}: "
         f"{report.rows_read - report.distinct_events} duplicates, {report.missing_events} missing")
     for seg in report.segments:
