@@ -87,26 +87,7 @@ class EventWriter:
               headers: Any = ()) -> None:
         """Queue one event. Events with a routing key go to the segment its hash picks, in order;
         events without one are spread round-robin."""
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise InvalidInputError(f"an event payload must be bytes, got {type(payload).__name__}")
-        if routing_key is None:
-            index = self._round_robin % len(self._states)
-            self._round_robin += 1
-            key = None
-        else:
-            key = _key_bytes(routing_key)
-            index = zlib.crc32(key) % len(self._states)
-        state = self._states[index]
-        if state.acked is None:
-            state.acked = self._stored_number(state)
-        state.numbered += 1
-        if state.numbered <= state.acked:
-            self.events_skipped += 1  # written by an earlier life of this writer
-            return
-        state.pending.append(Record(bytes(payload), key, timestamp, tuple(headers)))
-        state.pending_bytes += len(payload)
-        if len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes:
-            self._send(state)
+        self.write_many([payload], [routing_key], timestamps=[timestamp], headers=[headers])
 
     def write_many(self, payloads: list, routing_keys: list | None = None, *, timestamps: list | None = None,
                    headers: list | None = None) -> None:
@@ -116,15 +97,10 @@ class EventWriter:
         for name, column in (("routing_keys", routing_keys), ("timestamps", timestamps), ("headers", headers)):
             if column is not None and len(column) != count:
                 raise InvalidInputError(f"{name} has {len(column)} items for {count} payloads")
-        if set(map(type, payloads)) - {bytes} or (
-                routing_keys is not None and set(map(type, routing_keys)) - {str, bytes, int, type(None)}):
-            for i, payload in enumerate(payloads):  # unusual types: the per-event path checks each
-                self.write(payload, None if routing_keys is None else routing_keys[i],
-                           timestamp=None if timestamps is None else timestamps[i],
-                           headers=() if headers is None or headers[i] is None else headers[i])
-            return
+        if set(map(type, payloads)) - {bytes}:
+            payloads = [_payload_bytes(p) for p in payloads]
         keys = [None] * count if routing_keys is None else [
-            k.encode() if type(k) is str else str(k).encode() if type(k) is int else k for k in routing_keys]
+            k if k is None or type(k) is bytes else _key_bytes(k) for k in routing_keys]
         stamps = timestamps or [None] * count
         pairs = headers or [()] * count
         states, n = self._states, len(self._states)
@@ -139,7 +115,7 @@ class EventWriter:
                 state.acked = self._stored_number(state)
             state.numbered += 1
             if state.numbered <= state.acked:
-                self.events_skipped += 1
+                self.events_skipped += 1  # written by an earlier life of this writer (or its twin)
                 continue
             state.pending.append(make(Record, (payload, key, stamp, tuple(header) if header else (), None)))
             state.pending_bytes += len(payload)
@@ -237,6 +213,12 @@ def _writer_uuid(writer_id: object) -> uuid.UUID:
         except ValueError:
             raise InvalidInputError(f"writer_id string must be a UUID, got {writer_id!r}") from None
     return uuid.UUID(bytes=to_key(writer_id))
+
+
+def _payload_bytes(payload: object) -> bytes:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"an event payload must be bytes, got {type(payload).__name__}")
+    return bytes(payload)
 
 
 def _key_bytes(routing_key: object) -> bytes:

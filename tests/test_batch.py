@@ -34,6 +34,7 @@ from attrindex.log.batch import (
     encode_batch,
     iter_batches,
     read_header,
+    rebase_batch,
 )
 from attrindex.log.varint import encode_varints, zigzag
 
@@ -628,3 +629,15 @@ def test_read_header_partial_needs_only_the_header():
     assert read_header(head) is None  # the batch is not all there
     header = read_header(head, partial=True)
     assert (header.base_offset, header.size) == (7, len(batch))
+
+
+def test_rebase_batch_is_encoding_at_the_new_base_offset():
+    records = [Record(b"a", b"k", 5, (("h", b"v"),)), b"bb", Record(b"c", None, 9)]
+    updates = ([b"u" * 16], [42])
+    for codec in sorted(c.name.lower() for c in available_codecs()):
+        first = encode_batch(0, records, timestamp=7, attribute_updates=updates, codec=codec)
+        assert rebase_batch(first, 1000) == encode_batch(1000, records, timestamp=7, attribute_updates=updates, codec=codec)
+    with pytest.raises(InvalidInputError):
+        rebase_batch(first, -1)
+    with pytest.raises(InvalidInputError):
+        rebase_batch(first, (1 << 63) - 2)  # the three records' offsets would not fit

@@ -984,3 +984,22 @@ def test_attributes_batch():
     assert batch.to_pydict() == {"key": [k1, k2], "value": [5, -1]}
     empty = arrow.attributes_batch([])
     assert empty.num_rows == 0 and empty.schema == arrow.ATTRIBUTE_SCHEMA
+
+
+def test_write_options_reach_the_store_and_the_writer(tmp_path):
+    """codec, logRollingSize and batchEvents become SegmentStore options and the writer's batch
+    size; overwrite and too-small chunks are refused (checked without a SparkSession)."""
+    from pyspark.sql.types import BinaryType, StructField, StructType
+
+    from attrindex.spark.events import write_settings
+
+    schema = StructType([StructField("value", BinaryType())])
+    raw = {"path": str(tmp_path), "stream": "s", "codec": "gzip", "logRollingSize": "8192", "batchEvents": "7"}
+    settings = write_settings(raw, schema, overwrite=False)
+    assert settings.target.store_options == {"codec": "gzip", "log_rolling_size": 8192}
+    assert settings.target.batch_events == 7
+    assert write_settings({"path": "p", "stream": "s"}, schema, False).target.batch_events == 5000
+    with pytest.raises(InvalidInputError, match="'logRollingSize' must be >= 4096"):
+        write_settings({**raw, "logRollingSize": "100"}, schema, False)
+    with pytest.raises(InvalidInputError, match="append-only"):
+        write_settings(raw, schema, overwrite=True)

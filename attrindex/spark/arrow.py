@@ -33,21 +33,21 @@ ATTRIBUTE_SCHEMA = pa.schema([("key", pa.binary()), ("value", pa.int64())])
 def event_columns(batch: pa.RecordBatch, value: str, key: str | None, timestamp: str | None,
                   headers: str | None) -> EventColumns:
     """The events of one batch of input rows (column names as the write options gave them)."""
-    values = _column(batch, value)
+    values = column_named(batch, value)
     if values.null_count:
         raise InvalidInputError(f"the value column {value!r} holds nulls; every event needs a payload")
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
         values = values.cast(pa.binary())
     return EventColumns(
         values=values.to_pylist(),
-        keys=_routing_keys(_column(batch, key)) if key else None,
-        timestamps=_millis(_column(batch, timestamp)) if timestamp else None,
+        keys=_routing_keys(column_named(batch, key)) if key else None,
+        timestamps=_millis(column_named(batch, timestamp)) if timestamp else None,
         headers=[tuple((h["key"], h["value"] or b"") for h in row) if row else () for row in
-                 _column(batch, headers).to_pylist()] if headers else None,
+                 column_named(batch, headers).to_pylist()] if headers else None,
     )
 
 
-def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
+def column_named(batch: pa.RecordBatch, name: str) -> pa.Array:
     index = batch.schema.get_field_index(name)
     if index < 0:  # Spark's column names are case-insensitive by default
         matches = [i for i, f in enumerate(batch.schema) if f.name.lower() == name.lower()]

@@ -76,7 +76,7 @@ class AttributesWriter(DataSourceArrowWriter):
             store.segment(target.segment, create=True)
 
     def write(self, iterator):
-        from .arrow import _column, attribute_keys, attribute_values
+        from .arrow import attribute_keys, attribute_values, column_named
 
         t = self.target
         count = 0
@@ -84,10 +84,10 @@ class AttributesWriter(DataSourceArrowWriter):
             segment = store.segment(t.segment)
             pending: list[tuple] = []
             for batch in iterator:
-                keys = attribute_keys(_column(batch, t.key_column), t.key_column)
+                keys = attribute_keys(column_named(batch, t.key_column), t.key_column)
                 if None in keys:
                     raise InvalidInputError(f"{SOURCE}: the key column {t.key_column!r} holds nulls")
-                pending.extend(zip(keys, attribute_values(_column(batch, t.value_column), t.value_column)))
+                pending.extend(zip(keys, attribute_values(column_named(batch, t.value_column), t.value_column)))
                 if len(pending) >= WRITE_BATCH:
                     segment.update_attributes(pending)
                     count += len(pending)
@@ -172,12 +172,12 @@ def lookup(df, key_col: str, url: str, segment: str, value_col: str = "value", s
     def look_up(batches):
         import pyarrow as pa
 
-        from .arrow import _column, attribute_keys
+        from .arrow import attribute_keys, column_named
 
         with SegmentStore.open(url, storage_options=options) as opened:
             handle = opened.segment(segment)
             for batch in batches:
-                keys = attribute_keys(_column(batch, key_col), key_col)
+                keys = attribute_keys(column_named(batch, key_col), key_col)
                 present = [k for k in keys if k is not None]
                 found = iter(handle.get_attributes(present))
                 values = [None if k is None else next(found) for k in keys]

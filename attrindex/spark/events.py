@@ -23,6 +23,7 @@ from pyspark.sql.datasource import (
     GreaterThanOrEqual,
     In,
     InputPartition,
+    IsNotNull,
     LessThan,
     LessThanOrEqual,
     WriterCommitMessage,
@@ -312,8 +313,10 @@ def _option_bounds(settings: ReadSettings) -> ScanBounds:
 def _push(bounds: ScanBounds, f) -> bool:
     """Apply filter ``f`` to ``bounds``; whether it is then fully enforced by the scan."""
     column = f.attribute[0].lower() if len(f.attribute) == 1 else None
+    if isinstance(f, IsNotNull):
+        return column in ("segment", "offset", "timestamp")  # these columns are never null
     if not hasattr(f, "value"):
-        return column in ("segment", "offset", "timestamp") and type(f).__name__ == "IsNotNull"  # never null
+        return False
     if column == "segment" and isinstance(f, EqualTo) and isinstance(f.value, str):
         bounds.keep_segments([f.value])
     elif column == "segment" and isinstance(f, In) and all(isinstance(v, str) for v in f.value):
