@@ -31,7 +31,7 @@ def start(url, options, writer, total, seed):
 @pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
 def test_writers_killed_at_random_write_every_event_exactly_once(storage_url):
     url, options = storage_url
-    writers, total = 3, (150 if "s3" in url else 3000)
+    writers, total = 3, (150 if "s3" in url else 20000)  # long enough to be killed mid-write a few times
     with SegmentStore.open(url, storage_options=options) as store:
         store.create_stream("chaos", 3)
     rng = random.Random(11)
