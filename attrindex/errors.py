@@ -13,7 +13,9 @@ from storage_adapters.errors import (
     InvalidInputError,
     MissingDependencyError,
     OffsetOutOfRangeError,
+    OutcomeUnknownError,
     StorageError,
+    StorageFullError,
     TruncatedError,
     UnsupportedSchemeError,
 )
@@ -93,11 +95,13 @@ __all__ = [
     "InvalidValueError",
     "MissingDependencyError",
     "OffsetOutOfRangeError",
+    "OutcomeUnknownError",
     "RecordTruncatedError",
     "SegmentNotFoundError",
     "StreamNotFoundError",
     "WriterConflictError",
     "StorageError",
+    "StorageFullError",
     "TruncatedError",
     "UnsupportedSchemeError",
 ]

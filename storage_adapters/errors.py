@@ -86,6 +86,18 @@ class ExclusiveCreateUnsupportedError(StorageError):
     """The object store accepted a conditional create of an existing object instead of refusing it."""
 
 
+class StorageFullError(StorageError):
+    """The backend has no space left (ENOSPC, a quota); the write that raised it did not happen."""
+
+
+class OutcomeUnknownError(StorageError):
+    """A write may or may not have reached storage (a lost response, a timeout, a crash mid-call).
+
+    Raised only when reading back what is stored could not settle it; the caller must read before
+    writing again, never simply re-apply the write.
+    """
+
+
 class CorruptDataError(StorageError):
     """Bytes read back failed verification; the message names where."""
 
