@@ -12,7 +12,7 @@ from .btree import BTreeIndex, policy_for
 from .btree.page import IndexPage, decode_page
 from .cache import ShardedLRUCache
 from .errors import CorruptDataError, InvalidInputError
-from .keys import KEY_SIZE, MIN_KEY, VALUE_MAX, VALUE_MIN, to_key, to_update
+from .keys import KEY_SIZE, MIN_KEY, VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
 from .value_cache import MISSING, ValueCache
 
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -50,7 +50,7 @@ def _canonical_batch(updates) -> dict[bytes, int | None]:
         batch = updates if isinstance(updates, dict) else dict(updates)
         pairs = updates.items()
     else:
-        pairs = updates if isinstance(updates, (list, tuple)) else list(updates)
+        pairs = updates if isinstance(updates, (list, tuple)) else pair_list(updates)
         try:
             batch = dict(pairs)
         except (TypeError, ValueError):  # unhashable key forms (bytearray) or malformed pairs
@@ -58,8 +58,10 @@ def _canonical_batch(updates) -> dict[bytes, int | None]:
     if batch and _all_canonical_keys(batch) and _all_canonical_values(batch.values()):
         return batch
     canonical: dict[bytes, int | None] = {}
-    for key, value in pairs:  # the original order, so the last value wins across key forms
-        canonical[to_key(key)] = to_update(value)
+    for i, pair in enumerate(pairs):  # the original order, so the last value wins across key forms
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidInputError(f"update {i} must be a (key, value) pair, got {pair!r:.60}")
+        canonical[to_key(pair[0])] = to_update(pair[1])
     return canonical
 
 

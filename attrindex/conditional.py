@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import attrs
 
-from .errors import ConditionalUpdateError, InvalidInputError
-from .keys import VALUE_MAX, VALUE_MIN, to_key, to_update
+from .errors import ConditionalUpdateError, InvalidInputError, InvalidValueError
+from .keys import VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
 
 __all__ = ["AttributeUpdate", "UpdateFailure", "UpdateType", "resolve_updates"]
 
@@ -38,6 +38,15 @@ class UpdateType(enum.IntEnum):
     REPLACE_IF_GREATER = 2  # absent passes; fails unless new value > current
     ACCUMULATE = 3  # current + value (absent counts as 0); int64 overflow fails, never wraps
     REPLACE_IF_EQUALS = 4  # fails unless current == compare; compare=None means "must be absent"
+
+    @classmethod
+    def _missing_(cls, value: object) -> "UpdateType":
+        """``UpdateType(x)`` for an unknown ``x``: ``InvalidInputError`` (a ``ValueError``) saying
+        what is accepted, and names too (``UpdateType("accumulate")``)."""
+        if isinstance(value, str):
+            return _to_update_type(value)
+        names = ", ".join(t.name for t in cls)
+        raise InvalidInputError(f"unknown update type {value!r:.60}; expected an id 0..{len(cls) - 1} or a name ({names})")
 
 
 def _to_update_type(kind: object) -> UpdateType:
@@ -62,6 +71,13 @@ def _to_update_type(kind: object) -> UpdateType:
     )
 
 
+def _compare_value(compare: object) -> int | None:
+    try:
+        return to_update(compare)
+    except InvalidValueError as exc:
+        raise InvalidValueError(f"compare: {exc}") from None
+
+
 @attrs.frozen
 class AttributeUpdate:
     """One attribute update of an append: ``key`` gets ``value`` (``None`` removes) per ``update_type``.
@@ -76,7 +92,7 @@ class AttributeUpdate:
     key: bytes = attrs.field(converter=to_key)
     update_type: UpdateType = attrs.field(default=UpdateType.REPLACE, converter=_to_update_type)
     value: int | None = attrs.field(default=None, converter=to_update)
-    compare: int | None = attrs.field(default=None, converter=to_update)
+    compare: int | None = attrs.field(default=None, converter=_compare_value)
 
     def __attrs_post_init__(self) -> None:
         kind = self.update_type
@@ -170,7 +186,7 @@ def resolve_updates(
     failure gives the same outcome. Bad input raises ``InvalidInputError`` (or its subclasses)
     before ``current_values`` is called.
     """
-    converted = list(map(_as_update, updates))
+    converted = list(map(_as_update, updates if isinstance(updates, list) else pair_list(updates)))
     if not converted:
         return [], []
     keys = list(dict.fromkeys(u.key for u in converted))  # distinct, first-appearance order

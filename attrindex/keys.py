@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 
-from .errors import InvalidKeyError, InvalidValueError
+from .errors import InvalidInputError, InvalidKeyError, InvalidValueError
 
 KEY_SIZE = 16
 MIN_KEY = bytes(KEY_SIZE)
@@ -48,3 +48,26 @@ def to_value(value: object) -> int:
 def to_update(value: object) -> int | None:
     """A value in an update: an int, or ``None`` meaning remove."""
     return None if value is None else to_value(value)
+
+
+def pair_list(updates: object, what: str = "updates") -> list:
+    """Updates given as an iterable (of pairs or update objects) as a list, or ``InvalidInputError``
+    for ``None``, a single str/bytes value or a non-iterable."""
+    if updates is None or isinstance(updates, (str, bytes, bytearray, memoryview)):
+        raise InvalidInputError(f"{what} must be a mapping or a list of (key, value) pairs, got {updates!r:.60}")
+    try:
+        return list(updates)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidInputError(f"{what} must be a mapping or a list of (key, value) pairs, "
+                                f"got {type(updates).__name__}") from None
+
+
+def to_keys(keys: object) -> list[bytes]:
+    """Canonical forms of an iterable of keys; a single key (bytes, str, int...) or a
+    non-iterable is ``InvalidKeyError``, not a list of one-byte keys."""
+    if keys is None or isinstance(keys, (bytes, bytearray, memoryview, str, int, uuid.UUID)):
+        raise InvalidKeyError(f"keys must be an iterable of keys, got a single {type(keys).__name__}: {keys!r:.60}")
+    try:
+        return [to_key(k) for k in keys]  # type: ignore[attr-defined]
+    except TypeError:
+        raise InvalidKeyError(f"keys must be an iterable of keys, got {type(keys).__name__}") from None

@@ -6,6 +6,9 @@ import threading
 import time
 from typing import Iterator
 
+from storage_adapters import TruncatedError
+
+from .errors import InvalidInputError, RecordTruncatedError
 from .log.batch import Record
 
 _FETCH_RECORDS = 4096
@@ -31,15 +34,17 @@ class SegmentReader:
     def read(self, timeout: float | None = None) -> Record | None:
         """The next record; waits up to ``timeout`` seconds (forever if ``None``) for one to come.
 
-        Returns ``None`` on timeout and once the reader is cancelled.
+        Returns ``None`` on timeout and once the reader is cancelled. If retention removed the
+        records at ``position`` meanwhile, raises ``RecordTruncatedError``.
         """
+        check_timeout(timeout)
         if self._next < len(self._buffer):
             return self._take()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._cancelled.is_set():
             if self.segment.closed:
                 return None
-            records = self.segment._read(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
+            records = self._fetch()
             if records:
                 self._buffer, self._next = records, 0
                 return self._take()
@@ -51,6 +56,9 @@ class SegmentReader:
 
     def read_batch(self, max_records: int = _FETCH_RECORDS, timeout: float | None = None) -> list[Record]:
         """Up to ``max_records`` records: what is buffered or readable now, else waits as ``read``."""
+        if type(max_records) is not int or max_records < 1:
+            raise InvalidInputError(f"max_records must be an int >= 1, got {max_records!r}")
+        check_timeout(timeout)
         first = self.read(timeout)
         if first is None:
             return []
@@ -61,6 +69,14 @@ class SegmentReader:
             self._next += take
             self.position = out[-1].offset + 1
         return out
+
+    def _fetch(self) -> list[Record]:
+        try:
+            return self.segment._read(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
+        except TruncatedError:
+            # Another handle's retention deleted the chunk under this handle's stale view.
+            self.segment.refresh()
+            raise RecordTruncatedError(self.segment.name, self.position, self.segment.start_offset) from None
 
     def _take(self) -> Record:
         record = self._buffer[self._next]
@@ -83,3 +99,14 @@ class SegmentReader:
             if record is None:
                 return
             yield record
+
+
+def check_timeout(timeout: object, name: str = "timeout") -> None:
+    """A wait limit: ``None`` (no limit) or a finite number of seconds >= 0, else ``InvalidInputError``."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise InvalidInputError(f"{name} must be a number of seconds or None, got {type(timeout).__name__}: {timeout!r}")
+    if not 0 <= timeout <= threading.TIMEOUT_MAX:  # also refuses nan, which compares false
+        raise InvalidInputError(f"{name} must be a finite number of seconds >= 0 (at most "
+                                f"{threading.TIMEOUT_MAX:.0f}) or None, got {timeout!r}")

@@ -22,8 +22,9 @@ import attrs
 from .attribute_index import AttributeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
 from .errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
-from .keys import to_key
-from .log.batch import Codec, Record, codec_for, decode_attribute_updates, encode_batch, read_header, rebase_batch
+from .keys import pair_list, to_key, to_keys
+from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, read_header, rebase_batch,
+                         record_list)
 from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog
 from .log.retention import plan_retention
 from .overlay import AttributeOverlay, merge_scan
@@ -153,7 +154,7 @@ class Segment:
         without one (default: now). If a condition fails, ``ConditionalUpdateError`` names every
         failed update and its current value; nothing is appended and nothing changes.
         """
-        records = records if isinstance(records, list) else list(records)
+        records = record_list(records)
         updates, replacements = _split_updates(attribute_updates)
         if not records and not updates and not replacements[0]:
             raise InvalidInputError(f"segment {self.name!r}: nothing to append (no records and no attribute updates)")
@@ -201,9 +202,11 @@ class Segment:
                 self._maybe_flush()
                 return AppendResult(header.base_offset, header.last_offset)
 
-    def update_attributes(self, updates: Iterable[AttributeUpdate | tuple], expected_offset: int | None = None) -> AppendResult:
-        """Apply attribute updates (conditions checked as in ``append``) with no records."""
-        updates = list(updates)
+    def update_attributes(self, updates: Iterable[AttributeUpdate | tuple] | Mapping[object, int | None],
+                          expected_offset: int | None = None) -> AppendResult:
+        """Apply attribute updates (conditions checked as in ``append``) with no records: a mapping
+        ``{key: value or None}`` (REPLACE), ``(key, value)`` pairs or ``AttributeUpdate``s."""
+        updates = updates if isinstance(updates, Mapping) else _update_list(updates)
         if not updates:
             raise InvalidInputError(f"segment {self.name!r}: no attribute updates given")
         return self.append((), updates, expected_offset)
@@ -225,7 +228,7 @@ class Segment:
 
     def get_attributes(self, keys: Iterable[object]) -> list[int | None]:
         """Values of ``keys`` in input order (``None`` where absent)."""
-        canonical = [to_key(k) for k in keys]
+        canonical = to_keys(keys)
         with self._lock:
             return self._current_values(canonical)
 
@@ -240,6 +243,8 @@ class Segment:
     def attribute_split_keys(self, parts: int) -> list[bytes]:
         """Keys cutting the attributes into about ``parts`` ranges for parallel scans (by the
         B+tree's pages; attributes still in tier 1 only are not weighed)."""
+        if type(parts) is not int or parts < 1:
+            raise InvalidInputError(f"parts must be an int >= 1, got {parts!r:.60}")
         with self._lock:
             self._check_open()
             return self._index.split_keys(parts)
@@ -315,6 +320,8 @@ class Segment:
             raise InvalidInputError(f"offset must be an int >= 0, got {offset!r}")
         if type(max_records) is not int or max_records < 1:
             raise InvalidInputError(f"max_records must be an int >= 1, got {max_records!r}")
+        if type(max_bytes) is not int or max_bytes < 1:
+            raise InvalidInputError(f"max_bytes must be an int >= 1, got {max_bytes!r:.60}")
         return self._read(offset, max_records, max_bytes, whole_batches=False)
 
     def _read(self, offset: int, max_records: int, max_bytes: int, *, whole_batches: bool) -> list[Record]:
@@ -333,6 +340,10 @@ class Segment:
         (neither given) from the first record still stored. It follows the tail as records come."""
         if offset is not None and timestamp is not None:
             raise InvalidInputError("give a reader an offset or a timestamp, not both")
+        if offset is not None and (type(offset) is not int or offset < 0):
+            raise InvalidInputError(f"offset must be an int >= 0 or None, got {offset!r:.60}")
+        if timestamp is not None and type(timestamp) is not int:
+            raise InvalidInputError(f"timestamp must be an int (ms) or None, got {timestamp!r:.60}")
         with self._lock:
             self._check_open()
             if timestamp is not None:
@@ -469,7 +480,7 @@ def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[byte
     if isinstance(given, Mapping):
         batch = _canonical_batch(given)
     else:
-        items = given if isinstance(given, list) else list(given)
+        items = _update_list(given)
         if not items:
             return None, ([], [])
         types = set(map(type, items))
@@ -480,6 +491,15 @@ def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[byte
         batch = _canonical_batch(items)
     keys = sorted(batch)
     return None, (keys, list(map(batch.__getitem__, keys)))
+
+
+def _update_list(given: object) -> list:
+    """Attribute updates given as an iterable, as a list (``InvalidInputError`` for anything else)."""
+    if isinstance(given, list):
+        return given
+    if isinstance(given, AttributeUpdate):
+        raise InvalidInputError("attribute updates must be a list: wrap a single AttributeUpdate in [...]")
+    return pair_list(given, "attribute updates")
 
 
 def _pair_update(update: object) -> AttributeUpdate:

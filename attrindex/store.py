@@ -13,6 +13,7 @@ in names starting with ``_``, which segment names may not use, so no two segment
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 from typing import Any, Mapping
@@ -20,18 +21,27 @@ from typing import Any, Mapping
 from storage_adapters import ChunkStorage, open_storage
 from storage_adapters.rolling import validate_segment_name
 
+from .attribute_index import AttributeIndex
 from .errors import InvalidInputError, SegmentNotFoundError, StreamNotFoundError
 from .segment import Segment, SegmentOptions
 
 SEGMENT_MARKER = "_segment"
 _STREAM_MARKER = re.compile(r"_count\.(\d+)")
 STREAMS_DIR = "_streams"
+MAX_STREAM_SEGMENTS = 1 << 16
+_SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes")
+_SECONDS_OPTIONS = ("flush_seconds", "poll_interval")
 
 
 def validate_name(name: str, what: str = "segment") -> str:
     """A segment or stream name: ``/``-separated parts of ``[A-Za-z0-9_.=+@$-]``; no part may
     start with ``_`` or ``.`` (reserved for the store's own files)."""
-    validate_segment_name(name)
+    try:
+        validate_segment_name(name)
+    except InvalidInputError as exc:
+        if what == "segment":
+            raise
+        raise InvalidInputError(str(exc).replace("segment name", f"{what} name", 1)) from None
     for part in name.split("/"):
         if part.startswith("_"):
             raise InvalidInputError(f"invalid {what} name {name!r}: parts starting with '_' are reserved")
@@ -48,10 +58,7 @@ class SegmentStore:
     """
 
     def __init__(self, storage: ChunkStorage, **options: Any):
-        try:
-            self.options = SegmentOptions(**options)
-        except TypeError as exc:
-            raise InvalidInputError(f"unknown segment store option: {exc}") from None
+        self.options = segment_options(options)
         self.storage = storage
         self._segments: dict[str, Segment] = {}
         self._lock = threading.Lock()
@@ -59,7 +66,8 @@ class SegmentStore:
     @classmethod
     def open(cls, url: str, storage_options: Mapping[str, Any] | None = None, **options: Any) -> "SegmentStore":
         """Open the store at ``url`` (``memory://``, ``file://`` or a path, ``s3://``)."""
-        return cls(open_storage(url, **dict(storage_options or {})), **options)
+        segment_options(options)  # before the storage is opened (a local root is created then)
+        return cls(open_storage(url, **_storage_options(storage_options)), **options)
 
     # -- segments ------------------------------------------------------------------------------
     def segment(self, name: str, create: bool = False) -> Segment:
@@ -68,15 +76,18 @@ class SegmentStore:
         A missing segment without ``create`` raises ``SegmentNotFoundError``.
         """
         validate_name(name)
+        _check_bool(create, "create")
         with self._lock:
             segment = self._segments.get(name)
             if segment is not None and not segment.closed:
                 return segment
-            if not self.storage.exists(f"{name}/{SEGMENT_MARKER}"):
-                if not create:
-                    raise SegmentNotFoundError(f"segment {name!r} does not exist in {self.storage.url!r}")
+            exists = self.storage.exists(f"{name}/{SEGMENT_MARKER}")
+            if not exists and not create:
+                raise SegmentNotFoundError(f"segment {name!r} does not exist in {self.storage.url!r}")
+            segment = Segment(self.storage, name, self.options)  # only reads: bad options raise here
+            if not exists:
                 self.storage.put_marker(f"{name}/{SEGMENT_MARKER}")
-            segment = self._segments[name] = Segment(self.storage, name, self.options)
+            self._segments[name] = segment
             return segment
 
     def exists(self, name: str) -> bool:
@@ -85,6 +96,8 @@ class SegmentStore:
 
     def segments(self, prefix: str = "") -> list[str]:
         """Names of the segments in the store (under ``prefix``), sorted."""
+        if not isinstance(prefix, str):
+            raise InvalidInputError(f"prefix must be a str, got {type(prefix).__name__}: {prefix!r:.60}")
         root = prefix.rstrip("/")
         if root:
             validate_name(root, "prefix")
@@ -115,8 +128,7 @@ class SegmentStore:
         """Create stream ``name`` of ``segments`` segments (``name/0`` ...); an existing stream must
         have the same count. Returns the segment names."""
         validate_name(name, "stream")
-        if type(segments) is not int or segments < 1:
-            raise InvalidInputError(f"a stream needs an int >= 1 of segments, got {segments!r}")
+        check_segment_count(segments)
         existing = self._stream_count(name)
         if existing is not None and existing != segments:
             raise InvalidInputError(f"stream {name!r} has {existing} segments, not {segments}")
@@ -159,6 +171,57 @@ class SegmentStore:
 
     def __repr__(self) -> str:
         return f"SegmentStore({self.storage.url!r})"
+
+
+def segment_options(options: Mapping[str, Any]) -> SegmentOptions:
+    """``SegmentOptions`` from a store's keyword options, every value checked (``InvalidInputError``
+    naming the option), so a bad option is refused before anything is opened or written."""
+    try:
+        built = SegmentOptions(**options)
+    except TypeError as exc:
+        raise InvalidInputError(f"unknown segment store option: {exc}") from None
+    for name in _SIZE_OPTIONS:
+        value = getattr(built, name)
+        if type(value) is not int or value < 1:
+            raise InvalidInputError(f"store option {name} must be an int >= 1, got {value!r}")
+    for name in _SECONDS_OPTIONS:
+        value = getattr(built, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise InvalidInputError(f"store option {name} must be a finite number of seconds >= 0, got {value!r}")
+    if built.poll_interval == 0:
+        raise InvalidInputError("store option poll_interval must be > 0 (a reader would spin)")
+    _check_attribute_options(built.attribute_options)
+    return built
+
+
+def _check_attribute_options(options: object) -> None:
+    """Names only: their values are checked when a segment's index is opened, before its marker."""
+    if not isinstance(options, Mapping):
+        raise InvalidInputError(f"store option attribute_options must be a dict, got {type(options).__name__}")
+    allowed = [p.name for p in inspect.signature(AttributeIndex).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(map(repr, set(options) - set(allowed)))
+    if unknown:
+        raise InvalidInputError(f"unknown attribute_options {', '.join(unknown)}; known: {', '.join(allowed)}")
+
+
+def _storage_options(options: object) -> dict:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise InvalidInputError(f"storage_options must be a dict of str keys or None, got {options!r:.80}")
+    return dict(options)
+
+
+def _check_bool(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{name} must be True or False, got {type(value).__name__}: {value!r:.60}")
+
+
+def check_segment_count(segments: object) -> int:
+    """A stream's segment count: an int in ``[1, MAX_STREAM_SEGMENTS]``."""
+    if type(segments) is not int or not 1 <= segments <= MAX_STREAM_SEGMENTS:
+        raise InvalidInputError(f"segments must be an int in [1, {MAX_STREAM_SEGMENTS}], got {segments!r:.60}")
+    return segments
 
 
 def stream_segment_names(stream: str, count: int) -> list[str]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from itertools import repeat
 
+from .errors import InvalidInputError
+
 MISSING = object()
 
 
@@ -19,8 +21,8 @@ class ValueCache:
     __slots__ = ("capacity", "young", "old", "hits", "misses")
 
     def __init__(self, capacity: int):
-        if capacity < 0:
-            raise ValueError(f"value cache capacity must be >= 0, got {capacity}")
+        if type(capacity) is not int or capacity < 0:
+            raise InvalidInputError(f"value_cache_entries must be an int >= 0, got {capacity!r}")
         self.capacity = capacity
         self.young: dict[bytes, int | None] = {}
         self.old: dict[bytes, int | None] = {}

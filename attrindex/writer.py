@@ -7,10 +7,17 @@ the same atomic append as the events. After a lost acknowledgement, a timeout or
 condition fails with the true last number: everything up to it is acknowledged, the rest is
 resent. A restarted writer must replay the same events in the same order (as a retried Spark
 task does); events its earlier life already wrote are skipped.
+
+Beside the number, each segment keeps a 64-bit digest of this writer's events there (payloads and
+routing keys, in order), updated in the same conditional append. A resumed writer digests the
+events it skips and compares once it has numbered as many as are stored, so a reused writer id
+that sends *different* events raises ``WriterConflictError`` instead of dropping them.
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
 import time
 import uuid
 import zlib
@@ -27,10 +34,46 @@ from .errors import (
     WriterConflictError,
 )
 from .keys import to_key
-from .log.batch import Record
-from .store import SegmentStore
+from .log.batch import Record, check_timestamps, normalize_headers
+from .store import SegmentStore, check_segment_count, validate_name
 
 _PERMANENT = (InvalidInputError, ConditionalUpdateError, CorruptDataError)
+_DIGEST_NAME = "attrindex.EventWriter/digest"  #: derives a writer's digest key from its id
+_REPLAY_FEED = 4096  #: skipped events are digested in groups of this many
+
+
+class _EventDigest:
+    """A digest of a writer's events 1..n on one segment: their payloads and routing keys.
+
+    Fed in any grouping (a batch, one skipped event...), it gives the same value for the same
+    events: each part is hashed as one stream (lengths, then bytes), never per batch.
+    """
+
+    __slots__ = ("_lengths", "_bytes")
+
+    def __init__(self, parts: tuple | None = None):
+        self._lengths, self._bytes = parts or (hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16))
+
+    def copy(self) -> "_EventDigest":
+        return _EventDigest((self._lengths.copy(), self._bytes.copy()))
+
+    def update(self, records: list) -> "_EventDigest":
+        """Add events (``Record``-shaped tuples: payload, routing key, ...) in order; returns self."""
+        lengths = array.array("q")
+        for record in records:
+            payload, key = record[0], record[1]
+            lengths.append(len(payload))
+            lengths.append(-1 if key is None else len(key))
+            self._bytes.update(payload)
+            if key:
+                self._bytes.update(key)
+        self._lengths.update(lengths.tobytes())
+        return self
+
+    def value(self) -> int:
+        """The digest as a signed 64-bit int (an attribute value)."""
+        final = hashlib.blake2b(self._lengths.digest() + self._bytes.digest(), digest_size=8).digest()
+        return int.from_bytes(final, "big", signed=True)
 
 
 @attrs.define
@@ -40,6 +83,10 @@ class _SegmentState:
     numbered: int = 0  #: events numbered so far in this writer's life
     pending: list = attrs.Factory(list)  #: records after ``acked``, in event-number order
     pending_bytes: int = 0
+    digest: _EventDigest = attrs.Factory(_EventDigest)  #: of events 1..``hashed``
+    hashed: int = 0
+    stored_digest: int | None = None  #: the digest stored with event number ``acked`` (None: none)
+    replayed: list = attrs.Factory(list)  #: skipped events not digested yet (numbers ``hashed+1``...)
 
 
 class EventWriter:
@@ -49,7 +96,16 @@ class EventWriter:
     without it the stream must exist. ``writer_id`` (``uuid.UUID``, its string, 16 bytes or an int)
     names the writer across restarts; a new random one is used if omitted. Events are buffered and
     sent in batches of up to ``batch_events`` events or ``batch_bytes`` bytes; ``flush()`` sends
-    the rest and returns once everything written is durable.
+    the rest and returns once everything written is durable. A failed append is retried up to
+    ``retries`` times, ``retry_delay`` seconds apart (growing linearly). Every argument is checked
+    before anything is created on storage.
+
+    A writer resumed with the same id must replay the same events in the same order: the ones
+    already stored are skipped. It checks that they are the same events (a digest of payloads and
+    routing keys, stored with the event number, compared when the replay reaches the stored
+    number); if they are not, ``WriterConflictError`` is raised instead of dropping them. The way
+    out is a new ``writer_id`` for a new sequence of events (the stored events stay; nothing else
+    of the old id's is touched).
 
     ``shared=True`` allows a twin: another copy of this writer (a speculative duplicate of a Spark
     task) writing the same events in the same order at the same time. Events the twin wrote first
@@ -60,22 +116,30 @@ class EventWriter:
     def __init__(self, store: SegmentStore, stream: str, segments: int | None = None, writer_id: object = None, *,
                  batch_events: int = 1000, batch_bytes: int = 1 << 20, retries: int = 8, retry_delay: float = 0.05,
                  shared: bool = False):
+        # Every argument first: a bad one must leave storage untouched (no stream, no segment).
+        if not isinstance(store, SegmentStore):
+            raise InvalidInputError(f"store must be a SegmentStore, got {type(store).__name__}")
+        validate_name(stream, "stream")
         if segments is not None:
-            names = store.create_stream(stream, segments)
-        else:
-            names = store.stream_segments(stream)
-        self.store = store
-        self.stream = stream
+            check_segment_count(segments)
         self.writer_id = _writer_uuid(writer_id)
-        self._key = self.writer_id.bytes
-        self._states = [_SegmentState(store.segment(n)) for n in names]
-        self._round_robin = 0
         for name, value in (("batch_events", batch_events), ("batch_bytes", batch_bytes), ("retries", retries)):
             if type(value) is not int or value < 1:
-                raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
+                raise InvalidInputError(f"{name} must be an int >= 1, got {value!r:.60}")
+        if isinstance(retry_delay, bool) or not isinstance(retry_delay, (int, float)) or not 0 <= retry_delay <= 3600:
+            raise InvalidInputError(f"retry_delay must be a number of seconds in [0, 3600], got {retry_delay!r:.60}")
+        if not isinstance(shared, bool):
+            raise InvalidInputError(f"shared must be True or False, got {type(shared).__name__}: {shared!r:.60}")
+        names = store.create_stream(stream, segments) if segments is not None else store.stream_segments(stream)
+        self.store = store
+        self.stream = stream
+        self._key = self.writer_id.bytes
+        self._digest_key = uuid.uuid5(self.writer_id, _DIGEST_NAME).bytes
+        self._states = [_SegmentState(store.segment(n)) for n in names]
+        self._round_robin = 0
         self.batch_events, self.batch_bytes = batch_events, batch_bytes
         self.retries, self.retry_delay = retries, retry_delay
-        self.shared = bool(shared)
+        self.shared = shared
         self.events_skipped = 0  #: events a restarted writer found already written
         self.retried_appends = 0  #: appends repeated after an error or a lost acknowledgement
 
@@ -86,23 +150,28 @@ class EventWriter:
     def write(self, payload: bytes, routing_key: object = None, *, timestamp: int | None = None,
               headers: Any = ()) -> None:
         """Queue one event. Events with a routing key go to the segment its hash picks, in order;
-        events without one are spread round-robin."""
+        events without one are spread round-robin. ``timestamp``: ms since the epoch (an int64;
+        default: when it is sent); ``headers``: ``(str, bytes)`` pairs. A bad event raises
+        ``InvalidInputError`` here and is not queued."""
         self.write_many([payload], [routing_key], timestamps=[timestamp], headers=[headers])
 
     def write_many(self, payloads: list, routing_keys: list | None = None, *, timestamps: list | None = None,
                    headers: list | None = None) -> None:
         """``write`` for many events at once (lists of equal length; ``None`` items allowed in the
-        keys and timestamps): the same events in the same order, with less work per event."""
+        keys and timestamps): the same events in the same order, with less work per event. Every
+        event is checked first: if one is bad, none is queued."""
+        payloads = _column(payloads, "payloads")
         count = len(payloads)
-        for name, column in (("routing_keys", routing_keys), ("timestamps", timestamps), ("headers", headers)):
-            if column is not None and len(column) != count:
-                raise InvalidInputError(f"{name} has {len(column)} items for {count} payloads")
+        routing_keys, timestamps, headers = (
+            None if column is None else _column(column, name, count)
+            for name, column in (("routing_keys", routing_keys), ("timestamps", timestamps), ("headers", headers)))
         if set(map(type, payloads)) - {bytes}:
             payloads = [_payload_bytes(p) for p in payloads]
         keys = [None] * count if routing_keys is None else [
             k if k is None or type(k) is bytes else _key_bytes(k) for k in routing_keys]
-        stamps = timestamps or [None] * count
-        pairs = headers or [()] * count
+        stamps = check_timestamps(timestamps, "timestamp") if timestamps else [None] * count
+        pairs = [() if not h else normalize_headers(h, f"event {i}") for i, h in enumerate(headers)] \
+            if headers and any(headers) else [()] * count
         states, n = self._states, len(self._states)
         crc32, make = zlib.crc32, tuple.__new__  # Record(...) without its keyword-handling __new__
         for payload, key, stamp, header in zip(payloads, keys, stamps, pairs):
@@ -112,12 +181,14 @@ class EventWriter:
             else:
                 state = states[crc32(key) % n]
             if state.acked is None:
-                state.acked = self._stored_number(state)
+                self._load(state)
+            record = make(Record, (payload, key, stamp, header, None))
             state.numbered += 1
             if state.numbered <= state.acked:
                 self.events_skipped += 1  # written by an earlier life of this writer (or its twin)
+                self._replayed(state, record)
                 continue
-            state.pending.append(make(Record, (payload, key, stamp, tuple(header) if header else (), None)))
+            state.pending.append(record)
             state.pending_bytes += len(payload)
             if len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes:
                 self._send(state)
@@ -128,20 +199,43 @@ class EventWriter:
             if state.pending:
                 self._send(state)
 
-    def _stored_number(self, state: _SegmentState) -> int:
+    def _load(self, state: _SegmentState) -> None:
+        """Read the stored event number and digest (one consistent view of the segment)."""
         state.segment.refresh()
-        return state.segment.get_attribute(self._key) or 0
+        number, digest = state.segment.get_attributes([self._key, self._digest_key])
+        state.acked, state.stored_digest = number or 0, digest
+
+    def _replayed(self, state: _SegmentState, record: tuple) -> None:
+        """A skipped event: digest it; once the replay reaches the stored number, compare."""
+        state.replayed.append(record)
+        if state.numbered == state.acked or len(state.replayed) >= _REPLAY_FEED:
+            state.digest.update(state.replayed)
+            state.hashed += len(state.replayed)
+            state.replayed.clear()
+        if state.hashed == state.acked and state.stored_digest is not None \
+                and state.digest.value() != state.stored_digest:
+            raise WriterConflictError(
+                f"writer {self.writer_id} on segment {state.segment.name!r}: events 1..{state.acked} resent "
+                f"by this writer differ from the ones stored under its id (a reused writer id with other "
+                f"events?); write new events under a new writer_id")
 
     def _send(self, state: _SegmentState) -> None:
         failures = 0
         while state.pending:
             batch = state.pending[: self.batch_events]
             last = state.acked + len(batch)
-            update = AttributeUpdate(self._key, UpdateType.REPLACE_IF_EQUALS, value=last, compare=state.acked or None)
+            digest = state.digest.copy().update(batch)
+            updates = [
+                AttributeUpdate(self._key, UpdateType.REPLACE_IF_EQUALS, value=last, compare=state.acked or None),
+                AttributeUpdate(self._digest_key, UpdateType.REPLACE_IF_EQUALS, value=digest.value(),
+                                compare=state.stored_digest),
+            ]
             try:
-                state.segment.append(batch, [update])
+                state.segment.append(batch, updates)
             except ConditionalUpdateError as exc:
-                self._adopt(state, exc.failures[0].current or 0)
+                current = {f.update.key: f.current for f in exc.failures}
+                self._adopt(state, current.get(self._key, state.acked) or 0,
+                            current.get(self._digest_key, state.stored_digest))
                 continue
             except _PERMANENT:
                 raise
@@ -152,33 +246,41 @@ class EventWriter:
                 self.retried_appends += 1
                 time.sleep(self.retry_delay * failures)
                 continue
-            _acknowledge(state, last)
+            _acknowledge(state, last, digest)
 
-    def _adopt(self, state: _SegmentState, current: int) -> None:
-        """The segment holds events up to ``current``: they are acknowledged, resend the rest."""
+    def _adopt(self, state: _SegmentState, current: int, stored_digest: int | None) -> None:
+        """The segment holds events up to ``current`` (digest ``stored_digest``): they are
+        acknowledged if they are this writer's, and the rest is resent."""
         sent = state.acked + len(state.pending)
         if self.shared and current > sent:
             # A twin got further: everything queued is written, and so are the next events up to
-            # ``current``, which ``write`` will now skip as it numbers them.
+            # ``current``, which ``write`` will now skip (and digest) as it numbers them.
             self.events_skipped += len(state.pending)
+            state.digest.update(state.pending)
+            state.hashed = sent
             state.pending.clear()
             state.pending_bytes = 0
-            state.acked = current
+            state.acked, state.stored_digest = current, stored_digest
             return
         if not state.acked <= current <= sent:
             raise WriterConflictError(
                 f"writer {self.writer_id} on segment {state.segment.name!r}: the segment holds event number "
                 f"{current}, but this writer has acknowledged {state.acked} and sent up to "
                 f"{sent}: is another writer using the same id?")
+        digest = state.digest.copy().update(state.pending[: current - state.acked])
+        if stored_digest is not None and digest.value() != stored_digest:
+            raise WriterConflictError(
+                f"writer {self.writer_id} on segment {state.segment.name!r}: events up to {current} are stored "
+                f"under this writer's id, but they are not the ones it sent: is another writer using the same id?")
         self.retried_appends += 1
-        _acknowledge(state, current)
+        _acknowledge(state, current, digest)
 
     def last_event_numbers(self) -> dict[str, int]:
         """The last event number acknowledged per segment name (read from the segments if unknown)."""
         out = {}
         for state in self._states:
             if state.acked is None:
-                state.acked = self._stored_number(state)
+                self._load(state)
             out[state.segment.name] = state.acked
         return out
 
@@ -194,12 +296,27 @@ class EventWriter:
             self.close()
 
 
-def _acknowledge(state: _SegmentState, number: int) -> None:
-    """Events up to ``number`` are in the segment: drop them from the queue."""
+def _acknowledge(state: _SegmentState, number: int, digest: _EventDigest) -> None:
+    """Events up to ``number`` (digest ``digest``) are in the segment: drop them from the queue."""
     done = state.pending[: number - state.acked]
     del state.pending[: len(done)]
     state.pending_bytes -= sum(len(r.value) for r in done)
-    state.acked = number
+    state.acked = state.hashed = number
+    state.digest, state.stored_digest = digest, digest.value()
+
+
+def _column(values: object, name: str, count: int | None = None) -> list | tuple:
+    """A list argument of ``write_many``: a sequence (any iterable but a single value), of ``count`` items."""
+    if isinstance(values, (str, bytes, bytearray, memoryview, dict)):
+        raise InvalidInputError(f"{name} must be a list, got a single {type(values).__name__}")
+    if not isinstance(values, (list, tuple)):
+        try:
+            values = list(values)  # type: ignore[call-overload]
+        except TypeError:
+            raise InvalidInputError(f"{name} must be a list, got {type(values).__name__}") from None
+    if count is not None and len(values) != count:
+        raise InvalidInputError(f"{name} has {len(values)} items for {count} payloads")
+    return values
 
 
 def _writer_uuid(writer_id: object) -> uuid.UUID:
@@ -212,7 +329,10 @@ def _writer_uuid(writer_id: object) -> uuid.UUID:
             return uuid.UUID(writer_id)
         except ValueError:
             raise InvalidInputError(f"writer_id string must be a UUID, got {writer_id!r}") from None
-    return uuid.UUID(bytes=to_key(writer_id))
+    try:
+        return uuid.UUID(bytes=to_key(writer_id))
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"writer_id: {exc}") from None
 
 
 def _payload_bytes(payload: object) -> bytes:

@@ -314,7 +314,7 @@ def _normalize(records, timestamp: int):
             else:
                 stamp = _check_i64(stamp, f"record {i}: timestamp")
             if pairs:
-                pairs = _normalize_headers(pairs, i)
+                pairs = normalize_headers(pairs, f"record {i}")
                 any_headers = any_headers or bool(pairs)
             else:
                 pairs = ()
@@ -329,8 +329,22 @@ def _normalize(records, timestamp: int):
     return values, keys if any_key else None, stamps, headers if any_headers else None
 
 
-def _normalize_headers(pairs, i: int) -> tuple:
-    wrong = f"record {i}: headers must be a sequence of (str, bytes) pairs, got {type(pairs).__name__}"
+def record_list(records) -> list:
+    """The records of an append as a list: any iterable but a single value (``InvalidInputError``)."""
+    if isinstance(records, list):
+        return records
+    if isinstance(records, (bytes, bytearray, memoryview, str, Record)) or records is None:
+        raise InvalidInputError(f"records must be a list of bytes values or Records, got {type(records).__name__}")
+    try:
+        return list(records)
+    except TypeError:
+        raise InvalidInputError(f"records must be a list of bytes values or Records, got {type(records).__name__}") from None
+
+
+def normalize_headers(pairs, where: str) -> tuple:
+    """A record's headers as a tuple of ``(str, bytes)`` pairs, or ``InvalidInputError`` naming
+    ``where`` (e.g. ``"record 3"``) and what is wrong."""
+    wrong = f"{where}: headers must be a sequence of (str, bytes) pairs, got {type(pairs).__name__}"
     if isinstance(pairs, (str, bytes, bytearray, memoryview, dict)):
         raise InvalidInputError(wrong)
     out = []
@@ -342,15 +356,30 @@ def _normalize_headers(pairs, i: int) -> tuple:
         try:
             name, value = pair
         except (TypeError, ValueError):
-            raise InvalidInputError(f"record {i}: header {j} must be a (name, value) pair, got {pair!r:.60}") from None
+            raise InvalidInputError(f"{where}: header {j} must be a (name, value) pair, got {pair!r:.60}") from None
         if not isinstance(name, str):
-            raise InvalidInputError(f"record {i}: header {j} name must be a str, got {type(name).__name__}")
+            raise InvalidInputError(f"{where}: header {j} name must be a str, got {type(name).__name__}")
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
-            raise InvalidInputError(f"record {i}: header {j} name {name!r} is not encodable as UTF-8") from None
-        out.append((name, _as_bytes(value, f"record {i}: header {name!r} value")))
+            raise InvalidInputError(f"{where}: header {j} name {name!r} is not encodable as UTF-8") from None
+        out.append((name, _as_bytes(value, f"{where}: header {name!r} value")))
     return tuple(out)
+
+
+def check_timestamps(stamps, what: str = "timestamp") -> list:
+    """``stamps`` as a list, each ``None`` or an int64 of ms (not a bool, float or str), or
+    ``InvalidInputError`` naming the first bad one. Checked at C speed when all are fine."""
+    stamps = list(stamps)
+    types = set(map(type, stamps))
+    if types <= {int, _NONE_TYPE}:
+        ints = [t for t in stamps if t is not None] if _NONE_TYPE in types else stamps
+        if not ints or (_I64_MIN <= min(ints) and max(ints) <= _I64_MAX):
+            return stamps
+    for i, stamp in enumerate(stamps):
+        if stamp is not None:
+            _check_i64(stamp, f"{what} {i}")
+    return stamps
 
 
 def _encode_updates(attribute_updates) -> tuple[int, list[bytes]]:
