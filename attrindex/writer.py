@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import operator
 import time
 import uuid
 import zlib
@@ -40,39 +41,44 @@ from .store import SegmentStore, check_segment_count, validate_name
 _PERMANENT = (InvalidInputError, ConditionalUpdateError, CorruptDataError)
 _DIGEST_NAME = "attrindex.EventWriter/digest"  #: derives a writer's digest key from its id
 _REPLAY_FEED = 4096  #: skipped events are digested in groups of this many
+_PAYLOAD, _ROUTING_KEY = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class _EventDigest:
     """A digest of a writer's events 1..n on one segment: their payloads and routing keys.
 
     Fed in any grouping (a batch, one skipped event...), it gives the same value for the same
-    events: each part is hashed as one stream (lengths, then bytes), never per batch.
+    events: each column (payload lengths, payload bytes, key lengths, key bytes) is hashed as one
+    stream, never per batch, and the four digests together determine the events.
     """
 
-    __slots__ = ("_lengths", "_bytes")
+    __slots__ = ("_streams",)
 
-    def __init__(self, parts: tuple | None = None):
-        self._lengths, self._bytes = parts or (hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16))
+    def __init__(self, streams: tuple | None = None):
+        self._streams = streams or tuple(hashlib.blake2b(digest_size=16) for _ in range(4))
 
     def copy(self) -> "_EventDigest":
-        return _EventDigest((self._lengths.copy(), self._bytes.copy()))
+        return _EventDigest(tuple(h.copy() for h in self._streams))
 
     def update(self, records: list) -> "_EventDigest":
         """Add events (``Record``-shaped tuples: payload, routing key, ...) in order; returns self."""
-        lengths = array.array("q")
-        for record in records:
-            payload, key = record[0], record[1]
-            lengths.append(len(payload))
-            lengths.append(-1 if key is None else len(key))
-            self._bytes.update(payload)
-            if key:
-                self._bytes.update(key)
-        self._lengths.update(lengths.tobytes())
+        payloads = list(map(_PAYLOAD, records))
+        keys = list(map(_ROUTING_KEY, records))
+        if None in keys:
+            key_lengths = array.array("q", [-1 if k is None else len(k) for k in keys])
+            keys = [k for k in keys if k is not None]
+        else:
+            key_lengths = array.array("q", map(len, keys))
+        payload_lengths, payload_bytes, key_length_stream, key_bytes = self._streams
+        payload_lengths.update(array.array("q", map(len, payloads)))
+        payload_bytes.update(b"".join(payloads))
+        key_length_stream.update(key_lengths)
+        key_bytes.update(b"".join(keys))
         return self
 
     def value(self) -> int:
         """The digest as a signed 64-bit int (an attribute value)."""
-        final = hashlib.blake2b(self._lengths.digest() + self._bytes.digest(), digest_size=8).digest()
+        final = hashlib.blake2b(b"".join(h.digest() for h in self._streams), digest_size=8).digest()
         return int.from_bytes(final, "big", signed=True)
 
 
@@ -153,7 +159,8 @@ class EventWriter:
         events without one are spread round-robin. ``timestamp``: ms since the epoch (an int64;
         default: when it is sent); ``headers``: ``(str, bytes)`` pairs. A bad event raises
         ``InvalidInputError`` here and is not queued."""
-        self.write_many([payload], [routing_key], timestamps=[timestamp], headers=[headers])
+        self.write_many([payload], None if routing_key is None else [routing_key],
+                        timestamps=None if timestamp is None else [timestamp], headers=[headers] if headers else None)
 
     def write_many(self, payloads: list, routing_keys: list | None = None, *, timestamps: list | None = None,
                    headers: list | None = None) -> None:
@@ -162,9 +169,12 @@ class EventWriter:
         event is checked first: if one is bad, none is queued."""
         payloads = _column(payloads, "payloads")
         count = len(payloads)
-        routing_keys, timestamps, headers = (
-            None if column is None else _column(column, name, count)
-            for name, column in (("routing_keys", routing_keys), ("timestamps", timestamps), ("headers", headers)))
+        if routing_keys is not None:
+            routing_keys = _column(routing_keys, "routing_keys", count)
+        if timestamps is not None:
+            timestamps = _column(timestamps, "timestamps", count)
+        if headers is not None:
+            headers = _column(headers, "headers", count)
         if set(map(type, payloads)) - {bytes}:
             payloads = [_payload_bytes(p) for p in payloads]
         keys = [None] * count if routing_keys is None else [
@@ -307,6 +317,8 @@ def _acknowledge(state: _SegmentState, number: int, digest: _EventDigest) -> Non
 
 def _column(values: object, name: str, count: int | None = None) -> list | tuple:
     """A list argument of ``write_many``: a sequence (any iterable but a single value), of ``count`` items."""
+    if type(values) is list and (count is None or len(values) == count):
+        return values
     if isinstance(values, (str, bytes, bytearray, memoryview, dict)):
         raise InvalidInputError(f"{name} must be a list, got a single {type(values).__name__}")
     if not isinstance(values, (list, tuple)):

@@ -178,3 +178,83 @@ def test_write_many_is_write_in_a_loop(storage_url):
             again.write_many([b"a", b"b"], ["k"])
         with pytest.raises(InvalidInputError, match="payload must be bytes"):
             again.write_many(["text"])
+
+
+# -- a reused writer id with different events (issue 14) ------------------------------------------
+def _write(writer, values, keys=None, flush_every=None):
+    for i, value in enumerate(values):
+        writer.write(value, None if keys is None else keys[i])
+        if flush_every and i % flush_every == flush_every - 1:
+            writer.flush()
+    writer.flush()
+
+
+@pytest.mark.parametrize("changed", ["payload", "routing key", "order"])
+def test_a_reused_writer_id_with_other_events_raises_instead_of_dropping_them(store, changed):
+    writer_id = uuid.uuid4()
+    values, keys = [b"e%d" % i for i in range(10)], ["k"] * 10
+    _write(EventWriter(store, "s", segments=1, writer_id=writer_id), values, keys)
+    other_values, other_keys = list(values), list(keys)
+    if changed == "payload":
+        other_values[6] = b"something else"
+    elif changed == "routing key":
+        other_keys[3] = "k2"  # one segment: the same segment, another record key
+    else:
+        other_values[2], other_values[3] = other_values[3], other_values[2]
+    resumed = EventWriter(store, "s", writer_id=writer_id)
+    for value, key in zip(other_values[:9], other_keys[:9]):
+        resumed.write(value, key)  # not yet checkable: the replay has not reached the stored number
+    with pytest.raises(WriterConflictError, match="differ from the ones stored.*new writer_id"):
+        resumed.write(other_values[9], other_keys[9])
+    assert [v for _, _, v in stream_events(store, "s")] == values  # nothing dropped silently, nothing added
+    fresh = EventWriter(store, "s", writer_id=uuid.uuid4())  # the documented way out
+    _write(fresh, [b"new"])
+    assert [v for _, _, v in stream_events(store, "s")] == values + [b"new"]
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
+@pytest.mark.parametrize("first_batch, first_flush, second_batch", [(3, 7, 5), (1, 1, 1000), (1000, None, 2)])
+def test_a_resumed_writer_with_the_same_events_passes_the_check_however_they_were_batched(
+        store, first_batch, first_flush, second_batch):
+    writer_id = uuid.uuid4()
+    values = [b"%d" % i for i in range(60)]
+    keys = [i % 4 for i in range(60)]
+    first = EventWriter(store, "s", segments=2, writer_id=writer_id, batch_events=first_batch)
+    _write(first, values[:45], keys[:45], flush_every=first_flush)
+    second = EventWriter(store, "s", writer_id=writer_id, batch_events=second_batch)
+    _write(second, values, keys)
+    assert second.events_skipped == 45
+    assert sorted(v for _, _, v in stream_events(store, "s")) == sorted(values)
+    third = EventWriter(store, "s", writer_id=writer_id)  # the digest went on through the second life
+    _write(third, values)
+    with pytest.raises(WriterConflictError):
+        _write(EventWriter(store, "s", writer_id=writer_id), values[:59] + [b"not 59"], keys)
+
+
+def test_a_twin_that_sent_as_many_other_events_is_a_conflict_not_an_acknowledgement(store):
+    """A lost-race check: the segment holds exactly as many events as this writer sent, but they are
+    the other writer's; they must not be taken as this writer's acknowledgement."""
+    writer_id = uuid.uuid4()
+    store.create_stream("s", 1)
+    mine = EventWriter(store, "s", writer_id=writer_id)
+    for i in range(10):
+        mine.write(b"mine %d" % i)  # queued
+    theirs = EventWriter(store, "s", writer_id=writer_id)
+    _write(theirs, [b"theirs %d" % i for i in range(10)])
+    with pytest.raises(WriterConflictError, match="not the ones it sent"):
+        mine.flush()
+    assert [v for _, _, v in stream_events(store, "s")] == [b"theirs %d" % i for i in range(10)]
+
+
+def test_numbers_stored_without_a_digest_are_still_resumed(store):
+    """Segments written before the digest existed have the event number only: nothing to compare."""
+    writer_id = uuid.uuid4()
+    store.create_stream("s", 1)
+    store.segment("s/0").append([b"0", b"1", b"2"], [(writer_id.bytes, 3)])
+    resumed = EventWriter(store, "s", writer_id=writer_id, batch_events=2)
+    _write(resumed, [b"%d" % i for i in range(6)])
+    assert resumed.events_skipped == 3
+    assert [v for _, _, v in stream_events(store, "s")] == [b"%d" % i for i in range(6)]
+    _write(EventWriter(store, "s", writer_id=writer_id), [b"%d" % i for i in range(7)])  # digest from 4 on
+    with pytest.raises(WriterConflictError):
+        _write(EventWriter(store, "s", writer_id=writer_id), [b"x"] * 7)
