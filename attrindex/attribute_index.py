@@ -16,6 +16,7 @@ from .keys import KEY_SIZE, MIN_KEY, VALUE_MAX, VALUE_MIN, pair_list, to_key, to
 from .value_cache import MISSING, ValueCache
 
 DEFAULT_CACHE_BYTES = 64 << 20
+MAX_SPLIT_PARTS = 1 << 20  #: more parts than this cannot be meaningful (and would loop for long)
 # Space comes back a whole chunk at a time, so the index's chunks are small next to its live bytes:
 # with 32 MiB chunks, an index of 25 MiB could hold a whole dead chunk more than it needs.
 DEFAULT_INDEX_ROLLING_SIZE = 4 << 20
@@ -183,6 +184,8 @@ class AttributeIndex:
     def split_keys(self, parts: int) -> list[bytes]:
         """Up to ``parts - 1`` ascending keys cutting the stored keys into about equal ranges
         (for scanning in parallel); reads only a few upper pages."""
+        if type(parts) is not int or not 1 <= parts <= MAX_SPLIT_PARTS:
+            raise InvalidInputError(f"parts must be an int in [1, {MAX_SPLIT_PARTS}], got {parts!r:.60}")
         return self._tree.split_keys(parts)
 
     def __len__(self) -> int:
@@ -201,7 +204,7 @@ class AttributeIndex:
         in some other log that the index now covers (segments use it): it only moves forward, so
         an update whose checkpoint the index already covers is skipped and returns False.
         """
-        if checkpoint is not None and (type(checkpoint) is not int or checkpoint < 0):
+        if checkpoint is not None and (type(checkpoint) is not int or not 0 <= checkpoint <= VALUE_MAX):
             raise InvalidInputError(f"checkpoint must be an int >= 0, got {checkpoint!r}")
         batch = _canonical_batch(updates)
         if not batch and checkpoint is None:

@@ -243,8 +243,6 @@ class Segment:
     def attribute_split_keys(self, parts: int) -> list[bytes]:
         """Keys cutting the attributes into about ``parts`` ranges for parallel scans (by the
         B+tree's pages; attributes still in tier 1 only are not weighed)."""
-        if type(parts) is not int or parts < 1:
-            raise InvalidInputError(f"parts must be an int >= 1, got {parts!r:.60}")
         with self._lock:
             self._check_open()
             return self._index.split_keys(parts)
