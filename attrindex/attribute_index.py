@@ -184,8 +184,8 @@ class AttributeIndex:
     def split_keys(self, parts: int) -> list[bytes]:
         """Up to ``parts - 1`` ascending keys cutting the stored keys into about equal ranges
         (for scanning in parallel); reads only a few upper pages."""
-        if type(parts) is not int or not 1 <= parts <= MAX_SPLIT_PARTS:
-            raise InvalidInputError(f"parts must be an int in [1, {MAX_SPLIT_PARTS}], got {parts!r:.60}")
+        if type(parts) is not int or not 0 <= parts <= MAX_SPLIT_PARTS:
+            raise InvalidInputError(f"parts must be an int in [0, {MAX_SPLIT_PARTS}], got {parts!r:.60}")
         return self._tree.split_keys(parts)
 
     def __len__(self) -> int:
