@@ -6,9 +6,7 @@ import threading
 import time
 from typing import Iterator
 
-from storage_adapters import TruncatedError
-
-from .errors import InvalidInputError, RecordTruncatedError
+from .errors import InvalidInputError
 from .log.batch import Record
 
 _FETCH_RECORDS = 4096
@@ -44,7 +42,7 @@ class SegmentReader:
         while not self._cancelled.is_set():
             if self.segment.closed:
                 return None
-            records = self._fetch()
+            records = self.segment._read(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
             if records:
                 self._buffer, self._next = records, 0
                 return self._take()
@@ -69,14 +67,6 @@ class SegmentReader:
             self._next += take
             self.position = out[-1].offset + 1
         return out
-
-    def _fetch(self) -> list[Record]:
-        try:
-            return self.segment._read(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
-        except TruncatedError:
-            # Another handle's retention deleted the chunk under this handle's stale view.
-            self.segment.refresh()
-            raise RecordTruncatedError(self.segment.name, self.position, self.segment.start_offset) from None
 
     def _take(self) -> Record:
         record = self._buffer[self._next]

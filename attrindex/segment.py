@@ -21,7 +21,8 @@ import attrs
 
 from .attribute_index import AttributeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
-from .errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
+from .errors import (BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError,
+                     TruncatedError)
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, read_header, rebase_batch,
                          record_list)
@@ -325,13 +326,18 @@ class Segment:
     def _read(self, offset: int, max_records: int, max_bytes: int, *, whole_batches: bool) -> list[Record]:
         """``read`` without argument checks; ``whole_batches`` (for readers) keeps the last batch
         whole, so the next read starts at a batch boundary instead of decoding it again."""
-        with self._lock:  # only to plan: the reads and decoding run without it, beside appends
-            self._check_open()
-            start = self._log.start_offset
-            if offset < start:
-                raise RecordTruncatedError(self.name, offset, start)
-            ranges = self._log.plan_read(offset)
-        return self._log.read_planned(ranges, offset, max_records, max_bytes, whole_batches=whole_batches)
+        try:
+            with self._lock:  # only to plan: the reads and decoding run without it, beside appends
+                self._check_open()
+                start = self._log.start_offset
+                if offset < start:
+                    raise RecordTruncatedError(self.name, offset, start)
+                ranges = self._log.plan_read(offset)
+            return self._log.read_planned(ranges, offset, max_records, max_bytes, whole_batches=whole_batches)
+        except TruncatedError:  # another handle's retention deleted the chunk under this stale view
+            with self._lock:
+                self._catch_up()
+                raise RecordTruncatedError(self.name, offset, self._log.start_offset) from None
 
     def reader(self, offset: int | None = None, timestamp: int | None = None) -> SegmentReader:
         """A reader from ``offset``, or from the first record with timestamp ``>= timestamp``, or

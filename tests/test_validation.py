@@ -222,6 +222,14 @@ def test_a_reader_overtaken_by_retention_gets_record_truncated_error(tmp_path):
         with pytest.raises(RecordTruncatedError) as caught:
             reader.read(timeout=1)
         assert caught.value.offset == 0 and caught.value.start_offset == 30
+        with pytest.raises(RecordTruncatedError):  # still at 0: it says so again, never skips silently
+            reader.read_batch(100, timeout=0)
+        stale = SegmentStore.open(root, log_rolling_size=1024)
+        stale_segment = stale.segment("s")  # its view: records from 0 on
+        assert other.segment("s").apply_retention(start_offset=35) > 0
+        with pytest.raises(RecordTruncatedError, match="records start at 35"):
+            stale_segment.read(30)
+        stale.close()
 
 
 # -- garbage at every entry point -----------------------------------------------------------------
