@@ -30,7 +30,6 @@ _STREAM_MARKER = re.compile(r"_count\.(\d+)")
 STREAMS_DIR = "_streams"
 MAX_STREAM_SEGMENTS = 1 << 16
 _SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes")
-_SECONDS_OPTIONS = ("flush_seconds", "poll_interval")
 
 
 def validate_name(name: str, what: str = "segment") -> str:
@@ -184,12 +183,11 @@ def segment_options(options: Mapping[str, Any]) -> SegmentOptions:
         value = getattr(built, name)
         if type(value) is not int or value < 1:
             raise InvalidInputError(f"store option {name} must be an int >= 1, got {value!r}")
-    for name in _SECONDS_OPTIONS:
-        value = getattr(built, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise InvalidInputError(f"store option {name} must be a finite number of seconds >= 0, got {value!r}")
-    if built.poll_interval == 0:
-        raise InvalidInputError("store option poll_interval must be > 0 (a reader would spin)")
+    for name, low, high in (("flush_seconds", 0, float("inf")), ("poll_interval", 1e-6, threading.TIMEOUT_MAX)):
+        value = getattr(built, name)  # flush_seconds=inf: never by time; a poll of 0 would spin
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise InvalidInputError(f"store option {name} must be a number of seconds in [{low:g}, {high:g}], "
+                                    f"got {value!r:.60}")
     _check_attribute_options(built.attribute_options)
     return built
 

@@ -105,6 +105,7 @@ BAD_STORE_OPTIONS = [
     ("flush_bytes", dict(flush_bytes=[])), ("flush_seconds", dict(flush_seconds=float("nan"))),
     ("flush_seconds", dict(flush_seconds=-1)), ("flush_seconds", dict(flush_seconds="30")),
     ("poll_interval", dict(poll_interval=0)), ("poll_interval", dict(poll_interval=float("inf"))),
+    ("poll_interval", dict(poll_interval=1e300)), ("poll_interval", dict(poll_interval=float("nan"))),
     ("codec", dict(codec="zip")), ("codec", dict(codec=1.5)), ("attribute_options", dict(attribute_options="x")),
     ("attribute_options", dict(attribute_options={"pagesize": 4096})), ("option", dict(no_such_option=1)),
     ("storage_options", dict(storage_options="x")), ("storage_options", dict(storage_options=[1])),
