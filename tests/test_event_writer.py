@@ -6,6 +6,8 @@ import uuid
 import zlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attrindex import EventWriter, SegmentStore
 from attrindex.errors import InvalidInputError, StreamNotFoundError, WriterConflictError
@@ -258,3 +260,41 @@ def test_numbers_stored_without_a_digest_are_still_resumed(store):
     _write(EventWriter(store, "s", writer_id=writer_id), [b"%d" % i for i in range(7)])  # digest from 4 on
     with pytest.raises(WriterConflictError):
         _write(EventWriter(store, "s", writer_id=writer_id), [b"x"] * 7)
+
+
+_EVENTS = st.lists(st.tuples(st.sampled_from([b"", b"a", b"b", b"ab"]), st.sampled_from([None, "k", "kk", b""])),
+                   max_size=14)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=_EVENTS, second=_EVENTS, first_batch=st.integers(1, 4), second_batch=st.integers(1, 4),
+       flush_every=st.integers(1, 5))
+def test_resumed_writer_model(first, second, first_batch, second_batch, flush_every):
+    """Model: a second life of one writer id on one segment (any batching) raises
+    WriterConflictError exactly when the events it replays over the stored ones differ from them;
+    otherwise the segment holds the first life's events then the second life's new ones."""
+    with SegmentStore.open(f"memory://model-{uuid.uuid4().hex}") as store:
+        writer_id = uuid.uuid4()
+        life = EventWriter(store, "s", segments=1, writer_id=writer_id, batch_events=first_batch)
+        for i, (payload, key) in enumerate(first):
+            life.write(payload, key)
+            if i % flush_every == 0:
+                life.flush()
+        life.flush()
+        resumed = EventWriter(store, "s", writer_id=writer_id, batch_events=second_batch)
+        stored = len(first)
+        replayed_over = second[:stored]
+        conflict = len(second) >= stored > 0 and replayed_over != first
+        try:
+            for payload, key in second:
+                resumed.write(payload, key)
+            resumed.flush()
+        except WriterConflictError:
+            assert conflict
+            expected = first
+        else:
+            assert not conflict
+            expected = first + second[stored:]
+        key_bytes = (lambda k: None if k is None else k if isinstance(k, bytes) else k.encode())
+        records = store.segment("s/0").read(0, 100)
+        assert [(r.value, r.key) for r in records] == [(p, key_bytes(k)) for p, k in expected]
