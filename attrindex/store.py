@@ -38,9 +38,9 @@ def validate_name(name: str, what: str = "segment") -> str:
     try:
         validate_segment_name(name)
     except InvalidInputError as exc:
-        if what == "segment":
+        if what != "stream":  # a prefix is (the start of) a segment name, and says so
             raise
-        raise InvalidInputError(str(exc).replace("segment name", f"{what} name", 1)) from None
+        raise InvalidInputError(str(exc).replace("segment name", "stream name", 1)) from None
     for part in name.split("/"):
         if part.startswith("_"):
             raise InvalidInputError(f"invalid {what} name {name!r}: parts starting with '_' are reserved")
