@@ -17,7 +17,13 @@ from typing import Callable, Iterator, Sequence
 import attrs
 
 from storage_adapters import BadOffsetError, RollingSegment
-from storage_adapters.errors import CorruptDataError, InvalidInputError, OffsetOutOfRangeError, StorageError
+from storage_adapters.errors import (
+    CorruptDataError,
+    InvalidInputError,
+    OffsetOutOfRangeError,
+    StorageError,
+    TruncatedError,
+)
 
 from ..keys import MIN_KEY
 from .compaction import OnePagePolicy, TreeShape
@@ -245,7 +251,11 @@ class BTreeIndex:
         if tail < start:
             # Truncation keeps the newest footer's pages, the footer included: never legitimate.
             raise self._corrupt(start, f"the truncation offset {start} is past the newest footer (length {length})")
-        footer = decode_footer(self.segment.read(tail, FOOTER_SIZE), tail)
+        try:
+            data = self._read(tail, FOOTER_SIZE)
+        except OffsetOutOfRangeError as error:  # the listing changed under the read: not a version
+            raise self._corrupt(tail, f"the newest footer at offset {tail} is outside the stored range: {error}") from error
+        footer = decode_footer(data, tail)
         if footer is None:
             raise self._corrupt(tail, f"the newest footer at offset {tail} (segment length {length}) is invalid")
         if footer.min_offset < start:
@@ -277,7 +287,35 @@ class BTreeIndex:
 
     def _read_page(self, offset: int, length: int) -> tuple[LeafPage | IndexPage, int]:
         self.io.storage_reads += 1
-        return decode_page(self.segment.read(offset, length), offset, self.segment.name), length
+        return decode_page(self._read(offset, length), offset, self.segment.name), length
+
+    def _read(self, offset: int, length: int) -> bytes:
+        """``segment.read``, with a chunk that vanished under the read told apart from a failure:
+        if a fresh listing puts ``offset`` below the truncation offset, another writer's compaction
+        deleted it, which is ``TruncatedError`` (the caller moves to a newer version)."""
+        try:
+            return self.segment.read(offset, length)
+        except OffsetOutOfRangeError:
+            raise
+        except (FileNotFoundError, StorageError) as error:
+            if isinstance(error, CorruptDataError) or not self._truncated_below(offset):
+                if isinstance(error, FileNotFoundError):
+                    raise StorageError(f"segment {self.segment.name!r}: reading offset {offset}: {error}") from error
+                raise
+            segment = self.segment
+            raise TruncatedError(segment.name, offset, length, segment.start_offset, segment.length) from error
+
+    def _truncated_below(self, offset: int) -> bool:
+        """Whether a fresh listing of the segment starts above ``offset``."""
+        for attempt in range(RELIST_ATTEMPTS):
+            if attempt:
+                _pause(attempt)
+            try:
+                self.segment.refresh()
+            except FileNotFoundError:  # a chunk deleted between listing and sizing it: look again
+                continue
+            return offset < self.segment.start_offset
+        return False
 
     # -- reading -------------------------------------------------------------------------------
     def _root_page(self, state: TreeState) -> LeafPage | IndexPage:

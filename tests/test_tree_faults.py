@@ -1,0 +1,345 @@
+"""The B+tree under faults: damaged footers and pages, bounded loops, readers during another process's
+compaction, failed truncations, verify and repair (issue 10, classes 2, 3 and 6)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+
+from attrindex.attribute_index import AttributeIndex
+from attrindex.btree.footer import FOOTER_SIZE, Footer
+from attrindex.btree.page import encode_index
+from attrindex.errors import BadOffsetError, CorruptDataError, StorageError, StorageFullError
+from storage_adapters import RollingSegment, open_storage
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+@pytest.fixture(params=["memory", "local"])
+def url(request, tmp_path):
+    return f"memory://tree-faults-{uuid.uuid4().hex}" if request.param == "memory" else str(tmp_path / "store")
+
+
+def flip(url: str, offset: int, name: str = "attributes") -> None:
+    """Flip one bit of the byte at segment ``offset``, in place, behind every handle's back."""
+    storage = open_storage(url)
+    segment = RollingSegment(storage, name)
+    chunk = next(c for c in segment.chunks() if c.start <= offset < c.end)
+    path = f"{name}.seg/{chunk.name}"
+    if url.startswith("memory://"):
+        buffer = storage.fs.store[storage._abs(path)].getbuffer()
+        buffer[offset - chunk.start] ^= 0x10
+        del buffer
+    else:
+        with open(os.path.join(url, path), "r+b") as f:
+            f.seek(offset - chunk.start)
+            byte = f.read(1)[0]
+            f.seek(offset - chunk.start)
+            f.write(bytes([byte ^ 0x10]))
+
+
+def within(seconds: float, call):
+    """Run ``call`` in a thread; fail the test if it does not finish in time (a hang)."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{call} still running after {seconds} s: a hang"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+# -- class 2: the newest footer ----------------------------------------------------------------
+def test_damaged_newest_footer_is_corruption_on_open_and_on_reload(url):
+    stale = AttributeIndex.open(url, page_size=256)
+    stale.update({k(i): 1 for i in range(100)})
+    writer = AttributeIndex.open(url, page_size=256)
+    writer.update({k(i): 2 for i in range(100)})
+    tail = writer._tree.state.footer_offset
+    flip(url, tail + 30)  # inside the entry count
+    with pytest.raises(CorruptDataError, match=f"newest footer at offset {tail}") as caught:
+        AttributeIndex.open(url, page_size=256)
+    assert caught.value.offset == tail and "attributes.seg/" in str(caught.value)
+    with pytest.raises(CorruptDataError, match=f"newest footer at offset {tail}"):
+        stale.refresh()  # a handle that had the older version does not roll back to it either
+    report = AttributeIndex.verify_at(url)
+    assert not report.ok
+    assert any(d.start == tail and d.end == tail + FOOTER_SIZE and "newest footer" in d.reason for d in report.damage)
+
+
+def test_damaged_tail_over_a_truncated_previous_version_raises_instead_of_hanging(url):
+    # The previous footer's pages are below the truncation offset: the old code fell back to it and
+    # looped forever in get() (TruncatedError, reload, same state, ...).
+    idx = AttributeIndex.open(url, page_size=256, rolling_size=1024, compaction="pravega")
+    step = 0
+    while True:
+        idx.update({k(i): step for i in range(step % 7, 300, 7)})
+        step += 1
+        state = idx._tree.state
+        if idx._segment.start_offset == state.footer.min_offset > 0:
+            break
+    flip(url, state.footer_offset + 10)
+
+    def read():
+        reopened = AttributeIndex.open(url, page_size=256, rolling_size=1024)
+        return reopened.get(k(0))
+
+    with pytest.raises(CorruptDataError, match="newest footer"):
+        within(10, read)
+    with pytest.raises(CorruptDataError, match="rebuilt from its source"):
+        within(10, lambda: AttributeIndex.repair_at(url))
+
+
+# -- class 3: every loop bounded ---------------------------------------------------------------
+def _dangling_index(url: str) -> tuple[int, int]:
+    """An index whose newest version routes to a page below the truncation offset, with a footer
+    that claims otherwise (as damage could). Returns (dangling page offset, truncation offset)."""
+    idx = AttributeIndex.open(url, page_size=256, rolling_size=512, compaction="pravega")
+    first = None
+    for step in range(200):
+        idx.update({k(i): step for i in range(step % 5, 200, 5)})
+        if first is None:
+            first = next((offset, length) for _, offset, length, page in idx._tree.pages() if page.is_leaf)
+        if idx._segment.start_offset > first[0] + first[1]:
+            break
+    start = idx._segment.start_offset
+    assert start > first[0]
+    raw = RollingSegment(open_storage(url), "attributes")
+    at = raw.length
+    page = encode_index([bytes(16), k(100)], [first[0], first[0]], [first[1], first[1]], [at, at], at)
+    footer = Footer(at, len(page), 2, 10, 3, len(page) + 2 * first[1], at, -1, len(page) + FOOTER_SIZE)
+    raw.append(page + footer.encode(at + len(page)), expected_offset=at)
+    return first[0], start
+
+
+def test_every_read_loop_over_a_page_that_is_gone_ends_in_corruption(url):
+    dangling, start = _dangling_index(url)
+    idx = AttributeIndex.open(url, page_size=256, rolling_size=512, value_cache_entries=0)
+    calls = {
+        "get": lambda: idx.get(k(3)),
+        "get_many": lambda: idx.get_many([k(i) for i in range(50)]),
+        "items": lambda: list(idx.items()),
+        "split_keys": lambda: idx.split_keys(8),
+        "update": lambda: idx.update({k(3): 1}),
+    }
+    for name, call in calls.items():
+        with pytest.raises(CorruptDataError, match=f"page at offset {dangling}") as caught:
+            within(10, call)
+        assert caught.value.offset == dangling, name
+    report = idx.verify()
+    assert any(d.start == dangling for d in report.damage)
+
+
+def test_the_update_race_loop_is_bounded(url):
+    idx = AttributeIndex.open(url, page_size=256)
+    idx.update({1: 1})
+
+    def always_lose(data, expected_offset=None):
+        raise BadOffsetError("attributes", expected_offset, expected_offset + 1)
+
+    idx._segment.append = always_lose
+    with pytest.raises(StorageError, match="lost the append race"):
+        within(30, lambda: idx.update({2: 2}))
+    assert idx.get(2) is None
+
+
+def test_the_relisting_loop_is_bounded(url):
+    idx = AttributeIndex.open(url, page_size=256)
+    idx.update({1: 1})
+
+    def always_racing():
+        raise FileNotFoundError("a chunk vanished between listing and sizing it")
+
+    idx._segment.refresh = always_racing
+    with pytest.raises(StorageError, match="no consistent listing") as caught:
+        within(10, idx.refresh)
+    assert not isinstance(caught.value, FileNotFoundError)
+
+
+# -- work after the durable point --------------------------------------------------------------
+def test_a_failed_truncation_does_not_fail_the_update_and_is_retried(url, caplog):
+    idx = AttributeIndex.open(url, page_size=256, rolling_size=1024, compaction="pravega")
+    storage = idx._segment.storage
+    real_put_marker = storage.put_marker
+
+    def full(path):
+        raise StorageFullError(f"no space left for {path}")
+
+    storage.put_marker = full
+    with caplog.at_level(logging.WARNING, logger="attrindex.btree"):
+        for step in range(60):
+            assert idx.update({k(i): step for i in range(step % 9, 400, 9)})
+    assert idx._segment.start_offset == 0 and "truncating below offset" in caplog.text
+    storage.put_marker = real_put_marker
+    idx.update({k(0): -1})
+    assert idx._segment.start_offset == idx._tree.state.footer.min_offset > 0
+    assert all(c.end > idx._segment.start_offset for c in idx._segment.chunks()[:-1])
+    reopened = AttributeIndex.open(url, page_size=256)
+    assert reopened.get(0) == -1 and reopened.verify().ok
+
+
+# -- class 6: readers during another process's compaction ---------------------------------------
+_UPDATER = textwrap.dedent("""
+    import sys, time
+    from attrindex.attribute_index import AttributeIndex
+    directory, keys, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    index = AttributeIndex.open(directory, page_size=256, rolling_size=2048)
+    deadline, n = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        n += 1
+        index.update({i: n for i in range(keys)})
+    print(n)
+""")
+
+
+def test_readers_during_compacting_updates_see_one_version_at_a_time(tmp_path):
+    directory, keys, seconds = str(tmp_path / "store"), 96, 4.0
+    AttributeIndex.open(directory, page_size=256, rolling_size=2048).update({i: 0 for i in range(keys)})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    child = subprocess.Popen([sys.executable, "-c", _UPDATER, directory, str(keys), str(seconds)],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    readers = [AttributeIndex.open(directory, page_size=256, rolling_size=2048),
+               AttributeIndex.open(directory, page_size=256, rolling_size=2048, value_cache_entries=0, cache_bytes=0)]
+    reads = wrong = scans = 0
+    errors: list[str] = []
+    newest = [0, 0]
+    try:
+        while child.poll() is None:
+            for n, reader in enumerate(readers):
+                try:
+                    reader.refresh()
+                    values = reader.get_many(range(keys))
+                    reads += 1
+                    version = values[0]
+                    if version is None or set(values) != {version} or version < newest[n]:
+                        wrong += 1
+                        errors.append(f"get_many: {sorted(set(values), key=str)[:4]} after version {newest[n]}")
+                    else:
+                        newest[n] = version
+                    one = reader.get(keys - 1)
+                    if one is None or one < newest[n]:
+                        wrong += 1
+                        errors.append(f"get: {one} after version {newest[n]}")
+                    if reads % 10 == 0:
+                        scanned = [value for _, value in reader.items()]
+                        scans += 1
+                        # A scan that outlives a truncation resumes from the newer version after
+                        # its last key: values never go back along the scan.
+                        if len(scanned) != keys or scanned != sorted(scanned) or scanned[0] < newest[n]:
+                            wrong += 1
+                            errors.append(f"items: {len(scanned)} entries, values {sorted(set(scanned))[:4]}")
+                except Exception as error:  # noqa: BLE001 - counted and reported
+                    wrong += 1
+                    errors.append(f"{type(error).__name__}: {error}")
+    finally:
+        updates = int(child.communicate(timeout=60)[0] or 0)
+    assert child.returncode == 0
+    assert reads > 50 and updates > 20, f"too little concurrency: {reads} reads, {updates} updates"
+    assert wrong == 0, f"{wrong} wrong answers in {reads} reads and {scans} scans during {updates} updates: {errors[:5]}"
+    final = AttributeIndex.open(directory, page_size=256)
+    assert final.get_many(range(keys)) == [updates] * keys and final.verify().ok
+
+
+# -- verify and repair -------------------------------------------------------------------------
+def _versions(url: str, count: int, **options) -> AttributeIndex:
+    idx = AttributeIndex.open(url, page_size=256, **options)
+    for n in range(1, count + 1):
+        idx.update({k(i): n * 1000 + i for i in range(0, 120, n)})
+    return idx
+
+
+def test_verify_reports_every_damaged_range(url):
+    idx = _versions(url, 6, compaction=False)
+    dead_page = 0  # the first update's first leaf: rewritten by the second update
+    live_leaf = max(offset for _, offset, _, page in idx._tree.pages() if page.is_leaf)
+    assert idx.verify().ok
+    flip(url, dead_page + 20)
+    flip(url, live_leaf + 14)
+    report = AttributeIndex.verify_at(url)
+    assert not report.ok
+    starts = sorted(d.start for d in report.damage)
+    assert dead_page in starts and live_leaf in starts, report.damage
+    assert all(d.where.startswith("attributes.seg/") and d.end > d.start for d in report.damage)
+
+
+def test_verify_reports_a_damaged_footer_in_the_middle_of_the_chain(url):
+    idx = _versions(url, 4, compaction=False)
+    newest = idx._tree.state.footer
+    middle = idx._tree.state.length - newest.update_length - FOOTER_SIZE  # the previous update's footer
+    flip(url, middle + 12)
+    report = AttributeIndex.verify_at(url)
+    assert [(d.start, d.end) for d in report.damage] == [(middle, middle + FOOTER_SIZE)], report.damage
+    assert report.entries == len(idx) and report.updates == 3  # the other three footers chain
+
+
+def test_repair_rolls_back_to_the_newest_intact_version_and_says_what_was_lost(url, caplog):
+    idx = _versions(url, 4, compaction=False)
+    state = idx._tree.state
+    before = AttributeIndex.open(url, page_size=256)
+    previous_end = state.length - state.footer.update_length
+    # The version before the last: what a rollback of one update must give back.
+    expected = {k(i): 3000 + i for i in range(0, 120, 3)}
+    for i in range(0, 120, 2):
+        expected.setdefault(k(i), 2000 + i)
+    for i in range(120):
+        expected.setdefault(k(i), 1000 + i)
+    previous_items = sorted(expected.items())
+    assert idx.repair().rolled_back is False  # intact: nothing to do
+    flip(url, state.footer.root_offset + 20)  # the newest root: only the last version is damaged
+    with caplog.at_level(logging.WARNING, logger="attrindex.btree"):
+        report = AttributeIndex.repair_at(url)
+    assert report.rolled_back and report.updates_dropped == 1
+    assert (report.lost_start, report.lost_end) == (previous_end, state.length)
+    assert (report.entries_before, report.entries_after) == (120, 120)
+    assert "rolling back" in caplog.text
+    repaired = AttributeIndex.open(url, page_size=256)
+    assert sorted(repaired.items()) == previous_items and repaired.verify().ok
+    before.refresh()
+    assert before.get_many([k(i) for i in range(120)]) == [value for _, value in previous_items]
+    repaired.update({k(0): 7})
+    assert AttributeIndex.open(url, page_size=256).get(0) == 7 and repaired.verify().ok
+
+
+def test_repair_of_a_first_update_goes_back_to_empty(url):
+    idx = AttributeIndex.open(url, page_size=256)
+    idx.update({k(i): i for i in range(10)})
+    flip(url, idx._tree.state.footer_offset + 40)
+    report = AttributeIndex.repair_at(url)
+    assert report.rolled_back and report.kept_footer_offset == -1 and report.entries_after == 0
+    assert report.entries_before is None and report.updates_dropped == 1
+    reopened = AttributeIndex.open(url, page_size=256)
+    assert len(reopened) == 0 and reopened.verify().ok
+    reopened.update({k(1): 1})
+    assert AttributeIndex.open(url).get(1) == 1
+
+
+# -- class 7: bit flips in live pages ----------------------------------------------------------
+def test_a_flipped_bit_in_a_live_page_is_corruption_on_every_read_that_meets_it(url):
+    idx = AttributeIndex.open(url, page_size=256)
+    idx.update({k(i): i for i in range(300)})
+    leaf = next((offset, page) for _, offset, _, page in idx._tree.pages() if page.is_leaf and len(page.keys) > 2)
+    key = leaf[1].keys[1]
+    flip(url, leaf[0] + 40)
+    cold = AttributeIndex.open(url, page_size=256, cache_bytes=0, value_cache_entries=0)
+    for read in (lambda: cold.get(key), lambda: cold.get_many([key]), lambda: list(cold.items()),
+                 lambda: list(cold.items(key, None))):
+        with pytest.raises(CorruptDataError, match=f"offset {leaf[0]}"):
+            within(10, read)
