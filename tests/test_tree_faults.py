@@ -12,12 +12,13 @@ import threading
 import time
 import uuid
 
+import attrs
 import pytest
 
 from attrindex.attribute_index import AttributeIndex
 from attrindex.btree.footer import FOOTER_SIZE, Footer
 from attrindex.btree.page import encode_index
-from attrindex.errors import BadOffsetError, CorruptDataError, StorageError, StorageFullError
+from attrindex.errors import BadOffsetError, CorruptDataError, StorageError, StorageFullError, TruncatedError
 from storage_adapters import RollingSegment, open_storage
 
 
@@ -148,6 +149,34 @@ def test_every_read_loop_over_a_page_that_is_gone_ends_in_corruption(url):
     assert any(d.start == dangling for d in report.damage)
 
 
+def test_restarts_are_bounded_even_when_every_one_finds_a_newer_version(url):
+    idx = AttributeIndex.open(url, page_size=256, cache_bytes=0, value_cache_entries=0)
+    idx.update({k(i): i for i in range(100)})
+    tree = idx._tree
+    reloads = []
+
+    def always_gone(offset, length):
+        raise TruncatedError("attributes", offset, length, offset + 1, offset + 2)
+
+    def always_newer():  # a writer that compacts faster than any read completes
+        reloads.append(1)
+        tree._state = attrs.evolve(tree._state, length=tree._state.length + 1, root=None)
+        return tree._state
+
+    tree._read_page, tree.reload = always_gone, always_newer
+    tree._state = attrs.evolve(tree._state, root=None)
+    for name, call in {"get": lambda: idx.get(1), "get_many": lambda: idx.get_many(range(50)),
+                       "items": lambda: list(idx.items()), "split_keys": lambda: idx.split_keys(4)}.items():
+        reloads.clear()
+        with pytest.raises(StorageError, match="restarted 32 times"):
+            within(10, call)
+        assert len(reloads) == 32, name
+    reloads.clear()
+    with pytest.raises(StorageError, match="1000 times in a row"):
+        within(30, lambda: idx.update({k(1): 5}))
+    assert len(reloads) == 1000
+
+
 def test_the_update_race_loop_is_bounded(url):
     idx = AttributeIndex.open(url, page_size=256)
     idx.update({1: 1})
@@ -156,7 +185,7 @@ def test_the_update_race_loop_is_bounded(url):
         raise BadOffsetError("attributes", expected_offset, expected_offset + 1)
 
     idx._segment.append = always_lose
-    with pytest.raises(StorageError, match="lost the append race"):
+    with pytest.raises(StorageError, match="lost the append race") as caught:
         within(30, lambda: idx.update({2: 2}))
     assert idx.get(2) is None
 

@@ -523,7 +523,8 @@ class BTreeIndex:
                 self._commit(state, data, footer)
                 return self._state
         raise StorageError(f"segment {self.segment.name!r}: an update lost the append race to other writers "
-                           f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
+                           f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
+                           "(nothing was written)")
 
     def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[_UpdateBuilder, Footer] | None:
         footer = state.footer
