@@ -287,6 +287,31 @@ def test_readers_during_compacting_updates_see_one_version_at_a_time(tmp_path):
     assert final.get_many(range(keys)) == [updates] * keys and final.verify().ok
 
 
+@pytest.mark.parametrize("race", ["no chunks listed", "newest chunk missed"])
+def test_a_listing_that_raced_a_truncation_is_taken_again(url, race):
+    # What a reader's listing can see while another process rolls to a new chunk and truncates.
+    writer = AttributeIndex.open(url, page_size=256, rolling_size=1024)
+    reader = AttributeIndex.open(url, page_size=256, rolling_size=1024)
+    for n in range(1, 60):
+        writer.update({k(i): n for i in range(40)})
+        if n in (10, 30):
+            reader.refresh()
+            stale = list(reader._segment.chunks()) if n == 10 else stale  # the view of version 10
+    assert stale[-1].end < reader._tree.state.length
+    segment, real_refresh, raced = reader._segment, reader._segment.refresh, []
+
+    def racing_refresh():
+        real_refresh()  # the newest truncation marker, and then ...
+        if len(raced) < 2:
+            raced.append(1)
+            segment._chunks = [] if race == "no chunks listed" else stale
+
+    segment.refresh = racing_refresh
+    reader.refresh()
+    assert reader.get_many(range(40)) == [59] * 40 and len(reader) == 40
+    assert len(raced) == 2  # both raced listings were taken again
+
+
 # -- verify and repair -------------------------------------------------------------------------
 def _versions(url: str, count: int, **options) -> AttributeIndex:
     idx = AttributeIndex.open(url, page_size=256, **options)
