@@ -328,7 +328,8 @@ class BTreeIndex:
 
     def get(self, key: bytes) -> int | None:
         """The value of ``key``, or ``None``."""
-        for _ in range(MAX_RESTARTS):
+        restarts = 0
+        while True:  # bounded: a lap needs a newer version, and there are at most MAX_RESTARTS laps
             state = self._state
             if not state.footer.root_length:
                 return None
@@ -339,7 +340,9 @@ class BTreeIndex:
                 return self._descend(page, key)
             except OffsetOutOfRangeError as error:
                 self._restart(state, error)  # compacted away under this snapshot: read the new root
-        raise self._gave_up("a lookup")
+                restarts += 1
+                if restarts == MAX_RESTARTS:
+                    raise self._gave_up("a lookup") from error
 
     def get_many(self, keys: Sequence[bytes]) -> list[int | None]:
         """Values of ``keys`` in input order (``None`` where absent), sharing page visits; all of them
