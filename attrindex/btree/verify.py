@@ -118,8 +118,10 @@ def survey_chain(segment: RollingSegment) -> Survey:
         tail_intact = tail_intact or end == length
         versions.append(Version(at, footer))
         update_start = end - footer.update_length
-        if update_start >= start and not is_rollback(footer, at):
-            damage += _check_update_pages(segment, update_start, at)
+        if not is_rollback(footer, at):
+            # The oldest retained update may be cut by the truncation offset, which is always the
+            # offset of a page (a version's minimum offset): its pages are parsed from there.
+            damage += _check_update_pages(segment, max(update_start, start), at)
         end = update_start
     return Survey(length, start, versions, tail_intact, damage)
 
