@@ -57,7 +57,10 @@ def repair_index(segment: RollingSegment) -> IndexRepairReport:
         if updates_dropped == 0:
             return IndexRepairReport(False, version.offset, survey.length, survey.length, 0, entries_before,
                                      version.footer.entry_count, checkpoint, survey.damage)
-        footer = attrs.evolve(version.footer, update_length=survey.length + FOOTER_SIZE - kept_end)
+        span = survey.length + FOOTER_SIZE - kept_end
+        # The field is a u32: past 4 GiB of abandoned bytes the copy is a plain footer-only update,
+        # and verification reports those bytes until compaction truncates them.
+        footer = attrs.evolve(version.footer, update_length=span if span < 1 << 32 else FOOTER_SIZE)
         if version.offset < 0:  # the empty initial version: its truncation offset is its own footer
             footer = attrs.evolve(footer, min_offset=survey.length)
         segment.append(footer.encode(survey.length), expected_offset=survey.length)
