@@ -22,7 +22,7 @@ from storage_adapters.errors import CorruptDataError, OffsetOutOfRangeError
 from ..damage import Damage
 from ..keys import MIN_KEY
 from .footer import FOOTER_SIZE, Footer, decode_footer, find_last_footer
-from .page import HEADER, HEADER_SIZE, INDEX, INDEX_ENTRY_SIZE, LEAF, LEAF_ENTRY_SIZE, IndexPage, decode_page
+from .page import HEADER, HEADER_SIZE, INDEX, INDEX_ENTRY_SIZE, LEAF, LEAF_ENTRY_SIZE, IndexPage, check_page, decode_page
 from .tree import chunk_of
 
 _SCAN_WINDOW = 1 << 20
@@ -150,6 +150,7 @@ def _previous_footer(segment: RollingSegment, start: int, before: int) -> Versio
 def _check_update_pages(segment: RollingSegment, begin: int, footer_offset: int) -> list[Damage]:
     """Parse the pages one update wrote (they fill ``[begin, footer_offset)``) and check each."""
     data = segment.read(begin, footer_offset - begin)
+    view = memoryview(data)
     position = 0
     while position < len(data):
         offset = begin + position
@@ -161,7 +162,7 @@ def _check_update_pages(segment: RollingSegment, begin: int, footer_offset: int)
         if not entry or position + size > len(data):
             return [_damage(segment, offset, footer_offset, f"B+tree page at offset {offset}: unreadable page header")]
         try:
-            decode_page(data[position:position + size], offset, segment.name)
+            check_page(view[position:position + size], offset, segment.name)
         except CorruptDataError as error:
             return [_damage(segment, offset, footer_offset, str(error))]
         position += size
