@@ -293,6 +293,14 @@ def test_readers_during_compacting_updates_see_one_version_at_a_time(tmp_path):
                     if one is None or one < newest[n]:
                         wrong += 1
                         errors.append(f"get: {one} after version {newest[n]}")
+                    if reads % 500 == 0:  # verify while the writer compacts: no false damage
+                        try:
+                            report = reader.verify()
+                            if not report.ok:
+                                wrong += 1
+                                errors.append(f"verify: {report.damage[:2]}")
+                        except StorageError as error:  # allowed: "changed under verification"
+                            assert "changed under verification" in str(error), error
                     if reads % 10 == 0:
                         scanned = [value for _, value in reader.items()]
                         scans += 1

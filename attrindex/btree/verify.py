@@ -17,7 +17,7 @@ from typing import Callable
 import attrs
 
 from storage_adapters import RollingSegment
-from storage_adapters.errors import CorruptDataError, OffsetOutOfRangeError
+from storage_adapters.errors import CorruptDataError, OffsetOutOfRangeError, StorageError
 
 from ..damage import Damage
 from ..keys import MIN_KEY
@@ -26,7 +26,7 @@ from .page import HEADER, HEADER_SIZE, INDEX, INDEX_ENTRY_SIZE, LEAF, LEAF_ENTRY
 from .tree import chunk_of
 
 _SCAN_WINDOW = 1 << 20
-_ATTEMPTS = 3  # a verification that raced a writer's truncation is run again on the new listing
+_ATTEMPTS = 5  # a verification that raced a writer's truncation is run again on the new listing
 
 
 @attrs.frozen
@@ -71,16 +71,22 @@ def verify_index(segment: RollingSegment, progress: Callable[[int, int], None] |
     decodes (the version ``repair`` would keep). ``progress(pages_done, pages_total)`` is called as
     live pages are checked. Raises only for storage failures, never for damage.
     """
-    for attempt in range(_ATTEMPTS):
-        segment.refresh()
-        survey = survey_chain(segment)
-        report = _report(segment, survey, progress)
-        if report.ok or attempt == _ATTEMPTS - 1:
+    segment.refresh()
+    for _ in range(_ATTEMPTS):
+        try:
+            survey = survey_chain(segment)
+            report = _report(segment, survey, progress)
+        except OffsetOutOfRangeError:  # a writer truncated what was being read: look again
+            segment.refresh()
+            continue
+        if report.ok:
             return report
         segment.refresh()
-        if segment.length == survey.length and segment.start_offset == survey.start:
+        if (segment.length, segment.start_offset) == (survey.length, survey.start):
             return report  # nobody wrote meanwhile: the damage is real
-    raise AssertionError("unreachable")
+    # Damage seen while a writer kept compacting may be pages it freed meanwhile: not reported as such.
+    raise StorageError(f"segment {segment.name!r}: the index changed under verification {_ATTEMPTS} times; "
+                       "verify it when its writers are idle")
 
 
 def _report(segment: RollingSegment, survey: Survey, progress) -> VerifyReport:
