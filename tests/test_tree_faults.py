@@ -544,3 +544,23 @@ def test_damaged_tail_verify_and_repair_on_s3(s3_options):
     assert repaired.rolled_back and repaired.updates_dropped == 1 and repaired.lost_start == at
     reopened = AttributeIndex.open(url, storage_options=s3_options)
     assert reopened.get_many([k(0), k(1), k(3)]) == [3, 1, 3] and reopened.verify().ok
+
+
+@pytest.mark.parametrize("fault", ["lost_ack", "torn", "fail_before"])
+def test_an_update_whose_append_failed_ambiguously_is_applied_once_or_not_at_all(url, fault):
+    storage = FaultyStorage(open_storage(url), seed=4)
+    idx = AttributeIndex(storage, page_size=256)
+    idx.update({k(i): 1 for i in range(50)})
+    storage.script(fault, op="append")
+    try:
+        idx.update({k(i): 2 for i in range(50)})
+        applied = True
+    except StorageError as error:
+        assert not isinstance(error, OutcomeUnknownError), "read-back settles what is stored"
+        applied = False
+    assert storage.injected and applied == (fault == "lost_ack")
+    idx.update({k(60): 3})  # the handle goes on from what is stored
+    reopened = AttributeIndex(storage, page_size=256)
+    assert reopened.get_many([k(0), k(49), k(60)]) == [2 if applied else 1] * 2 + [3]
+    report = reopened.verify()
+    assert report.ok and report.updates == (3 if applied else 2)  # never twice
