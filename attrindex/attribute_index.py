@@ -9,10 +9,11 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment, open_storage
 
 from .btree import BTreeIndex, policy_for
-from .btree.page import IndexPage, decode_page
+from .btree.repair import IndexRepairReport, repair_index
+from .btree.verify import VerifyReport, verify_index
 from .cache import ShardedLRUCache
-from .errors import CorruptDataError, InvalidInputError
-from .keys import KEY_SIZE, MIN_KEY, VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
+from .errors import InvalidInputError
+from .keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
 from .value_cache import MISSING, ValueCache
 
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -66,6 +67,10 @@ def _canonical_batch(updates) -> dict[bytes, int | None]:
     return canonical
 
 
+def _storage(storage: str | ChunkStorage, options: Mapping[str, Any] | None) -> ChunkStorage:
+    return storage if isinstance(storage, ChunkStorage) else open_storage(storage, **dict(options or {}))
+
+
 def _is_index_page(page: object) -> bool:
     return not page.is_leaf  # type: ignore[attr-defined]
 
@@ -90,16 +95,6 @@ class IndexStats:
     cache_misses: int
     value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
     value_cache_misses: int
-
-
-@attrs.frozen
-class VerifyReport:
-    """What ``verify`` checked."""
-
-    pages: int
-    entries: int
-    bytes: int
-    height: int
 
 
 class AttributeIndex:
@@ -128,9 +123,14 @@ class AttributeIndex:
         # Index pages are high priority: scans of leaves never push the upper levels out.
         self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
         self._values = ValueCache(value_cache_entries)
+        self._versions_adopted = 0  # versions written by others that the tree adopted
         # Another writer's state makes tier 1 stale: the tree says when it adopts one.
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
-                                policy=policy_for(compaction), on_external_change=self._values.clear)
+                                policy=policy_for(compaction), on_external_change=self._external_change)
+
+    def _external_change(self) -> None:
+        self._versions_adopted += 1
+        self._values.clear()
 
     @classmethod
     def open(
@@ -167,11 +167,16 @@ class AttributeIndex:
         canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
         if not self._values.capacity:
             return self._tree.get_many(canonical)
+        adopted = self._versions_adopted
         cached = self._values.get_many(canonical)
         missing = [k for k, v in zip(canonical, cached) if v is MISSING]
         if not missing:
             return cached  # type: ignore[return-value]
         found = dict(zip(missing, self._tree.get_many(missing)))
+        if self._versions_adopted != adopted:
+            # The lookup moved to a newer version (compaction freed pages of the old one): the
+            # cached values are of the old one. Answer every key from one version.
+            return self._tree.get_many(canonical)
         self._values.put_many(found.keys(), found.values())
         return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
 
@@ -232,7 +237,9 @@ class AttributeIndex:
         return None if checkpoint < 0 else checkpoint
 
     def refresh(self) -> None:
-        """Pick up updates made by other handles or processes."""
+        """Pick up updates made by other handles or processes (the version seen never goes back).
+
+        Raises ``CorruptDataError`` if the newest footer is damaged: see ``verify`` and ``repair``."""
         self._tree.reload()
 
     # -- inspection ----------------------------------------------------------------------------
@@ -260,58 +267,43 @@ class AttributeIndex:
         )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-        """Read every live page from storage, check its checksum, ordering and the tree's invariants.
+        """Read every committed byte of the index and report every damaged range.
 
-        Raises ``CorruptDataError`` naming the first fault; returns what was checked otherwise.
-        ``progress(pages_done, pages_total)`` is called as pages are checked.
+        Checks the chain of updates from the tail footer back to the truncation offset (each footer
+        decodes, each update's pages pass their checksums) and every live page of the newest version
+        (checksum, key order, routing, depth, subtree minimum offsets, footer counts). Damage is
+        collected in ``report.damage`` (``report.ok`` when there is none), not raised.
+        ``progress(pages_done, pages_total)`` is called as live pages are checked.
         """
-        state = self._tree.reload()
-        footer = state.footer
-        if not footer.root_length:
-            return VerifyReport(0, 0, 0, 0)
-        seg = self._segment
-        pages = entries = size = 0
-        # (offset, length, low key, high key or None, depth, expected min offset or None)
-        stack = [(footer.root_offset, footer.root_length, MIN_KEY, None, 1, footer.min_offset)]
-        while stack:
-            offset, length, low, high, depth, expected_min = stack.pop()
-            page = decode_page(seg.read(offset, length), offset, seg.name)
-            pages, size = pages + 1, size + length
-            if progress is not None:
-                progress(pages, footer.page_count)
+        return verify_index(self._segment, progress)
 
-            def fault(what: str) -> CorruptDataError:
-                return CorruptDataError(f"segment {seg.name!r}: B+tree page at offset {offset}: {what}", segment=seg.name, offset=offset)
+    @classmethod
+    def verify_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+                  storage_options: Mapping[str, Any] | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
+        it: works on an index that refuses to open (a damaged newest footer)."""
+        with RollingSegment(_storage(storage, storage_options), name) as segment:
+            return verify_index(segment, progress)
 
-            keys = page.keys
-            if any(a >= b for a, b in zip(keys, keys[1:])):
-                raise fault("keys are not strictly ascending")
-            if isinstance(page, IndexPage):
-                if len(keys) < 1 or depth >= footer.height:
-                    raise fault("index page at leaf depth or without children")
-                if any(c >= offset for c in page.offsets):
-                    raise fault("a child is stored after its parent")
-                if expected_min is not None and min(page.min_offsets) != expected_min:
-                    raise fault(f"subtree minimum offset {min(page.min_offsets)} differs from {expected_min} in its parent")
-                bounds = [low, *keys[1:], high]
-                for i in range(len(keys)):
-                    stack.append((page.offsets[i], page.lengths[i], bounds[i], bounds[i + 1], depth + 1, page.min_offsets[i]))
-            else:
-                if depth != footer.height:
-                    raise fault(f"leaf at depth {depth} in a tree of height {footer.height}")
-                if expected_min is not None and expected_min != offset:
-                    raise fault(f"parent records minimum offset {expected_min} for this leaf")
-                if keys and (keys[0] < low or (high is not None and keys[-1] >= high)):
-                    raise fault("keys outside the range its parent routes to it")
-                entries += len(keys)
-        if (pages, entries, size) != (footer.page_count, footer.entry_count, footer.live_bytes):
-            raise CorruptDataError(
-                f"segment {seg.name!r}: footer counts {footer.page_count} pages, {footer.entry_count} entries, "
-                f"{footer.live_bytes} bytes but the tree holds {pages}, {entries}, {size}",
-                segment=seg.name,
-                offset=state.footer_offset,
-            )
-        return VerifyReport(pages, entries, size, footer.height)
+    def repair(self) -> IndexRepairReport:
+        """Roll back to the newest version whose footer and every live page verify.
+
+        The kept version's footer is appended again so it becomes the tail; the report says what
+        was lost (updates dropped, byte range, entry counts) and is logged at WARNING. If no intact
+        version remains, ``CorruptDataError``: rebuild the index from its source. Stop other
+        writers first.
+        """
+        report = repair_index(self._segment)
+        self._tree.reload()
+        return report
+
+    @classmethod
+    def repair_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+                  storage_options: Mapping[str, Any] | None = None) -> IndexRepairReport:
+        """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it."""
+        with RollingSegment(_storage(storage, storage_options), name) as segment:
+            return repair_index(segment)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:

@@ -128,6 +128,10 @@ def _index_verify(args: argparse.Namespace) -> int:
         return 3
     if show:
         print(file=sys.stderr)
+    if not report.ok:
+        for damage in report.damage:
+            print(f"FAULT: {damage.where} [{damage.start}, {damage.end}): {damage.reason}", file=sys.stderr)
+        return 3
     print(f"ok: {report.pages:,} pages, {report.entries:,} entries, {report.bytes:,} bytes, height {report.height}")
     return 0
 

@@ -74,7 +74,8 @@ def test_ten_thousand_keys_in_phases(url):
         probe = rng.sample(universe, 500) + [rng.randrange(1 << 41) for _ in range(50)]
         assert index.get_many(probe) == [model.get(k(i)) for i in probe]
         assert all(index.get(i) == model.get(k(i)) for i in probe[:100])
-        assert index.verify().entries == len(model)
+        report = index.verify()
+        assert report.ok and report.entries == len(model), report.damage
 
     phases = [
         ("insert", universe, lambda i: rng.randrange(-(1 << 63), 1 << 63)),
@@ -135,30 +136,44 @@ def test_iterator_outlives_compaction_and_truncation(url):
 
 
 # -- recovery ----------------------------------------------------------------------------------
-def test_garbage_tail_is_ignored_and_later_updates_work(url):
+def test_committed_bytes_after_the_newest_footer_are_corruption_not_a_rollback(url):
+    # Under the commit protocol every committed append of an index ends with a footer, so committed
+    # bytes that do not are damage: reopening must say so, not silently fall back to an older footer.
     idx = AttributeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(100)})
-    before = sorted((key, v) for key, v in idx.items())
+    before = sorted(idx.items())
     raw = RollingSegment(open_storage(url), "attributes")
     raw.append(b"\x00garbage" * 500)
-    raw.append(b"AIXFOOT1" + bytes(64))  # looks like a footer, but its checksum is wrong
-    reopened = AttributeIndex.open(url, page_size=256)
-    assert list(reopened.items()) == before
-    reopened.update({k(1000): 1})
+    at = raw.append(b"AIXFOOT1" + bytes(64))  # looks like a footer, but its checksum is wrong
+    with pytest.raises(CorruptDataError, match=f"newest footer at offset {at}") as caught:
+        AttributeIndex.open(url, page_size=256)
+    assert caught.value.offset == at and "attributes.seg/00000000000000000000" in str(caught.value)
+    report = AttributeIndex.repair_at(url)  # explicit: the garbage no longer counts
+    assert report.rolled_back and report.entries_after == 100 and report.lost_end == at + 72
+    repaired = AttributeIndex.open(url, page_size=256)
+    assert sorted(repaired.items()) == before and repaired.verify().ok
+    repaired.update({k(1000): 1})
     again = AttributeIndex.open(url, page_size=256)
-    assert again.get(1000) == 1 and len(again) == 101
+    assert again.get(1000) == 1 and len(again) == 101 and again.verify().ok
 
 
-def test_torn_update_yields_the_last_complete_one(url):
+def test_torn_update_past_the_committed_length_is_ignored(tmp_path):
+    # A writer killed mid-update leaves bytes past the committed length (no commit record covers
+    # them): they are not part of the index, and the next append overwrites them.
+    url = str(tmp_path)
     idx = AttributeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(50)})
     idx.update({k(i): -i for i in range(50)})
     state = idx._tree.state
     last_update = idx._segment.read(state.length - state.footer.update_length, state.footer.update_length)
-    # A writer that died mid-update left the first part of an update (no footer at the end).
-    RollingSegment(open_storage(url), "attributes").append(last_update[: len(last_update) // 2])
+    chunk = tmp_path / "attributes.seg" / idx._segment.chunks()[-1].name
+    with open(chunk, "ab") as f:
+        f.write(last_update[: len(last_update) // 2])
     reopened = AttributeIndex.open(url, page_size=256)
     assert reopened.get_many(range(50)) == [-i for i in range(50)]
+    reopened.update({k(60): 60})
+    again = AttributeIndex.open(url, page_size=256)
+    assert again.get_many([0, 1, 60]) == [0, -1, 60] and again.verify().ok
 
 
 def test_flipped_byte_in_a_live_page_names_the_offset(tmp_path):
@@ -176,7 +191,9 @@ def test_flipped_byte_in_a_live_page_names_the_offset(tmp_path):
         list(reopened.items())
     assert caught.value.offset == leaf_offset
     with pytest.raises(CorruptDataError, match=f"offset {leaf_offset}"):
-        reopened.verify()
+        reopened.get_many(range(200))
+    report = reopened.verify()
+    assert not report.ok and any(d.start == leaf_offset and "checksum mismatch" in d.reason for d in report.damage)
 
 
 # -- caching -----------------------------------------------------------------------------------

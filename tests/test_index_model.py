@@ -71,7 +71,8 @@ def machine_for(new_url, compaction, heights):
         def tree_is_sound(self):
             stats = self.index.stats()
             assert stats.entry_count == len(self.model) == len(self.index)
-            report = self.index.verify()  # checksums, ordering, minimum offsets, footer counts
+            report = self.index.verify()  # checksums, ordering, minimum offsets, footer counts, chain
+            assert report.ok, report.damage
             assert report.entries == len(self.model)
             if report.pages:
                 # The truncation offset is the smallest offset of any live page.

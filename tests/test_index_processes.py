@@ -31,7 +31,9 @@ def test_processes_updating_disjoint_keys_lose_nothing(backend, tmp_path, reques
     expected = {workers_key: workers_key * 10 for w in range(writers) for workers_key in (w + 1000 * i for i in range(count))}
     assert len(index) == len(expected)
     assert index.get_many(sorted(expected)) == [expected[key] for key in sorted(expected)]
-    assert index.verify().entries == len(expected)
+    report = index.verify()
+    assert report.ok, report.damage
+    assert report.entries == len(expected)
 
 
 def test_killed_updater_keeps_every_update_that_returned(tmp_path):
@@ -50,7 +52,7 @@ def test_killed_updater_keeps_every_update_that_returned(tmp_path):
         child.wait()
         assert batches, "the child returned no update before it was killed"
         index = AttributeIndex.open(directory, page_size=2048, rolling_size=1 << 16)
-        index.verify()
+        assert index.verify().ok
         last = batches[-1]
         # Batch b wrote keys (b*50 .. b*50+49) % 20000 with value b; a later batch may have
         # overwritten them (or the one in flight may have landed). Never an older value.

@@ -117,8 +117,9 @@ def encode_index(keys: list[bytes], offsets: list[int], lengths: list[int], min_
     return bytes(body)
 
 
-def decode_page(page: bytes, offset: int, segment: str = "?") -> LeafPage | IndexPage:
-    """Verify and decode the page stored at ``offset``; any fault is a ``CorruptDataError`` naming it."""
+def check_page(page: bytes | memoryview, offset: int, segment: str = "?") -> tuple[int, int]:
+    """Verify the page stored at ``offset`` without decoding it: ``(kind, entry count)``, or a
+    ``CorruptDataError`` naming it."""
 
     def corrupt(what: str) -> CorruptDataError:
         return CorruptDataError(f"segment {segment!r}: B+tree page at offset {offset}: {what}", segment=segment, offset=offset)
@@ -133,6 +134,12 @@ def decode_page(page: bytes, offset: int, segment: str = "?") -> LeafPage | Inde
     entry = LEAF_ENTRY_SIZE if kind == LEAF else INDEX_ENTRY_SIZE
     if HEADER_SIZE + n * entry != len(page):
         raise corrupt(f"{n} entries do not fill {len(page)} bytes")
+    return kind, n
+
+
+def decode_page(page: bytes, offset: int, segment: str = "?") -> LeafPage | IndexPage:
+    """Verify and decode the page stored at ``offset``; any fault is a ``CorruptDataError`` naming it."""
+    kind, n = check_page(page, offset, segment)
     keys = list(_column("16s", n).unpack_from(page, HEADER_SIZE))
     at = HEADER_SIZE + n * KEY_SIZE
     if kind == LEAF:

@@ -8,18 +8,26 @@ the root, then the footer. Readers work on a snapshot of the root and never bloc
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
+import time
 import weakref
 from typing import Callable, Iterator, Sequence
 
 import attrs
 
-from storage_adapters import BadOffsetError, RollingSegment, TruncatedError
-from storage_adapters.errors import CorruptDataError, InvalidInputError
+from storage_adapters import BadOffsetError, RollingSegment
+from storage_adapters.errors import (
+    CorruptDataError,
+    InvalidInputError,
+    OffsetOutOfRangeError,
+    StorageError,
+    TruncatedError,
+)
 
 from ..keys import MIN_KEY
 from .compaction import OnePagePolicy, TreeShape
-from .footer import EMPTY, FOOTER_SIZE, Footer, decode_footer, find_last_footer
+from .footer import EMPTY, FOOTER_SIZE, Footer, decode_footer
 from .page import (
     HEADER_SIZE,
     INDEX_ENTRY_SIZE,
@@ -34,7 +42,11 @@ from .page import (
 
 MIN_PAGE_SIZE = HEADER_SIZE + 3 * INDEX_ENTRY_SIZE  # an index page must hold at least 3 children
 MAX_PAGE_SIZE = 1 << 24
-_SCAN_WINDOW = 1 << 20
+# Every loop is bounded (ARCHITECTURE invariant 9):
+RELIST_ATTEMPTS = 6  # fresh listings before an inconsistent view is taken for damage
+MAX_RESTARTS = 32  # restarts of one read from a newer version, each after another writer's truncation
+MAX_UPDATE_ATTEMPTS = 1000  # compare-and-append races one update may lose in a row
+log = logging.getLogger("attrindex.btree")
 # Small batches per leaf are inserted by bisection; larger ones merged through a dict.
 _BISECT_MERGE_LIMIT = 32
 
@@ -193,39 +205,67 @@ class BTreeIndex:
         return self._state
 
     def reload(self) -> TreeState:
-        """Read the newest durable version of the tree from storage (others may have written)."""
-        self.segment.refresh()
-        length, start = self.segment.length, self.segment.start_offset
-        if length != self._state.length or self._state.footer_offset < 0:
-            self._state = self._read_state(length, start)
+        """Adopt the newest durable version of the tree from storage (others may have written).
+
+        The version never goes back. A listing that raced another process's truncation (a chunk
+        deleted between listing and reading, the newest chunk missed, the footer's pages below the
+        listed truncation offset) is taken again, a bounded number of times; an inconsistency that
+        persists is damage: ``CorruptDataError``.
+        """
+        problem: Exception | None = None
+        for attempt in range(RELIST_ATTEMPTS):
+            if attempt:
+                _pause(attempt)
+            try:
+                self.segment.refresh()
+            except FileNotFoundError as error:  # a chunk deleted between listing and sizing it
+                problem = error
+                continue
+            length, start = self.segment.length, self.segment.start_offset
+            current = self._state
+            if length == current.length and (current.footer_offset >= 0 or length == 0):
+                return current
+            if length < current.length:  # an append-only segment never shrinks: a stale listing
+                problem = self._corrupt(length, f"the segment's length went back from {current.length} to {length}")
+                continue
+            try:
+                state = self._read_state(length, start)
+            except CorruptDataError as error:
+                problem = error
+                continue
+            self._state = state
             if self._on_external_change is not None:
                 self._on_external_change()
-        return self._state
+            return state
+        if isinstance(problem, CorruptDataError):
+            raise problem
+        raise StorageError(f"segment {self.segment.name!r}: no consistent listing in {RELIST_ATTEMPTS} attempts: {problem}") from problem
 
     def _read_state(self, length: int, start: int) -> TreeState:
-        if length == start:
-            return TreeState(EMPTY, -1, length)
+        """The version whose footer ends at ``length``: with commit records and whole objects the
+        committed length is exact, so those bytes must be a valid footer (no older one is looked for:
+        that would be a silent rollback)."""
+        if length == 0:
+            return TreeState(EMPTY, -1, 0)
         tail = length - FOOTER_SIZE
-        if tail >= start:
-            footer = decode_footer(self.segment.read(tail, FOOTER_SIZE), tail)
-            if footer is not None:
-                return TreeState(footer, tail, length)
-        # The tail is not a footer (garbage was appended): the last complete update wins.
-        window_end = length
-        while window_end > start:
-            window_start = max(start, window_end - _SCAN_WINDOW)
-            # Overlap windows by a footer so one straddling the boundary is still found.
-            found = find_last_footer(self.segment.read(window_start, min(length, window_end + FOOTER_SIZE) - window_start), window_start)
-            if found is not None:
-                return TreeState(found[1], found[0], length)
-            window_end = window_start
-        if start == 0:
-            return TreeState(EMPTY, -1, length)  # nothing but garbage was ever written
-        raise CorruptDataError(
-            f"segment {self.segment.name!r}: no valid B+tree footer in [{start}, {length})",
-            segment=self.segment.name,
-            offset=start,
-        )
+        if tail < start:
+            # Truncation keeps the newest footer's pages, the footer included: never legitimate.
+            raise self._corrupt(start, f"the truncation offset {start} is past the newest footer (length {length})")
+        try:
+            data = self._read(tail, FOOTER_SIZE)
+        except OffsetOutOfRangeError as error:  # the listing changed under the read: not a version
+            raise self._corrupt(tail, f"the newest footer at offset {tail} is outside the stored range: {error}") from error
+        footer = decode_footer(data, tail)
+        if footer is None:
+            raise self._corrupt(tail, f"the newest footer at offset {tail} (segment length {length}) is invalid")
+        if footer.min_offset < start:
+            raise self._corrupt(tail, f"the newest footer at offset {tail} references pages from offset "
+                                      f"{footer.min_offset}, below the truncation offset {start}")
+        return TreeState(footer, tail, length)
+
+    def _corrupt(self, offset: int, what: str) -> CorruptDataError:
+        """A ``CorruptDataError`` naming this segment, the chunk holding ``offset`` and the byte."""
+        return corrupt_at(self.segment, offset, what)
 
     # -- pages ---------------------------------------------------------------------------------
     def _page(self, offset: int, length: int) -> LeafPage | IndexPage:
@@ -247,7 +287,35 @@ class BTreeIndex:
 
     def _read_page(self, offset: int, length: int) -> tuple[LeafPage | IndexPage, int]:
         self.io.storage_reads += 1
-        return decode_page(self.segment.read(offset, length), offset, self.segment.name), length
+        return decode_page(self._read(offset, length), offset, self.segment.name), length
+
+    def _read(self, offset: int, length: int) -> bytes:
+        """``segment.read``, with a chunk that vanished under the read told apart from a failure:
+        if a fresh listing puts ``offset`` below the truncation offset, another writer's compaction
+        deleted it, which is ``TruncatedError`` (the caller moves to a newer version)."""
+        try:
+            return self.segment.read(offset, length)
+        except OffsetOutOfRangeError:
+            raise
+        except (FileNotFoundError, StorageError) as error:
+            if isinstance(error, CorruptDataError) or not self._truncated_below(offset):
+                if isinstance(error, FileNotFoundError):
+                    raise StorageError(f"segment {self.segment.name!r}: reading offset {offset}: {error}") from error
+                raise
+            segment = self.segment
+            raise TruncatedError(segment.name, offset, length, segment.start_offset, segment.length) from error
+
+    def _truncated_below(self, offset: int) -> bool:
+        """Whether a fresh listing of the segment starts above ``offset``."""
+        for attempt in range(RELIST_ATTEMPTS):
+            if attempt:
+                _pause(attempt)
+            try:
+                self.segment.refresh()
+            except FileNotFoundError:  # a chunk deleted between listing and sizing it: look again
+                continue
+            return offset < self.segment.start_offset
+        return False
 
     # -- reading -------------------------------------------------------------------------------
     def _root_page(self, state: TreeState) -> LeafPage | IndexPage:
@@ -260,7 +328,8 @@ class BTreeIndex:
 
     def get(self, key: bytes) -> int | None:
         """The value of ``key``, or ``None``."""
-        while True:
+        restarts = 0
+        while True:  # bounded: a lap needs a newer version, and there are at most MAX_RESTARTS laps
             state = self._state
             if not state.footer.root_length:
                 return None
@@ -269,12 +338,16 @@ class BTreeIndex:
                 if page is None:
                     page = self._root_page(state)
                 return self._descend(page, key)
-            except TruncatedError:
-                self.reload()  # compacted away under this snapshot: read the new root
+            except OffsetOutOfRangeError as error:
+                self._restart(state, error)  # compacted away under this snapshot: read the new root
+                restarts += 1
+                if restarts == MAX_RESTARTS:
+                    raise self._gave_up("a lookup") from error
 
     def get_many(self, keys: Sequence[bytes]) -> list[int | None]:
-        """Values of ``keys`` in input order (``None`` where absent), sharing page visits."""
-        while True:
+        """Values of ``keys`` in input order (``None`` where absent), sharing page visits; all of them
+        from one version of the tree."""
+        for _ in range(MAX_RESTARTS):
             state = self._state
             if not state.footer.root_length or not keys:
                 return [None] * len(keys)
@@ -286,16 +359,17 @@ class BTreeIndex:
                     # Sparse keys share few pages: sorting them would cost more than it saves.
                     return [self._descend(root, key) for key in keys]
                 found = self._lookup_sorted(root, sorted(keys))
-            except TruncatedError:
-                self.reload()
+            except OffsetOutOfRangeError as error:
+                self._restart(state, error)
                 continue
             return list(map(found.get, keys))
+        raise self._gave_up("a lookup")
 
     def split_keys(self, parts: int) -> list[bytes]:
         """Up to ``parts - 1`` ascending keys that cut the tree into ranges of about equal page
         counts: the lower bounds of the pages of the highest level with enough of them (a few
         page reads; a tree of one leaf is cut by its keys)."""
-        while True:
+        for _ in range(MAX_RESTARTS):
             state = self._state
             if parts < 2 or not state.footer.root_length:
                 return []
@@ -305,8 +379,8 @@ class BTreeIndex:
                     # An index page's keys[0] is all zeros: child 0 inherits the page's own bound.
                     level = [(page.keys[i] if i else bound, self._child(page, i))
                              for bound, page in level for i in range(len(page.keys))]
-            except TruncatedError:
-                self.reload()
+            except OffsetOutOfRangeError as error:
+                self._restart(state, error)
                 continue
             if len(level) == 1:  # one page: a leaf is cut between its keys
                 candidates = level[0][1].keys if level[0][1].is_leaf else []
@@ -314,6 +388,30 @@ class BTreeIndex:
                 candidates = [bound for bound, _page in level]
             n = len(candidates)
             return sorted({candidates[n * i // parts] for i in range(1, parts) if 0 < n * i // parts < n})
+        raise self._gave_up("splitting the key range")
+
+    def _restart(self, state: TreeState, error: OffsetOutOfRangeError) -> None:
+        """A page of ``state`` is no longer stored: adopt a newer version, or report the damage.
+
+        Another writer's compaction frees pages only after a newer footer is durable, so a page
+        missing under the newest version is damage, not a race (a listing is taken again a few
+        times first, in case it raced that writer's truncation).
+        """
+        for attempt in range(RELIST_ATTEMPTS):
+            if attempt:
+                _pause(attempt)
+            newest = self.reload()
+            if (newest.footer_offset, newest.length) != (state.footer_offset, state.length):
+                return
+        raise self._corrupt(
+            error.offset,
+            f"B+tree page at offset {error.offset} is referenced by the newest footer (at offset "
+            f"{state.footer_offset}) but lies outside the stored range [{error.start_offset}, {error.end_offset})",
+        ) from error
+
+    def _gave_up(self, what: str) -> StorageError:
+        return StorageError(f"segment {self.segment.name!r}: {what} restarted {MAX_RESTARTS} times, each "
+                            "time after another writer had compacted the pages it needed; giving up")
 
     def _descend(self, page: LeafPage | IndexPage, key: bytes) -> int | None:
         while not page.is_leaf:
@@ -349,17 +447,21 @@ class BTreeIndex:
         last key returned, so it never repeats or skips a key that stayed in the tree.
         """
         last: bytes | None = None
-        while True:
+        restarts = 0  # since the last key returned: a scan that makes progress may restart again
+        while restarts < MAX_RESTARTS:
             state = self._state
             if not state.footer.root_length:
                 return
+            resumed_after = last
             try:
                 for key, value in self._walk(self._root_page(state), start, stop, last):
                     last = key
                     yield key, value
                 return
-            except TruncatedError:
-                self.reload()
+            except OffsetOutOfRangeError as error:
+                restarts = 1 if last != resumed_after else restarts + 1
+                self._restart(state, error)
+        raise self._gave_up("a scan")
 
     def _walk(self, page, start, stop, after) -> Iterator[tuple[bytes, int]]:
         keys = page.keys
@@ -404,14 +506,14 @@ class BTreeIndex:
         as it is, since re-applying older values would undo newer ones.
         """
         with self._write_lock:
-            while True:
+            for _ in range(MAX_UPDATE_ATTEMPTS):
                 state = self._state
                 if checkpoint is not None and state.footer.checkpoint >= checkpoint:
                     return state
                 try:
                     builder = self._build(state, keys, values, checkpoint)
-                except TruncatedError:  # another writer compacted pages this stale state needs
-                    self.reload()
+                except OffsetOutOfRangeError as error:  # another writer compacted pages this stale state needs
+                    self._restart(state, error)
                     continue
                 if builder is None:
                     return state
@@ -423,6 +525,9 @@ class BTreeIndex:
                     continue
                 self._commit(state, data, footer)
                 return self._state
+        raise StorageError(f"segment {self.segment.name!r}: an update lost the append race to other writers "
+                           f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
+                           "(nothing was written)")
 
     def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[_UpdateBuilder, Footer] | None:
         footer = state.footer
@@ -555,7 +660,12 @@ class BTreeIndex:
         self.io.updates_written += 1
         self.io.pages_relocated += builder.relocated
         if getattr(self.policy, "truncates", True):
-            self._truncate(footer.min_offset)
+            try:
+                self._truncate(footer.min_offset)
+            except (StorageError, OSError) as error:
+                # The update is durable: freeing space is best effort, and the next update retries.
+                log.warning("segment %r: truncating below offset %d failed after a durable update; "
+                            "a later update retries it: %s", self.segment.name, footer.min_offset, error)
 
     def _truncate(self, min_offset: int) -> None:
         """Delete storage chunks lying wholly below the live tree (the new root is already durable)."""
@@ -568,3 +678,23 @@ class BTreeIndex:
         # Object stores make one chunk per update: delete them in batches, not one by one.
         if freeable and (self.segment.storage.appendable or freeable >= 16):
             self.segment.truncate(min_offset)
+
+
+def chunk_of(segment: RollingSegment, offset: int) -> str:
+    """The storage path of the chunk holding ``offset`` (as of the segment's last listing)."""
+    chunks = segment.chunks()
+    starts = [chunk.start for chunk in chunks]
+    i = bisect.bisect_right(starts, offset) - 1
+    name = chunks[i].name if i >= 0 else f"{offset:020d}"
+    return f"{segment.name}.seg/{name}"
+
+
+def corrupt_at(segment: RollingSegment, offset: int, what: str) -> CorruptDataError:
+    """A ``CorruptDataError`` naming the segment, the chunk holding ``offset`` and the byte."""
+    return CorruptDataError(f"segment {segment.name!r}, chunk {chunk_of(segment, offset)}: {what}",
+                            segment=segment.name, offset=offset)
+
+
+def _pause(attempt: int) -> None:
+    """Back off before looking again: 1, 2, 4 ... ms."""
+    time.sleep(0.001 * (1 << min(attempt - 1, 8)))

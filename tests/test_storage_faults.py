@@ -1,0 +1,275 @@
+"""FaultyStorage: each fault kind does what it says on memory, local disk and S3 (moto)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from storage_adapters import (
+    ChunkExistsError,
+    InvalidInputError,
+    OutcomeUnknownError,
+    RollingSegment,
+    StorageError,
+    StorageFullError,
+)
+from storage_adapters.faults import FAULT_KINDS, FaultyStorage, Injection, faults_disabled
+from storage_adapters.local import LocalChunkStorage
+
+
+def test_without_faults_it_is_the_inner_backend(storage):
+    faulty = FaultyStorage(storage, seed=1)
+    assert faulty.appendable == storage.appendable and faulty.url == storage.url
+    seg = RollingSegment(faulty, "s", rolling_size=8)
+    for i in range(5):
+        assert seg.append(b"rec-%d;" % i) == 6 * i
+    assert RollingSegment(storage, "s").read(0, 30) == b"".join(b"rec-%d;" % i for i in range(5))
+    assert faulty.injected == []
+
+
+def test_fail_before_and_enospc_write_nothing(storage):
+    faulty = FaultyStorage(storage, seed=1)
+    faulty.script("fail_before", op="create")
+    with pytest.raises(StorageError, match="injected"):
+        faulty.create("d/a", b"data")
+    faulty.script("enospc", op="create")
+    with pytest.raises(StorageFullError):
+        faulty.create("d/a", b"data")
+    assert not storage.exists("d/a")
+    assert [i.kind for i in faulty.injected] == ["fail_before", "enospc"]
+    faulty.create("d/a", b"data")  # the scripts are used up
+    assert storage.read("d/a", 0, 4) == b"data"
+
+
+def test_lost_ack_writes_then_raises(storage):
+    faulty = FaultyStorage(storage, seed=1)
+    faulty.script("lost_ack", op="create", path_contains="chunk")
+    faulty.create("d/other", b"x")  # does not match path_contains
+    with pytest.raises(OutcomeUnknownError):
+        faulty.create("d/chunk", b"payload")
+    assert storage.read("d/chunk", 0, 7) == b"payload"
+    assert faulty.injected == [Injection("lost_ack", "create", "d/chunk")]
+    with pytest.raises(ChunkExistsError):  # the retry a client would make
+        faulty.create("d/chunk", b"payload")
+
+
+def test_torn_create_is_partial_on_local_disk_and_nothing_on_objects(storage):
+    faulty = FaultyStorage(storage, seed=3)
+    faulty.script("torn", op="create")
+    with pytest.raises(StorageError, match="torn"):
+        faulty.create("d/a", b"0123456789")
+    if isinstance(storage, LocalChunkStorage):
+        left = storage.read("d/a", 0, 100)
+        assert len(left) < 10 and b"0123456789".startswith(left)
+    else:
+        assert not storage.exists("d/a")
+
+
+@pytest.fixture(params=["memory", "local"])
+def appendable_storage(request, tmp_path):
+    from storage_adapters import open_storage
+
+    if request.param == "memory":
+        return open_storage(f"memory://faults-{uuid.uuid4().hex}")
+    return open_storage(str(tmp_path / "store"))
+
+
+def test_torn_append_leaves_uncommitted_bytes(appendable_storage):
+    storage = appendable_storage
+    faulty = FaultyStorage(storage, seed=5)
+    with faulty.lock("d"):
+        faulty.append("d/c", 0, b"committed;")
+        faulty.script("torn", op="append")
+        with pytest.raises(StorageError, match="torn"):
+            faulty.append("d/c", 10, b"torn-tail-bytes")
+        assert storage.committed_size("d/c") == 10
+        if isinstance(storage, LocalChunkStorage):
+            assert storage.list_files("d")["c"] > 10  # a prefix is on disk, not committed
+        faulty.append("d/c", 10, b"next;")  # overwrites the torn bytes
+    assert storage.read("d/c", 0, 100) == b"committed;next;"
+
+
+def test_bitflip_changes_one_bit_of_what_is_returned(storage):
+    storage.create("d/a", bytes(64))
+    faulty = FaultyStorage(storage, seed=7)
+    faulty.script("bitflip_read", path_contains="d/a")
+    flipped = faulty.read("d/a", 0, 64)
+    assert sum(bin(b).count("1") for b in flipped) == 1
+    assert faulty.read("d/a", 0, 64) == bytes(64) == storage.read("d/a", 0, 64)
+
+
+def test_latency_sleeps():
+    from storage_adapters import open_storage
+
+    faulty = FaultyStorage(open_storage("memory://faults-latency"), seed=1, latency=0.05)
+    faulty.script("latency", op="exists", times=2)
+    started = time.monotonic()
+    for _ in range(3):
+        faulty.exists("x")
+    assert time.monotonic() - started >= 0.1
+    assert [i.kind for i in faulty.injected] == ["latency", "latency"]
+
+
+def test_seeded_schedule_is_reproducible_and_can_be_disabled(tmp_path):
+    from storage_adapters import open_storage
+
+    def run(seed, directory):
+        faulty = FaultyStorage(open_storage(str(tmp_path / directory)), seed=seed,
+                               rates={"fail_before": 0.2, "lost_ack": 0.2, "bitflip_read": 0.3})
+        for i in range(40):
+            try:
+                faulty.create(f"d/{i}", b"abc")
+                faulty.read(f"d/{i}", 0, 3)
+            except StorageError:
+                pass
+        return faulty
+
+    first, again = run(11, "first"), run(11, "again")
+    assert first.injected == again.injected and len(first.injected) > 10
+    assert {i.kind for i in first.injected} == {"fail_before", "lost_ack", "bitflip_read"}
+    with faults_disabled(first):
+        for i in range(40):
+            first.exists(f"d/{i}")
+    assert first.injected == again.injected
+
+
+def test_bad_arguments_are_refused(storage):
+    with pytest.raises(InvalidInputError, match="unknown fault kind"):
+        FaultyStorage(storage, seed=1, rates={"meteor": 0.5})
+    with pytest.raises(InvalidInputError):
+        FaultyStorage(storage, seed=1, rates={"torn": 2})
+    faulty = FaultyStorage(storage, seed=1)
+    with pytest.raises(InvalidInputError, match="does not apply"):
+        faulty.script("bitflip_read", op="create")
+    with pytest.raises(InvalidInputError):
+        faulty.script("torn", times=0)
+    assert set(FAULT_KINDS) == {"fail_before", "lost_ack", "torn", "enospc", "latency", "bitflip_read"}
+
+
+# -- RollingSegment under faults: ambiguous outcomes are settled by reading, never by re-applying --
+def _write_op(storage) -> str:
+    return "append" if storage.appendable else "create"
+
+
+def _stored(storage, name="s") -> bytes:
+    fresh = RollingSegment(storage, name)
+    return fresh.read(fresh.start_offset, fresh.length - fresh.start_offset)
+
+
+@pytest.mark.parametrize("expected", [True, False])
+def test_lost_ack_append_returns_its_offset_once(storage, expected):
+    faulty = FaultyStorage(storage, seed=1)
+    seg = RollingSegment(faulty, "s")
+    seg.append(b"a;")
+    faulty.script("lost_ack", op=_write_op(storage))
+    assert seg.append(b"bb;", expected_offset=2 if expected else None) == 2
+    assert seg.append(b"c;") == 5
+    assert _stored(storage) == b"a;bb;c;"
+    assert [i.kind for i in faulty.injected] == ["lost_ack"]
+
+
+@pytest.mark.parametrize("kind", ["fail_before", "enospc", "torn"])
+def test_a_failed_write_is_a_definite_error_and_leaves_nothing(storage, kind):
+    faulty = FaultyStorage(storage, seed=2)
+    seg = RollingSegment(faulty, "s", rolling_size=4)
+    seg.append(b"abcd")
+    faulty.script(kind, op=_write_op(storage))
+    with pytest.raises(StorageError) as caught:
+        seg.append(b"efgh;", expected_offset=4)
+    assert not isinstance(caught.value, OutcomeUnknownError)
+    assert isinstance(caught.value, StorageFullError) == (kind == "enospc")
+    assert _stored(storage) == b"abcd"
+    assert seg.append(b"ij;", expected_offset=4) == 4
+    assert _stored(storage) == b"abcdij;"
+
+
+def test_an_unreadable_outcome_is_reported_unknown(storage):
+    faulty = FaultyStorage(storage, seed=3)
+    seg = RollingSegment(faulty, "s")
+    seg.append(b"a;")
+    faulty.script("lost_ack", op=_write_op(storage))
+    faulty.script("fail_before", op="read")  # the read-back cannot settle it
+    with pytest.raises(OutcomeUnknownError):
+        seg.append(b"bb;", expected_offset=2)
+    assert _stored(storage) == b"a;bb;"  # it did happen: "unknown" was the honest answer
+
+
+def test_another_writers_chunk_after_a_lost_ack_is_not_taken_for_ours():
+    """On an object store, the bytes at the offset decide: different bytes are someone else's."""
+    from storage_adapters import BadOffsetError, open_storage
+
+    inner = open_storage(f"memory://faults-{uuid.uuid4().hex}")
+    faulty = FaultyStorage(inner, seed=4)
+    faulty.appendable = False  # memory's exclusive create makes it an object store
+    seg = RollingSegment(faulty, "s")
+    inner.create("s.seg/" + "0" * 20, b"theirs;")  # lands while our handle is stale
+    with pytest.raises(BadOffsetError) as caught:
+        seg.append(b"ours;", expected_offset=0)
+    assert caught.value.actual_offset == 7
+    assert seg.append(b"ours;") == 7
+    assert _stored(inner) == b"theirs;ours;"
+
+
+class _LaggingListing(FaultyStorage):
+    """An object store whose listings never show new chunks (a stale cache or a lagging index)."""
+
+    def list_files(self, directory):
+        return {}
+
+
+def test_object_append_loop_is_bounded():
+    from storage_adapters import open_storage
+    from storage_adapters.rolling import MAX_APPEND_ATTEMPTS
+
+    inner = open_storage(f"memory://faults-{uuid.uuid4().hex}")
+    lagging = _LaggingListing(inner, seed=5)
+    lagging.appendable = False
+    seg = RollingSegment(lagging, "s")
+    inner.create("s.seg/" + "0" * 20, b"someone else's chunk")
+    with pytest.raises(StorageError, match=f"after {MAX_APPEND_ATTEMPTS} attempts"):
+        seg.append(b"mine")
+    assert _stored(inner) == b"someone else's chunk"
+
+
+@pytest.mark.parametrize("expected", [True, False])
+def test_s3_put_lands_response_lost_retry_gets_412(s3_options, expected):
+    """The exact sequence of issue 10, class 5, through s3fs's own retry on moto's server."""
+    from botocore.parsers import ResponseParserError
+
+    from storage_adapters import open_storage
+
+    from .conftest import make_s3_url
+
+    storage = open_storage(make_s3_url(s3_options), **s3_options)
+    seg = RollingSegment(storage, "s")
+    seg.append(b"first;")
+    events = storage.fs.s3.meta.events
+    statuses = []
+
+    def lose_response(http_response, **_):
+        statuses.append(http_response.status_code)
+        if len(statuses) == 1:  # the PUT succeeded; the client never sees it
+            raise ResponseParserError("connection dropped while reading the response")
+
+    events.register("after-call.s3.PutObject", lose_response)
+    try:
+        assert seg.append(b"second;", expected_offset=6 if expected else None) == 6
+    finally:
+        events.unregister("after-call.s3.PutObject", lose_response)
+    assert statuses == [200, 412]  # s3fs retried; the retry was refused
+    assert seg.append(b"third;") == 13
+    assert _stored(storage) == b"first;second;third;"
+
+
+def test_housekeeping_after_the_durable_point_never_fails_the_append(storage):
+    faulty = FaultyStorage(storage, seed=6)
+    seg = RollingSegment(faulty, "s", rolling_size=4)
+    seg.append(b"abcd")
+    seg.truncate(4)  # the last chunk is kept until an append starts the next one
+    faulty.script("fail_before", op="delete")
+    assert seg.append(b"efgh") == 4  # deleting the dead chunk failed: logged, not raised
+    assert seg.append(b"ijkl") == 8  # and retried here
+    assert _stored(storage) == b"efghijkl"
+    assert "0" * 20 not in storage.list_files("s.seg")
