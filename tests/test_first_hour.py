@@ -3,10 +3,15 @@ single key taken for an iterable of keys."""
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
 import uuid
 
 import pytest
 
+import attrindex
 from attrindex import AttributeIndex, SegmentStore
 from attrindex.errors import IndexNotFoundError, InvalidInputError, StoreNotFoundError
 from attrindex.locations import STORE_MARKER
@@ -170,3 +175,13 @@ def test_segment_get_attributes_refuses_a_single_key(keys):
         with pytest.raises(InvalidInputError, match="iterable of keys"):
             seg.get_attributes(keys)
         assert seg.get_attributes((b"x" * 16, 7)) == [1, None]
+
+
+# -- packaging -------------------------------------------------------------------------------------
+
+def test_python_dash_m_attrindex_runs_the_command():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, "-m", "attrindex", "--version"], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, f"attrindex {attrindex.__version__}")
