@@ -14,6 +14,7 @@ instead of failing later with an ``OSError`` from deep inside a write.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping
 
@@ -25,6 +26,8 @@ INDEX_CREATED_MARKER = "_created"
 STORE_MARKER = "_store"
 _SEGMENT_MARKER_SUFFIX = "/_segment"
 _STREAMS_PREFIX = "_streams/"
+
+log = logging.getLogger(__name__)
 
 
 def open_location(url: str, storage_options: Mapping[str, Any] | None, *, what: str,
@@ -63,6 +66,7 @@ def index_exists(storage: ChunkStorage, name: str) -> bool:
 def mark_index_created(storage: ChunkStorage, name: str) -> None:
     """Make an index that has no update yet recognisable as existing (idempotent)."""
     storage.put_marker(f"{name}{SEGMENT_SUFFIX}/{INDEX_CREATED_MARKER}")
+    log.info("created index %r at %s", name, storage.url)
 
 
 def store_exists(storage: ChunkStorage) -> bool:
@@ -76,3 +80,4 @@ def store_exists(storage: ChunkStorage) -> bool:
 def mark_store_created(storage: ChunkStorage) -> None:
     """Write the store marker (idempotent)."""
     storage.put_marker(STORE_MARKER)
+    log.info("created store at %s (wrote its _store marker)", storage.url)

@@ -3,6 +3,7 @@ single key taken for an iterable of keys."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import subprocess
@@ -167,16 +168,6 @@ def test_get_many_refuses_a_single_key(keys):
         assert idx.get_many([b"x" * 16]) == [1] and idx.get_many(iter([7])) == [None]
 
 
-@pytest.mark.parametrize("keys", SINGLE_KEYS + NOT_ITERABLE, ids=repr)
-def test_segment_get_attributes_refuses_a_single_key(keys):
-    with SegmentStore.open(f"memory://first-hour-{uuid.uuid4().hex}") as store:
-        seg = store.segment("s", create=True)
-        seg.update_attributes([(b"x" * 16, 1)])
-        with pytest.raises(InvalidInputError, match="iterable of keys"):
-            seg.get_attributes(keys)
-        assert seg.get_attributes((b"x" * 16, 7)) == [1, None]
-
-
 # -- packaging -------------------------------------------------------------------------------------
 
 def test_python_dash_m_attrindex_runs_the_command():
@@ -185,3 +176,31 @@ def test_python_dash_m_attrindex_runs_the_command():
     result = subprocess.run([sys.executable, "-m", "attrindex", "--version"], capture_output=True, text=True,
                             env=env, timeout=60)
     assert (result.returncode, result.stdout.strip()) == (0, f"attrindex {attrindex.__version__}")
+
+
+# -- logging -----------------------------------------------------------------------------------------
+
+def test_creating_opens_log_what_they_created(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="attrindex")
+    SegmentStore.open(str(tmp_path / "store")).close()
+    AttributeIndex.open(str(tmp_path / "index")).close()
+    SegmentStore.open(str(tmp_path / "store")).close()  # exists: nothing to say
+    created = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert created == [
+        ("attrindex.locations", logging.INFO, f"created store at file://{tmp_path}/store (wrote its _store marker)"),
+        ("attrindex.locations", logging.INFO, f"created index 'attributes' at file://{tmp_path}/index"),
+    ]
+
+
+def test_importing_the_library_configures_no_logging():
+    code = (
+        "import logging, attrindex, attrindex.cli, attrindex.demo, storage_adapters\n"
+        "loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.split('.')[0] in ('attrindex', 'storage_adapters')]\n"
+        "assert logging.root.handlers == [], logging.root.handlers\n"
+        "assert [l.name for l in loggers if isinstance(l, logging.Logger) and l.handlers] == []\n"
+        "print('ok')\n"
+    )
+    root = pathlib.Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)}, timeout=60)
+    assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr
