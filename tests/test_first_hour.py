@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tomllib
 import uuid
 
 import pytest
@@ -204,3 +205,18 @@ def test_importing_the_library_configures_no_logging():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(root)}, timeout=60)
     assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr
+
+
+def test_the_readme_sets_up_with_two_commands_the_first_installing_the_lean_demo_extra():
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]
+    commands = setup.split("```bash\n")[1:]
+    assert len(commands) == 2
+    assert "pip install '.[demo]'" in commands[0] and "attrindex demo" in commands[0]
+    assert "Java 17+" in setup and "GB of memory" in setup
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    demo = " ".join(extras["demo"])
+    assert "pyspark[sql]" in demo and "pandas" in demo  # pyspark[sql] brings pyarrow
+    for tool in ("pytest", "hypothesis", "moto", "mypy", "matplotlib", "lmdb", "tqdm"):
+        assert tool not in demo
