@@ -47,18 +47,22 @@ class Example:
         return any(_SPARK.search(line.split("#", 1)[0]) for line in self.code.splitlines())
 
 
-def examples(page: pathlib.Path) -> list[Example]:
-    text = page.read_text()
+def examples(page: str, text: str) -> list[Example]:
+    """The ```python blocks of a page's Markdown ``text``, in order."""
     found, previous_end = [], 0
     for match in _FENCE.finditer(text):
         marker = _NOT_RUN.search(text[previous_end:match.start()])
         line = text.count("\n", 0, match.start(1)) + 1
-        found.append(Example(str(page.relative_to(ROOT)), line, match[1], marker[1] if marker else None))
+        found.append(Example(page, line, match[1], marker[1] if marker else None))
         previous_end = match.end()
     return found
 
 
-EXAMPLES = {str(page.relative_to(ROOT)): examples(page) for page in PAGES}
+def _name(page: pathlib.Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+EXAMPLES = {_name(page): examples(_name(page), page.read_text()) for page in PAGES}
 RUNNABLE = {page: [e for e in found if e.not_run is None] for page, found in EXAMPLES.items()}
 SPARK_PAGES = sorted(page for page, found in RUNNABLE.items() if any(e.uses_spark for e in found))
 PLAIN_PAGES = sorted(page for page, found in RUNNABLE.items() if found and page not in SPARK_PAGES)
@@ -66,8 +70,20 @@ PLAIN_PAGES = sorted(page for page, found in RUNNABLE.items() if found and page 
 
 def test_every_python_block_is_found():
     for page in PAGES:
-        assert len(EXAMPLES[str(page.relative_to(ROOT))]) == page.read_text().count("```python\n")
+        assert len(EXAMPLES[_name(page)]) == page.read_text().count("```python\n")
     assert sum(map(len, RUNNABLE.values())) >= 10  # README and the guides are full of examples
+
+
+def test_the_extraction_finds_code_lines_markers_and_backends():
+    page = (
+        "# T\n\n```python\nx = 1  # s3://in a comment\n```\n\ntext\n\n<!-- not-run: needs a cluster -->\n"
+        "```python\nspark.stop()\n```\n\n```bash\nls\n```\n\n```python\nopen_storage('s3://b/p')\n```\n"
+    )
+    first, second, third = examples("t.md", page)
+    assert (first.line, first.code, first.not_run, first.uses_s3, first.uses_spark) == (
+        4, "x = 1  # s3://in a comment\n", None, False, False)
+    assert (second.line, second.not_run, second.uses_spark) == (11, "needs a cluster", True)
+    assert (third.not_run, third.uses_s3) == (None, True)
 
 
 def test_blocks_not_run_are_listed_with_their_reasons():
