@@ -4,9 +4,7 @@ What marks each as existing (docs/user-guide.md, "Opening and creating"):
 
 * an ``AttributeIndex`` named ``NAME``: any file under ``NAME.seg/`` (its chunks, truncation
   markers, or the ``_created`` marker that a creating open writes into an empty one);
-* a ``SegmentStore``: its ``_store`` marker at the root, written by a creating open; stores made
-  before the marker existed are recognised by any segment marker (``*/_segment``) or stream marker
-  (``_streams/...``).
+* a ``SegmentStore``: see ``attrindex.store.store_exists``.
 
 A local path that is a regular file (or lies under one) can hold neither; it is refused up front
 instead of failing later with an ``OSError`` from deep inside a write.
@@ -23,9 +21,6 @@ from storage_adapters.local import LocalChunkStorage
 from storage_adapters.rolling import SEGMENT_SUFFIX
 
 INDEX_CREATED_MARKER = "_created"
-STORE_MARKER = "_store"
-_SEGMENT_MARKER_SUFFIX = "/_segment"
-_STREAMS_PREFIX = "_streams/"
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +62,3 @@ def mark_index_created(storage: ChunkStorage, name: str) -> None:
     """Make an index that has no update yet recognisable as existing (idempotent)."""
     storage.put_marker(f"{name}{SEGMENT_SUFFIX}/{INDEX_CREATED_MARKER}")
     log.info("created index %r at %s", name, storage.url)
-
-
-def store_exists(storage: ChunkStorage) -> bool:
-    """Whether ``storage``'s root holds a segment store (its marker, or any segment or stream)."""
-    if storage.exists(STORE_MARKER):
-        return True
-    return any(path.endswith(_SEGMENT_MARKER_SUFFIX) or path.startswith(_STREAMS_PREFIX)
-               for path in storage.list_files(""))
-
-
-def mark_store_created(storage: ChunkStorage) -> None:
-    """Write the store marker (idempotent)."""
-    storage.put_marker(STORE_MARKER)
-    log.info("created store at %s (wrote its _store marker)", storage.url)

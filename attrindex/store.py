@@ -14,6 +14,7 @@ in names starting with ``_``, which segment names may not use, so no two segment
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from typing import Any, Mapping
@@ -22,12 +23,15 @@ from storage_adapters import ChunkStorage
 from storage_adapters.rolling import validate_segment_name
 
 from .errors import InvalidInputError, SegmentNotFoundError, StoreNotFoundError, StreamNotFoundError
-from .locations import STORE_MARKER, mark_store_created, open_location, store_exists
+from .locations import open_location
 from .segment import Segment, SegmentOptions
 
+STORE_MARKER = "_store"
 SEGMENT_MARKER = "_segment"
 _STREAM_MARKER = re.compile(r"_count\.(\d+)")
 STREAMS_DIR = "_streams"
+
+log = logging.getLogger(__name__)
 
 
 def validate_name(name: str, what: str = "segment") -> str:
@@ -181,6 +185,21 @@ class SegmentStore:
 
     def __repr__(self) -> str:
         return f"SegmentStore({self.storage.url!r})"
+
+
+def store_exists(storage: ChunkStorage) -> bool:
+    """Whether ``storage``'s root holds a store: its ``_store`` marker, or (a store written before
+    the marker) any segment or stream marker; the latter lists the whole store, once per open."""
+    if storage.exists(STORE_MARKER):
+        return True
+    return any(path.endswith("/" + SEGMENT_MARKER) or path.startswith(STREAMS_DIR + "/")
+               for path in storage.list_files(""))
+
+
+def mark_store_created(storage: ChunkStorage) -> None:
+    """Write the store marker (idempotent)."""
+    storage.put_marker(STORE_MARKER)
+    log.info("created store at %s (wrote its %s marker)", storage.url, STORE_MARKER)
 
 
 def stream_segment_names(stream: str, count: int) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 import attrindex
 from attrindex import AttributeIndex, SegmentStore
 from attrindex.errors import IndexNotFoundError, InvalidInputError, StoreNotFoundError
-from attrindex.locations import STORE_MARKER
+from attrindex.store import STORE_MARKER
 from storage_adapters import open_storage
 
 KEY = b"k" * 16
@@ -188,7 +188,7 @@ def test_creating_opens_log_what_they_created(tmp_path, caplog):
     SegmentStore.open(str(tmp_path / "store")).close()  # exists: nothing to say
     created = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
     assert created == [
-        ("attrindex.locations", logging.INFO, f"created store at file://{tmp_path}/store (wrote its _store marker)"),
+        ("attrindex.store", logging.INFO, f"created store at file://{tmp_path}/store (wrote its _store marker)"),
         ("attrindex.locations", logging.INFO, f"created index 'attributes' at file://{tmp_path}/index"),
     ]
 
