@@ -20,6 +20,7 @@ from attrindex.store import STORE_MARKER
 from storage_adapters import open_storage
 
 KEY = b"k" * 16
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 # -- read-only opens of what is not there ---------------------------------------------------------
@@ -172,8 +173,7 @@ def test_get_many_refuses_a_single_key(keys):
 # -- packaging -------------------------------------------------------------------------------------
 
 def test_python_dash_m_attrindex_runs_the_command():
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-m", "attrindex", "--version"], capture_output=True, text=True,
                             env=env, timeout=60)
     assert (result.returncode, result.stdout.strip()) == (0, f"attrindex {attrindex.__version__}")
@@ -201,21 +201,19 @@ def test_importing_the_library_configures_no_logging():
         "assert [l.name for l in loggers if isinstance(l, logging.Logger) and l.handlers] == []\n"
         "print('ok')\n"
     )
-    root = pathlib.Path(__file__).resolve().parent.parent
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(root)}, timeout=60)
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr
 
 
 def test_the_readme_sets_up_with_two_commands_the_first_installing_the_lean_demo_extra():
-    root = pathlib.Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
     setup = readme.split("## Set-up", 1)[1].split("\n## ", 1)[0]
     commands = setup.split("```bash\n")[1:]
     assert len(commands) == 2
     assert "pip install '.[demo]'" in commands[0] and "attrindex demo" in commands[0]
     assert "Java 17+" in setup and "GB of memory" in setup
-    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     demo = " ".join(extras["demo"])
     assert "pyspark[sql]" in demo and "pandas" in demo  # pyspark[sql] brings pyarrow
     for tool in ("pytest", "hypothesis", "moto", "mypy", "matplotlib", "lmdb", "tqdm"):
