@@ -3,6 +3,7 @@
 Layout under the store's root (docs/storage.md): segment ``NAME`` keeps everything under ``NAME/``
 in names starting with ``_``, which segment names may not use, so no two segments can collide::
 
+    _store                        marker: the store exists (written by SegmentStore.open(create=True))
     NAME/_segment                 marker: the segment exists
     NAME/_log.seg/, NAME/_index/, NAME/_gaps/   the record log (attrindex.log)
     NAME/_attributes.seg/         the attributes' B+tree
@@ -14,22 +15,27 @@ in names starting with ``_``, which segment names may not use, so no two segment
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import threading
 from typing import Any, Mapping
 
-from storage_adapters import ChunkStorage, open_storage
+from storage_adapters import ChunkStorage
 from storage_adapters.rolling import validate_segment_name
 
 from .attribute_index import AttributeIndex
-from .errors import InvalidInputError, SegmentNotFoundError, StreamNotFoundError
+from .errors import InvalidInputError, SegmentNotFoundError, StoreNotFoundError, StreamNotFoundError
+from .locations import open_location
 from .segment import Segment, SegmentOptions
 
+STORE_MARKER = "_store"
 SEGMENT_MARKER = "_segment"
 _STREAM_MARKER = re.compile(r"_count\.(\d+)")
 STREAMS_DIR = "_streams"
 MAX_STREAM_SEGMENTS = 1 << 16
 _SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes")
+
+log = logging.getLogger(__name__)
 
 
 def validate_name(name: str, what: str = "segment") -> str:
@@ -63,10 +69,30 @@ class SegmentStore:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None, **options: Any) -> "SegmentStore":
-        """Open the store at ``url`` (``memory://``, ``file://`` or a path, ``s3://``)."""
+    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None, *, create: bool = True,
+             **options: Any) -> "SegmentStore":
+        """Open the store at ``url`` (``memory://``, ``file://`` or a path, ``s3://``).
+
+        ``create=True`` (the default) creates the store if it is missing, by writing its ``_store``
+        marker; ``create=False`` opens an existing store only, and a missing one (a mistyped path,
+        an empty directory or bucket prefix) raises ``StoreNotFoundError``. A store is recognised by
+        its marker, or, for stores written before the marker, by any segment or stream in it. A
+        local path that is a regular file raises ``StoreNotFoundError`` either way.
+        """
+        if not isinstance(create, bool):
+            raise InvalidInputError(f"create must be True or False, got {create!r}")
         segment_options(options)  # before the storage is opened (a local root is created then)
-        return cls(open_storage(url, **_storage_options(storage_options)), **options)
+        storage = open_location(url, _storage_options(storage_options), what="store", not_found=StoreNotFoundError)
+        try:
+            if not create and not store_exists(storage):
+                raise StoreNotFoundError(f"no store at URL {storage.url!r} (opened with create=False, so nothing was created)")
+            store = cls(storage, **options)
+            if create and not storage.exists(STORE_MARKER):
+                mark_store_created(storage)
+        except BaseException:
+            storage.close()
+            raise
+        return store
 
     # -- segments ------------------------------------------------------------------------------
     def segment(self, name: str, create: bool = False) -> Segment:
@@ -220,6 +246,21 @@ def check_segment_count(segments: object) -> int:
     if type(segments) is not int or not 1 <= segments <= MAX_STREAM_SEGMENTS:
         raise InvalidInputError(f"segments must be an int in [1, {MAX_STREAM_SEGMENTS}], got {segments!r:.60}")
     return segments
+
+
+def store_exists(storage: ChunkStorage) -> bool:
+    """Whether ``storage``'s root holds a store: its ``_store`` marker, or (a store written before
+    the marker) any segment or stream marker; the latter lists the whole store, once per open."""
+    if storage.exists(STORE_MARKER):
+        return True
+    return any(path.endswith("/" + SEGMENT_MARKER) or path.startswith(STREAMS_DIR + "/")
+               for path in storage.list_files(""))
+
+
+def mark_store_created(storage: ChunkStorage) -> None:
+    """Write the store marker (idempotent)."""
+    storage.put_marker(STORE_MARKER)
+    log.info("created store at %s (wrote its %s marker)", storage.url, STORE_MARKER)
 
 
 def stream_segment_names(stream: str, count: int) -> list[str]:

@@ -211,7 +211,7 @@ class Record(typing.NamedTuple):
     value: bytes
     key: bytes | None = None
     timestamp: int | None = None  # ms since the epoch; None on input means the batch's timestamp
-    headers: tuple = ()  # (name: str, value: bytes) pairs
+    headers: typing.Sequence[tuple[str, bytes]] = ()  # (name, value) pairs; records read back hold a tuple
     offset: int | None = None  # set on records read back; ignored on input
 
 
