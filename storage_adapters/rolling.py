@@ -237,7 +237,7 @@ class RollingSegment:
                 f"segment {self.name!r}: append to {path!r} failed ({error}) and reading back failed too ({exc})"
             ) from error
         if ours:
-            _log.warning("segment %r: append to %r raised %s but its bytes are committed; accepted",
+            _log.info("segment %r: append to %r raised %s but its bytes are committed; accepted",
                          self.name, path, type(error).__name__)
             return
         if committed != position:
@@ -329,7 +329,7 @@ class RollingSegment:
                 f"segment {self.name!r}: create of {path!r} failed ({error}) and reading it back failed ({exc})"
             ) from error
         if stored == data:
-            _log.warning("segment %r: create of %r raised %s but the object holds this append; accepted",
+            _log.info("segment %r: create of %r raised %s but the object holds this append; accepted",
                          self.name, path, type(error).__name__)
             return "ours"
         return "theirs"
@@ -450,7 +450,8 @@ class RollingSegment:
         try:
             self._drop_truncated_predecessor()
             old = [m for m in self._markers if m < self._start_offset]
-            self.storage.delete([f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in old])
+            if old:
+                self.storage.delete([f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in old])
             self._markers = [m for m in self._markers if m >= self._start_offset]
         except StorageError as exc:
             _log.warning("segment %r: could not delete truncated chunks or markers (retried later): %s", self.name, exc)

@@ -160,12 +160,14 @@ def _stored(storage, name="s") -> bytes:
 
 
 @pytest.mark.parametrize("expected", [True, False])
-def test_lost_ack_append_returns_its_offset_once(storage, expected):
+def test_lost_ack_append_returns_its_offset_once(storage, expected, caplog):
     faulty = FaultyStorage(storage, seed=1)
     seg = RollingSegment(faulty, "s")
     seg.append(b"a;")
     faulty.script("lost_ack", op=_write_op(storage))
-    assert seg.append(b"bb;", expected_offset=2 if expected else None) == 2
+    with caplog.at_level("INFO", logger="attrindex.storage"):
+        assert seg.append(b"bb;", expected_offset=2 if expected else None) == 2
+    assert "accepted" in caplog.text  # the recovery is logged
     assert seg.append(b"c;") == 5
     assert _stored(storage) == b"a;bb;c;"
     assert [i.kind for i in faulty.injected] == ["lost_ack"]
