@@ -7,6 +7,11 @@ Paths are relative to the storage's root and use ``/``. Two kinds of backend exi
   chunk as of its last completed ``append`` (bytes of a torn append are never counted);
 * *object* (S3): a chunk is written once by an exclusive ``create``, which is what makes
   compare-and-append safe there.
+
+Errors: every method raises only ``FileNotFoundError`` (where its docstring says so),
+``ChunkExistsError`` or a ``StorageError`` subclass: ``StorageFullError`` (no space; nothing was
+written) and ``OutcomeUnknownError`` (a write that may or may not have happened) among them. No raw
+``OSError`` or client-library error escapes a backend.
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ _CHUNK_NAME = re.compile(r"\d{20}")
 _NAME_COMPONENT = re.compile(r"[A-Za-z0-9_=+@$-][A-Za-z0-9_.=+@$-]*")
 #: Bound on the create attempts of one object append (each lost race or unsettled write is one).
 MAX_APPEND_ATTEMPTS = 100
+#: Bound on the listings one ``refresh`` takes while other processes keep changing the segment.
+MAX_REFRESH_ATTEMPTS = 20
 
 
 def chunk_name(offset: int) -> str:
@@ -120,38 +122,64 @@ class RollingSegment:
         return list(self._chunks)
 
     def refresh(self) -> None:
-        """Reload this handle's view from storage (appends and truncations by other handles)."""
+        """Reload this handle's view from storage (appends and truncations by other handles).
+
+        A listing taken while another process appends and truncates can mix two states (a new
+        truncation marker with the old chunks, a listed chunk deleted before its size was read);
+        such a view is detected and the listing retaken, at most ``MAX_REFRESH_ATTEMPTS`` times.
+        """
         self._check_open()
         with self._mutex:
-            files = self.storage.list_files(self._dir)
-            starts = sorted(int(n) for n in files if _CHUNK_NAME.fullmatch(n))
-            markers = sorted(
-                int(n[len(TRUNCATION_DIR) + 1:])
-                for n in files
-                if n.startswith(TRUNCATION_DIR + "/") and _CHUNK_NAME.fullmatch(n[len(TRUNCATION_DIR) + 1:])
-            )
-            start_offset = markers[-1] if markers else 0
-            chunks = []
-            for i, start in enumerate(starts):
-                if i + 1 < len(starts):
-                    length = starts[i + 1] - start
-                    stored = files[chunk_name(start)]
-                    # Object chunks are written whole, so each must end where the next begins.
-                    if not self.storage.appendable and stored != length and starts[i + 1] > start_offset:
-                        raise CorruptDataError(
-                            f"segment {self.name!r}: chunk at offset {start} holds {stored} bytes but the "
-                            f"next chunk starts at {starts[i + 1]}",
-                            segment=self.name,
-                            offset=start,
-                        )
-                    if starts[i + 1] <= start_offset:
-                        continue  # wholly truncated; its deletion was interrupted
-                elif self.storage.appendable:
+            for _attempt in range(MAX_REFRESH_ATTEMPTS):
+                view = self._load_view()
+                if view is not None:
+                    self._chunks, self._start_offset, self._markers = view
+                    return
+                _log.info("segment %r: the listing raced an append or truncation; listing again", self.name)
+        raise StorageError(
+            f"segment {self.name!r}: {MAX_REFRESH_ATTEMPTS} listings in a row saw the segment change under "
+            "them; no consistent view could be read"
+        )
+
+    def _load_view(self) -> tuple[list[ChunkInfo], int, list[int]] | None:
+        """``(chunks, start offset, markers)`` from one listing, or ``None`` if it is inconsistent."""
+        files = self.storage.list_files(self._dir)
+        starts = sorted(int(n) for n in files if _CHUNK_NAME.fullmatch(n))
+        markers = sorted(
+            int(n[len(TRUNCATION_DIR) + 1:])
+            for n in files
+            if n.startswith(TRUNCATION_DIR + "/") and _CHUNK_NAME.fullmatch(n[len(TRUNCATION_DIR) + 1:])
+        )
+        start_offset = markers[-1] if markers else 0
+        chunks = []
+        for i, start in enumerate(starts):
+            if i + 1 < len(starts):
+                if starts[i + 1] <= start_offset:
+                    continue  # wholly truncated; its deletion was interrupted
+                length = starts[i + 1] - start
+                self._check_object_size(start, files[chunk_name(start)], length)
+            elif self.storage.appendable:
+                try:
                     length = self.storage.committed_size(f"{self._dir}/{chunk_name(start)}")
-                else:
-                    length = files[chunk_name(start)]
-                chunks.append(ChunkInfo(start, length, chunk_name(start)))
-            self._chunks, self._start_offset, self._markers = chunks, start_offset, markers
+                except FileNotFoundError:
+                    return None  # deleted after the listing: a truncation moved on
+            else:
+                length = files[chunk_name(start)]
+            chunks.append(ChunkInfo(start, length, chunk_name(start)))
+        length = chunks[-1].end if chunks else start_offset
+        if start_offset > length or (chunks and chunks[0].start > start_offset):
+            return None  # a new marker with old chunks, or old markers with the new chunks only
+        return chunks, start_offset, markers
+
+    def _check_object_size(self, start: int, stored: int, length: int) -> None:
+        # Object chunks are written whole, so each must end where the next begins.
+        if not self.storage.appendable and stored != length:
+            raise CorruptDataError(
+                f"segment {self.name!r}: chunk {chunk_name(start)} (offset {start}) holds {stored} bytes but "
+                f"the next chunk starts at {start + length}",
+                segment=self.name,
+                offset=start,
+            )
 
     # -- appending -----------------------------------------------------------------------------
     def append(self, data: bytes, expected_offset: int | None = None) -> int:
@@ -209,7 +237,7 @@ class RollingSegment:
                 f"segment {self.name!r}: append to {path!r} failed ({error}) and reading back failed too ({exc})"
             ) from error
         if ours:
-            _log.warning("segment %r: append to %r raised %s but its bytes are committed; accepted",
+            _log.info("segment %r: append to %r raised %s but its bytes are committed; accepted",
                          self.name, path, type(error).__name__)
             return
         if committed != position:
@@ -236,7 +264,12 @@ class RollingSegment:
         # A new chunk starts only where a non-empty one ends (an empty one ends at its own name).
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
             start = last.end
-            last = ChunkInfo(start, self.storage.committed_size(f"{self._dir}/{chunk_name(start)}"), chunk_name(start))
+            try:
+                length = self.storage.committed_size(f"{self._dir}/{chunk_name(start)}")
+            except FileNotFoundError:  # rolled past and truncated away meanwhile
+                self.refresh()
+                return
+            last = ChunkInfo(start, length, chunk_name(start))
             self._chunks.append(last)
 
     def _append_object(self, data: bytes, expected_offset: int | None) -> int:
@@ -296,7 +329,7 @@ class RollingSegment:
                 f"segment {self.name!r}: create of {path!r} failed ({error}) and reading it back failed ({exc})"
             ) from error
         if stored == data:
-            _log.warning("segment %r: create of %r raised %s but the object holds this append; accepted",
+            _log.info("segment %r: create of %r raised %s but the object holds this append; accepted",
                          self.name, path, type(error).__name__)
             return "ours"
         return "theirs"
@@ -319,10 +352,7 @@ class RollingSegment:
 
     def _after_durable_append(self) -> None:
         """Housekeeping after the append is durable: it must never turn the append into an error."""
-        try:
-            self._drop_truncated_predecessor()
-        except StorageError as exc:
-            _log.warning("segment %r: could not delete a truncated chunk (retried on a later append): %s", self.name, exc)
+        self._delete_dead()
 
     def _drop_truncated_predecessor(self) -> None:
         """Delete the chunks before the last that lie wholly below the start offset.
@@ -356,7 +386,13 @@ class RollingSegment:
         try:
             return self._read_chunks(chunks, offset, end)
         except FileNotFoundError:
-            self.refresh()  # a chunk vanished: truncated by another handle
+            pass
+        self.refresh()  # a chunk vanished under a stale view: truncated by another handle
+        self._check_range(offset, length, self._chunks, self._start_offset)
+        try:
+            return self._read_chunks(self._chunks, offset, end)
+        except FileNotFoundError:
+            self.refresh()
             self._check_range(offset, length, self._chunks, self._start_offset)
             raise StorageError(f"segment {self.name!r}: a chunk holding offset {offset} is missing") from None
 
@@ -374,7 +410,16 @@ class RollingSegment:
         while position < end:
             chunk = chunks[index]
             stop = min(chunk.end, end)
-            pieces.append(self.storage.read(f"{self._dir}/{chunk.name}", position - chunk.start, stop - chunk.start))
+            piece = self.storage.read(f"{self._dir}/{chunk.name}", position - chunk.start, stop - chunk.start)
+            if len(piece) != stop - position:  # committed bytes are missing: never a short answer
+                missing = position + len(piece)
+                raise CorruptDataError(
+                    f"segment {self.name!r}: chunk {chunk.name} is shorter than its {chunk.length} committed "
+                    f"bytes: byte {missing - chunk.start} of it (segment offset {missing}) is missing",
+                    segment=self.name,
+                    offset=missing,
+                )
+            pieces.append(piece)
             position, index = stop, index + 1
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
@@ -396,11 +441,20 @@ class RollingSegment:
                 return
             # The marker goes first: a crash before the deletions leaves only unreachable chunks.
             self.storage.put_marker(f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(offset)}")
-            doomed = [c for c in self._chunks[:-1] if c.end <= offset]
-            self.storage.delete([f"{self._dir}/{c.name}" for c in doomed])
-            self.storage.delete([f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in self._markers if m < offset])
-            self._chunks = self._chunks[len(doomed):]
-            self._start_offset, self._markers = offset, [offset]
+            self._start_offset, self._markers = offset, [*self._markers, offset]
+            self._delete_dead()
+
+    def _delete_dead(self) -> None:
+        """After a truncation is durable: delete the chunks and markers it made dead. A failure is
+        logged, not raised (the truncation holds), and retried by later appends and truncations."""
+        try:
+            self._drop_truncated_predecessor()
+            old = [m for m in self._markers if m < self._start_offset]
+            if old:
+                self.storage.delete([f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in old])
+            self._markers = [m for m in self._markers if m >= self._start_offset]
+        except StorageError as exc:
+            _log.warning("segment %r: could not delete truncated chunks or markers (retried later): %s", self.name, exc)
 
     def delete(self) -> None:
         """Delete the segment and all its chunks; the handle then sees an empty segment."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from attrindex import errors
@@ -260,3 +264,53 @@ def test_storage_read_clamps_a_range_past_the_end(storage):
     assert storage.read("f/x", 12, 1 << 40) == b""
     with pytest.raises(FileNotFoundError):
         storage.read("f/missing", 0, 1 << 40)
+
+
+# -- reads and views that hold under damage and concurrency (issue 10, classes 6 and 7) --
+def test_a_chunk_file_shorter_than_committed_is_corrupt_data(tmp_path):
+    storage = open_storage(str(tmp_path))
+    seg = RollingSegment(storage, "s", rolling_size=8)
+    for i in range(4):
+        seg.append(b"record%d;" % i)
+    os.truncate(tmp_path / "s.seg" / chunk_name(16), 3)  # lost its tail behind the commit record's back
+    assert seg.read(0, 16) == b"record0;record1;"
+    for offset, length in ((16, 8), (12, 10), (19, 1), (20, 2)):
+        missing = max(offset, 19)  # the first byte the read wanted that the file lacks
+        with pytest.raises(errors.CorruptDataError, match=f"chunk {chunk_name(16)}.*byte {missing - 16}") as caught:
+            seg.read(offset, length)
+        assert caught.value.segment == "s" and caught.value.offset == missing
+
+
+def test_refresh_and_read_stay_consistent_under_concurrent_append_and_truncate(tmp_path):
+    """Another process appends and truncates with tiny chunks; this one refreshes and reads."""
+    from . import storage_workers
+
+    root, rolling_size, seconds = str(tmp_path), 64, 3.0
+    RollingSegment(open_storage(root), "s", rolling_size=rolling_size).append(storage_workers.pattern(0, 10))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.storage_workers", "churn", root, "s", str(seconds), str(rolling_size)],
+        cwd=os.path.dirname(os.path.dirname(__file__)), stdout=subprocess.PIPE,
+    )
+    seg = RollingSegment(open_storage(root), "s")
+    views = reads = truncated = 0
+    previous = 0
+    try:
+        while child.poll() is None:
+            seg.refresh()
+            chunks, start, length = seg.chunks(), seg.start_offset, seg.length
+            assert start <= length and length >= previous, (start, length, previous)
+            assert all(a.end == b.start for a, b in zip(chunks, chunks[1:])), chunks
+            assert not chunks or chunks[0].start <= start, (chunks[0], start)
+            previous, views = length, views + 1
+            offset, size = start, min(length - start, 200)  # the oldest bytes: the next to be truncated
+            try:
+                assert seg.read(offset, size) == storage_workers.pattern(offset, size)
+                reads += 1
+            except TruncatedError:
+                truncated += 1
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0
+    assert views > 50 and reads > 10, (views, reads, truncated)
+    print(f"views={views} reads={reads} truncated={truncated}")

@@ -14,6 +14,7 @@ from storage_adapters import (
     RollingSegment,
     StorageError,
     StorageFullError,
+    TruncatedError,
 )
 from storage_adapters.faults import FAULT_KINDS, FaultyStorage, Injection, faults_disabled
 from storage_adapters.local import LocalChunkStorage
@@ -159,12 +160,14 @@ def _stored(storage, name="s") -> bytes:
 
 
 @pytest.mark.parametrize("expected", [True, False])
-def test_lost_ack_append_returns_its_offset_once(storage, expected):
+def test_lost_ack_append_returns_its_offset_once(storage, expected, caplog):
     faulty = FaultyStorage(storage, seed=1)
     seg = RollingSegment(faulty, "s")
     seg.append(b"a;")
     faulty.script("lost_ack", op=_write_op(storage))
-    assert seg.append(b"bb;", expected_offset=2 if expected else None) == 2
+    with caplog.at_level("INFO", logger="attrindex.storage"):
+        assert seg.append(b"bb;", expected_offset=2 if expected else None) == 2
+    assert "accepted" in caplog.text  # the recovery is logged
     assert seg.append(b"c;") == 5
     assert _stored(storage) == b"a;bb;c;"
     assert [i.kind for i in faulty.injected] == ["lost_ack"]
@@ -273,3 +276,63 @@ def test_housekeeping_after_the_durable_point_never_fails_the_append(storage):
     assert seg.append(b"ijkl") == 8  # and retried here
     assert _stored(storage) == b"efghijkl"
     assert "0" * 20 not in storage.list_files("s.seg")
+
+
+# -- refresh under races (issue 10, class 6): bounded relisting, never a hole or a raw FileNotFoundError --
+class _MarkerAhead(FaultyStorage):
+    """A listing that always shows a truncation marker beyond every chunk it lists (a torn listing)."""
+
+    def list_files(self, directory):
+        files = dict(self.inner.list_files(directory))
+        if directory.endswith(".seg"):
+            files["truncation/" + "9" * 20] = 0
+        return files
+
+
+def test_refresh_relists_a_torn_listing_and_gives_up_after_its_bound():
+    from storage_adapters import open_storage
+    from storage_adapters.rolling import MAX_REFRESH_ATTEMPTS
+
+    inner = open_storage(f"memory://faults-{uuid.uuid4().hex}")
+    RollingSegment(inner, "s").append(b"abc")
+    listings = []
+    torn = _MarkerAhead(inner, seed=1)
+    torn.list_files = lambda directory: listings.append(directory) or _MarkerAhead.list_files(torn, directory)
+    with pytest.raises(StorageError, match=f"{MAX_REFRESH_ATTEMPTS} listings"):
+        RollingSegment(torn, "s")
+    assert len(listings) == MAX_REFRESH_ATTEMPTS
+
+
+class _VanishesOnce(FaultyStorage):
+    """The last chunk is deleted between the listing and its size (a truncation moved on)."""
+
+    vanished = False
+
+    def committed_size(self, path):
+        if not self.vanished:
+            self.vanished = True
+            raise FileNotFoundError(path)
+        return self.inner.committed_size(path)
+
+
+def test_refresh_relists_when_a_listed_chunk_vanishes(tmp_path):
+    from storage_adapters import open_storage
+
+    inner = open_storage(str(tmp_path))
+    RollingSegment(inner, "s").append(b"abc")
+    seg = RollingSegment(_VanishesOnce(inner, seed=1), "s")
+    assert (seg.length, seg.read(0, 3)) == (3, b"abc")
+
+
+def test_truncate_is_done_once_its_marker_is_durable(storage):
+    faulty = FaultyStorage(storage, seed=2)
+    seg = RollingSegment(faulty, "s", rolling_size=4)
+    for part in (b"abcd", b"efgh", b"ijkl"):
+        seg.append(part)
+    faulty.script("fail_before", op="delete")
+    seg.truncate(8)  # deleting the dead chunks fails: logged, not raised
+    assert RollingSegment(storage, "s").start_offset == 8
+    with pytest.raises(TruncatedError):
+        RollingSegment(storage, "s").read(4, 2)
+    assert seg.append(b"mnop") == 12  # retries the deletions
+    assert sorted(n for n in storage.list_files("s.seg") if "/" not in n) == ["0" * 18 + "08", "0" * 18 + "12"]
