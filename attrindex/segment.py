@@ -13,6 +13,7 @@ opening a segment reads the tree's footer and replays the log after its checkpoi
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Iterable, Iterator, Mapping
@@ -23,7 +24,8 @@ from .attribute_index import AttributeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
 from .errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
 from .keys import to_key
-from .log.batch import Codec, Record, codec_for, decode_attribute_updates, encode_batch, read_header, rebase_batch
+from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
+                         rebase_batch)
 from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog
 from .log.retention import plan_retention
 from .overlay import AttributeOverlay, merge_scan
@@ -35,6 +37,9 @@ DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
 DEFAULT_READ_BYTES = 4 << 20
+MERGE_RETRY_SECONDS = 1.0  #: after a failed background merge, appends wait this long before retrying it
+
+_log = logging.getLogger("attrindex.segment")
 
 
 @attrs.frozen
@@ -80,6 +85,7 @@ class SegmentStats:
     pending_attributes: int  #: keys in tier 1 not yet merged into the B+tree
     attribute_checkpoint: int | None  #: log byte position the B+tree covers
     attributes: Any  #: ``IndexStats`` of the B+tree
+    merge_error: str | None = None  #: why the last merge of tier 1 after an append failed (None: it did not)
 
 
 class Segment:
@@ -100,6 +106,8 @@ class Segment:
         self._index = AttributeIndex(storage, f"{name}/{ATTRIBUTES_NAME}", **options.attribute_options)
         self._overlay = AttributeOverlay()
         self._flushed_at = time.monotonic()
+        self._merge_error: BaseException | None = None  #: the last failed merge after an append
+        self._merge_retry_at = 0.0  #: monotonic time before which appends do not retry it
         self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
         with self._lock:
@@ -152,6 +160,11 @@ class Segment:
         offset is this (``BadOffsetError`` otherwise). ``timestamp`` (ms) is given to records
         without one (default: now). If a condition fails, ``ConditionalUpdateError`` names every
         failed update and its current value; nothing is appended and nothing changes.
+
+        Returns if and only if the batch is durable: the merge into the B+tree that may follow
+        never fails the append (see ``stats().merge_error``). The batch carries a random id, kept
+        by every retry of this call, so that a write whose acknowledgement was lost is recognised
+        by reading it back, never written twice.
         """
         records = records if isinstance(records, list) else list(records)
         updates, replacements = _split_updates(attribute_updates)
@@ -161,6 +174,7 @@ class Segment:
             raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
         stamp = int(time.time() * 1000) if timestamp is None else timestamp
         chosen = self.options.codec if codec is None else codec_for(codec)
+        batch_id = new_batch_id()  # one per call: identical bytes at an offset then mean this call
         with self._lock:
             self._check_open()
             fresh = False
@@ -185,7 +199,7 @@ class Segment:
                     data = rebase_batch(encoded[2], log.next_offset)
                 else:
                     data = encode_batch(log.next_offset, records, timestamp=stamp,
-                                        attribute_updates=(keys, values), codec=chosen)
+                                        attribute_updates=(keys, values), codec=chosen, batch_id=batch_id)
                     encoded = (keys, values, data)
                 header = read_header(data)
                 try:
@@ -194,12 +208,24 @@ class Segment:
                     self._catch_up()
                     fresh = True
                     continue
-                if keys:
-                    self._overlay.apply(keys, values)
-                self._wrote = True
-                self._appended.notify_all()
-                self._maybe_flush()
+                self._after_durable(keys, values)  # never raises: the batch is durable
                 return AppendResult(header.base_offset, header.last_offset)
+
+    def _after_durable(self, keys: list[bytes], values: list[int | None]) -> None:
+        """Apply a durable batch's updates to tier 1, wake readers, maybe merge into the B+tree."""
+        if keys:
+            self._overlay.apply(keys, values)
+        self._wrote = True
+        self._appended.notify_all()
+        if self._merge_error is not None and time.monotonic() < self._merge_retry_at:
+            return
+        try:
+            self._maybe_flush()
+        except Exception as exc:  # noqa: BLE001 - a failed merge must not fail a durable append
+            self._merge_error = exc
+            self._merge_retry_at = time.monotonic() + MERGE_RETRY_SECONDS
+            _log.warning("segment %r: merging attribute updates into the B+tree failed after a durable "
+                         "append (retried later; flush() raises it): %s", self.name, exc, exc_info=True)
 
     def update_attributes(self, updates: Iterable[AttributeUpdate | tuple], expected_offset: int | None = None) -> AppendResult:
         """Apply attribute updates (conditions checked as in ``append``) with no records."""
@@ -256,7 +282,10 @@ class Segment:
             self._flush()
 
     def flush(self) -> None:
-        """Merge every attribute update seen so far into the B+tree (one sorted batch)."""
+        """Merge every attribute update seen so far into the B+tree (one sorted batch).
+
+        Raises the storage error if the merge fails (for example ``StorageFullError``); the
+        updates stay in tier 1 and in the log, and a later flush or append retries."""
         with self._lock:
             self._check_open()
             self._flush()
@@ -277,12 +306,17 @@ class Segment:
         if covered < position:
             if not self._index.update_sorted(keys, values, checkpoint=position):
                 self._rebuild_overlay()  # another handle flushed further: tier 1 restarts from there
+                self._merge_error = None
                 return
         elif covered > position:
             self._rebuild_overlay()
+            self._merge_error = None
             return
         self._overlay.clear()
         self._flushed_at = time.monotonic()
+        if self._merge_error is not None:
+            _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
+            self._merge_error = None
 
     def _rebuild_overlay(self) -> None:
         """The tree covers more of the log than this handle had seen: catch up, replay after it."""
@@ -428,6 +462,7 @@ class Segment:
                 pending_attributes=len(self._overlay),
                 attribute_checkpoint=self._index.checkpoint,
                 attributes=self._index.stats(),
+                merge_error=None if self._merge_error is None else f"{type(self._merge_error).__name__}: {self._merge_error}",
             )
 
     def close(self) -> None:

@@ -20,8 +20,9 @@ from typing import Any, Mapping
 from storage_adapters import ChunkStorage, open_storage
 from storage_adapters.rolling import validate_segment_name
 
-from .errors import InvalidInputError, SegmentNotFoundError, StreamNotFoundError
+from .errors import AttrIndexError, InvalidInputError, SegmentNotFoundError, StreamNotFoundError
 from .segment import Segment, SegmentOptions
+from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 
 SEGMENT_MARKER = "_segment"
 _STREAM_MARKER = re.compile(r"_count\.(\d+)")
@@ -78,6 +79,35 @@ class SegmentStore:
                 self.storage.put_marker(f"{name}/{SEGMENT_MARKER}")
             segment = self._segments[name] = Segment(self.storage, name, self.options)
             return segment
+
+    def verify_segment(self, name: str) -> SegmentVerifyReport:
+        """Read every committed byte of segment ``name`` (log batches, chunk index files, gap
+        markers, the attribute index) and report every damaged range (``report.ok``: none).
+        Works on a segment that ``segment()`` refuses to open."""
+        self._require(name)
+        return verify_segment(self.storage, name, self.options)
+
+    def repair_segment(self, name: str) -> SegmentRepairReport:
+        """Cut segment ``name``'s log at its first damaged batch and make its attributes consistent.
+
+        The report says exactly which offsets are lost; appends resume above every offset the
+        damaged bytes could have held, so no acknowledged offset is reused. Attributes are rebuilt
+        from the log when needed and possible. Stop the segment's writers first; this store's
+        handle of the segment is closed (``segment()`` opens a fresh one)."""
+        self._require(name)
+        with self._lock:
+            segment = self._segments.pop(name, None)
+        if segment is not None and not segment.closed:
+            try:
+                segment.close()
+            except AttrIndexError:  # its merge may fail on the damage being repaired
+                pass
+        return repair_segment(self.storage, name, self.options)
+
+    def _require(self, name: str) -> None:
+        validate_name(name)
+        if not self.storage.exists(f"{name}/{SEGMENT_MARKER}"):
+            raise SegmentNotFoundError(f"segment {name!r} does not exist in {self.storage.url!r}")
 
     def exists(self, name: str) -> bool:
         validate_name(name)
