@@ -72,7 +72,8 @@ class SegmentLog:
         self.interval = index_interval_bytes
         self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size)
         self._chunks: list[_Chunk] = []
-        self._gaps: dict[int, int] = {}
+        self._gaps: dict[int, int] = {}  #: recorded gaps, {start: end}: skipped even where bytes look valid
+        self._load_gaps()  # only a repair (writers stopped) adds gaps, so loading once is enough
         self.position = 0  #: bytes scanned and valid: the append position
         self.next_offset = 0  #: record offset after the last record scanned
         self.max_timestamp = _NO_TIMESTAMP
@@ -168,8 +169,8 @@ class SegmentLog:
     def _scan_chunk(self, chunk: _Chunk, visit: BatchVisitor | None, seen: int) -> tuple[int, bool]:
         """Scan ``chunk`` from ``position``; return (batches seen, whether scanning stopped)."""
         for at, header, buf, pos in self._walk(self.position, chunk.end):
-            if header is None:  # invalid or incomplete: a recorded gap, or corruption
-                self._invalid_at(chunk, at, buf)
+            if header is None or at in self._gaps:  # a recorded gap, or corruption
+                self._invalid_at(chunk, at, buf if header is None else "")
                 return seen, False
             if visit is not None:
                 visit(at, header, buf, pos)
@@ -357,7 +358,7 @@ class SegmentLog:
         position = start
         while position < end:
             for at, header, buf, pos in self._walk(position, end):
-                if header is None:
+                if header is None or at in self._gaps:
                     gap_end = self._gap_at(at)
                     if gap_end is None:
                         raise self.corruption(at, buf)

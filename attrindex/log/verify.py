@@ -74,6 +74,10 @@ def scan_log(log: SegmentLog) -> LogScan:
         pos = position - low
         while pos < len(buf):  # bounded: every lap moves pos forward
             at = low + pos
+            if at in gaps:  # cut off by a repair, valid or not
+                used_gaps += 1
+                pos = gaps[at] - low
+                continue
             try:
                 header = read_header(buf, pos, position=low, segment=log.segment)
                 if header is None:
@@ -83,11 +87,7 @@ def scan_log(log: SegmentLog) -> LogScan:
                     raise CorruptDataError(f"base offset {header.base_offset} is below the previous batch's "
                                            f"next offset {next_offset}")
             except CorruptDataError as exc:
-                if at in gaps:
-                    used_gaps += 1
-                    pos = gaps[at] - low
-                    continue
-                end = _next_valid(buf, pos, low)
+                end = min([_next_valid(buf, pos, low)] + [g - low for g in gaps if at < g < low + len(buf)])
                 damage.append(Damage(_chunk_where(log, chunk.start), at, low + end, str(exc)))
                 if first_damage is None:
                     first_damage, offset_at_damage = at, next_offset if next_offset is not None else 0

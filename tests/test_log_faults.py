@@ -1,0 +1,226 @@
+"""Faults in a segment's log and attributes: committed data is never a torn tail, damage is reported
+by position until an explicit repair, no acknowledged offset is ever reused, and work after the
+durable point of an append never fails it (issue 10, classes 1, 4 and 5)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from attrindex import SegmentStore
+from attrindex.conditional import AttributeUpdate, UpdateType
+from attrindex.errors import CorruptDataError
+from attrindex.log.batch import BATCH_HEADER_SIZE, iter_batches
+
+SMALL = {"log_rolling_size": 2048, "index_interval_bytes": 256}
+COUNTER = (1).to_bytes(16, "big")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def files(root: str, name: str, part: str) -> list[str]:
+    directory = os.path.join(root, name, part)
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.isdigit())
+
+
+def flip(path: str, at: int, bit: int = 0x10) -> None:
+    with open(path, "r+b") as f:  # same length: the commit record still covers every byte
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ bit]))
+
+
+def increment(seg, i: int):
+    return seg.append([b"rec-%d" % i], [AttributeUpdate(COUNTER, UpdateType.ACCUMULATE, value=1)], timestamp=i)
+
+
+def fill_counter(root: str, count: int = 100, **options) -> None:
+    with SegmentStore.open(root, **options) as store:
+        seg = store.segment("s", create=True)
+        for i in range(count):
+            increment(seg, i)
+
+
+# -- class 1: committed data is never a torn tail --------------------------------------------------
+def test_a_bit_flip_in_the_middle_of_the_last_chunk_is_corruption_not_a_torn_tail(tmp_path):
+    """The issue's reproduction: it used to cut the log there, roll the counter back to about
+    half and let the next append reuse the offsets of the lost records."""
+    root = str(tmp_path / "store")
+    fill_counter(root)
+    last = files(root, "s", "_log.seg")[-1]
+    flip(last, os.path.getsize(last) // 2)
+    with SegmentStore.open(root) as store:
+        with pytest.raises(CorruptDataError) as caught:
+            store.segment("s")
+        message = str(caught.value)
+        assert "segment 's'" in message and "chunk 00000000000000000000" in message
+        assert caught.value.offset is not None and f"log byte {caught.value.offset}" in message
+        with pytest.raises(CorruptDataError):  # it stays refused: no append can reuse an offset
+            store.segment("s")
+
+
+def test_damage_at_the_very_end_of_the_last_chunk_is_corruption_on_open_and_on_read(tmp_path):
+    root = str(tmp_path / "store")
+    fill_counter(root, 30, **SMALL)
+    with SegmentStore.open(root, **SMALL) as store:
+        reader = store.segment("s")  # opened before the damage: its reads still verify
+        last = files(root, "s", "_log.seg")[-1]
+        data = open(last, "rb").read()
+        final = [pos for pos, _header in iter_batches(data)][-1]
+        flip(last, len(data) - 1)  # the last byte of the last batch's payload
+        chunk_start = int(os.path.basename(last))
+        with pytest.raises(CorruptDataError) as caught:
+            reader.read(0, 1000)
+        assert caught.value.offset == chunk_start + final
+    with SegmentStore.open(root, **SMALL) as store:
+        with pytest.raises(CorruptDataError) as caught:
+            store.segment("s")
+        assert caught.value.offset == chunk_start + final
+
+
+# -- class 1 and 2: verify and repair --------------------------------------------------------------
+def test_verify_reports_every_damaged_range_and_repair_resumes_above_every_lost_offset(tmp_path):
+    root = str(tmp_path / "store")
+    fill_counter(root, 300, **SMALL)
+    chunks = files(root, "s", "_log.seg")
+    assert len(chunks) > 8
+    damaged = [chunks[2], chunks[5]]
+    positions = []
+    for path in damaged:
+        data = open(path, "rb").read()
+        pos = [p for p, _h in iter_batches(data)][3]
+        flip(path, pos + BATCH_HEADER_SIZE + 2)  # a payload byte: the header still tells the offsets
+        positions.append(int(os.path.basename(path)) + pos)
+    with SegmentStore.open(root, **SMALL) as store:
+        report = store.verify_segment("s")
+        assert [d.start for d in report.damage] == positions
+        assert all("_log chunk" in d.where and "payload checksum" in d.reason for d in report.damage)
+        assert not report.ok and report.records == 298
+        with pytest.raises(CorruptDataError):
+            store.segment("s").read(0, 1000)
+        repair = store.repair_segment("s")
+        assert repair.cut_at == positions[0] and repair.resume_exact and repair.resume_offset == 300
+        first_lost = repair.first_lost_offset
+        assert repair.lost_offsets == range(first_lost, 300)
+        seg = store.segment("s")
+        assert seg.next_offset == 300
+        assert [int(r.value.split(b"-")[1]) for r in seg.read(0, 1000)] == list(range(first_lost))
+        assert increment(seg, 300).first_offset == 300
+        for offset in (0, first_lost - 1, first_lost, 299):  # reads from every side of the gap
+            assert seg.read(offset, 1)[0].offset == (offset if offset < first_lost else 300)
+        assert seg.offset_for_timestamp(first_lost) == 300
+        assert seg.get_attribute(COUNTER) == first_lost + 1  # rebuilt from the kept log, plus the new one
+        assert repair.attributes_rebuilt
+        assert store.verify_segment("s").ok
+    with SegmentStore.open(root, **SMALL) as store:  # reopened: the gaps and the resume offset stay
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(first_lost)) + [300]
+        assert seg.get_attribute(COUNTER) == first_lost + 1
+        assert increment(seg, 301).first_offset == 301
+        assert store.repair_segment("s").repaired is False
+
+
+def test_a_damaged_header_resumes_above_a_safe_bound(tmp_path):
+    root = str(tmp_path / "store")
+    fill_counter(root, 20)
+    (chunk,) = files(root, "s", "_log.seg")
+    data = open(chunk, "rb").read()
+    last = [p for p, _h in iter_batches(data)][-1]
+    flip(chunk, last + 30)  # inside the last header: its offsets cannot be trusted
+    with SegmentStore.open(root) as store:
+        repair = store.repair_segment("s")
+        assert not repair.resume_exact and repair.first_lost_offset == 19
+        assert repair.resume_offset > 19 and repair.lost_offsets.start == 19
+        seg = store.segment("s")
+        assert increment(seg, 20).first_offset == repair.resume_offset
+        assert seg.get_attribute(COUNTER) == 20
+
+
+def test_repair_keeps_the_attributes_when_retention_removed_the_log_start(tmp_path):
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root, **SMALL) as store:
+        seg = store.segment("s", create=True)
+        for i in range(200):
+            increment(seg, i)
+        seg.apply_retention(start_offset=100)
+        for i in range(200, 220):
+            increment(seg, i)
+    last = files(root, "s", "_log.seg")[-1]
+    flip(last, os.path.getsize(last) - 1)
+    with SegmentStore.open(root, **SMALL) as store:
+        with pytest.raises(CorruptDataError):
+            store.segment("s")
+        repair = store.repair_segment("s")
+        assert not repair.attributes_rebuilt and "cannot be rebuilt" in repair.attributes
+        assert repair.lost_offsets == range(219, 220)
+        seg = store.segment("s")
+        assert seg.get_attribute(COUNTER) == 220  # the tree's values up to its checkpoint
+        assert increment(seg, 220).first_offset == 220
+
+
+def test_a_damaged_attribute_index_is_rebuilt_from_the_log(tmp_path):
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as store:
+        seg = store.segment("s", create=True)
+        for i in range(50):
+            seg.append([b"r"], [(key(i), i * 7)])
+    (index_chunk,) = files(root, "s", "_attributes.seg")
+    flip(index_chunk, 40)  # inside the first page
+    with SegmentStore.open(root) as store:
+        report = store.verify_segment("s")
+        assert not report.ok and all("_attributes" in d.where for d in report.damage)
+        repair = store.repair_segment("s")
+        assert repair.cut_at is None and repair.attributes_rebuilt and "rebuilt from the whole log" in repair.attributes
+        seg = store.segment("s")
+        assert seg.get_attributes([key(i) for i in range(50)]) == [i * 7 for i in range(50)]
+        assert store.verify_segment("s").ok
+
+
+def test_a_damaged_chunk_index_file_is_reported_and_deleted(tmp_path):
+    root = str(tmp_path / "store")
+    fill_counter(root, 300, **SMALL)
+    indexes = sorted(os.listdir(os.path.join(root, "s", "_index")))
+    path = os.path.join(root, "s", "_index", indexes[1])
+    flip(path, 20)
+    with SegmentStore.open(root, **SMALL) as store:
+        report = store.verify_segment("s")
+        assert [d.where for d in report.damage] == [f"s/_index/{indexes[1]}"]
+        repair = store.repair_segment("s")
+        assert repair.index_files_deleted == 1 and repair.cut_at is None
+        assert store.verify_segment("s").ok
+        assert len(store.segment("s").read(0, 1000)) == 300
+
+
+def test_verify_and_repair_of_a_missing_segment_say_so(tmp_path):
+    from attrindex.errors import SegmentNotFoundError
+
+    with SegmentStore.open(str(tmp_path / "store")) as store:
+        with pytest.raises(SegmentNotFoundError):
+            store.verify_segment("nope")
+        with pytest.raises(SegmentNotFoundError):
+            store.repair_segment("nope")
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_random_damage_in_the_log_never_reuses_an_acknowledged_offset(tmp_path, run):
+    """Flip a random bit anywhere in the log: opening raises or every record is intact; after
+    repair no new append gets an offset an earlier append was acknowledged with."""
+    rng = random.Random(run)
+    root = str(tmp_path / "store")
+    fill_counter(root, 150, **SMALL)
+    path = rng.choice(files(root, "s", "_log.seg"))
+    flip(path, rng.randrange(os.path.getsize(path)), 1 << rng.randrange(8))
+    with SegmentStore.open(root, **SMALL) as store:
+        assert not store.verify_segment("s").ok  # every bit of a batch is under a checksum
+        with pytest.raises(CorruptDataError):
+            store.segment("s").read(0, 1000)
+        repair = store.repair_segment("s")
+        seg = store.segment("s")
+        assert increment(seg, 150).first_offset >= 150
+        kept = [int(r.value.split(b"-")[1]) for r in seg.read(0, 1000)]
+        assert kept == list(range(repair.first_lost_offset)) + [150]
