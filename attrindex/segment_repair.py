@@ -191,6 +191,10 @@ def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
         return False, f"kept: they cover the log up to byte {checkpoint or 0}, within the kept log"
     why = ("the attribute index is damaged" if damaged else
            f"the attribute index covers the log up to byte {checkpoint}, beyond the cut at {cut}")
+    if log_start > 0 and damaged:
+        rolled = _roll_back_index(storage, name, log_start)
+        if rolled is not None:
+            return False, f"{why}: {rolled}"
     if log_start > 0:
         return False, (f"{why}, but retention removed the log below byte {log_start}, so the attributes cannot "
                        f"be rebuilt from it; the index's values up to its checkpoint are kept"
@@ -203,6 +207,23 @@ def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
     finally:
         segment.close()
     return True, f"{why}: rebuilt from the whole log ({keys} keys)"
+
+
+def _roll_back_index(storage: ChunkStorage, name: str, log_start: int) -> str | None:
+    """Roll a damaged index back to its newest intact version if the log still holds everything
+    after that version's checkpoint (opening then replays it); None if that is not possible."""
+    repair_at = getattr(AttributeIndex, "repair_at", None)  # the B+tree's own repair, if present
+    if repair_at is None:
+        return None
+    try:
+        rolled = repair_at(storage, f"{name}/{ATTRIBUTES_NAME}")
+    except CorruptDataError:
+        return None  # no intact version is left
+    checkpoint = rolled.checkpoint or 0
+    if checkpoint < log_start:
+        return None
+    return (f"rolled back to its newest intact version (checkpoint at log byte {checkpoint}); the log after "
+            f"it is replayed on open")
 
 
 def describe_repair(report: SegmentRepairReport) -> str:

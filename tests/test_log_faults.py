@@ -224,3 +224,24 @@ def test_random_damage_in_the_log_never_reuses_an_acknowledged_offset(tmp_path, 
         assert increment(seg, 150).first_offset >= 150
         kept = [int(r.value.split(b"-")[1]) for r in seg.read(0, 1000)]
         assert kept == list(range(repair.first_lost_offset)) + [150]
+
+
+def test_a_damaged_newest_index_footer_is_rebuilt_from_the_log(tmp_path):
+    """The B+tree's newest footer damaged (the segment may refuse to open, or the tree may roll
+    back): repair rebuilds the index from the log, and every value is the log's."""
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as store:
+        seg = store.segment("s", create=True)
+        for i in range(40):
+            seg.append([b"r"], [(key(i), i)])
+        seg.flush()
+        for i in range(40):
+            seg.append([b"r"], [(key(i), i + 1000)])
+    (index_chunk,) = files(root, "s", "_attributes.seg")
+    flip(index_chunk, os.path.getsize(index_chunk) - 20)  # inside the newest footer
+    with SegmentStore.open(root) as store:
+        store.repair_segment("s")
+        assert store.verify_segment("s").ok
+        seg = store.segment("s")
+        assert seg.get_attributes([key(i) for i in range(40)]) == [i + 1000 for i in range(40)]
+        assert seg.get_attribute(key(3)) == 1003
