@@ -245,3 +245,25 @@ def test_a_damaged_newest_index_footer_is_rebuilt_from_the_log(tmp_path):
         seg = store.segment("s")
         assert seg.get_attributes([key(i) for i in range(40)]) == [i + 1000 for i in range(40)]
         assert seg.get_attribute(key(3)) == 1003
+
+
+# -- class 5: a batch recognises itself ------------------------------------------------------------
+def test_every_append_call_has_its_own_batch_id_kept_across_a_lost_race(tmp_path):
+    """Two handles append identical content: their batches differ by id, so reading back after a
+    lost acknowledgement can only match the same call; a call that lost a race keeps its id."""
+    from attrindex.log.batch import read_header
+
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as one, SegmentStore.open(root) as two:
+        first, second = one.segment("s", create=True), two.segment("s")
+        first.append([b"same"], [(key(1), 5)], timestamp=9)
+        second.append([b"same"], [(key(1), 5)], timestamp=9)  # lost the race once: rebased and retried
+        first.append([b"same"], [(key(1), 5)], timestamp=9)
+    (chunk,) = files(root, "s", "_log.seg")
+    data = open(chunk, "rb").read()
+    headers = [h for _pos, h in iter_batches(data)]
+    assert [h.base_offset for h in headers] == [0, 1, 2]
+    assert len({h.batch_id for h in headers}) == 3
+    bodies = {data[p + BATCH_HEADER_SIZE:p + h.size] for p, h in iter_batches(data)}
+    assert len(bodies) == 1  # the payloads are identical: only the id tells the calls apart
+    assert all(read_header(data, p).batch_id == h.batch_id for p, h in iter_batches(data))
