@@ -247,6 +247,58 @@ def test_a_damaged_newest_index_footer_is_rebuilt_from_the_log(tmp_path):
         assert seg.get_attribute(key(3)) == 1003
 
 
+# -- class 4: work after the durable point never fails an append ---------------------------------
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_a_failed_merge_after_a_durable_append_never_fails_it(storage_url, caplog):
+    """ENOSPC on the attribute index's writes (a full disk) while an append merges tier 1: the
+    append returns (its batch is durable), the record is there exactly once, stats() shows the
+    error, flush() raises it, and a later flush succeeds once there is room again."""
+    from storage_adapters import open_storage
+    from storage_adapters.errors import StorageFullError
+    from storage_adapters.faults import FaultyStorage
+
+    url, options = storage_url
+    faulty = FaultyStorage(open_storage(url, **options), seed=1)
+    store = SegmentStore(faulty, flush_keys=1)  # every append merges tier 1 into the B+tree
+    seg = store.segment("s", create=True)
+    increment(seg, 0)
+    faulty.script("enospc", path_contains="_attributes", times=1_000_000)
+    with caplog.at_level("WARNING", logger="attrindex.segment"):
+        assert increment(seg, 1).first_offset == 1  # durable, so it returns
+    assert any("merging attribute updates" in r.getMessage() for r in caplog.records)
+    assert faulty.injected and all(i.kind == "enospc" for i in faulty.injected)
+    assert "StorageFullError" in seg.stats().merge_error
+    assert increment(seg, 2).first_offset == 2  # a retry within MERGE_RETRY_SECONDS is not tried
+    with pytest.raises(StorageFullError):
+        seg.flush()  # here the merge is what was asked
+    assert seg.get_attribute(COUNTER) == 3
+    faulty.enabled = False  # room again
+    seg.flush()
+    assert seg.stats().merge_error is None and seg.stats().pending_attributes == 0
+    store.close()
+    with SegmentStore.open(url, options) as fresh:
+        seg = fresh.segment("s")
+        assert [r.value for r in seg.read(0, 100)] == [b"rec-0", b"rec-1", b"rec-2"]
+        assert seg.get_attribute(COUNTER) == 3
+
+
+def test_close_raises_a_merge_that_still_fails(tmp_path):
+    from storage_adapters import open_storage
+    from storage_adapters.errors import StorageFullError
+    from storage_adapters.faults import FaultyStorage
+
+    root = str(tmp_path / "store")
+    faulty = FaultyStorage(open_storage(root), seed=2)
+    seg = SegmentStore(faulty, flush_keys=1).segment("s", create=True)
+    faulty.script("enospc", path_contains="_attributes", times=1_000_000)
+    increment(seg, 0)
+    with pytest.raises(StorageFullError):
+        seg.close()
+    assert seg.closed
+    with SegmentStore.open(root) as store:  # the log has it: replayed on open
+        assert store.segment("s").get_attribute(COUNTER) == 1
+
+
 # -- class 5: a batch recognises itself ------------------------------------------------------------
 def test_every_append_call_has_its_own_batch_id_kept_across_a_lost_race(tmp_path):
     """Two handles append identical content: their batches differ by id, so reading back after a
