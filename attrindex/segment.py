@@ -22,7 +22,8 @@ import attrs
 
 from .attribute_index import AttributeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
-from .errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
+from .errors import (BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError,
+                     StorageError)
 from .keys import to_key
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
                          rebase_batch)
@@ -37,6 +38,7 @@ DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
 DEFAULT_READ_BYTES = 4 << 20
+MAX_APPEND_RACES = 10_000  #: lost compare-and-append races in a row before an append gives up
 MERGE_RETRY_SECONDS = 1.0  #: after a failed background merge, appends wait this long before retrying it
 
 _log = logging.getLogger("attrindex.segment")
@@ -179,7 +181,7 @@ class Segment:
             self._check_open()
             fresh = False
             encoded = None  # (keys, values, batch) of the last try: a lost race needs only a rebase
-            while True:
+            for _lap in _bounded_races(self.name):
                 try:
                     keys, values = replacements if updates is None else resolve_updates(updates, self._current_values)
                 except ConditionalUpdateError:
@@ -437,7 +439,7 @@ class Segment:
 
     def _append_empty_batch(self, timestamp: int) -> int:
         """Append a batch with no records and no updates; return its byte position."""
-        while True:
+        for _lap in _bounded_races(self.name):
             data = encode_batch(self._log.next_offset, [], timestamp=timestamp)
             try:
                 return self._log.append(data, read_header(data))
@@ -495,6 +497,14 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, next_offset={self._log.next_offset})"
+
+
+def _bounded_races(name: str) -> Iterator[int]:
+    """Laps of an append loop: each lost race means another writer appended; give up after
+    ``MAX_APPEND_RACES`` of them with a clear error rather than spin."""
+    yield from range(MAX_APPEND_RACES)
+    raise StorageError(f"segment {name!r}: an append lost the race to other writers {MAX_APPEND_RACES} times "
+                       f"in a row; nothing of it was written")
 
 
 def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[bytes], list[int | None]]]:
