@@ -379,3 +379,31 @@ def test_an_append_that_keeps_losing_races_gives_up_with_a_clear_error(tmp_path,
         monkeypatch.setattr(attrindex.segment, "MAX_APPEND_RACES", 10_000)
         assert stale.append([b"mine"]).first_offset == 1
         assert [r.value for r in stale.read(0)] == [b"first", b"mine"]
+
+
+def test_gap_markers_written_by_older_versions_are_still_honoured(storage_url):
+    """Older versions cut a garbage tail by writing a gap marker and appending after it: such a
+    log still reads, with the offsets it was written with."""
+    from storage_adapters import RollingSegment, open_storage
+    from storage_adapters.rolling import chunk_name
+
+    from attrindex.log.batch import encode_batch
+
+    url, options = storage_url
+    storage = open_storage(url, **options)
+    with SegmentStore(storage) as store:
+        seg = store.segment("s", create=True)
+        for i in range(10):
+            seg.append([b"old-%d" % i], [(key(i), i)])
+    log = RollingSegment(storage, "s/_log")
+    start = log.append(b"\x00garbage that a torn write left\x00")
+    end = log.length
+    storage.put_marker(f"s/_gaps/{chunk_name(start)}-{chunk_name(end)}")
+    for i in range(10, 13):
+        log.append(encode_batch(i, [b"new-%d" % i], timestamp=i, attribute_updates=([key(i)], [i])))
+    with SegmentStore(open_storage(url, **options)) as store:
+        seg = store.segment("s")
+        assert [r.value for r in seg.read(0, 100)] == [b"old-%d" % i for i in range(10)] + [b"new-%d" % i for i in range(10, 13)]
+        assert seg.next_offset == 13 and seg.get_attribute(key(12)) == 12
+        assert store.verify_segment("s").ok
+        assert seg.append([b"next"]).first_offset == 13
