@@ -69,7 +69,14 @@ def scan_log(log: SegmentLog) -> LogScan:
         if position >= chunk.end:
             continue
         low = max(chunk.start, start)
-        buf = log.bytes.read(low, chunk.end - low)
+        try:
+            buf = log.bytes.read(low, chunk.end - low)
+        except CorruptDataError as exc:  # the storage itself says the chunk is damaged (short, say)
+            damage.append(Damage(_chunk_where(log, chunk.start), position, chunk.end, str(exc)))
+            if first_damage is None:
+                first_damage, offset_at_damage = position, next_offset if next_offset is not None else 0
+            position = chunk.end
+            continue
         read += len(buf)
         pos = position - low
         while pos < len(buf):  # bounded: every lap moves pos forward
@@ -147,7 +154,10 @@ def resume_offset(log: SegmentLog, start: int, first_lost: int) -> tuple[int, bo
         if chunk.end <= start:
             continue
         low = max(chunk.start, start)
-        buf = log.bytes.read(low, chunk.end - low)
+        try:
+            buf = log.bytes.read(low, chunk.end - low)
+        except CorruptDataError:
+            continue  # unreadable: its bytes stay unknown (bounded below)
         i = buf.find(BATCH_MAGIC)
         while i != -1 and len(buf) - i >= BATCH_HEADER_SIZE:  # bounded: i moves forward
             try:
