@@ -14,7 +14,7 @@ from storage_adapters.rolling import chunk_name
 
 from ..damage import Damage
 from ..errors import CorruptDataError
-from .batch import BATCH_HEADER_SIZE, BATCH_MAGIC, check_batch, read_header
+from .batch import BATCH_HEADER_SIZE, BATCH_MAGIC, check_batch, decode_attribute_updates, read_header
 from .segment_log import GAP_DIR, INDEX_DIR, LOG_DIR, SegmentLog
 from .sparse_index import decode_chunk_index
 
@@ -90,6 +90,8 @@ def scan_log(log: SegmentLog) -> LogScan:
                 if header is None:
                     raise CorruptDataError(f"a batch runs past byte {chunk.end}, the end of its chunk")
                 check_batch(buf, pos, header, position=low, segment=log.segment)
+                # decodes the updates and length-checks every record column (decompressing)
+                decode_attribute_updates(buf, pos, header, position=low, segment=log.segment, verify=False)
                 if next_offset is not None and header.base_offset < next_offset:
                     raise CorruptDataError(f"base offset {header.base_offset} is below the previous batch's "
                                            f"next offset {next_offset}")
