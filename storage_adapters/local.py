@@ -11,6 +11,7 @@ skipped: the newest valid record wins.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -21,7 +22,7 @@ from typing import Iterator
 from fsspec.implementations.local import LocalFileSystem
 
 from .base import ChunkStorage
-from .errors import ChunkExistsError, CorruptDataError, StorageError
+from .errors import ChunkExistsError, CorruptDataError, StorageError, StorageFullError
 
 COMMIT_SUFFIX = ".commit"
 LOCK_NAME = ".lock"
@@ -64,6 +65,25 @@ def _write_all(fd: int, data: bytes, position: int) -> None:
         view, position = view[written:], position + written
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def os_errors(operation: str, path: str, *, missing: bool = False) -> Iterator[None]:
+    """Turn an ``OSError`` into a ``StorageError`` naming ``path`` (``StorageFullError`` for ENOSPC
+    and quotas); with ``missing=True`` a ``FileNotFoundError`` passes through, as the interface says."""
+    try:
+        yield
+    except FileNotFoundError:
+        if missing:
+            raise
+        raise StorageError(f"local storage: {operation} of {path!r}: no such file or directory") from None
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise StorageFullError(f"local storage: {operation} of {path!r}: {exc.strerror}") from exc
+        raise StorageError(f"local storage: {operation} of {path!r} failed: {exc}") from exc
+
+
 def _fsync_directory(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -92,7 +112,17 @@ class LocalChunkStorage(ChunkStorage):
     def list_files(self, directory: str) -> dict[str, int]:
         base = self._abs(directory)
         found: dict[str, int] = {}
-        for dirpath, _dirnames, filenames in os.walk(base):
+        with os_errors("listing", directory):
+            self._walk(base, found)
+        return found
+
+    @staticmethod
+    def _walk(base: str, found: dict[str, int]) -> None:
+        def fail(exc: OSError) -> None:
+            if not isinstance(exc, FileNotFoundError):  # a directory deleted meanwhile is empty
+                raise exc
+
+        for dirpath, _dirnames, filenames in os.walk(base, onerror=fail):
             rel_dir = os.path.relpath(dirpath, base)
             for name in filenames:
                 if name.endswith(COMMIT_SUFFIX) or name == LOCK_NAME:
@@ -100,10 +130,9 @@ class LocalChunkStorage(ChunkStorage):
                 rel = name if rel_dir == "." else f"{rel_dir}/{name}"
                 with contextlib.suppress(FileNotFoundError):
                     found[rel] = os.stat(os.path.join(dirpath, name)).st_size
-        return found
 
     def read(self, path: str, start: int, end: int) -> bytes:
-        with open(self._abs(path), "rb") as f:
+        with os_errors("read", path, missing=True), open(self._abs(path), "rb") as f:
             end = min(end, os.fstat(f.fileno()).st_size)  # a huge end must not become a huge buffer
             if end <= start:
                 return b""
@@ -115,45 +144,54 @@ class LocalChunkStorage(ChunkStorage):
 
     def committed_size(self, path: str) -> int:
         target = self._abs(path)
-        try:
-            fd = os.open(target + COMMIT_SUFFIX, os.O_RDONLY)
-        except FileNotFoundError:
-            if not os.path.exists(target):
-                raise
-            return 0  # created by a writer that died before its first commit
-        try:
-            return _last_commit(fd)[1]
-        finally:
-            os.close(fd)
+        with os_errors("committed size", path, missing=True):
+            try:
+                fd = os.open(target + COMMIT_SUFFIX, os.O_RDONLY)
+            except FileNotFoundError:
+                if not os.path.exists(target):
+                    raise
+                return 0  # created by a writer that died before its first commit
+            try:
+                return _last_commit(fd)[1]
+            finally:
+                os.close(fd)
 
     # -- writing -------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:
         target = self._abs(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            raise ChunkExistsError(path) from None
-        try:
-            _write_all(fd, data, 0)
-            if self.sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if self.sync:
-            _fsync_directory(os.path.dirname(target))
+        with os_errors("create", path):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            try:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                raise ChunkExistsError(path) from None
+            try:
+                try:
+                    _write_all(fd, data, 0)
+                    if self.sync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                if self.sync:
+                    _fsync_directory(os.path.dirname(target))
+            except OSError:
+                # A whole file or none: a partial one would read as a short or torn object.
+                with contextlib.suppress(OSError):
+                    os.unlink(target)
+                raise
 
     def put_marker(self, path: str) -> None:
         target = self._abs(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
-        if self.sync:
-            _fsync_directory(os.path.dirname(target))
+        with os_errors("marker", path):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+            if self.sync:
+                _fsync_directory(os.path.dirname(target))
 
     def delete(self, paths: list[str]) -> None:
         for path in paths:
             for victim in (self._abs(path), self._abs(path) + COMMIT_SUFFIX):
-                with contextlib.suppress(FileNotFoundError):
+                with os_errors("delete", path), contextlib.suppress(FileNotFoundError):
                     os.unlink(victim)
 
     def remove_directory(self, directory: str) -> None:
@@ -162,15 +200,21 @@ class LocalChunkStorage(ChunkStorage):
     @contextlib.contextmanager
     def lock(self, directory: str) -> Iterator[None]:
         base = self._abs(directory)
-        os.makedirs(base, exist_ok=True)
-        fd = os.open(os.path.join(base, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        with os_errors("lock", directory):
+            os.makedirs(base, exist_ok=True)
+            fd = os.open(os.path.join(base, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            with os_errors("lock", directory):
+                fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # closing releases the flock
 
     def append(self, path: str, position: int, data: bytes) -> None:
+        with os_errors("append", path):
+            self._append(path, position, data)
+
+    def _append(self, path: str, position: int, data: bytes) -> None:
         target = self._abs(path)
         created = not os.path.exists(target)
         if created and position != 0:
@@ -201,10 +245,16 @@ class LocalChunkStorage(ChunkStorage):
                     "(a writer appended without holding the segment lock?)"
                 )
             offset = slot * COMMIT_RECORD_SIZE
-            _write_all(fd, encode_commit_record(size), offset)
-            if os.fstat(fd).st_size > offset + COMMIT_RECORD_SIZE:
-                os.ftruncate(fd, offset + COMMIT_RECORD_SIZE)
-            if self.sync:
-                os.fdatasync(fd)
+            try:
+                _write_all(fd, encode_commit_record(size), offset)
+                if os.fstat(fd).st_size > offset + COMMIT_RECORD_SIZE:
+                    os.ftruncate(fd, offset + COMMIT_RECORD_SIZE)
+                if self.sync:
+                    os.fdatasync(fd)
+            except OSError:
+                # Not durable: take the record back so no reader counts the append as committed.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, offset)
+                raise
         finally:
             os.close(fd)

@@ -8,12 +8,14 @@ module checks, once per process, that an exclusive create of an existing object 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from .base import ChunkStorage, relative_paths
-from .errors import ChunkExistsError, ExclusiveCreateUnsupportedError, StorageError
+from .errors import ChunkExistsError, ExclusiveCreateUnsupportedError, OutcomeUnknownError, StorageError
 
 _PROBED_GUARD = threading.Lock()
 _PROBED: dict[tuple[str, str], bool] = {}
@@ -29,6 +31,59 @@ def probe_exclusive_create(fs: Any, path: str) -> bool:
     finally:
         fs.rm_file(path)
     return False
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What s3fs lets through untranslated: botocore's, aiohttp's and asyncio's own errors."""
+    import aiohttp
+    import botocore.exceptions
+
+    return (OSError, botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
+            aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status of the response behind ``exc`` (s3fs keeps the ClientError as the cause)."""
+    import botocore.exceptions
+
+    while exc is not None:
+        if isinstance(exc, botocore.exceptions.ClientError):
+            return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _never_sent(exc: BaseException) -> bool:
+    """Whether the request certainly did not reach S3 (the connection was never made)."""
+    import botocore.exceptions
+
+    return isinstance(exc, (botocore.exceptions.EndpointConnectionError, ConnectionRefusedError))
+
+
+@contextlib.contextmanager
+def s3_errors(operation: str, path: str, *, missing: bool = False, write: bool = False) -> Iterator[None]:
+    """Turn s3fs/botocore/aiohttp errors into ``StorageError`` naming ``path``.
+
+    ``missing=True`` lets ``FileNotFoundError`` through. With ``write=True`` an error that may have
+    come after the request was sent (no response, or a 5xx) is ``OutcomeUnknownError``: the write may
+    have happened; a refusal (a 4xx) or a connection never made is a definite ``StorageError``.
+    """
+    try:
+        yield
+    except StorageError:
+        raise
+    except FileNotFoundError:
+        if missing:
+            raise
+        raise StorageError(f"S3: {operation} of {path!r}: no such bucket or key") from None
+    except _transport_errors() as exc:
+        status = _http_status(exc)
+        refused = status is not None and status < 500
+        if write and not refused and not _never_sent(exc):
+            raise OutcomeUnknownError(
+                f"S3: {operation} of {path!r} may or may not have happened: {type(exc).__name__}: {exc}"
+            ) from exc
+        raise StorageError(f"S3: {operation} of {path!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
 class S3ChunkStorage(ChunkStorage):
@@ -55,46 +110,49 @@ class S3ChunkStorage(ChunkStorage):
     def list_files(self, directory: str) -> dict[str, int]:
         base = self._abs(directory)
         try:
-            found = self.fs.find(base, detail=True)
+            with s3_errors("listing", base, missing=True):
+                found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return {}
         return relative_paths(base, ((path, info["size"]) for path, info in found.items()))
 
     def read(self, path: str, start: int, end: int) -> bytes:
-        try:
-            return self.fs.cat_file(self._abs(path), start=start, end=end)
-        except OSError:
-            # S3 refuses a range that starts past the end (416); the other backends give b"".
-            if start >= self.fs.size(self._abs(path)):  # a missing file raises FileNotFoundError here
-                return b""
-            raise
+        with s3_errors("read", self._abs(path), missing=True):
+            try:
+                return self.fs.cat_file(self._abs(path), start=start, end=end)
+            except FileNotFoundError:
+                raise
+            except OSError:
+                # S3 refuses a range that starts past the end (416); the other backends give b"".
+                if start >= self.fs.size(self._abs(path)):  # a missing file raises FileNotFoundError here
+                    return b""
+                raise
 
     def exists(self, path: str) -> bool:
-        return self.fs.exists(self._abs(path))
+        with s3_errors("exists", self._abs(path)):
+            return self.fs.exists(self._abs(path))
 
     # -- writing -------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:
         self._ensure_exclusive_create()
-        try:
-            self.fs.pipe_file(self._abs(path), bytes(data), mode="create")
-        except FileExistsError:
-            raise ChunkExistsError(self._abs(path)) from None
+        with s3_errors("create", self._abs(path), write=True):
+            try:
+                self.fs.pipe_file(self._abs(path), bytes(data), mode="create")
+            except FileExistsError:
+                raise ChunkExistsError(self._abs(path)) from None
 
     def put_marker(self, path: str) -> None:
-        self.fs.pipe_file(self._abs(path), b"")
+        with s3_errors("marker", self._abs(path), write=True):
+            self.fs.pipe_file(self._abs(path), b"")
 
     def delete(self, paths: list[str]) -> None:
         if paths:
-            try:
+            with s3_errors("delete", self._abs(paths[0]), write=True), contextlib.suppress(FileNotFoundError):
                 self.fs.rm([self._abs(p) for p in paths])
-            except FileNotFoundError:
-                pass
 
     def remove_directory(self, directory: str) -> None:
-        try:
+        with s3_errors("delete", self._abs(directory), write=True), contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._abs(directory), recursive=True)
-        except FileNotFoundError:
-            pass
 
     def _ensure_exclusive_create(self) -> None:
         key = (self._endpoint, self.bucket)
@@ -103,7 +161,8 @@ class S3ChunkStorage(ChunkStorage):
             if refused is None:
                 probe_path = f"{self.root}/.attrindex-probe-{uuid.uuid4().hex}"
                 try:
-                    refused = probe_exclusive_create(self.fs, probe_path)
+                    with s3_errors("probe", probe_path, missing=True):
+                        refused = probe_exclusive_create(self.fs, probe_path)
                 except FileNotFoundError as exc:
                     raise StorageError(f"S3 bucket {self.bucket!r} does not exist at {self._endpoint}") from exc
                 _PROBED[key] = refused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,8 +12,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from storage_adapters import (
     ExclusiveCreateUnsupportedError,
     InvalidInputError,
+    OutcomeUnknownError,
     RollingSegment,
     StorageError,
+    StorageFullError,
     UnsupportedSchemeError,
     open_storage,
 )
@@ -20,7 +23,7 @@ from storage_adapters.local import LocalChunkStorage
 from storage_adapters.memory import MemoryChunkStorage
 from storage_adapters.s3 import S3ChunkStorage, probe_exclusive_create
 
-from .conftest import make_s3_url
+from .conftest import S3_KEY, S3_SECRET, _free_port, make_s3_url
 
 
 def test_schemes_pick_backends(tmp_path, s3_options):
@@ -143,3 +146,69 @@ def test_local_sync_option(tmp_path):
     assert RollingSegment(open_storage(str(tmp_path)), "s").read(0, 3) == b"abc"
     with pytest.raises(InvalidInputError, match="sync"):
         open_storage(str(tmp_path), sync="maybe")
+
+
+# -- the error contract: only FileNotFoundError (where promised), ChunkExistsError and StorageError --
+def test_local_full_disk_is_storage_full_error(tmp_path):
+    """ENOSPC (here from /dev/full behind a chunk's name) is StorageFullError naming the chunk."""
+    storage = open_storage(str(tmp_path))
+    (tmp_path / "d").mkdir()
+    os.symlink("/dev/full", tmp_path / "d" / "c")
+    with pytest.raises(StorageFullError, match="d/c") as caught:
+        storage.append("d/c", 0, b"data")
+    assert not isinstance(caught.value, OSError)
+
+
+def test_local_os_errors_are_storage_errors_naming_the_file(tmp_path):
+    storage = open_storage(str(tmp_path))
+    (tmp_path / "d").write_bytes(b"a file where a directory should be")
+    calls = {
+        "append": lambda: storage.append("d/c", 0, b"x"),
+        "create": lambda: storage.create("d/c", b"x"),
+        "put_marker": lambda: storage.put_marker("d/m"),
+        "read": lambda: storage.read("d/c", 0, 1),
+        "committed_size": lambda: storage.committed_size("d/c"),
+        "list_files": lambda: storage.list_files("d"),
+        "lock": lambda: storage.lock("d").__enter__(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(StorageError, match="'d") as caught:
+            call()
+        assert not isinstance(caught.value, OSError), name
+    with pytest.raises(FileNotFoundError):  # promised by the interface for a missing file
+        storage.read("missing", 0, 1)
+    with pytest.raises(FileNotFoundError):
+        storage.committed_size("missing")
+    assert storage.list_files("no/such/dir") == {}
+
+
+def test_s3_unreachable_endpoint_is_a_storage_error():
+    storage = open_storage("s3://nowhere/data", endpoint_url=f"http://127.0.0.1:{_free_port()}",
+                           key=S3_KEY, secret=S3_SECRET,
+                           config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1})
+    for call in (lambda: storage.list_files("s.seg"), lambda: storage.read("s.seg/x", 0, 1),
+                 lambda: storage.create("s.seg/x", b"x"), lambda: storage.exists("s.seg/x")):
+        with pytest.raises(StorageError) as caught:
+            call()
+        assert not isinstance(caught.value, (OSError, OutcomeUnknownError))
+
+
+def test_s3_lost_response_to_a_create_is_an_unknown_outcome(s3_options):
+    """The PUT lands but the connection drops before its response: the caller cannot know."""
+    import aiohttp
+
+    storage = open_storage(make_s3_url(s3_options), **s3_options)
+    storage.create("d/first", b"probe done")  # the exclusive-create probe is behind us
+    events = storage.fs.s3.meta.events
+
+    def drop_response(http_response, **_):
+        events.unregister("after-call.s3.PutObject", drop_response)
+        raise aiohttp.ServerDisconnectedError()
+
+    events.register("after-call.s3.PutObject", drop_response)
+    try:
+        with pytest.raises(OutcomeUnknownError, match="d/chunk"):
+            storage.create("d/chunk", b"payload")
+    finally:
+        events.unregister("after-call.s3.PutObject", drop_response)
+    assert storage.read("d/chunk", 0, 100) == b"payload"
