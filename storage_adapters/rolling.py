@@ -14,6 +14,7 @@ the last chunk, so the segment's length can always be recovered from its chunks 
 from __future__ import annotations
 
 import bisect
+import logging
 import re
 import threading
 
@@ -26,15 +27,20 @@ from .errors import (
     CorruptDataError,
     InvalidInputError,
     OffsetOutOfRangeError,
+    OutcomeUnknownError,
     StorageError,
     TruncatedError,
 )
+
+_log = logging.getLogger("attrindex.storage")
 
 DEFAULT_ROLLING_SIZE = 32 << 20
 SEGMENT_SUFFIX = ".seg"
 TRUNCATION_DIR = "truncation"
 _CHUNK_NAME = re.compile(r"\d{20}")
 _NAME_COMPONENT = re.compile(r"[A-Za-z0-9_=+@$-][A-Za-z0-9_.=+@$-]*")
+#: Bound on the create attempts of one object append (each lost race or unsettled write is one).
+MAX_APPEND_ATTEMPTS = 100
 
 
 def chunk_name(offset: int) -> str:
@@ -177,10 +183,43 @@ class RollingSegment:
                 self._chunks.append(last)
                 # Rolling is rare: learn of truncations elsewhere so the old chunk can go if dead.
                 self._start_offset = max(self._start_offset, self._stored_start_offset())
-            self.storage.append(f"{self._dir}/{last.name}", last.length, data)
+            path = f"{self._dir}/{last.name}"
+            try:
+                self.storage.append(path, last.length, data)
+            except StorageError as exc:
+                self._settle_in_place(path, last.length, data, exc)  # returns only if the append is there
             self._chunks[-1] = ChunkInfo(last.start, last.length + len(data), last.name)
-        self._drop_truncated_predecessor()
+        self._after_durable_append()
         return offset
+
+    def _settle_in_place(self, path: str, position: int, data: bytes, error: StorageError) -> None:
+        """Under the writers' lock, after ``append`` raised: decide by reading whether it happened.
+
+        Committed and identical: it did (return). Committed size unchanged: it did not (raise a
+        definite error). Anything else, or a failed read: ``OutcomeUnknownError``.
+        """
+        try:
+            try:
+                committed = self.storage.committed_size(path)
+            except FileNotFoundError:
+                committed = 0
+            ours = committed == position + len(data) and self.storage.read(path, position, committed) == data
+        except (StorageError, FileNotFoundError) as exc:
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: append to {path!r} failed ({error}) and reading back failed too ({exc})"
+            ) from error
+        if ours:
+            _log.warning("segment %r: append to %r raised %s but its bytes are committed; accepted",
+                         self.name, path, type(error).__name__)
+            return
+        if committed != position:
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: append to {path!r} at {position} failed ({error}) and the chunk's "
+                f"committed size is now {committed}"
+            ) from error
+        if isinstance(error, OutcomeUnknownError):
+            raise StorageError(f"segment {self.name!r}: the append did not happen ({error})") from error
+        raise error
 
     def _catch_up(self) -> None:
         """Under the writers' lock: bring the tail of the view up to date with a few stats."""
@@ -201,7 +240,8 @@ class RollingSegment:
             self._chunks.append(last)
 
     def _append_object(self, data: bytes, expected_offset: int | None) -> int:
-        while True:
+        retried_unknown = False
+        for _attempt in range(MAX_APPEND_ATTEMPTS):
             if expected_offset is not None and expected_offset != self.length:
                 self.refresh()
                 if expected_offset != self.length:
@@ -210,33 +250,90 @@ class RollingSegment:
             path = f"{self._dir}/{chunk_name(offset)}"
             try:
                 self.storage.create(path, data)
-            except ChunkExistsError:
-                self.refresh()
-                if expected_offset is not None:
-                    raise BadOffsetError(self.name, expected_offset, self.length) from None
-                continue
-            # A name below the truncation offset may have been freed and re-created by this (stale)
-            # handle: its offset was taken and truncated away meanwhile. Undo and report the race.
-            start_offset = self._stored_start_offset()
+            except StorageError as exc:
+                found = self._settle_object(path, data, exc)
+                if found == "absent" and isinstance(exc, OutcomeUnknownError) and not retried_unknown:
+                    retried_unknown = True  # nothing is there: an exclusive create is safe to repeat
+                    continue
+                if found == "absent" and not isinstance(exc, ChunkExistsError):
+                    if isinstance(exc, OutcomeUnknownError):
+                        raise StorageError(f"segment {self.name!r}: the append did not happen ({exc})") from exc
+                    raise
+                if found != "ours":  # another writer's chunk, or one truncated away meanwhile
+                    self.refresh()
+                    if expected_offset is not None:
+                        raise BadOffsetError(self.name, expected_offset, self.length) from None
+                    continue
+            start_offset = self._stored_start_offset_after_write(path)
             if start_offset > offset:
-                self.storage.delete([path])
+                # A name below the truncation offset may have been freed and re-created by this
+                # (stale) handle: its offset was taken and truncated away meanwhile. Undo, report.
+                self._delete_quietly(path)
                 self.refresh()
                 if expected_offset is not None:
                     raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated")
                 continue
             self._chunks.append(ChunkInfo(offset, len(data), chunk_name(offset)))
             self._start_offset = max(self._start_offset, start_offset)
-            self._drop_truncated_predecessor()
+            self._after_durable_append()
             return offset
+        raise StorageError(
+            f"segment {self.name!r}: gave up appending after {MAX_APPEND_ATTEMPTS} attempts; other writers "
+            "kept taking the offset (nothing of this append was written)"
+        )
+
+    def _settle_object(self, path: str, data: bytes, error: StorageError) -> str:
+        """After ``create`` raised: ``"ours"`` if the object holds exactly ``data``, ``"theirs"`` if it
+        holds other bytes, ``"absent"`` if there is none; ``OutcomeUnknownError`` if it cannot be read."""
+        try:
+            stored = self.storage.read(path, 0, len(data) + 1)
+        except FileNotFoundError:
+            return "absent"
+        except StorageError as exc:
+            if isinstance(error, ChunkExistsError):
+                raise  # a definite read error; the create itself wrote nothing of ours
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: create of {path!r} failed ({error}) and reading it back failed ({exc})"
+            ) from error
+        if stored == data:
+            _log.warning("segment %r: create of %r raised %s but the object holds this append; accepted",
+                         self.name, path, type(error).__name__)
+            return "ours"
+        return "theirs"
+
+    def _stored_start_offset_after_write(self, path: str) -> int:
+        """The stored truncation offset, read after a durable create (so a failure is an unknown outcome)."""
+        try:
+            return self._stored_start_offset()
+        except StorageError as exc:
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: {path!r} was written but the truncation offset could not be "
+                f"checked ({exc}); read the segment before appending again"
+            ) from exc
+
+    def _delete_quietly(self, path: str) -> None:
+        try:
+            self.storage.delete([path])
+        except StorageError as exc:
+            _log.warning("segment %r: could not delete %r written below the truncation offset: %s", self.name, path, exc)
+
+    def _after_durable_append(self) -> None:
+        """Housekeeping after the append is durable: it must never turn the append into an error."""
+        try:
+            self._drop_truncated_predecessor()
+        except StorageError as exc:
+            _log.warning("segment %r: could not delete a truncated chunk (retried on a later append): %s", self.name, exc)
 
     def _drop_truncated_predecessor(self) -> None:
-        """Delete the chunk before the last if it lies wholly below the start offset.
+        """Delete the chunks before the last that lie wholly below the start offset.
 
-        ``truncate`` keeps the last chunk; once an append starts a new one, the old one can go.
+        ``truncate`` keeps the last chunk; once an append starts a new one, the old one can go
+        (and any whose deletion failed earlier).
         """
-        if len(self._chunks) >= 2 and self._chunks[-2].end <= self._start_offset:
-            self.storage.delete([f"{self._dir}/{self._chunks[-2].name}"])
-            del self._chunks[-2]
+        dead = [c for c in self._chunks[:-1] if c.end <= self._start_offset]
+        if dead:
+            self.storage.delete([f"{self._dir}/{c.name}" for c in dead])
+            self._chunks = self._chunks[len(dead):]
 
     def _stored_start_offset(self) -> int:
         files = self.storage.list_files(f"{self._dir}/{TRUNCATION_DIR}")

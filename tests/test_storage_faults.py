@@ -146,3 +146,130 @@ def test_bad_arguments_are_refused(storage):
     with pytest.raises(InvalidInputError):
         faulty.script("torn", times=0)
     assert set(FAULT_KINDS) == {"fail_before", "lost_ack", "torn", "enospc", "latency", "bitflip_read"}
+
+
+# -- RollingSegment under faults: ambiguous outcomes are settled by reading, never by re-applying --
+def _write_op(storage) -> str:
+    return "append" if storage.appendable else "create"
+
+
+def _stored(storage, name="s") -> bytes:
+    fresh = RollingSegment(storage, name)
+    return fresh.read(fresh.start_offset, fresh.length - fresh.start_offset)
+
+
+@pytest.mark.parametrize("expected", [True, False])
+def test_lost_ack_append_returns_its_offset_once(storage, expected):
+    faulty = FaultyStorage(storage, seed=1)
+    seg = RollingSegment(faulty, "s")
+    seg.append(b"a;")
+    faulty.script("lost_ack", op=_write_op(storage))
+    assert seg.append(b"bb;", expected_offset=2 if expected else None) == 2
+    assert seg.append(b"c;") == 5
+    assert _stored(storage) == b"a;bb;c;"
+    assert [i.kind for i in faulty.injected] == ["lost_ack"]
+
+
+@pytest.mark.parametrize("kind", ["fail_before", "enospc", "torn"])
+def test_a_failed_write_is_a_definite_error_and_leaves_nothing(storage, kind):
+    faulty = FaultyStorage(storage, seed=2)
+    seg = RollingSegment(faulty, "s", rolling_size=4)
+    seg.append(b"abcd")
+    faulty.script(kind, op=_write_op(storage))
+    with pytest.raises(StorageError) as caught:
+        seg.append(b"efgh;", expected_offset=4)
+    assert not isinstance(caught.value, OutcomeUnknownError)
+    assert isinstance(caught.value, StorageFullError) == (kind == "enospc")
+    assert _stored(storage) == b"abcd"
+    assert seg.append(b"ij;", expected_offset=4) == 4
+    assert _stored(storage) == b"abcdij;"
+
+
+def test_an_unreadable_outcome_is_reported_unknown(storage):
+    faulty = FaultyStorage(storage, seed=3)
+    seg = RollingSegment(faulty, "s")
+    seg.append(b"a;")
+    faulty.script("lost_ack", op=_write_op(storage))
+    faulty.script("fail_before", op="read")  # the read-back cannot settle it
+    with pytest.raises(OutcomeUnknownError):
+        seg.append(b"bb;", expected_offset=2)
+    assert _stored(storage) == b"a;bb;"  # it did happen: "unknown" was the honest answer
+
+
+def test_another_writers_chunk_after_a_lost_ack_is_not_taken_for_ours():
+    """On an object store, the bytes at the offset decide: different bytes are someone else's."""
+    from storage_adapters import BadOffsetError, open_storage
+
+    inner = open_storage(f"memory://faults-{uuid.uuid4().hex}")
+    faulty = FaultyStorage(inner, seed=4)
+    faulty.appendable = False  # memory's exclusive create makes it an object store
+    seg = RollingSegment(faulty, "s")
+    inner.create("s.seg/" + "0" * 20, b"theirs;")  # lands while our handle is stale
+    with pytest.raises(BadOffsetError) as caught:
+        seg.append(b"ours;", expected_offset=0)
+    assert caught.value.actual_offset == 7
+    assert seg.append(b"ours;") == 7
+    assert _stored(inner) == b"theirs;ours;"
+
+
+class _LaggingListing(FaultyStorage):
+    """An object store whose listings never show new chunks (a stale cache or a lagging index)."""
+
+    def list_files(self, directory):
+        return {}
+
+
+def test_object_append_loop_is_bounded():
+    from storage_adapters import open_storage
+    from storage_adapters.rolling import MAX_APPEND_ATTEMPTS
+
+    inner = open_storage(f"memory://faults-{uuid.uuid4().hex}")
+    lagging = _LaggingListing(inner, seed=5)
+    lagging.appendable = False
+    seg = RollingSegment(lagging, "s")
+    inner.create("s.seg/" + "0" * 20, b"someone else's chunk")
+    with pytest.raises(StorageError, match=f"after {MAX_APPEND_ATTEMPTS} attempts"):
+        seg.append(b"mine")
+    assert _stored(inner) == b"someone else's chunk"
+
+
+@pytest.mark.parametrize("expected", [True, False])
+def test_s3_put_lands_response_lost_retry_gets_412(s3_options, expected):
+    """The exact sequence of issue 10, class 5, through s3fs's own retry on moto's server."""
+    from botocore.parsers import ResponseParserError
+
+    from storage_adapters import open_storage
+
+    from .conftest import make_s3_url
+
+    storage = open_storage(make_s3_url(s3_options), **s3_options)
+    seg = RollingSegment(storage, "s")
+    seg.append(b"first;")
+    events = storage.fs.s3.meta.events
+    statuses = []
+
+    def lose_response(http_response, **_):
+        statuses.append(http_response.status_code)
+        if len(statuses) == 1:  # the PUT succeeded; the client never sees it
+            raise ResponseParserError("connection dropped while reading the response")
+
+    events.register("after-call.s3.PutObject", lose_response)
+    try:
+        assert seg.append(b"second;", expected_offset=6 if expected else None) == 6
+    finally:
+        events.unregister("after-call.s3.PutObject", lose_response)
+    assert statuses == [200, 412]  # s3fs retried; the retry was refused
+    assert seg.append(b"third;") == 13
+    assert _stored(storage) == b"first;second;third;"
+
+
+def test_housekeeping_after_the_durable_point_never_fails_the_append(storage):
+    faulty = FaultyStorage(storage, seed=6)
+    seg = RollingSegment(faulty, "s", rolling_size=4)
+    seg.append(b"abcd")
+    seg.truncate(4)  # the last chunk is kept until an append starts the next one
+    faulty.script("fail_before", op="delete")
+    assert seg.append(b"efgh") == 4  # deleting the dead chunk failed: logged, not raised
+    assert seg.append(b"ijkl") == 8  # and retried here
+    assert _stored(storage) == b"efghijkl"
+    assert "0" * 20 not in storage.list_files("s.seg")
