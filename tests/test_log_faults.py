@@ -302,6 +302,53 @@ def test_close_raises_a_merge_that_still_fails(tmp_path):
 
 
 # -- class 5: a batch recognises itself ------------------------------------------------------------
+def test_lost_acknowledgements_on_log_appends_neither_duplicate_nor_fail(storage_url):
+    """Every log write's response is lost (the write happened), for two writers racing on the
+    same segment: each append returns once, offsets are contiguous, no record is duplicated and
+    the ACCUMULATE total is exact."""
+    import threading
+
+    from storage_adapters import open_storage
+    from storage_adapters.faults import FaultyStorage
+
+    url, options = storage_url
+    per_writer, writers = 12, 2
+    stores, faults = [], []
+    for seed in range(writers):
+        faulty = FaultyStorage(open_storage(url, **options), seed=seed)
+        stores.append(SegmentStore(faulty, log_rolling_size=1024))
+        faults.append(faulty)
+    stores[0].segment("s", create=True)
+    for faulty in faults:
+        faulty.script("lost_ack", path_contains="_log.seg/0", times=1_000_000)
+    results: dict[int, list[int]] = {}
+
+    def write(w: int) -> None:
+        seg = stores[w].segment("s")
+        results[w] = [seg.append([b"w%d-%d" % (w, i)], [AttributeUpdate(COUNTER, UpdateType.ACCUMULATE, value=1)],
+                                 timestamp=i).first_offset for i in range(per_writer)]
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(o for offsets in results.values() for o in offsets) == list(range(writers * per_writer))
+    assert sum(1 for f in faults for i in f.injected if i.kind == "lost_ack") >= writers * per_writer
+    for faulty, store in zip(faults, stores):
+        faulty.enabled = False
+        store.close()
+    with SegmentStore.open(url, options) as fresh:
+        seg = fresh.segment("s")
+        records = seg.read(0, 1000)
+        assert [r.offset for r in records] == list(range(writers * per_writer))
+        by_value = {r.value: r.offset for r in records}
+        assert len(by_value) == len(records)  # no record twice
+        for w, offsets in results.items():  # each acknowledged offset holds that append's record
+            assert [by_value[b"w%d-%d" % (w, i)] for i in range(per_writer)] == offsets
+        assert seg.get_attribute(COUNTER) == writers * per_writer
+
+
 def test_every_append_call_has_its_own_batch_id_kept_across_a_lost_race(tmp_path):
     """Two handles append identical content: their batches differ by id, so reading back after a
     lost acknowledgement can only match the same call; a call that lost a race keeps its id."""
