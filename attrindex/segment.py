@@ -166,7 +166,10 @@ class Segment:
         Returns if and only if the batch is durable: the merge into the B+tree that may follow
         never fails the append (see ``stats().merge_error``). The batch carries a random id, kept
         by every retry of this call, so that a write whose acknowledgement was lost is recognised
-        by reading it back, never written twice.
+        by reading it back, never written twice. ``OutcomeUnknownError`` means storage could not
+        settle whether the batch was written (``refresh()`` and read to find out);
+        ``CorruptDataError`` means the log is damaged: it refuses appends until
+        ``SegmentStore.repair_segment``.
         """
         records = records if isinstance(records, list) else list(records)
         updates, replacements = _split_updates(attribute_updates)

@@ -177,9 +177,15 @@ class SegmentStore:
         """Close every segment handle (merging pending attribute updates into their B+trees)."""
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}
-        for segment in segments:
-            segment.close()
+        failed: AttrIndexError | None = None
+        for segment in segments:  # every handle is closed even if a merge fails; the first error is raised
+            try:
+                segment.close()
+            except AttrIndexError as exc:
+                failed = failed or exc
         self.storage.close()
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> "SegmentStore":
         return self

@@ -456,3 +456,19 @@ def test_gap_markers_written_by_older_versions_are_still_honoured(storage_url):
         assert seg.next_offset == 13 and seg.get_attribute(key(12)) == 12
         assert store.verify_segment("s").ok
         assert seg.append([b"next"]).first_offset == 13
+
+
+def test_store_close_closes_every_handle_even_if_a_merge_fails(tmp_path):
+    from storage_adapters import open_storage
+    from storage_adapters.errors import StorageFullError
+    from storage_adapters.faults import FaultyStorage
+
+    faulty = FaultyStorage(open_storage(str(tmp_path / "store")), seed=4)
+    store = SegmentStore(faulty)
+    first, second = store.segment("a", create=True), store.segment("b", create=True)
+    first.append([b"x"], [(key(1), 1)])
+    second.append([b"y"], [(key(2), 2)])
+    faulty.script("enospc", path_contains="a/_attributes", times=1_000_000)
+    with pytest.raises(StorageFullError):
+        store.close()
+    assert first.closed and second.closed
