@@ -472,3 +472,39 @@ def test_store_close_closes_every_handle_even_if_a_merge_fails(tmp_path):
     with pytest.raises(StorageFullError):
         store.close()
     assert first.closed and second.closed
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_cycles_of_damage_and_repair_keep_every_kept_record_and_never_reuse_an_offset(tmp_path, run):
+    """Append, damage a random place after the last repair, repair; three times. The model: every
+    acknowledged offset is unique, the kept records are exactly the acknowledged ones outside the
+    reported lost ranges, and the counter counts them."""
+    rng = random.Random(100 + run)
+    root = str(tmp_path / "store")
+    acknowledged: dict[int, bytes] = {}
+    lost: list[range] = []
+    for cycle in range(3):
+        with SegmentStore.open(root, **SMALL) as store:
+            seg = store.segment("s", create=True)
+            for i in range(40):
+                value = b"c%d-%d" % (cycle, i)
+                offset = seg.append([value], [AttributeUpdate(COUNTER, UpdateType.ACCUMULATE, value=1)]).first_offset
+                assert offset not in acknowledged
+                acknowledged[offset] = value
+            tail_start = seg.stats().log_bytes - 40 * 60  # damage only this cycle's bytes (batches are ~100)
+        path = files(root, "s", "_log.seg")[-1]
+        chunk_start = int(os.path.basename(path))
+        size = os.path.getsize(path)
+        flip(path, rng.randrange(max(0, tail_start - chunk_start), size), 1 << rng.randrange(8))
+        with SegmentStore.open(root, **SMALL) as store:
+            repair = store.repair_segment("s")
+            assert repair.cut_at is not None
+            lost.append(repair.lost_offsets)
+    with SegmentStore.open(root, **SMALL) as store:
+        assert store.verify_segment("s").ok
+        seg = store.segment("s")
+        kept = {r.offset: r.value for r in seg.read(0, 10_000)}
+        expected = {o: v for o, v in acknowledged.items() if not any(o in r for r in lost)}
+        assert kept == expected
+        assert seg.get_attribute(COUNTER) == len(expected)
+        assert seg.append([b"last"]).first_offset > max(acknowledged)
