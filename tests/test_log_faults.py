@@ -389,7 +389,7 @@ def test_verify_and_repair_on_every_backend(storage_url):
     url, options = storage_url
     with SegmentStore.open(url, options, log_rolling_size=1024) as store:
         seg = store.segment("s", create=True)
-        for i in range(40):
+        for i in range(20):
             increment(seg, i)
     storage = open_storage(url, **options)
     chunks = sorted(n for n in storage.list_files("s/_log.seg") if n.isdigit())
@@ -401,16 +401,16 @@ def test_verify_and_repair_on_every_backend(storage_url):
         with pytest.raises(CorruptDataError):
             store.segment("s").read(0, 100)
         repair = store.repair_segment("s")
-        assert repair.cut_at == int(victim) and repair.resume_exact and repair.resume_offset == 40
+        assert repair.cut_at == int(victim) and repair.resume_exact and repair.resume_offset == 20
         lost = repair.first_lost_offset
         seg = store.segment("s")
         assert [r.offset for r in seg.read(0, 100)] == list(range(lost))
-        assert increment(seg, 40).first_offset == 40
+        assert increment(seg, 20).first_offset == 20
         assert seg.get_attribute(COUNTER) == lost + 1
         assert store.verify_segment("s").ok
     with SegmentStore.open(url, options, log_rolling_size=1024) as store:
         seg = store.segment("s")
-        assert [r.offset for r in seg.read(0, 100)] == list(range(lost)) + [40]
+        assert [r.offset for r in seg.read(0, 100)] == list(range(lost)) + [20]
         assert seg.get_attribute(COUNTER) == lost + 1
 
 
