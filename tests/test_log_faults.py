@@ -508,3 +508,26 @@ def test_cycles_of_damage_and_repair_keep_every_kept_record_and_never_reuse_an_o
         assert kept == expected
         assert seg.get_attribute(COUNTER) == len(expected)
         assert seg.append([b"last"]).first_offset > max(acknowledged)
+
+
+def test_an_open_handle_that_meets_damage_refuses_to_append(tmp_path):
+    root = str(tmp_path / "store")
+    one, two = SegmentStore.open(root), SegmentStore.open(root)
+    stale = one.segment("s", create=True)
+    increment(stale, 0)
+    other = two.segment("s")
+    for i in range(1, 6):
+        increment(other, i)
+    (chunk,) = files(root, "s", "_log.seg")
+    size = os.path.getsize(chunk)
+    flip(chunk, size - 3)  # in a batch the stale handle has not read yet
+    for _ in range(2):  # a lost race makes it catch up, which meets the damage: every time
+        with pytest.raises(CorruptDataError):
+            increment(stale, 99)
+    assert os.path.getsize(chunk) == size  # nothing was appended
+    with pytest.raises(CorruptDataError):
+        stale.refresh()
+    two.close()  # this handle read its batches before the damage: its merge covers them
+    with pytest.raises(CorruptDataError):
+        one.close()  # the tree is ahead of it: catching up for its merge meets the damage
+    assert stale.closed
