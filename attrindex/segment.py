@@ -13,6 +13,7 @@ opening a segment reads the tree's footer and replays the log after its checkpoi
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Iterable, Iterator, Mapping
@@ -22,10 +23,10 @@ import attrs
 from .attribute_index import AttributeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
 from .errors import (BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError,
-                     TruncatedError)
+                     StorageError, TruncatedError)
 from .keys import pair_list, to_key, to_keys
-from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, read_header, rebase_batch,
-                         record_list)
+from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
+                        rebase_batch, record_list)
 from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog
 from .log.retention import plan_retention
 from .overlay import AttributeOverlay, merge_scan
@@ -37,6 +38,10 @@ DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
 DEFAULT_READ_BYTES = 4 << 20
+MAX_APPEND_RACES = 10_000  #: lost compare-and-append races in a row before an append gives up
+MERGE_RETRY_SECONDS = 1.0  #: after a failed background merge, appends wait this long before retrying it
+
+_log = logging.getLogger("attrindex.segment")
 
 
 @attrs.frozen
@@ -82,6 +87,7 @@ class SegmentStats:
     pending_attributes: int  #: keys in tier 1 not yet merged into the B+tree
     attribute_checkpoint: int | None  #: log byte position the B+tree covers
     attributes: Any  #: ``IndexStats`` of the B+tree
+    merge_error: str | None = None  #: why the last merge of tier 1 after an append failed (None: it did not)
 
 
 class Segment:
@@ -102,6 +108,8 @@ class Segment:
         self._index = AttributeIndex(storage, f"{name}/{ATTRIBUTES_NAME}", **options.attribute_options)
         self._overlay = AttributeOverlay()
         self._flushed_at = time.monotonic()
+        self._merge_error: BaseException | None = None  #: the last failed merge after an append
+        self._merge_retry_at = 0.0  #: monotonic time before which appends do not retry it
         self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
         with self._lock:
@@ -154,6 +162,14 @@ class Segment:
         offset is this (``BadOffsetError`` otherwise). ``timestamp`` (ms) is given to records
         without one (default: now). If a condition fails, ``ConditionalUpdateError`` names every
         failed update and its current value; nothing is appended and nothing changes.
+
+        Returns if and only if the batch is durable: the merge into the B+tree that may follow
+        never fails the append (see ``stats().merge_error``). The batch carries a random id, kept
+        by every retry of this call, so that a write whose acknowledgement was lost is recognised
+        by reading it back, never written twice. ``OutcomeUnknownError`` means storage could not
+        settle whether the batch was written (``refresh()`` and read to find out);
+        ``CorruptDataError`` means the log is damaged: it refuses appends until
+        ``SegmentStore.repair_segment``.
         """
         records = record_list(records)
         updates, replacements = _split_updates(attribute_updates)
@@ -163,11 +179,12 @@ class Segment:
             raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
         stamp = int(time.time() * 1000) if timestamp is None else timestamp
         chosen = self.options.codec if codec is None else codec_for(codec)
+        batch_id = new_batch_id()  # one per call: identical bytes at an offset then mean this call
         with self._lock:
             self._check_open()
             fresh = False
             encoded = None  # (keys, values, batch) of the last try: a lost race needs only a rebase
-            while True:
+            for _lap in _bounded_races(self.name):
                 try:
                     keys, values = replacements if updates is None else resolve_updates(updates, self._current_values)
                 except ConditionalUpdateError:
@@ -187,7 +204,7 @@ class Segment:
                     data = rebase_batch(encoded[2], log.next_offset)
                 else:
                     data = encode_batch(log.next_offset, records, timestamp=stamp,
-                                        attribute_updates=(keys, values), codec=chosen)
+                                        attribute_updates=(keys, values), codec=chosen, batch_id=batch_id)
                     encoded = (keys, values, data)
                 header = read_header(data)
                 try:
@@ -196,12 +213,24 @@ class Segment:
                     self._catch_up()
                     fresh = True
                     continue
-                if keys:
-                    self._overlay.apply(keys, values)
-                self._wrote = True
-                self._appended.notify_all()
-                self._maybe_flush()
+                self._after_durable(keys, values)  # never raises: the batch is durable
                 return AppendResult(header.base_offset, header.last_offset)
+
+    def _after_durable(self, keys: list[bytes], values: list[int | None]) -> None:
+        """Apply a durable batch's updates to tier 1, wake readers, maybe merge into the B+tree."""
+        if keys:
+            self._overlay.apply(keys, values)
+        self._wrote = True
+        self._appended.notify_all()
+        if self._merge_error is not None and time.monotonic() < self._merge_retry_at:
+            return
+        try:
+            self._maybe_flush()
+        except Exception as exc:  # noqa: BLE001 - a failed merge must not fail a durable append
+            self._merge_error = exc
+            self._merge_retry_at = time.monotonic() + MERGE_RETRY_SECONDS
+            _log.warning("segment %r: merging attribute updates into the B+tree failed after a durable "
+                         "append (retried later; flush() raises it): %s", self.name, exc, exc_info=True)
 
     def update_attributes(self, updates: Iterable[AttributeUpdate | tuple] | Mapping[object, int | None],
                           expected_offset: int | None = None) -> AppendResult:
@@ -260,7 +289,10 @@ class Segment:
             self._flush()
 
     def flush(self) -> None:
-        """Merge every attribute update seen so far into the B+tree (one sorted batch)."""
+        """Merge every attribute update seen so far into the B+tree (one sorted batch).
+
+        Raises the storage error if the merge fails (for example ``StorageFullError``); the
+        updates stay in tier 1 and in the log, and a later flush or append retries."""
         with self._lock:
             self._check_open()
             self._flush()
@@ -281,12 +313,17 @@ class Segment:
         if covered < position:
             if not self._index.update_sorted(keys, values, checkpoint=position):
                 self._rebuild_overlay()  # another handle flushed further: tier 1 restarts from there
+                self._merge_error = None
                 return
         elif covered > position:
             self._rebuild_overlay()
+            self._merge_error = None
             return
         self._overlay.clear()
         self._flushed_at = time.monotonic()
+        if self._merge_error is not None:
+            _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
+            self._merge_error = None
 
     def _rebuild_overlay(self) -> None:
         """The tree covers more of the log than this handle had seen: catch up, replay after it."""
@@ -418,7 +455,7 @@ class Segment:
 
     def _append_empty_batch(self, timestamp: int) -> int:
         """Append a batch with no records and no updates; return its byte position."""
-        while True:
+        for _lap in _bounded_races(self.name):
             data = encode_batch(self._log.next_offset, [], timestamp=timestamp)
             try:
                 return self._log.append(data, read_header(data))
@@ -443,6 +480,7 @@ class Segment:
                 pending_attributes=len(self._overlay),
                 attribute_checkpoint=self._index.checkpoint,
                 attributes=self._index.stats(),
+                merge_error=None if self._merge_error is None else f"{type(self._merge_error).__name__}: {self._merge_error}",
             )
 
     def close(self) -> None:
@@ -475,6 +513,14 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, next_offset={self._log.next_offset})"
+
+
+def _bounded_races(name: str) -> Iterator[int]:
+    """Laps of an append loop: each lost race means another writer appended; give up after
+    ``MAX_APPEND_RACES`` of them with a clear error rather than spin."""
+    yield from range(MAX_APPEND_RACES)
+    raise StorageError(f"segment {name!r}: an append lost the race to other writers {MAX_APPEND_RACES} times "
+                       f"in a row; nothing of it was written")
 
 
 def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[bytes], list[int | None]]]:

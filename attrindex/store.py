@@ -24,9 +24,10 @@ from storage_adapters import ChunkStorage
 from storage_adapters.rolling import validate_segment_name
 
 from .attribute_index import AttributeIndex
-from .errors import InvalidInputError, SegmentNotFoundError, StoreNotFoundError, StreamNotFoundError
+from .errors import AttrIndexError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError, StreamNotFoundError
 from .locations import open_location
 from .segment import Segment, SegmentOptions
+from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 
 STORE_MARKER = "_store"
 SEGMENT_MARKER = "_segment"
@@ -115,6 +116,35 @@ class SegmentStore:
             self._segments[name] = segment
             return segment
 
+    def verify_segment(self, name: str) -> SegmentVerifyReport:
+        """Read every committed byte of segment ``name`` (log batches, chunk index files, gap
+        markers, the attribute index) and report every damaged range (``report.ok``: none).
+        Works on a segment that ``segment()`` refuses to open."""
+        self._require(name)
+        return verify_segment(self.storage, name, self.options)
+
+    def repair_segment(self, name: str) -> SegmentRepairReport:
+        """Cut segment ``name``'s log at its first damaged batch and make its attributes consistent.
+
+        The report says exactly which offsets are lost; appends resume above every offset the
+        damaged bytes could have held, so no acknowledged offset is reused. Attributes are rebuilt
+        from the log when needed and possible. Stop the segment's writers first; this store's
+        handle of the segment is closed (``segment()`` opens a fresh one)."""
+        self._require(name)
+        with self._lock:
+            segment = self._segments.pop(name, None)
+        if segment is not None and not segment.closed:
+            try:
+                segment.close()
+            except AttrIndexError:  # its merge may fail on the damage being repaired
+                pass
+        return repair_segment(self.storage, name, self.options)
+
+    def _require(self, name: str) -> None:
+        validate_name(name)
+        if not self.storage.exists(f"{name}/{SEGMENT_MARKER}"):
+            raise SegmentNotFoundError(f"segment {name!r} does not exist in {self.storage.url!r}")
+
     def exists(self, name: str) -> bool:
         validate_name(name)
         return self.storage.exists(f"{name}/{SEGMENT_MARKER}")
@@ -184,9 +214,15 @@ class SegmentStore:
         """Close every segment handle (merging pending attribute updates into their B+trees)."""
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}
-        for segment in segments:
-            segment.close()
+        failed: AttrIndexError | None = None
+        for segment in segments:  # every handle is closed even if a merge fails; the first error is raised
+            try:
+                segment.close()
+            except AttrIndexError as exc:
+                failed = failed or exc
         self.storage.close()
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> "SegmentStore":
         return self

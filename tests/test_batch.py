@@ -41,7 +41,7 @@ from attrindex.log.varint import encode_varints, zigzag
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 TS = 1_700_000_000_000
 CODECS = sorted(available_codecs())
-LAYOUT = struct.Struct("<4sHHIIIIqqqII")  # docs/format.md, "Header (56 bytes)"
+LAYOUT = struct.Struct("<4sHHIIIIqqqQII")  # docs/format.md, "Header (64 bytes)"
 
 
 def key(i: int) -> bytes:
@@ -78,7 +78,7 @@ def forge(
     base_offset: int = 0,
     first: int = TS,
     last: int = TS,
-    version: int = 1,
+    version: int = 2,
     magic: bytes = b"AIXB",
     size: int | None = None,
 ) -> bytes:
@@ -86,9 +86,9 @@ def forge(
     stored = payload if stored is None else stored
     size = BATCH_HEADER_SIZE + len(stored) if size is None else size
     head = LAYOUT.pack(
-        magic, version, flags, size, count, updates, len(payload), base_offset, first, last, zlib.crc32(stored), 0
+        magic, version, flags, size, count, updates, len(payload), base_offset, first, last, 7, zlib.crc32(stored), 0
     )
-    head = head[:52] + struct.pack("<I", zlib.crc32(head[:52]))
+    head = head[:60] + struct.pack("<I", zlib.crc32(head[:60]))
     return head + stored
 
 
@@ -150,7 +150,7 @@ def test_missing_codec_package(monkeypatch, codec, module, package):
 def test_header_fields():
     written = rich_batch()
     header = read_header(written)
-    assert BATCH_HEADER_SIZE == 56
+    assert BATCH_HEADER_SIZE == 64
     assert header == read_header(memoryview(written))
     assert header.size == len(written)
     assert header.base_offset == 40
@@ -167,23 +167,24 @@ def test_header_fields():
 def test_header_matches_documented_layout(codec):
     written = rich_batch(codec)
     fields = LAYOUT.unpack_from(written)
-    magic, version, flags, size, count, updates, payload_size, base, first, last, payload_crc, header_crc = fields
-    assert (magic, version, size) == (b"AIXB", 1, len(written))
+    magic, version, flags, size, count, updates, payload_size, base, first, last, batch_id, payload_crc, header_crc = fields
+    assert (magic, version, size) == (b"AIXB", 2, len(written))
+    assert batch_id == read_header(written).batch_id
     assert (count, updates, base, first, last) == (5, 3, 40, TS - 5, TS + 7)
     assert flags == int(codec) | 0x08 | 0x10 | 0x20  # keys, timestamps and headers columns present
-    assert payload_crc == zlib.crc32(written[56:])
-    assert header_crc == zlib.crc32(written[:52])
+    assert payload_crc == zlib.crc32(written[64:])
+    assert header_crc == zlib.crc32(written[:60])
     header = read_header(written)
     assert header.codec is codec
     assert header.payload_size == payload_size
     if codec == Codec.NONE:
-        assert payload_size == len(written) - 56
+        assert payload_size == len(written) - 64
 
 
 def test_plain_values_have_no_optional_columns():
     written = encode_batch(3, [b"a", b"bb", b"ccc"], timestamp=TS)
     assert LAYOUT.unpack_from(written)[2] == 0  # flags: no codec, no optional column
-    assert written[56:] == b"\x01\x02\x03abbccc"  # value lengths, then the values
+    assert written[64:] == b"\x01\x02\x03abbccc"  # value lengths, then the values
     header = read_header(written)
     assert (header.first_timestamp, header.max_timestamp) == (TS, TS)
 
@@ -402,7 +403,7 @@ def test_magic_prefix_tail_is_incomplete():
 
 def test_forge_reproduces_the_encoder():
     payload = encode_varints([1, 2]) + b"abc"
-    assert forge(payload, count=2) == encode_batch(0, [b"a", b"bc"], timestamp=TS)
+    assert forge(payload, count=2) == encode_batch(0, [b"a", b"bc"], timestamp=TS, batch_id=7)
 
 
 @pytest.mark.parametrize(
@@ -439,7 +440,7 @@ def test_attribute_reader_checks_record_columns():
 @pytest.mark.parametrize(
     "fields, problem",
     [
-        (dict(version=2), "version"),
+        (dict(version=3), "version"),
         (dict(magic=b"AIXb"), "magic"),
         (dict(flags=0x40), "flags"),
         (dict(flags=0x04), "flags"),  # codec 4 does not exist
@@ -471,7 +472,7 @@ def test_count_above_limit_is_corrupt():
 
 def test_header_checksum_mismatch_is_corrupt():
     written = bytearray(encode_batch(0, [b"a"], timestamp=TS))
-    written[52] ^= 1
+    written[60] ^= 1
     with pytest.raises(CorruptDataError, match="header checksum"):
         read_header(bytes(written))
 
@@ -635,9 +636,28 @@ def test_rebase_batch_is_encoding_at_the_new_base_offset():
     records = [Record(b"a", b"k", 5, (("h", b"v"),)), b"bb", Record(b"c", None, 9)]
     updates = ([b"u" * 16], [42])
     for codec in sorted(c.name.lower() for c in available_codecs()):
-        first = encode_batch(0, records, timestamp=7, attribute_updates=updates, codec=codec)
-        assert rebase_batch(first, 1000) == encode_batch(1000, records, timestamp=7, attribute_updates=updates, codec=codec)
+        first = encode_batch(0, records, timestamp=7, attribute_updates=updates, codec=codec, batch_id=99)
+        assert rebase_batch(first, 1000) == encode_batch(1000, records, timestamp=7, attribute_updates=updates,
+                                                         codec=codec, batch_id=99)
     with pytest.raises(InvalidInputError):
         rebase_batch(first, -1)
     with pytest.raises(InvalidInputError):
         rebase_batch(first, (1 << 63) - 2)  # the three records' offsets would not fit
+
+
+def test_batch_id_is_random_per_encoding_kept_by_rebase_and_checked():
+    """Two encodings of the same records differ by their batch id (so a writer's byte comparison
+    after a lost acknowledgement matches only its own append call); a rebase keeps the id."""
+    one, two = (encode_batch(0, [b"same"], timestamp=TS) for _ in range(2))
+    assert one != two and one[BATCH_HEADER_SIZE:] == two[BATCH_HEADER_SIZE:]
+    assert read_header(one).batch_id != read_header(two).batch_id
+    assert read_header(rebase_batch(one, 5)).batch_id == read_header(one).batch_id
+    assert read_header(encode_batch(0, [b"x"], timestamp=TS, batch_id=(1 << 64) - 1)).batch_id == (1 << 64) - 1
+    for bad in (-1, 1 << 64, "1", 1.0):
+        with pytest.raises(InvalidInputError):
+            encode_batch(0, [b"x"], timestamp=TS, batch_id=bad)
+
+
+def test_version_1_headers_are_not_read():
+    with pytest.raises(CorruptDataError, match="unknown format version 1"):
+        read_header(forge(b"\x01a", count=1, version=1))

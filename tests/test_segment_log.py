@@ -35,9 +35,11 @@ def index_files(root, name="s"):
 
 # -- recovery --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("run", range(10))
-def test_recovery_with_garbage_from_a_random_record_to_the_end(tmp_path, run):
-    """Kafka's testRecoveryWithCorruptMessage: exactly the earlier offsets survive, and appends
-    continue from there, stepping over the garbage."""
+def test_garbage_below_the_committed_length_is_corruption_until_repaired(tmp_path, run):
+    """Kafka's testRecoveryWithCorruptMessage under the commit protocol: committed bytes are never
+    a torn tail. Garbage from a random batch to the end is CorruptDataError on open naming the
+    byte; an explicit repair cuts there, says which offsets are lost, and appends resume above
+    every offset the garbage could have held (none is reused); reads step over the gap."""
     rng = random.Random(run)
     root = str(tmp_path / "store")
     with SegmentStore.open(root) as store:
@@ -53,18 +55,29 @@ def test_recovery_with_garbage_from_a_random_record_to_the_end(tmp_path, run):
         f.seek(positions[cut])
         f.write(rng.randbytes(len(data) - positions[cut]))
     with SegmentStore.open(root) as store:
+        with pytest.raises(CorruptDataError) as caught:
+            store.segment("s")
+        assert caught.value.offset == positions[cut] and "00000000000000000000" in str(caught.value)
+        report = store.verify_segment("s")
+        assert not report.ok and report.damage[0].start == positions[cut] and report.batches == cut
+        repair = store.repair_segment("s")
+        assert (repair.cut_at, repair.first_lost_offset) == (positions[cut], cut)
+        assert repair.resume_offset >= 100 and repair.lost_offsets.start == cut
+        resume = repair.resume_offset
         seg = store.segment("s")
         assert [r.offset for r in seg.read(0, 1000)] == list(range(cut))
-        assert seg.next_offset == cut
-        assert seg.append([b"after"], timestamp=500).first_offset == cut
-        assert seg.append([b"after-2"], timestamp=501).first_offset == cut + 1
+        assert seg.next_offset == resume
+        assert seg.append([b"after"], timestamp=500).first_offset == resume
+        assert seg.append([b"after-2"], timestamp=501).first_offset == resume + 1
+        assert store.verify_segment("s").ok
     with SegmentStore.open(root) as store:
         seg = store.segment("s")
         records = seg.read(0, 1000)
-        assert [r.offset for r in records] == list(range(cut + 2))  # the read crosses the gap
+        assert [r.offset for r in records] == list(range(cut)) + [resume, resume + 1]  # the read crosses the gap
         assert [r.value for r in records[cut:]] == [b"after", b"after-2"]
-        assert seg.read(cut, 1)[0].value == b"after"  # reading from just after the gap
-        assert seg.offset_for_timestamp(500) == cut
+        assert seg.read(cut, 1)[0].value == b"after"  # reading from a lost offset gives the next record
+        assert seg.offset_for_timestamp(500) == resume
+        assert seg.get_attributes([key(i) for i in range(100)]) == [i if i < cut else None for i in range(100)]
 
 
 def test_garbage_inside_the_log_is_an_error_naming_its_place(tmp_path):

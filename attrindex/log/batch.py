@@ -1,9 +1,9 @@
 """Record batches of the segment log: a core that does no I/O (records in, bytes out, and back).
 
-A batch is a fixed 56-byte header and a payload; docs/format.md has the layout byte by byte::
+A batch is a fixed 64-byte header and a payload; docs/format.md has the layout byte by byte::
 
     0   4s   magic b"AIXB"
-    4   u16  format version (1)
+    4   u16  format version (2)
     6   u16  flags: bits 0-2 codec, bit 3 keys column, bit 4 timestamps column, bit 5 headers column
     8   u32  size of the whole batch, header included
     12  u32  record count
@@ -12,8 +12,9 @@ A batch is a fixed 56-byte header and a payload; docs/format.md has the layout b
     24  i64  base offset (logical offset of the first record)
     32  i64  first timestamp (the first record's; the append timestamp if there are no records)
     40  i64  max timestamp
-    48  u32  CRC-32 of the stored (possibly compressed) payload
-    52  u32  CRC-32 of bytes 0..51
+    48  u64  batch id (random, fixed per append call: a writer recognises its own batch)
+    56  u32  CRC-32 of the stored (possibly compressed) payload
+    60  u32  CRC-32 of bytes 0..59
 
 The header has its own checksum, so a reader tells a torn tail (a valid header whose payload is not
 all there yet) from garbage (a header that fails its checksum). The payload is columnar so that
@@ -28,6 +29,7 @@ import array
 import enum
 import functools
 import itertools
+import os
 import struct
 import sys
 import typing
@@ -53,13 +55,15 @@ __all__ = [
     "decode_records",
     "encode_batch",
     "iter_batches",
+    "new_batch_id",
     "read_header",
+    "rebase_batch",
 ]
 
 BATCH_MAGIC = b"AIXB"
-BATCH_VERSION = 1
-_HEADER = struct.Struct("<4sHHIIIIqqqII")
-BATCH_HEADER_SIZE = _HEADER.size  # 56
+BATCH_VERSION = 2  # version 1 (no batch id) was never released: it is not read
+_HEADER = struct.Struct("<4sHHIIIIqqqQII")
+BATCH_HEADER_SIZE = _HEADER.size  # 64
 _CHECKED_HEADER = BATCH_HEADER_SIZE - 4  # the header checksum covers the bytes before it
 
 _CODEC_MASK = 0x07
@@ -231,6 +235,7 @@ class BatchHeader:
     payload_size: int = 0  # payload length before compression
     payload_crc: int = 0  # CRC-32 of the stored payload
     flags: int = 0  # the raw header flags (codec and which optional columns are present)
+    batch_id: int = 0  # random per append call, kept across its retries (see ``new_batch_id``)
 
     @property
     def next_offset(self) -> int:
@@ -423,14 +428,17 @@ def encode_batch(
     timestamp: int,
     attribute_updates=((), ()),
     codec: Codec | str | int | None = Codec.NONE,
+    batch_id: int | None = None,
 ) -> bytes:
     """One batch holding ``records`` (numbered from ``base_offset``) and ``attribute_updates``.
 
     ``records`` items are bytes-like values or ``Record``s; a record without a timestamp gets
     ``timestamp``. ``attribute_updates`` is ``(keys, values)``: 16-byte keys and int64 values,
-    ``None`` meaning "remove". Either may be empty.
+    ``None`` meaning "remove". Either may be empty. ``batch_id`` (an unsigned 64-bit int; default
+    a fresh random one) identifies the append call: give every encoding of one call the same id.
     """
     codec = codec_for(codec)
+    batch_id = new_batch_id() if batch_id is None else _check_batch_id(batch_id)
     if type(base_offset) is not int or base_offset < 0:
         raise InvalidInputError(f"base_offset must be an int >= 0, got {base_offset!r}")
     timestamp = _check_i64(timestamp, "timestamp")
@@ -522,15 +530,26 @@ def encode_batch(
         raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, payload_size)} bytes")
     header = _HEADER.pack(
         BATCH_MAGIC, BATCH_VERSION, flags, size, count, update_count, payload_size,
-        base_offset, first_ts, max_ts, crc, 0,
+        base_offset, first_ts, max_ts, batch_id, crc, 0,
     )[:_CHECKED_HEADER]
     return b"".join([header, zlib.crc32(header).to_bytes(4, "little"), *pieces])
 
 
+def new_batch_id() -> int:
+    """A random unsigned 64-bit batch id (from the OS, so forked processes never share one)."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def _check_batch_id(batch_id) -> int:
+    if type(batch_id) is not int or not 0 <= batch_id <= _U64_MASK:
+        raise InvalidInputError(f"batch_id must be an int in [0, 2**64), got {batch_id!r}")
+    return batch_id
+
+
 def rebase_batch(data: bytes, base_offset: int) -> bytes:
     """``data`` (a batch from ``encode_batch``) renumbered from ``base_offset``: only the header's
-    base offset and checksum change, so a writer that lost an append race resends without
-    encoding the records again."""
+    base offset and checksum change (the batch id stays), so a writer that lost an append race
+    resends without encoding the records again."""
     if type(base_offset) is not int or not 0 <= base_offset <= _I64_MAX - max(0, _HEADER.unpack_from(data)[4]):
         raise InvalidInputError(f"base_offset must be an int >= 0 leaving room for the batch, got {base_offset!r}")
     header = bytearray(data[:_CHECKED_HEADER])
@@ -601,7 +620,7 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
                 raise _corrupt_at(segment, position + pos)(f"bad magic {start!r} in a {available}-byte tail")
         return None
     (magic, version, flags, size, count, update_count, payload_size,
-     base_offset, first_ts, max_ts, payload_crc, header_crc) = _HEADER.unpack_from(buf, pos)
+     base_offset, first_ts, max_ts, batch_id, payload_crc, header_crc) = _HEADER.unpack_from(buf, pos)
     if magic != BATCH_MAGIC:
         raise _corrupt_at(segment, position + pos)(f"bad magic {magic!r}")
     if zlib.crc32(memoryview(buf)[pos : pos + _CHECKED_HEADER]) != header_crc:
@@ -613,7 +632,7 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
         return None
     codec = Codec(flags & _CODEC_MASK)
     return BatchHeader(
-        size, base_offset, count, update_count, first_ts, max_ts, codec, payload_size, payload_crc, flags
+        size, base_offset, count, update_count, first_ts, max_ts, codec, payload_size, payload_crc, flags, batch_id
     )
 
 

@@ -10,12 +10,14 @@ Byte layout of segment ``NAME`` (see docs/format.md)::
 
     NAME/_log.seg/<20-digit byte position>   chunks of record batches (RollingSegment)
     NAME/_index/<20-digit byte position>     sparse index of a sealed chunk
-    NAME/_gaps/<20-digit start>-<20-digit end>   bytes a writer found to be garbage and skipped
+    NAME/_gaps/<20-digit start>-<20-digit end>   damaged bytes cut off by an explicit repair
 
-A garbage tail (bytes that are not a valid batch, with nothing valid after them) ends the log for
-readers. The next writer records the garbage range as a gap marker, then appends after it, so the
-records before the garbage keep their offsets and the new ones continue from there. Invalid bytes
-that are not a tail and not a recorded gap are ``CorruptDataError``.
+Committed means committed: the byte stream's length is its committed length (local disk: the
+newest valid commit record; objects are whole), so nothing below it is a torn tail. An invalid
+batch anywhere below it, the end of the last chunk included, is ``CorruptDataError`` naming the
+segment, chunk and byte, on open and on read; such a segment refuses appends. Only an explicit
+repair (``attrindex.segment_repair``) records a gap marker, which readers then step over; markers
+left by older versions (which cut garbage tails) are honoured the same way.
 
 This class is not thread-safe on its own; ``Segment`` serialises writers and catch-ups.
 """
@@ -42,6 +44,7 @@ DEFAULT_INDEX_INTERVAL_BYTES = 4096
 _READ_WINDOW = 1 << 20
 _GAP_NAME = re.compile(r"(\d{20})-(\d{20})")
 _NO_TIMESTAMP = -(1 << 63)
+_ERROR_PREFIX = re.compile(r"^(segment '.*?': )?record batch at offset \d+: ")
 
 # visitor(position, header, buffer, position of the batch in buffer) for each new batch
 BatchVisitor = Callable[[int, BatchHeader, bytes, int], None]
@@ -69,11 +72,11 @@ class SegmentLog:
         self.interval = index_interval_bytes
         self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size)
         self._chunks: list[_Chunk] = []
-        self._gaps: dict[int, int] = {}
-        self.position = 0  #: bytes scanned and valid (the append position once any garbage is skipped)
+        self._gaps: dict[int, int] = {}  #: recorded gaps, {start: end}: skipped even where bytes look valid
+        self._load_gaps()  # only a repair (writers stopped) adds gaps, so loading once is enough
+        self.position = 0  #: bytes scanned and valid: the append position
         self.next_offset = 0  #: record offset after the last record scanned
         self.max_timestamp = _NO_TIMESTAMP
-        self.garbage_from: int | None = None  #: start of a garbage tail seen at the end, if any
         self._start_cache: tuple[int, int] | None = None  #: (start position, its record offset)
 
     # -- positions and chunks ------------------------------------------------------------------
@@ -104,25 +107,27 @@ class SegmentLog:
 
     # -- gaps ----------------------------------------------------------------------------------
     def _gap_at(self, position: int) -> int | None:
-        """End of the recorded garbage range starting at ``position``, reloading markers if unknown."""
+        """End of the recorded gap starting at ``position``, reloading markers if unknown."""
         if position not in self._gaps:
-            for name in self.storage.list_files(f"{self.segment}/{GAP_DIR}"):
-                match = _GAP_NAME.fullmatch(name)
-                if match:
-                    self._gaps[int(match[1])] = int(match[2])
+            self._load_gaps()
         return self._gaps.get(position)
 
-    def skip_garbage(self) -> None:
-        """Before appending after a garbage tail: record it as a gap, so readers can step over it."""
-        start = self.garbage_from
-        if start is None:
-            return
-        end = self.bytes.length
+    def _load_gaps(self) -> None:
+        for name in self.storage.list_files(f"{self.segment}/{GAP_DIR}"):
+            match = _GAP_NAME.fullmatch(name)
+            if match and int(match[2]) > int(match[1]):  # an empty range would not move a scan
+                self._gaps[int(match[1])] = int(match[2])
+
+    def gaps(self) -> dict[int, int]:
+        """Every recorded gap, ``{start: end}`` (reloaded from storage)."""
+        self._gaps.clear()
+        self._load_gaps()
+        return dict(self._gaps)
+
+    def record_gap(self, start: int, end: int) -> None:
+        """Record log bytes ``[start, end)`` as cut off by a repair: readers step over them."""
         self.storage.put_marker(f"{self.segment}/{GAP_DIR}/{chunk_name(start)}-{chunk_name(end)}")
         self._gaps[start] = end
-        chunk = self._chunks[self._chunk_index(start)]
-        self._feed_gap(chunk, start, min(end, chunk.end))
-        self.position, self.garbage_from = end, None
 
     def _feed_gap(self, chunk: _Chunk, start: int, end: int) -> None:
         """Account garbage bytes in a chunk's summary as a record-less batch (it holds no records)."""
@@ -133,7 +138,8 @@ class SegmentLog:
     def catch_up(self, visit: BatchVisitor | None = None, *, refresh: bool = True) -> int:
         """Scan batches beyond ``position``, calling ``visit`` for each; return how many were new.
 
-        Stops at the end or at a garbage tail (``garbage_from``); steps over recorded gaps.
+        Steps over recorded gaps; any other invalid batch is ``CorruptDataError`` (nothing below
+        the committed length is a torn tail). The loop ends: every lap moves ``position`` forward.
         """
         if refresh:
             self.bytes.refresh()
@@ -163,8 +169,9 @@ class SegmentLog:
     def _scan_chunk(self, chunk: _Chunk, visit: BatchVisitor | None, seen: int) -> tuple[int, bool]:
         """Scan ``chunk`` from ``position``; return (batches seen, whether scanning stopped)."""
         for at, header, buf, pos in self._walk(self.position, chunk.end):
-            if header is None:  # invalid or incomplete at the chunk's end: a gap, a tail, or corruption
-                return seen, self._invalid_at(chunk, at)
+            if header is None or at in self._gaps:  # a recorded gap, or corruption
+                self._invalid_at(chunk, at, buf if header is None else "")
+                return seen, False
             if visit is not None:
                 visit(at, header, buf, pos)
             self._advance(chunk, at, header)
@@ -191,7 +198,7 @@ class SegmentLog:
     def _walk(self, start: int, end: int) -> Iterator[tuple[int, BatchHeader | None, bytes, int]]:
         """Verified batches in ``[start, end)`` read in windows, as (position, header, buffer, pos).
 
-        Ends after yielding ``(position, None, ...)`` at the first invalid or incomplete batch.
+        Ends after yielding ``(position, None, reason, 0)`` at the first invalid or incomplete batch.
         """
         position, window = start, _READ_WINDOW
         while position < end:
@@ -203,8 +210,8 @@ class SegmentLog:
                     header = read_header(buf, pos, position=position, segment=self.segment)
                     if header is not None:
                         check_batch(buf, pos, header, position=position, segment=self.segment)
-                except CorruptDataError:
-                    yield position + pos, None, buf, pos
+                except CorruptDataError as exc:
+                    yield position + pos, None, str(exc), 0
                     return
                 if header is None:
                     break
@@ -212,39 +219,41 @@ class SegmentLog:
                 pos += header.size
             if pos == 0:  # incomplete: a batch larger than the window, or a torn end
                 if window_end == end:
-                    yield position, None, buf, 0
+                    yield position, None, f"a batch runs past byte {end}, the end of its chunk", 0
                     return
                 window = end - position  # read the big batch whole
                 continue
             position, window = position + pos, _READ_WINDOW
 
-    def _invalid_at(self, chunk: _Chunk, at: int) -> bool:
-        """Handle invalid bytes at ``at``; return whether scanning must stop there."""
+    def _invalid_at(self, chunk: _Chunk, at: int, reason: str) -> None:
+        """Step over the recorded gap at ``at``, or raise: invalid committed bytes are corruption."""
         gap_end = self._gap_at(at)
-        if gap_end is not None:
-            self._feed_gap(chunk, at, min(gap_end, chunk.end))
-            self.position = gap_end
-            if gap_end >= chunk.end and not self._is_last(chunk):
-                self._finish_summary(chunk)
-            return False
-        if self._is_last(chunk):
-            self.garbage_from = at
-            return True
-        raise CorruptDataError(
-            f"segment {self.segment!r}: invalid record batch at log byte {at} (chunk {chunk.start}) "
-            f"with valid data after it",
-            segment=self.segment,
-            offset=at,
-        )
+        if gap_end is None:
+            raise self.corruption(at, reason)
+        self._feed_gap(chunk, at, min(gap_end, chunk.end))
+        self.position = gap_end
+        if gap_end >= chunk.end and not self._is_last(chunk):
+            self._finish_summary(chunk)
+
+    def corruption(self, at: int, reason: str) -> CorruptDataError:
+        """The error for an invalid batch at log byte ``at``, naming segment, chunk and byte."""
+        reason = _ERROR_PREFIX.sub("", reason)
+        chunk = self._chunks[self._chunk_index(at)] if self._chunks else None
+        where = f"chunk {chunk_name(chunk.start)}, byte {at - chunk.start} in it" if chunk else "no chunk"
+        return CorruptDataError(
+            f"segment {self.segment!r}: invalid record batch at log byte {at} ({where}) below the committed "
+            f"length {self.bytes.length}: {reason}. The segment refuses appends until repaired: see "
+            f"SegmentStore.verify_segment / repair_segment",
+            segment=self.segment, offset=at)
 
     # -- appending -----------------------------------------------------------------------------
     def append(self, data: bytes, header: BatchHeader) -> int:
         """Append one encoded batch at ``position`` (compare-and-append); return its byte position.
 
-        ``BadOffsetError`` means another writer appended first: ``catch_up`` and try again.
+        ``BadOffsetError`` means another writer appended first: ``catch_up`` and try again. Once
+        the bytes are durable nothing here raises (the bookkeeping after them does no I/O but the
+        best-effort index file).
         """
-        if self.garbage_from is not None:
-            self.skip_garbage()
         at = self.bytes.append(data, expected_offset=self.position)
         self._sync_chunks()
         chunk = self._chunks[-1]
@@ -349,11 +358,10 @@ class SegmentLog:
         position = start
         while position < end:
             for at, header, buf, pos in self._walk(position, end):
-                if header is None:
+                if header is None or at in self._gaps:
                     gap_end = self._gap_at(at)
                     if gap_end is None:
-                        raise CorruptDataError(f"segment {self.segment!r}: invalid record batch at log byte {at}",
-                                               segment=self.segment, offset=at)
+                        raise self.corruption(at, buf)
                     if builder is not None:
                         builder.add(at - builder.chunk_start, min(gap_end, end) - at, next_offset, 0, _NO_TIMESTAMP)
                     position = gap_end

@@ -1,0 +1,533 @@
+"""Faults in a segment's log and attributes: committed data is never a torn tail, damage is reported
+by position until an explicit repair, no acknowledged offset is ever reused, and work after the
+durable point of an append never fails it (issue 10, classes 1, 4 and 5)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from attrindex import SegmentStore
+from attrindex.conditional import AttributeUpdate, UpdateType
+from attrindex.errors import CorruptDataError
+from attrindex.log.batch import BATCH_HEADER_SIZE, iter_batches
+
+SMALL = {"log_rolling_size": 2048, "index_interval_bytes": 256}
+COUNTER = (1).to_bytes(16, "big")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def files(root: str, name: str, part: str) -> list[str]:
+    directory = os.path.join(root, name, part)
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.isdigit())
+
+
+def flip(path: str, at: int, bit: int = 0x10) -> None:
+    with open(path, "r+b") as f:  # same length: the commit record still covers every byte
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ bit]))
+
+
+def increment(seg, i: int):
+    return seg.append([b"rec-%d" % i], [AttributeUpdate(COUNTER, UpdateType.ACCUMULATE, value=1)], timestamp=i)
+
+
+def fill_counter(root: str, count: int = 100, **options) -> None:
+    with SegmentStore.open(root, **options) as store:
+        seg = store.segment("s", create=True)
+        for i in range(count):
+            increment(seg, i)
+
+
+# -- class 1: committed data is never a torn tail --------------------------------------------------
+def test_a_bit_flip_in_the_middle_of_the_last_chunk_is_corruption_not_a_torn_tail(tmp_path):
+    """The issue's reproduction: it used to cut the log there, roll the counter back to about
+    half and let the next append reuse the offsets of the lost records."""
+    root = str(tmp_path / "store")
+    fill_counter(root)
+    last = files(root, "s", "_log.seg")[-1]
+    flip(last, os.path.getsize(last) // 2)
+    with SegmentStore.open(root) as store:
+        with pytest.raises(CorruptDataError) as caught:
+            store.segment("s")
+        message = str(caught.value)
+        assert "segment 's'" in message and "chunk 00000000000000000000" in message
+        assert caught.value.offset is not None and f"log byte {caught.value.offset}" in message
+        with pytest.raises(CorruptDataError):  # it stays refused: no append can reuse an offset
+            store.segment("s")
+
+
+def test_damage_at_the_very_end_of_the_last_chunk_is_corruption_on_open_and_on_read(tmp_path):
+    root = str(tmp_path / "store")
+    fill_counter(root, 30, **SMALL)
+    with SegmentStore.open(root, **SMALL) as store:
+        reader = store.segment("s")  # opened before the damage: its reads still verify
+        last = files(root, "s", "_log.seg")[-1]
+        data = open(last, "rb").read()
+        final = [pos for pos, _header in iter_batches(data)][-1]
+        flip(last, len(data) - 1)  # the last byte of the last batch's payload
+        chunk_start = int(os.path.basename(last))
+        with pytest.raises(CorruptDataError) as caught:
+            reader.read(0, 1000)
+        assert caught.value.offset == chunk_start + final
+    with SegmentStore.open(root, **SMALL) as store:
+        with pytest.raises(CorruptDataError) as caught:
+            store.segment("s")
+        assert caught.value.offset == chunk_start + final
+
+
+# -- class 1 and 2: verify and repair --------------------------------------------------------------
+def test_verify_reports_every_damaged_range_and_repair_resumes_above_every_lost_offset(tmp_path):
+    root = str(tmp_path / "store")
+    fill_counter(root, 300, **SMALL)
+    chunks = files(root, "s", "_log.seg")
+    assert len(chunks) > 8
+    damaged = [chunks[2], chunks[5]]
+    positions = []
+    for path in damaged:
+        data = open(path, "rb").read()
+        pos = [p for p, _h in iter_batches(data)][3]
+        flip(path, pos + BATCH_HEADER_SIZE + 2)  # a payload byte: the header still tells the offsets
+        positions.append(int(os.path.basename(path)) + pos)
+    with SegmentStore.open(root, **SMALL) as store:
+        report = store.verify_segment("s")
+        assert [d.start for d in report.damage] == positions
+        assert all("_log chunk" in d.where and "payload checksum" in d.reason for d in report.damage)
+        assert not report.ok and report.records == 298
+        with pytest.raises(CorruptDataError):
+            store.segment("s").read(0, 1000)
+        repair = store.repair_segment("s")
+        assert repair.cut_at == positions[0] and repair.resume_exact and repair.resume_offset == 300
+        first_lost = repair.first_lost_offset
+        assert repair.lost_offsets == range(first_lost, 300)
+        seg = store.segment("s")
+        assert seg.next_offset == 300
+        assert [int(r.value.split(b"-")[1]) for r in seg.read(0, 1000)] == list(range(first_lost))
+        assert increment(seg, 300).first_offset == 300
+        for offset in (0, first_lost - 1, first_lost, 299):  # reads from every side of the gap
+            assert seg.read(offset, 1)[0].offset == (offset if offset < first_lost else 300)
+        assert seg.offset_for_timestamp(first_lost) == 300
+        assert seg.get_attribute(COUNTER) == first_lost + 1  # rebuilt from the kept log, plus the new one
+        assert repair.attributes_rebuilt
+        assert store.verify_segment("s").ok
+    with SegmentStore.open(root, **SMALL) as store:  # reopened: the gaps and the resume offset stay
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(first_lost)) + [300]
+        assert seg.get_attribute(COUNTER) == first_lost + 1
+        assert increment(seg, 301).first_offset == 301
+        assert store.repair_segment("s").repaired is False
+
+
+def test_a_damaged_header_resumes_above_a_safe_bound(tmp_path):
+    root = str(tmp_path / "store")
+    fill_counter(root, 20)
+    (chunk,) = files(root, "s", "_log.seg")
+    data = open(chunk, "rb").read()
+    last = [p for p, _h in iter_batches(data)][-1]
+    flip(chunk, last + 30)  # inside the last header: its offsets cannot be trusted
+    with SegmentStore.open(root) as store:
+        repair = store.repair_segment("s")
+        assert not repair.resume_exact and repair.first_lost_offset == 19
+        assert repair.resume_offset > 19 and repair.lost_offsets.start == 19
+        seg = store.segment("s")
+        assert increment(seg, 20).first_offset == repair.resume_offset
+        assert seg.get_attribute(COUNTER) == 20
+
+
+def test_repair_keeps_the_attributes_when_retention_removed_the_log_start(tmp_path):
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root, **SMALL) as store:
+        seg = store.segment("s", create=True)
+        for i in range(200):
+            increment(seg, i)
+        seg.apply_retention(start_offset=100)
+        for i in range(200, 220):
+            increment(seg, i)
+    last = files(root, "s", "_log.seg")[-1]
+    flip(last, os.path.getsize(last) - 1)
+    with SegmentStore.open(root, **SMALL) as store:
+        with pytest.raises(CorruptDataError):
+            store.segment("s")
+        repair = store.repair_segment("s")
+        assert not repair.attributes_rebuilt and "cannot be rebuilt" in repair.attributes
+        assert repair.lost_offsets == range(219, 220)
+        seg = store.segment("s")
+        assert seg.get_attribute(COUNTER) == 220  # the tree's values up to its checkpoint
+        assert increment(seg, 220).first_offset == 220
+
+
+def test_a_damaged_attribute_index_is_rebuilt_from_the_log(tmp_path):
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as store:
+        seg = store.segment("s", create=True)
+        for i in range(50):
+            seg.append([b"r"], [(key(i), i * 7)])
+    (index_chunk,) = files(root, "s", "_attributes.seg")
+    flip(index_chunk, 40)  # inside the first page
+    with SegmentStore.open(root) as store:
+        report = store.verify_segment("s")
+        assert not report.ok and all("_attributes" in d.where for d in report.damage)
+        repair = store.repair_segment("s")
+        assert repair.cut_at is None and repair.attributes_rebuilt and "rebuilt from the whole log" in repair.attributes
+        seg = store.segment("s")
+        assert seg.get_attributes([key(i) for i in range(50)]) == [i * 7 for i in range(50)]
+        assert store.verify_segment("s").ok
+
+
+def test_a_damaged_chunk_index_file_is_reported_and_deleted(tmp_path):
+    root = str(tmp_path / "store")
+    fill_counter(root, 300, **SMALL)
+    indexes = sorted(os.listdir(os.path.join(root, "s", "_index")))
+    path = os.path.join(root, "s", "_index", indexes[1])
+    flip(path, 20)
+    with SegmentStore.open(root, **SMALL) as store:
+        report = store.verify_segment("s")
+        assert [d.where for d in report.damage] == [f"s/_index/{indexes[1]}"]
+        repair = store.repair_segment("s")
+        assert repair.index_files_deleted == 1 and repair.cut_at is None
+        assert store.verify_segment("s").ok
+        assert len(store.segment("s").read(0, 1000)) == 300
+
+
+def test_verify_and_repair_of_a_missing_segment_say_so(tmp_path):
+    from attrindex.errors import SegmentNotFoundError
+
+    with SegmentStore.open(str(tmp_path / "store")) as store:
+        with pytest.raises(SegmentNotFoundError):
+            store.verify_segment("nope")
+        with pytest.raises(SegmentNotFoundError):
+            store.repair_segment("nope")
+
+
+def damage(path: str, rng: random.Random) -> None:
+    """One random kind of damage to a stored file, keeping its size: a bit flip, a zeroed range
+    or random bytes."""
+    size = os.path.getsize(path)
+    at = rng.randrange(size)
+    kind = rng.choice(["flip", "zero", "random"])
+    if kind == "flip":
+        flip(path, at, 1 << rng.randrange(8))
+        return
+    length = rng.randint(1, min(300, size - at))
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(length)
+        new = bytes(length) if kind == "zero" else rng.randbytes(length)
+        if new == old:
+            new = bytes(b ^ 0xFF for b in old)
+        f.seek(at)
+        f.write(new)
+
+
+@pytest.mark.parametrize("run", range(6))
+def test_random_damage_in_the_log_never_reuses_an_acknowledged_offset(tmp_path, run):
+    """Damage a random place of the log: it is reported, reads raise, and after repair every kept
+    record is intact, the attributes match the kept log, and no new append gets an offset an
+    earlier append was acknowledged with."""
+    rng = random.Random(run)
+    root = str(tmp_path / "store")
+    fill_counter(root, 150, **SMALL)
+    damage(rng.choice(files(root, "s", "_log.seg")), rng)
+    with SegmentStore.open(root, **SMALL) as store:
+        assert not store.verify_segment("s").ok  # every byte of a batch is under a checksum
+        with pytest.raises(CorruptDataError):
+            store.segment("s").read(0, 1000)
+        repair = store.repair_segment("s")
+        assert repair.resume_offset >= 150 and repair.lost_offsets.start == repair.first_lost_offset
+        seg = store.segment("s")
+        assert increment(seg, 150).first_offset == repair.resume_offset
+        kept = [int(r.value.split(b"-")[1]) for r in seg.read(0, 1000)]
+        assert kept == list(range(repair.first_lost_offset)) + [150]
+        assert seg.get_attribute(COUNTER) == repair.first_lost_offset + 1
+        assert store.verify_segment("s").ok
+
+
+# -- class 4: work after the durable point never fails an append ---------------------------------
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_a_failed_merge_after_a_durable_append_never_fails_it(storage_url, caplog):
+    """ENOSPC on the attribute index's writes (a full disk) while an append merges tier 1: the
+    append returns (its batch is durable), the record is there exactly once, stats() shows the
+    error, flush() raises it, and a later flush succeeds once there is room again."""
+    from storage_adapters import open_storage
+    from storage_adapters.errors import StorageFullError
+    from storage_adapters.faults import FaultyStorage
+
+    url, options = storage_url
+    faulty = FaultyStorage(open_storage(url, **options), seed=1)
+    store = SegmentStore(faulty, flush_keys=1)  # every append merges tier 1 into the B+tree
+    seg = store.segment("s", create=True)
+    increment(seg, 0)
+    faulty.script("enospc", path_contains="_attributes", times=1_000_000)
+    with caplog.at_level("WARNING", logger="attrindex.segment"):
+        assert increment(seg, 1).first_offset == 1  # durable, so it returns
+    assert any("merging attribute updates" in r.getMessage() for r in caplog.records)
+    assert faulty.injected and all(i.kind == "enospc" for i in faulty.injected)
+    assert "StorageFullError" in seg.stats().merge_error
+    assert increment(seg, 2).first_offset == 2  # a retry within MERGE_RETRY_SECONDS is not tried
+    with pytest.raises(StorageFullError):
+        seg.flush()  # here the merge is what was asked
+    assert seg.get_attribute(COUNTER) == 3
+    faulty.enabled = False  # room again
+    seg.flush()
+    assert seg.stats().merge_error is None and seg.stats().pending_attributes == 0
+    store.close()
+    with SegmentStore.open(url, options) as fresh:
+        seg = fresh.segment("s")
+        assert [r.value for r in seg.read(0, 100)] == [b"rec-0", b"rec-1", b"rec-2"]
+        assert seg.get_attribute(COUNTER) == 3
+
+
+def test_close_raises_a_merge_that_still_fails(tmp_path):
+    from storage_adapters import open_storage
+    from storage_adapters.errors import StorageFullError
+    from storage_adapters.faults import FaultyStorage
+
+    root = str(tmp_path / "store")
+    faulty = FaultyStorage(open_storage(root), seed=2)
+    seg = SegmentStore(faulty, flush_keys=1).segment("s", create=True)
+    faulty.script("enospc", path_contains="_attributes", times=1_000_000)
+    increment(seg, 0)
+    with pytest.raises(StorageFullError):
+        seg.close()
+    assert seg.closed
+    with SegmentStore.open(root) as store:  # the log has it: replayed on open
+        assert store.segment("s").get_attribute(COUNTER) == 1
+
+
+# -- class 5: a batch recognises itself ------------------------------------------------------------
+def test_lost_acknowledgements_on_log_appends_neither_duplicate_nor_fail(storage_url):
+    """Every log write's response is lost (the write happened), for two writers racing on the
+    same segment: each append returns once, offsets are contiguous, no record is duplicated and
+    the ACCUMULATE total is exact."""
+    import threading
+
+    from storage_adapters import open_storage
+    from storage_adapters.faults import FaultyStorage
+
+    url, options = storage_url
+    per_writer, writers = 12, 2
+    stores, faults = [], []
+    for seed in range(writers):
+        faulty = FaultyStorage(open_storage(url, **options), seed=seed)
+        stores.append(SegmentStore(faulty, log_rolling_size=1024))
+        faults.append(faulty)
+    stores[0].segment("s", create=True)
+    for faulty in faults:
+        faulty.script("lost_ack", path_contains="_log.seg/0", times=1_000_000)
+    results: dict[int, list[int]] = {}
+
+    def write(w: int) -> None:
+        seg = stores[w].segment("s")
+        results[w] = [seg.append([b"w%d-%d" % (w, i)], [AttributeUpdate(COUNTER, UpdateType.ACCUMULATE, value=1)],
+                                 timestamp=i).first_offset for i in range(per_writer)]
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(o for offsets in results.values() for o in offsets) == list(range(writers * per_writer))
+    assert sum(1 for f in faults for i in f.injected if i.kind == "lost_ack") >= writers * per_writer
+    for faulty, store in zip(faults, stores):
+        faulty.enabled = False
+        store.close()
+    with SegmentStore.open(url, options) as fresh:
+        seg = fresh.segment("s")
+        records = seg.read(0, 1000)
+        assert [r.offset for r in records] == list(range(writers * per_writer))
+        by_value = {r.value: r.offset for r in records}
+        assert len(by_value) == len(records)  # no record twice
+        for w, offsets in results.items():  # each acknowledged offset holds that append's record
+            assert [by_value[b"w%d-%d" % (w, i)] for i in range(per_writer)] == offsets
+        assert seg.get_attribute(COUNTER) == writers * per_writer
+
+
+def test_every_append_call_has_its_own_batch_id_kept_across_a_lost_race(tmp_path):
+    """Two handles append identical content: their batches differ by id, so reading back after a
+    lost acknowledgement can only match the same call; a call that lost a race keeps its id."""
+    from attrindex.log.batch import read_header
+
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as one, SegmentStore.open(root) as two:
+        first, second = one.segment("s", create=True), two.segment("s")
+        first.append([b"same"], [(key(1), 5)], timestamp=9)
+        second.append([b"same"], [(key(1), 5)], timestamp=9)  # lost the race once: rebased and retried
+        first.append([b"same"], [(key(1), 5)], timestamp=9)
+    (chunk,) = files(root, "s", "_log.seg")
+    data = open(chunk, "rb").read()
+    headers = [h for _pos, h in iter_batches(data)]
+    assert [h.base_offset for h in headers] == [0, 1, 2]
+    assert len({h.batch_id for h in headers}) == 3
+    bodies = {data[p + BATCH_HEADER_SIZE:p + h.size] for p, h in iter_batches(data)}
+    assert len(bodies) == 1  # the payloads are identical: only the id tells the calls apart
+    assert all(read_header(data, p).batch_id == h.batch_id for p, h in iter_batches(data))
+
+
+def rot(storage, path: str, at: int) -> None:
+    """Bit rot: rewrite a stored file with one bit flipped (same size, behind the store's back)."""
+    data = bytearray(storage.read(path, 0, 1 << 30))
+    data[at] ^= 0x04
+    if storage.appendable and not storage.url.startswith("memory"):
+        with open(storage._abs(path), "r+b") as f:
+            f.write(data)
+    else:
+        storage.fs.pipe_file(storage._abs(path), bytes(data))
+
+
+def test_verify_and_repair_on_every_backend(storage_url):
+    """Objects (S3: one per append) and appendable chunks alike: the damaged batch is reported by
+    position, the repair cuts there and appends resume above every lost offset."""
+    from storage_adapters import open_storage
+
+    url, options = storage_url
+    with SegmentStore.open(url, options, log_rolling_size=1024) as store:
+        seg = store.segment("s", create=True)
+        for i in range(20):
+            increment(seg, i)
+    storage = open_storage(url, **options)
+    chunks = sorted(n for n in storage.list_files("s/_log.seg") if n.isdigit())
+    victim = chunks[len(chunks) // 2]
+    rot(storage, f"s/_log.seg/{victim}", BATCH_HEADER_SIZE + 3)  # the first batch's payload
+    with SegmentStore.open(url, options, log_rolling_size=1024) as store:
+        report = store.verify_segment("s")
+        assert [d.start for d in report.damage] == [int(victim)]
+        with pytest.raises(CorruptDataError):
+            store.segment("s").read(0, 100)
+        repair = store.repair_segment("s")
+        assert repair.cut_at == int(victim) and repair.resume_exact and repair.resume_offset == 20
+        lost = repair.first_lost_offset
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 100)] == list(range(lost))
+        assert increment(seg, 20).first_offset == 20
+        assert seg.get_attribute(COUNTER) == lost + 1
+        assert store.verify_segment("s").ok
+    with SegmentStore.open(url, options, log_rolling_size=1024) as store:
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 100)] == list(range(lost)) + [20]
+        assert seg.get_attribute(COUNTER) == lost + 1
+
+
+def test_an_append_that_keeps_losing_races_gives_up_with_a_clear_error(tmp_path, monkeypatch):
+    import attrindex.segment
+    from attrindex.errors import StorageError
+
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as one, SegmentStore.open(root) as two:
+        stale, other = one.segment("s", create=True), two.segment("s")
+        other.append([b"first"])  # the stale handle's next compare-and-append loses
+        monkeypatch.setattr(attrindex.segment, "MAX_APPEND_RACES", 1)
+        with pytest.raises(StorageError, match="lost the race"):
+            stale.append([b"mine"])
+        monkeypatch.setattr(attrindex.segment, "MAX_APPEND_RACES", 10_000)
+        assert stale.append([b"mine"]).first_offset == 1
+        assert [r.value for r in stale.read(0)] == [b"first", b"mine"]
+
+
+def test_gap_markers_written_by_older_versions_are_still_honoured(storage_url):
+    """Older versions cut a garbage tail by writing a gap marker and appending after it: such a
+    log still reads, with the offsets it was written with."""
+    from storage_adapters import RollingSegment, open_storage
+    from storage_adapters.rolling import chunk_name
+
+    from attrindex.log.batch import encode_batch
+
+    url, options = storage_url
+    storage = open_storage(url, **options)
+    with SegmentStore(storage) as store:
+        seg = store.segment("s", create=True)
+        for i in range(10):
+            seg.append([b"old-%d" % i], [(key(i), i)])
+    log = RollingSegment(storage, "s/_log")
+    start = log.append(b"\x00garbage that a torn write left\x00")
+    end = log.length
+    storage.put_marker(f"s/_gaps/{chunk_name(start)}-{chunk_name(end)}")
+    for i in range(10, 13):
+        log.append(encode_batch(i, [b"new-%d" % i], timestamp=i, attribute_updates=([key(i)], [i])))
+    with SegmentStore(open_storage(url, **options)) as store:
+        seg = store.segment("s")
+        assert [r.value for r in seg.read(0, 100)] == [b"old-%d" % i for i in range(10)] + [b"new-%d" % i for i in range(10, 13)]
+        assert seg.next_offset == 13 and seg.get_attribute(key(12)) == 12
+        assert store.verify_segment("s").ok
+        assert seg.append([b"next"]).first_offset == 13
+
+
+def test_store_close_closes_every_handle_even_if_a_merge_fails(tmp_path):
+    from storage_adapters import open_storage
+    from storage_adapters.errors import StorageFullError
+    from storage_adapters.faults import FaultyStorage
+
+    faulty = FaultyStorage(open_storage(str(tmp_path / "store")), seed=4)
+    store = SegmentStore(faulty)
+    first, second = store.segment("a", create=True), store.segment("b", create=True)
+    first.append([b"x"], [(key(1), 1)])
+    second.append([b"y"], [(key(2), 2)])
+    faulty.script("enospc", path_contains="a/_attributes", times=1_000_000)
+    with pytest.raises(StorageFullError):
+        store.close()
+    assert first.closed and second.closed
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_cycles_of_damage_and_repair_keep_every_kept_record_and_never_reuse_an_offset(tmp_path, run):
+    """Append, damage a random place after the last repair, repair; three times. The model: every
+    acknowledged offset is unique, the kept records are exactly the acknowledged ones outside the
+    reported lost ranges, and the counter counts them."""
+    rng = random.Random(100 + run)
+    root = str(tmp_path / "store")
+    acknowledged: dict[int, bytes] = {}
+    lost: list[range] = []
+    for cycle in range(3):
+        with SegmentStore.open(root, **SMALL) as store:
+            seg = store.segment("s", create=True)
+            for i in range(40):
+                value = b"c%d-%d" % (cycle, i)
+                offset = seg.append([value], [AttributeUpdate(COUNTER, UpdateType.ACCUMULATE, value=1)]).first_offset
+                assert offset not in acknowledged
+                acknowledged[offset] = value
+            tail_start = seg.stats().log_bytes - 40 * 60  # damage only this cycle's bytes (batches are ~100)
+        path = files(root, "s", "_log.seg")[-1]
+        chunk_start = int(os.path.basename(path))
+        size = os.path.getsize(path)
+        flip(path, rng.randrange(max(0, tail_start - chunk_start), size), 1 << rng.randrange(8))
+        with SegmentStore.open(root, **SMALL) as store:
+            repair = store.repair_segment("s")
+            assert repair.cut_at is not None
+            lost.append(repair.lost_offsets)
+    with SegmentStore.open(root, **SMALL) as store:
+        assert store.verify_segment("s").ok
+        seg = store.segment("s")
+        kept = {r.offset: r.value for r in seg.read(0, 10_000)}
+        expected = {o: v for o, v in acknowledged.items() if not any(o in r for r in lost)}
+        assert kept == expected
+        assert seg.get_attribute(COUNTER) == len(expected)
+        assert seg.append([b"last"]).first_offset > max(acknowledged)
+
+
+def test_an_open_handle_that_meets_damage_refuses_to_append(tmp_path):
+    root = str(tmp_path / "store")
+    one, two = SegmentStore.open(root), SegmentStore.open(root)
+    stale = one.segment("s", create=True)
+    increment(stale, 0)
+    other = two.segment("s")
+    for i in range(1, 6):
+        increment(other, i)
+    (chunk,) = files(root, "s", "_log.seg")
+    size = os.path.getsize(chunk)
+    flip(chunk, size - 3)  # in a batch the stale handle has not read yet
+    for _ in range(2):  # a lost race makes it catch up, which meets the damage: every time
+        with pytest.raises(CorruptDataError):
+            increment(stale, 99)
+    assert os.path.getsize(chunk) == size  # nothing was appended
+    with pytest.raises(CorruptDataError):
+        stale.refresh()
+    two.close()  # this handle read its batches before the damage: its merge covers them
+    with pytest.raises(CorruptDataError):
+        one.close()  # the tree is ahead of it: catching up for its merge meets the damage
+    assert stale.closed
