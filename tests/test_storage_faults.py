@@ -336,3 +336,18 @@ def test_truncate_is_done_once_its_marker_is_durable(storage):
         RollingSegment(storage, "s").read(4, 2)
     assert seg.append(b"mnop") == 12  # retries the deletions
     assert sorted(n for n in storage.list_files("s.seg") if "/" not in n) == ["0" * 18 + "08", "0" * 18 + "12"]
+
+
+def test_truncate_settles_its_marker_by_reading(storage):
+    faulty = FaultyStorage(storage, seed=3)
+    seg = RollingSegment(faulty, "s", rolling_size=4)
+    for part in (b"abcd", b"efgh", b"ijkl"):
+        seg.append(part)
+    faulty.script("fail_before", op="put_marker")
+    with pytest.raises(StorageError) as caught:
+        seg.truncate(4)
+    assert not isinstance(caught.value, OutcomeUnknownError)
+    assert RollingSegment(storage, "s").start_offset == 0
+    faulty.script("lost_ack", op="put_marker")
+    seg.truncate(8)  # the marker is stored: the truncation happened, and says so
+    assert seg.start_offset == 8 == RollingSegment(storage, "s").start_offset
