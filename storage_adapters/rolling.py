@@ -440,9 +440,30 @@ class RollingSegment:
             if offset <= self._start_offset:
                 return
             # The marker goes first: a crash before the deletions leaves only unreachable chunks.
-            self.storage.put_marker(f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(offset)}")
+            self._put_marker(f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(offset)}")
             self._start_offset, self._markers = offset, [*self._markers, offset]
             self._delete_dead()
+
+    def _put_marker(self, path: str) -> None:
+        """Write a truncation marker; after an error, whether it exists decides the outcome."""
+        try:
+            self.storage.put_marker(path)
+            return
+        except StorageError as exc:
+            error = exc
+        try:
+            stored = self.storage.exists(path)
+        except StorageError as exc:
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: writing {path!r} failed ({error}) and checking it failed ({exc})"
+            ) from error
+        if stored:
+            _log.info("segment %r: writing %r raised %s but the marker is stored; accepted",
+                      self.name, path, type(error).__name__)
+            return
+        if isinstance(error, OutcomeUnknownError):
+            raise StorageError(f"segment {self.name!r}: the truncation did not happen ({error})") from error
+        raise error
 
     def _delete_dead(self) -> None:
         """After a truncation is durable: delete the chunks and markers it made dead. A failure is

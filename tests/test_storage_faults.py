@@ -336,3 +336,48 @@ def test_truncate_is_done_once_its_marker_is_durable(storage):
         RollingSegment(storage, "s").read(4, 2)
     assert seg.append(b"mnop") == 12  # retries the deletions
     assert sorted(n for n in storage.list_files("s.seg") if "/" not in n) == ["0" * 18 + "08", "0" * 18 + "12"]
+
+
+def test_truncate_settles_its_marker_by_reading(storage):
+    faulty = FaultyStorage(storage, seed=3)
+    seg = RollingSegment(faulty, "s", rolling_size=4)
+    for part in (b"abcd", b"efgh", b"ijkl"):
+        seg.append(part)
+    faulty.script("fail_before", op="put_marker")
+    with pytest.raises(StorageError) as caught:
+        seg.truncate(4)
+    assert not isinstance(caught.value, OutcomeUnknownError)
+    assert RollingSegment(storage, "s").start_offset == 0
+    faulty.script("lost_ack", op="put_marker")
+    seg.truncate(8)  # the marker is stored: the truncation happened, and says so
+    assert seg.start_offset == 8 == RollingSegment(storage, "s").start_offset
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_faults_never_lose_or_duplicate_an_append(storage, seed):
+    """Every acknowledged append is stored once at its offset, a definite failure never, an unknown
+    one at most once; nothing else is stored."""
+    import re
+
+    from storage_adapters import BadOffsetError
+
+    faulty = FaultyStorage(storage, seed=seed, rates={"fail_before": 0.08, "lost_ack": 0.08, "torn": 0.05, "enospc": 0.03})
+    seg = RollingSegment(faulty, "s", rolling_size=64)
+    acknowledged, unknown, failed = {}, set(), set()
+    for i in range(40 if not storage.appendable else 200):
+        record = b"<%d-%d>" % (seed, i)
+        try:
+            acknowledged[seg.append(record, expected_offset=seg.length if i % 2 else None)] = record
+        except OutcomeUnknownError:
+            unknown.add(record)
+        except (BadOffsetError, StorageError):
+            failed.add(record)
+    with faults_disabled(faulty):
+        stored = _stored(storage)
+    found = {m.start(): m.group() for m in re.finditer(rb"<\d+-\d+>", stored)}
+    assert b"".join(found.values()) == stored  # nothing torn or garbled is visible
+    assert {o: r for o, r in found.items() if o in acknowledged} == acknowledged
+    records = list(found.values())
+    assert len(records) == len(set(records))  # no duplicates
+    assert set(records) - set(acknowledged.values()) <= unknown and not set(records) & failed
+    assert len(acknowledged) > 10 and len(faulty.injected) > 3
