@@ -10,10 +10,13 @@ the storage layer. Every error raised on purpose is in ``attrindex.errors``.
 from . import errors
 from ._version import __version__
 from .attribute_index import AttributeIndex, IndexStats, VerifyReport
+from .btree.repair import IndexRepairReport
+from .damage import Damage
 from .conditional import AttributeUpdate, UpdateFailure, UpdateType
 from .log.batch import Codec, Record
 from .reader import SegmentReader
 from .segment import AppendResult, Segment, SegmentStats
+from .segment_repair import SegmentRepairReport, SegmentVerifyReport
 from .store import SegmentStore
 from .writer import EventWriter
 
@@ -22,12 +25,16 @@ __all__ = [
     "AttributeIndex",
     "AttributeUpdate",
     "Codec",
+    "Damage",
     "EventWriter",
+    "IndexRepairReport",
     "IndexStats",
     "Record",
     "Segment",
     "SegmentReader",
+    "SegmentRepairReport",
     "SegmentStats",
+    "SegmentVerifyReport",
     "SegmentStore",
     "UpdateFailure",
     "UpdateType",
