@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+import uuid
+
 import attrs
 
-from storage_adapters import ChunkStorage, RollingSegment, open_storage
+from storage_adapters import ChunkStorage, RollingSegment
+from storage_adapters.rolling import validate_segment_name
 
 from .btree import BTreeIndex, policy_for
 from .btree.page import IndexPage, decode_page
 from .cache import ShardedLRUCache
-from .errors import CorruptDataError, InvalidInputError
+from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError
+from .locations import index_exists, mark_index_created, open_location
 from .keys import KEY_SIZE, MIN_KEY, VALUE_MAX, VALUE_MIN, to_key, to_update
 from .value_cache import MISSING, ValueCache
 
@@ -61,6 +65,25 @@ def _canonical_batch(updates) -> dict[bytes, int | None]:
     for key, value in pairs:  # the original order, so the last value wins across key forms
         canonical[to_key(key)] = to_update(value)
     return canonical
+
+
+# Single keys: iterating one would turn it into a list of bogus keys (16 one-byte "keys" of a bytes).
+_SINGLE_KEY_TYPES = (bytes, bytearray, memoryview, str, int, uuid.UUID)
+
+
+def key_list(keys: Iterable[object]) -> list[object]:
+    """``keys`` as a list; a single key (bytes, str, int, UUID) or a non-iterable raises
+    ``InvalidInputError`` instead of being iterated."""
+    if isinstance(keys, list):
+        return keys
+    if isinstance(keys, _SINGLE_KEY_TYPES):
+        raise InvalidInputError(
+            f"expected an iterable of keys, got a single {type(keys).__name__} key; wrap it in a list: [key]"
+        )
+    try:
+        return list(keys)
+    except TypeError:
+        raise InvalidInputError(f"expected an iterable of keys, got {type(keys).__name__}") from None
 
 
 def _is_index_page(page: object) -> bool:
@@ -125,6 +148,8 @@ class AttributeIndex:
         # Index pages are high priority: scans of leaves never push the upper levels out.
         self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
         self._values = ValueCache(value_cache_entries)
+        self._closed = False
+        self._read_only = False  # set by open(mode="r")
         # Another writer's state makes tier 1 stale: the tree says when it adopts one.
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
                                 policy=policy_for(compaction), on_external_change=self._values.clear)
@@ -135,20 +160,42 @@ class AttributeIndex:
         url: str,
         name: str = "attributes",
         *,
+        mode: str = "a",
         storage_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> "AttributeIndex":
-        """Open (or create) the index ``name`` at a storage URL: ``memory://``, ``file://``, ``s3://``.
+        """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path, ``s3://``.
+
+        ``mode="a"`` (the default) opens the index or creates it; ``mode="r"`` opens an existing
+        index read-only: a missing one (a mistyped path, an empty directory) raises
+        ``IndexNotFoundError`` and ``update`` raises ``InvalidInputError``. A local path that is a
+        regular file raises ``IndexNotFoundError`` in both modes.
 
         ``options``: ``page_size`` (default 32768), ``rolling_size`` (4 MiB), ``cache_bytes`` for
         decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
         the bounded policy; "pravega"; False).
         """
-        return cls(open_storage(url, **dict(storage_options or {})), name, **options)
+        if mode not in ("a", "r"):
+            raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")
+        validate_segment_name(name)
+        what = f"index {name!r}"
+        storage = open_location(url, storage_options, what=what, not_found=IndexNotFoundError)
+        try:
+            if not index_exists(storage, name):
+                if mode == "r":
+                    raise IndexNotFoundError(f"no {what} at URL {storage.url!r} (opened read-only, so nothing was created)")
+                mark_index_created(storage, name)
+            index = cls(storage, name, **options)
+        except BaseException:
+            storage.close()
+            raise
+        index._read_only = mode == "r"
+        return index
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: object) -> int | None:
         """The value stored for ``key``, or ``None``."""
+        self._check_open()
         k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
         if not self._values.capacity:
             return self._tree.get(k)
@@ -160,7 +207,8 @@ class AttributeIndex:
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
         """Values for ``keys`` in input order (``None`` where absent)."""
-        keys = keys if isinstance(keys, list) else list(keys)
+        self._check_open()
+        keys = key_list(keys)
         canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
         if not self._values.capacity:
             return self._tree.get_many(canonical)
@@ -174,6 +222,7 @@ class AttributeIndex:
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order."""
+        self._check_open()
         low = None if start is None else to_key(start)
         high = None if stop is None else to_key(stop)
         return self._tree.items(low, high)
@@ -181,12 +230,15 @@ class AttributeIndex:
     def split_keys(self, parts: int) -> list[bytes]:
         """Up to ``parts - 1`` ascending keys cutting the stored keys into about equal ranges
         (for scanning in parallel); reads only a few upper pages."""
+        self._check_open()
         return self._tree.split_keys(parts)
 
     def __len__(self) -> int:
+        self._check_open()
         return self._tree.state.footer.entry_count
 
     def __contains__(self, key: object) -> bool:
+        self._check_open()
         return self.get(key) is not None
 
     # -- writing -------------------------------------------------------------------------------
@@ -199,6 +251,7 @@ class AttributeIndex:
         in some other log that the index now covers (segments use it): it only moves forward, so
         an update whose checkpoint the index already covers is skipped and returns False.
         """
+        self._check_writable()
         if checkpoint is not None and (type(checkpoint) is not int or checkpoint < 0):
             raise InvalidInputError(f"checkpoint must be an int >= 0, got {checkpoint!r}")
         batch = _canonical_batch(updates)
@@ -210,6 +263,7 @@ class AttributeIndex:
     def update_sorted(self, keys: list[bytes], values: list[int | None], *, checkpoint: int | None = None) -> bool:
         """``update`` for input already canonical: ``keys`` 16-byte ``bytes``, sorted and unique,
         ``values`` int64 or ``None``. Not checked (segments merge their checked tier 1 this way)."""
+        self._check_writable()
         if checkpoint is not None and self._tree.update(keys, values, checkpoint).footer.checkpoint != checkpoint:
             return False
         if checkpoint is None:
@@ -223,16 +277,19 @@ class AttributeIndex:
     @property
     def checkpoint(self) -> int | None:
         """The checkpoint stored by the last update that gave one (``None`` if none ever did)."""
+        self._check_open()
         checkpoint = self._tree.state.footer.checkpoint
         return None if checkpoint < 0 else checkpoint
 
     def refresh(self) -> None:
         """Pick up updates made by other handles or processes."""
+        self._check_open()
         self._tree.reload()
 
     # -- inspection ----------------------------------------------------------------------------
     def stats(self) -> IndexStats:
         """Counts, storage use and I/O counters of this handle."""
+        self._check_open()
         state, io = self._tree.state, self._tree.io
         footer = state.footer
         cache = self._page_cache
@@ -260,6 +317,7 @@ class AttributeIndex:
         Raises ``CorruptDataError`` naming the first fault; returns what was checked otherwise.
         ``progress(pages_done, pages_total)`` is called as pages are checked.
         """
+        self._check_open()
         state = self._tree.reload()
         footer = state.footer
         if not footer.root_length:
@@ -310,14 +368,37 @@ class AttributeIndex:
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the handle (every update is already durable)."""
+        """Release the handle (every update is already durable); every later call but ``close``
+        raises ``InvalidInputError``."""
+        self._closed = True
         self._segment.close()
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the handle was opened with ``mode="r"``: ``update`` raises."""
+        return self._read_only
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInputError(f"index {self._segment.name!r} at {self._segment.storage.url!r}: the index handle is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._read_only:
+            raise InvalidInputError(f"index {self._segment.name!r} at {self._segment.storage.url!r} was opened read-only (mode='r')")
+
     def __enter__(self) -> "AttributeIndex":
+        self._check_open()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"AttributeIndex({self._segment.storage.url!r}, {self._segment.name!r}, entries={len(self)})"
+        state = "closed" if self._closed else f"entries={len(self)}"
+        return f"AttributeIndex({self._segment.storage.url!r}, {self._segment.name!r}, {state})"

@@ -83,6 +83,16 @@ class WriterConflictError(AttrIndexError):
     writers share one id."""
 
 
+class IndexNotFoundError(AttrIndexError, LookupError):
+    """An index opened read-only (``AttributeIndex.open(url, mode="r")``) does not exist at its URL,
+    or the URL cannot hold one (a regular file)."""
+
+
+class StoreNotFoundError(AttrIndexError, LookupError):
+    """A store opened without ``create`` (``SegmentStore.open(url, create=False)``) does not exist
+    at its URL, or the URL cannot hold one (a regular file)."""
+
+
 __all__ = [
     "AttrIndexError",
     "BadOffsetError",
@@ -104,4 +114,6 @@ __all__ = [
     "StorageFullError",
     "TruncatedError",
     "UnsupportedSchemeError",
+    "IndexNotFoundError",
+    "StoreNotFoundError",
 ]

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
 
-from .attribute_index import AttributeIndex, _canonical_batch
+from .attribute_index import AttributeIndex, _canonical_batch, key_list
 from .conditional import AttributeUpdate, resolve_updates
 from .errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
 from .keys import to_key
@@ -225,7 +225,7 @@ class Segment:
 
     def get_attributes(self, keys: Iterable[object]) -> list[int | None]:
         """Values of ``keys`` in input order (``None`` where absent)."""
-        canonical = [to_key(k) for k in keys]
+        canonical = [to_key(k) for k in key_list(keys)]
         with self._lock:
             return self._current_values(canonical)
 

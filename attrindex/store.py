@@ -3,6 +3,7 @@
 Layout under the store's root (docs/storage.md): segment ``NAME`` keeps everything under ``NAME/``
 in names starting with ``_``, which segment names may not use, so no two segments can collide::
 
+    _store                        marker: the store exists (written by SegmentStore.open(create=True))
     NAME/_segment                 marker: the segment exists
     NAME/_log.seg/, NAME/_index/, NAME/_gaps/   the record log (attrindex.log)
     NAME/_attributes.seg/         the attributes' B+tree
@@ -17,10 +18,11 @@ import re
 import threading
 from typing import Any, Mapping
 
-from storage_adapters import ChunkStorage, open_storage
+from storage_adapters import ChunkStorage
 from storage_adapters.rolling import validate_segment_name
 
-from .errors import InvalidInputError, SegmentNotFoundError, StreamNotFoundError
+from .errors import InvalidInputError, SegmentNotFoundError, StoreNotFoundError, StreamNotFoundError
+from .locations import STORE_MARKER, mark_store_created, open_location, store_exists
 from .segment import Segment, SegmentOptions
 
 SEGMENT_MARKER = "_segment"
@@ -57,9 +59,29 @@ class SegmentStore:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None, **options: Any) -> "SegmentStore":
-        """Open the store at ``url`` (``memory://``, ``file://`` or a path, ``s3://``)."""
-        return cls(open_storage(url, **dict(storage_options or {})), **options)
+    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None, *, create: bool = True,
+             **options: Any) -> "SegmentStore":
+        """Open the store at ``url`` (``memory://``, ``file://`` or a path, ``s3://``).
+
+        ``create=True`` (the default) creates the store if it is missing, by writing its ``_store``
+        marker; ``create=False`` opens an existing store only, and a missing one (a mistyped path,
+        an empty directory or bucket prefix) raises ``StoreNotFoundError``. A store is recognised by
+        its marker, or, for stores written before the marker, by any segment or stream in it. A
+        local path that is a regular file raises ``StoreNotFoundError`` either way.
+        """
+        if not isinstance(create, bool):
+            raise InvalidInputError(f"create must be True or False, got {create!r}")
+        storage = open_location(url, storage_options, what="store", not_found=StoreNotFoundError)
+        try:
+            if not create and not store_exists(storage):
+                raise StoreNotFoundError(f"no store at URL {storage.url!r} (opened with create=False, so nothing was created)")
+            store = cls(storage, **options)
+            if create and not storage.exists(STORE_MARKER):
+                mark_store_created(storage)
+        except BaseException:
+            storage.close()
+            raise
+        return store
 
     # -- segments ------------------------------------------------------------------------------
     def segment(self, name: str, create: bool = False) -> Segment:

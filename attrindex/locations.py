@@ -1,0 +1,78 @@
+"""Opening a storage URL for an index or a store, and telling whether one is already there.
+
+What marks each as existing (docs/user-guide.md, "Opening and creating"):
+
+* an ``AttributeIndex`` named ``NAME``: any file under ``NAME.seg/`` (its chunks, truncation
+  markers, or the ``_created`` marker that a creating open writes into an empty one);
+* a ``SegmentStore``: its ``_store`` marker at the root, written by a creating open; stores made
+  before the marker existed are recognised by any segment marker (``*/_segment``) or stream marker
+  (``_streams/...``).
+
+A local path that is a regular file (or lies under one) can hold neither; it is refused up front
+instead of failing later with an ``OSError`` from deep inside a write.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from storage_adapters import ChunkStorage, open_storage
+from storage_adapters.local import LocalChunkStorage
+from storage_adapters.rolling import SEGMENT_SUFFIX
+
+INDEX_CREATED_MARKER = "_created"
+STORE_MARKER = "_store"
+_SEGMENT_MARKER_SUFFIX = "/_segment"
+_STREAMS_PREFIX = "_streams/"
+
+
+def open_location(url: str, storage_options: Mapping[str, Any] | None, *, what: str,
+                  not_found: type[Exception]) -> ChunkStorage:
+    """``open_storage(url, **storage_options)``, refusing a local path that cannot be a directory.
+
+    ``what`` names the thing looked for ("index 'attributes'", "store") in the error, an instance
+    of ``not_found``.
+    """
+    storage = open_storage(url, **dict(storage_options or {}))
+    blocker = _regular_file_in_the_way(storage)
+    if blocker is not None:
+        storage.close()
+        raise not_found(f"no {what} at URL {storage.url!r}: {blocker!r} is a regular file, not a directory")
+    return storage
+
+
+def _regular_file_in_the_way(storage: ChunkStorage) -> str | None:
+    """The existing non-directory at or above a local storage root, if there is one."""
+    if not isinstance(storage, LocalChunkStorage):
+        return None
+    path = storage.root
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return None if os.path.isdir(path) else path
+
+
+def index_exists(storage: ChunkStorage, name: str) -> bool:
+    """Whether the index ``name`` has ever been created or written in ``storage``."""
+    return bool(storage.list_files(name + SEGMENT_SUFFIX))
+
+
+def mark_index_created(storage: ChunkStorage, name: str) -> None:
+    """Make an index that has no update yet recognisable as existing (idempotent)."""
+    storage.put_marker(f"{name}{SEGMENT_SUFFIX}/{INDEX_CREATED_MARKER}")
+
+
+def store_exists(storage: ChunkStorage) -> bool:
+    """Whether ``storage``'s root holds a segment store (its marker, or any segment or stream)."""
+    if storage.exists(STORE_MARKER):
+        return True
+    return any(path.endswith(_SEGMENT_MARKER_SUFFIX) or path.startswith(_STREAMS_PREFIX)
+               for path in storage.list_files(""))
+
+
+def mark_store_created(storage: ChunkStorage) -> None:
+    """Write the store marker (idempotent)."""
+    storage.put_marker(STORE_MARKER)

@@ -1,0 +1,172 @@
+"""A newcomer's first hour (issue 14): no silent empty stores, no answers from closed handles, no
+single key taken for an iterable of keys."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from attrindex import AttributeIndex, SegmentStore
+from attrindex.errors import IndexNotFoundError, InvalidInputError, StoreNotFoundError
+from attrindex.locations import STORE_MARKER
+from storage_adapters import open_storage
+
+KEY = b"k" * 16
+
+
+# -- read-only opens of what is not there ---------------------------------------------------------
+
+def test_read_only_open_of_a_missing_index_raises_and_creates_nothing(storage_url):
+    url, options = storage_url
+    with pytest.raises(IndexNotFoundError, match="no index 'attributes' at URL"):
+        AttributeIndex.open(url, mode="r", storage_options=options)
+    with open_storage(url, **options) as storage:
+        assert storage.list_files("") == {}
+
+
+def test_an_index_created_by_an_appending_open_opens_read_only_even_when_empty(storage_url):
+    url, options = storage_url
+    AttributeIndex.open(url, storage_options=options).close()
+    with AttributeIndex.open(url, mode="r", storage_options=options) as idx:
+        assert (len(idx), idx.get(KEY), list(idx.items())) == (0, None, [])
+
+
+def test_a_read_only_handle_reads_and_refuses_writes(storage_url):
+    url, options = storage_url
+    with AttributeIndex.open(url, storage_options=options) as idx:
+        idx.update({KEY: 7})
+    with AttributeIndex.open(url, mode="r", storage_options=options) as idx:
+        assert idx.read_only and idx.get(KEY) == 7
+        with pytest.raises(InvalidInputError, match="read-only"):
+            idx.update({KEY: 8})
+        with pytest.raises(InvalidInputError, match="read-only"):
+            idx.update_sorted([KEY], [8])
+        idx.refresh()
+        assert idx.get(KEY) == 7 and idx.stats().updates_written == 0
+
+
+def test_read_only_open_of_another_name_is_missing(tmp_path):
+    AttributeIndex.open(str(tmp_path), "one").close()
+    with pytest.raises(IndexNotFoundError, match="no index 'two'"):
+        AttributeIndex.open(str(tmp_path), "two", mode="r")
+
+
+def test_an_unknown_mode_is_refused(tmp_path):
+    with pytest.raises(InvalidInputError, match="mode"):
+        AttributeIndex.open(str(tmp_path), mode="w")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_only_open_of_an_empty_directory_is_missing(tmp_path):
+    with pytest.raises(IndexNotFoundError):
+        AttributeIndex.open(f"file://{tmp_path}", mode="r")
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["the file", "a path under it"])
+@pytest.mark.parametrize("scheme", ["", "file://"])
+def test_a_regular_file_is_neither_an_index_nor_a_store(tmp_path, scheme, under):
+    regular = tmp_path / "notes.txt"
+    regular.write_bytes(b"not a store")
+    url = scheme + str(regular / "sub" if under else regular)
+    for mode in ("a", "r"):
+        with pytest.raises(IndexNotFoundError, match="is a regular file"):
+            AttributeIndex.open(url, mode=mode)
+    for create in (True, False):
+        with pytest.raises(StoreNotFoundError, match="is a regular file"):
+            SegmentStore.open(url, create=create)
+    assert regular.read_bytes() == b"not a store"
+
+
+def test_opening_a_missing_store_without_create_raises_and_creates_nothing(storage_url):
+    url, options = storage_url
+    with pytest.raises(StoreNotFoundError, match="no store at URL"):
+        SegmentStore.open(url, options, create=False)
+    with open_storage(url, **options) as storage:
+        assert storage.list_files("") == {}
+
+
+def test_a_created_store_opens_without_create_even_when_empty(storage_url):
+    url, options = storage_url
+    SegmentStore.open(url, options).close()
+    with SegmentStore.open(url, options, create=False) as store:
+        assert store.segments() == []
+
+
+def test_a_store_from_before_the_marker_is_recognised_by_its_segments(tmp_path):
+    with SegmentStore.open(str(tmp_path)) as store:
+        store.segment("orders/0", create=True).append([b"v"])
+    (tmp_path / STORE_MARKER).unlink()
+    with SegmentStore.open(str(tmp_path), create=False) as store:
+        assert store.segments() == ["orders/0"]
+        assert store.segment("orders/0").read(0)[0].value == b"v"
+
+
+def test_a_store_from_before_the_marker_is_recognised_by_its_streams(tmp_path):
+    with SegmentStore.open(str(tmp_path)) as store:
+        store.create_stream("events", 2)
+    (tmp_path / STORE_MARKER).unlink()
+    with SegmentStore.open(str(tmp_path), create=False) as store:
+        assert store.stream_segments("events") == ["events/0", "events/1"]
+
+
+def test_create_must_be_a_bool(tmp_path):
+    with pytest.raises(InvalidInputError, match="create"):
+        SegmentStore.open(str(tmp_path), create="no")
+
+
+# -- closed handles ------------------------------------------------------------------------------
+
+CALLS_ON_A_CLOSED_INDEX = {
+    "get": lambda idx: idx.get(KEY),
+    "get_many": lambda idx: idx.get_many([KEY]),
+    "items": lambda idx: list(idx.items()),
+    "split_keys": lambda idx: idx.split_keys(2),
+    "len": len,
+    "in": lambda idx: KEY in idx,
+    "stats": lambda idx: idx.stats(),
+    "verify": lambda idx: idx.verify(),
+    "refresh": lambda idx: idx.refresh(),
+    "checkpoint": lambda idx: idx.checkpoint,
+    "update": lambda idx: idx.update({KEY: 2}),
+    "update_sorted": lambda idx: idx.update_sorted([KEY], [2]),
+    "with": lambda idx: idx.__enter__(),
+}
+
+
+@pytest.mark.parametrize("call", CALLS_ON_A_CLOSED_INDEX.values(), ids=CALLS_ON_A_CLOSED_INDEX.keys())
+def test_every_call_on_a_closed_index_raises(tmp_path, call):
+    idx = AttributeIndex.open(str(tmp_path))
+    idx.update({KEY: 1})
+    idx.close()
+    with pytest.raises(InvalidInputError, match="index handle is closed"):
+        call(idx)
+    idx.close()  # closing twice is harmless
+    assert idx.closed and "closed" in repr(idx)
+    with AttributeIndex.open(str(tmp_path)) as reopened:
+        assert reopened.get(KEY) == 1  # the closed handle wrote nothing
+
+
+# -- a single key where keys are expected -----------------------------------------------------------
+
+SINGLE_KEYS = [b"x" * 16, bytearray(b"x" * 16), memoryview(b"x" * 16), "x" * 16, uuid.UUID(int=7), 7]
+NOT_ITERABLE = [None, 7.5]
+
+
+@pytest.mark.parametrize("keys", SINGLE_KEYS + NOT_ITERABLE, ids=repr)
+def test_get_many_refuses_a_single_key(keys):
+    with AttributeIndex.open(f"memory://first-hour-{uuid.uuid4().hex}") as idx:
+        idx.update({b"x" * 16: 1})
+        with pytest.raises(InvalidInputError, match="iterable of keys"):
+            idx.get_many(keys)
+        assert idx.get_many([b"x" * 16]) == [1] and idx.get_many(iter([7])) == [None]
+
+
+@pytest.mark.parametrize("keys", SINGLE_KEYS + NOT_ITERABLE, ids=repr)
+def test_segment_get_attributes_refuses_a_single_key(keys):
+    with SegmentStore.open(f"memory://first-hour-{uuid.uuid4().hex}") as store:
+        seg = store.segment("s", create=True)
+        seg.update_attributes([(b"x" * 16, 1)])
+        with pytest.raises(InvalidInputError, match="iterable of keys"):
+            seg.get_attributes(keys)
+        assert seg.get_attributes((b"x" * 16, 7)) == [1, None]
