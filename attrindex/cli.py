@@ -54,21 +54,24 @@ values (VALUE) are signed 64-bit integers (42, -7, 0x2a); 'none' removes the key
 """
 
 
-def parse_key(text: str) -> bytes | int | uuid.UUID:
-    """A key typed on the command line: 32 hex digits, a UUID, a decimal int or 0x-prefixed hex
-    (``KEYS_HELP``)."""
+def parse_key(text: str) -> bytes:
+    """A key typed on the command line (``KEYS_HELP``: 32 hex digits, a UUID, or an integer in
+    decimal, 0x hex, 0o or 0b), as its 16 bytes; checked here, before anything is opened."""
+    from .keys import to_key
+
     cleaned = text.strip()
     if len(cleaned) == 32 and all(c in "0123456789abcdefABCDEF" for c in cleaned):
         return bytes.fromhex(cleaned)
     if len(cleaned) == 36 and cleaned.count("-") == 4:
         try:
-            return uuid.UUID(cleaned)
+            return uuid.UUID(cleaned).bytes
         except ValueError:
             pass
     try:
-        return int(cleaned, 0)
+        number = int(cleaned, 0)
     except ValueError:
         raise InvalidInputError(f"cannot read {text!r} as a key: give 32 hex digits, a UUID or an integer") from None
+    return to_key(number)  # a negative or too large integer: InvalidKeyError
 
 
 def _parse_value(text: str) -> int | None:

@@ -14,6 +14,7 @@ from .errors import (
     CorruptDataError,
     IndexNotFoundError,
     InvalidInputError,
+    MissingDependencyError,
     OutcomeUnknownError,
     RecordTruncatedError,
     SegmentNotFoundError,
@@ -94,8 +95,9 @@ def explain(exc: BaseException, url: str | None = None, endpoint: str | None = N
         return Failure(f"cannot reach the S3 endpoint {server} for {url or 'the store'}: {_one_line(str(chain[-1]))}; "
                        "check -o endpoint_url=... and the network, then retry", EXIT_FAILED)
     if any(_missing_bucket(e) for e in chain):
-        return Failure(f"{_one_line(str(exc))}; create the bucket first (e.g. aws s3 mb s3://BUCKET), "
-                       "or check the URL", EXIT_NOT_FOUND)
+        bucket = url.split("://", 1)[1].split("/", 1)[0] if url and "://" in url else "BUCKET"
+        return Failure(f"S3 bucket {bucket!r} does not exist ({url} at {server}); create it first "
+                       f"(e.g. aws s3 mb s3://{bucket}), or check the URL", EXIT_NOT_FOUND)
     if isinstance(exc, AttrIndexError):
         return _explain_ours(exc, url)
     if isinstance(exc, PermissionError):
@@ -132,8 +134,9 @@ def _explain_ours(exc: AttrIndexError, url: str | None) -> Failure:
         return Failure(f"{located}; nothing was written: free space (or raise the quota), then retry", EXIT_FAILED)
     if isinstance(exc, OutcomeUnknownError):
         return Failure(f"{located}; the write may or may not have happened: read back before retrying", EXIT_FAILED)
-    if isinstance(exc, (ConditionalUpdateError, BadOffsetError, RecordTruncatedError, WriterConflictError)):
-        return Failure(text, EXIT_FAILED)  # the message says what to know; the store is not to blame
+    if isinstance(exc, (ConditionalUpdateError, BadOffsetError, RecordTruncatedError, WriterConflictError,
+                        MissingDependencyError)):
+        return Failure(text, EXIT_FAILED)  # the message says what to know and do; the store is not to blame
     if isinstance(exc, StorageError):
         return Failure(f"{located}; check the storage, then retry", EXIT_FAILED)
     return Failure(located, EXIT_FAILED)
