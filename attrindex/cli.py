@@ -473,8 +473,8 @@ def _segment_read(args: argparse.Namespace) -> int:
 def _segment_tail(args: argparse.Namespace) -> int:
     _check_count(args.max, "--max")
     _check_count(args.offset, "--offset", 0)
-    if args.timeout is not None and args.timeout < 0:
-        raise InvalidInputError(f"--timeout must be at least 0 seconds, got {args.timeout}")
+    if args.timeout is not None and not 0 <= args.timeout < float("inf"):  # nan too: it would never time out
+        raise InvalidInputError(f"--timeout must be at least 0 seconds and finite, got {args.timeout}")
     with _open_store(args, writes=False) as store:
         segment = store.segment(args.name)
         if args.from_end:

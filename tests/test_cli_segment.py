@@ -447,6 +447,8 @@ def test_durations_and_sizes():
     (["retention", "{url}", "s", "--start-offset", "99"], "start_offset 99 is past the end"),
     (["read", "{url}", "s", "--max", "0"], "--max must be at least 1"),
     (["tail", "{url}", "s", "--timeout", "-1"], "--timeout must be at least 0"),
+    (["tail", "{url}", "s", "--timeout", "nan"], "--timeout must be at least 0 seconds and finite, got nan"),
+    (["tail", "{url}", "s", "--timeout", "inf"], "--timeout must be at least 0 seconds and finite, got inf"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
     url = str(tmp_path / "store")
