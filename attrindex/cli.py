@@ -8,9 +8,9 @@ import contextlib
 import datetime
 import decimal
 import json
+import logging
 import os
 import re
-import logging
 import sys
 import textwrap
 import traceback
