@@ -8,17 +8,29 @@ import contextlib
 import datetime
 import decimal
 import json
+import logging
 import os
 import re
 import sys
 import textwrap
+import traceback
 import uuid
-from typing import Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import attrs
 
 from ._version import __version__
-from .errors import AttrIndexError, CorruptDataError, InvalidInputError, SegmentNotFoundError
+from .cli_errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_CODES_HELP,
+    EXIT_DAMAGED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    explain,
+)
+from .errors import AttrIndexError, CorruptDataError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError
+
+log = logging.getLogger("attrindex.cli")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -27,23 +39,39 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.rows < 1000:
         raise InvalidInputError(f"--rows must be at least 1000, got {args.rows}")
-    return demo_main(args.path, _storage_options(args.storage_option), args.rows, args.master)
+    return demo_main(args.path, _user_storage_options(args.storage_option), args.rows, args.master)
 
 
-def parse_key(text: str) -> bytes | int | uuid.UUID:
-    """A key typed on the command line: 32 hex digits, a UUID, a decimal int or 0x-prefixed hex."""
+KEYS_HELP = """\
+keys (KEY) are 16 bytes, typed as one of
+  32 hex digits   00000000000000000000000000000003  (the 16 bytes themselves; 32 digits are
+                  always read as hex, even if they are all decimal)
+  a UUID          123e4567-e89b-12d3-a456-426614174000  (its 16 bytes)
+  an integer      42, 0x2a, 0o52, 0b101010: 0 <= n < 2**128, as 16 big-endian bytes, so
+                  integer keys sort numerically; a negative integer is not a key
+Text is not a key: map names to keys in your application (e.g. uuid.uuid5(namespace, name)).
+values (VALUE) are signed 64-bit integers (42, -7, 0x2a); 'none' removes the key.
+"""
+
+
+def parse_key(text: str) -> bytes:
+    """A key typed on the command line (``KEYS_HELP``: 32 hex digits, a UUID, or an integer in
+    decimal, 0x hex, 0o or 0b), as its 16 bytes; checked here, before anything is opened."""
+    from .keys import to_key
+
     cleaned = text.strip()
     if len(cleaned) == 32 and all(c in "0123456789abcdefABCDEF" for c in cleaned):
         return bytes.fromhex(cleaned)
     if len(cleaned) == 36 and cleaned.count("-") == 4:
         try:
-            return uuid.UUID(cleaned)
+            return uuid.UUID(cleaned).bytes
         except ValueError:
             pass
     try:
-        return int(cleaned, 0)
+        number = int(cleaned, 0)
     except ValueError:
         raise InvalidInputError(f"cannot read {text!r} as a key: give 32 hex digits, a UUID or an integer") from None
+    return to_key(number)  # a negative or too large integer: InvalidKeyError
 
 
 def _parse_value(text: str) -> int | None:
@@ -55,24 +83,61 @@ def _parse_value(text: str) -> int | None:
         raise InvalidInputError(f"cannot read {text!r} as a value: give an integer, or 'none' to remove") from None
 
 
-def _storage_options(pairs: list[str]) -> dict[str, str]:
-    options = {}
+# The command line's S3 clients fail fast: a mistyped endpoint or a dead network is reported in
+# a few seconds, not after botocore's default 60 s connect timeout and 5 attempts with back-off.
+# Options the user gives (-o config_kwargs={...}) win over these.
+S3_CLIENT_CONFIG = {"connect_timeout": 2, "retries": {"total_max_attempts": 2, "mode": "standard"}}
+
+
+def _user_storage_options(pairs: list[str]) -> dict[str, Any]:
+    """``-o NAME=VALUE`` options; a VALUE starting with ``{`` or ``[`` is JSON (nested settings
+    such as ``client_kwargs`` or ``config_kwargs``), as in the Spark formats' ``storage.*``."""
+    options: dict[str, Any] = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
             raise InvalidInputError(f"storage option {pair!r} must look like name=value")
-        options[name] = value
+        if value.lstrip().startswith(("{", "[")):
+            try:
+                options[name] = json.loads(value)
+            except ValueError as exc:
+                raise InvalidInputError(f"storage option {name!r}: cannot read {value!r} as JSON: {exc}") from None
+        else:
+            options[name] = value
     return options
 
 
-def _open_index(args: argparse.Namespace):
+def failing_fast(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` plus ``S3_CLIENT_CONFIG`` if ``url`` is on S3 (the user's settings win)."""
+    if "://" not in url or url.split("://", 1)[0].lower() not in ("s3", "s3a"):
+        return options
+    given = options.get("config_kwargs", {})
+    if not isinstance(given, dict):
+        raise InvalidInputError(f"storage option 'config_kwargs' must be a JSON object, got {given!r}")
+    return {**options, "config_kwargs": {**S3_CLIENT_CONFIG, **given}}
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    return failing_fast(args.url, _user_storage_options(args.storage_option))
+
+
+def s3_endpoint(options: dict[str, Any]) -> str | None:
+    """The S3 endpoint that ``options`` (or the environment) point the client at, for messages."""
+    client = options.get("client_kwargs")
+    nested = client.get("endpoint_url") if isinstance(client, dict) else None
+    return options.get("endpoint_url") or nested or os.environ.get("AWS_ENDPOINT_URL")
+
+
+def _open_index(args: argparse.Namespace, mode: str):
     from .attribute_index import AttributeIndex
 
-    return AttributeIndex.open(args.url, args.name, storage_options=_storage_options(args.storage_option), page_size=args.page_size)
+    return AttributeIndex.open(args.url, args.name, mode=mode, storage_options=_storage_options(args),
+                               page_size=args.page_size)
 
 
 def _index_stats(args: argparse.Namespace) -> int:
-    stats = _open_index(args).stats()
+    with _open_index(args, "r") as index:
+        stats = index.stats()
     if args.json:
         print(json.dumps(attrs.asdict(stats), indent=2))
     else:
@@ -82,9 +147,10 @@ def _index_stats(args: argparse.Namespace) -> int:
 
 
 def _index_get(args: argparse.Namespace) -> int:
-    index = _open_index(args)
     keys = [parse_key(text) for text in args.keys]
-    for text, value in zip(args.keys, index.get_many(keys)):
+    with _open_index(args, "r") as index:
+        values = index.get_many(keys)
+    for text, value in zip(args.keys, values):
         print(f"{text}\t{'absent' if value is None else value}")
     return 0
 
@@ -96,25 +162,26 @@ def _index_put(args: argparse.Namespace) -> int:
         if not sep:
             raise InvalidInputError(f"{pair!r} must look like KEY=VALUE (VALUE 'none' removes)")
         updates.append((parse_key(key), _parse_value(value)))
-    index = _open_index(args)
-    index.update(updates)
-    print(f"updated {len(updates)} key(s); the index holds {len(index):,} entries")
+    with _open_index(args, "a") as index:
+        index.update(updates)
+        print(f"updated {len(updates)} key(s); the index holds {len(index):,} entries")
     return 0
 
 
 def _index_scan(args: argparse.Namespace) -> int:
-    index = _open_index(args)
+    _check_count(args.limit, "--limit")
     start = None if args.start is None else parse_key(args.start)
     stop = None if args.stop is None else parse_key(args.stop)
-    for n, (key, value) in enumerate(index.items(start, stop)):
-        if args.limit is not None and n >= args.limit:
-            break
-        print(f"{key.hex()}\t{value}")
+    with _open_index(args, "r") as index:
+        for n, (key, value) in enumerate(index.items(start, stop)):
+            if args.limit is not None and n >= args.limit:
+                break
+            print(f"{key.hex()}\t{value}")
     return 0
 
 
 def _index_verify(args: argparse.Namespace) -> int:
-    index = _open_index(args)
+    index = _open_index(args, "r")
     show = sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:
@@ -124,8 +191,10 @@ def _index_verify(args: argparse.Namespace) -> int:
     try:
         report = index.verify(progress)
     except CorruptDataError as exc:
-        print(f"\nFAULT: {exc}", file=sys.stderr)
-        return 3
+        print(f"{chr(10) if show else ''}attrindex: error: verify found damage at {args.url}: {exc}", file=sys.stderr)
+        return EXIT_DAMAGED
+    finally:
+        index.close()
     if show:
         print(file=sys.stderr)
     if not report.ok:
@@ -136,12 +205,21 @@ def _index_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+_INDEX_HELP = """\
+Inspect or change an attribute index: 16-byte keys, signed 64-bit values. Only 'put' creates an
+index; the other commands need an existing one (exit 4 if there is none at URL)."""
+
+
 def _add_index_commands(commands) -> None:
-    index = commands.add_parser("index", help="inspect or change an attribute index")
+    index = commands.add_parser("index", help="inspect or change an attribute index", description=_INDEX_HELP,
+                                epilog=KEYS_HELP + "\n" + EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _debug_option(index)
     actions = index.add_subparsers(dest="action", metavar="ACTION", required=True)
 
     def action(name: str, run, help_text: str) -> argparse.ArgumentParser:
-        parser = actions.add_parser(name, help=help_text)
+        parser = actions.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+                                    epilog=KEYS_HELP + "\n" + EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+        _debug_option(parser)
         parser.add_argument("url", help="storage URL: a directory, file://, memory:// or s3://bucket/prefix")
         parser.add_argument("--name", default="attributes", help="the index's segment name (default: attributes)")
         parser.add_argument("--page-size", type=int, default=32768, help="page size for new pages (default 32768)")
@@ -152,19 +230,19 @@ def _add_index_commands(commands) -> None:
 
     action("stats", _index_stats, "print counts, storage use and I/O counters").add_argument("--json", action="store_true")
     action("get", _index_get, "print the values of keys").add_argument("keys", nargs="+", metavar="KEY")
-    action("put", _index_put, "apply KEY=VALUE updates as one durable update").add_argument("pairs", nargs="+", metavar="KEY=VALUE")
+    action("put", _index_put, "apply KEY=VALUE updates as one durable update (creates the index if missing)").add_argument(
+        "pairs", nargs="+", metavar="KEY=VALUE")
     scan = action("scan", _index_scan, "print entries in key order: hex key, tab, value")
     scan.add_argument("--start", help="first key (inclusive)")
     scan.add_argument("--stop", help="end key (exclusive)")
-    scan.add_argument("--limit", type=int, help="print at most this many entries")
+    scan.add_argument("--limit", type=int, metavar="N", help="print at most N entries (N >= 1)")
     action("verify", _index_verify, "read every live page, check checksums and ordering; exit 3 on a fault")
 
 
 # -- segment commands --------------------------------------------------------------------------
 #
-# Exit codes of the segment commands: 0 success, 1 the operation failed (a storage error, an
-# expected offset that did not match, records removed by retention), 2 bad input (a malformed
-# argument, an unsupported URL scheme, a segment that does not exist). Ctrl-C ends ``tail`` with 0.
+# Exit codes as for every command (cli_errors.py). Ctrl-C ends ``tail`` with 0: it is how a tail
+# without --max or --timeout ends.
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|w)?")  # lower case only: is 10M minutes or months?
 _DURATION_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
@@ -258,13 +336,19 @@ def _check_count(value: int | None, option: str, minimum: int = 1) -> None:
 
 
 @contextlib.contextmanager
-def _open_store(args: argparse.Namespace, *, writes: bool) -> Iterator:
-    """The ``SegmentStore`` at ``args.url``. Commands that only read release the storage without
-    closing the segment handles: closing a handle merges the attribute updates it replayed from the
-    log into the B+tree, which is a write, and a reader should never write."""
+def _open_store(args: argparse.Namespace, *, writes: bool, create: bool = False, missing: str | None = None) -> Iterator:
+    """The ``SegmentStore`` at ``args.url``; a missing one is ``StoreNotFoundError`` (with the hint
+    ``missing``) unless ``create``. Commands that only read release the storage without closing the segment handles:
+    closing a handle merges the attribute updates it replayed from the log into the B+tree, which
+    is a write, and a reader should never write."""
     from .store import SegmentStore
 
-    store = SegmentStore.open(args.url, storage_options=_storage_options(args.storage_option))
+    try:
+        store = SegmentStore.open(args.url, storage_options=_storage_options(args), create=create)
+    except StoreNotFoundError as exc:
+        if missing is None:
+            raise
+        raise StoreNotFoundError(f"{exc}; {missing}") from None
     try:
         yield store
     finally:
@@ -327,7 +411,8 @@ def _segment_append(args: argparse.Namespace) -> int:
 
     ranges: list[list[int]] = []  # [first, last] offsets appended, merged where contiguous
     count = 0
-    with _open_store(args, writes=True) as store:
+    with _open_store(args, writes=True, create=args.create,
+                     missing=f"give --create to create the store and segment {args.name!r}") as store:
         try:
             segment = store.segment(args.name, create=args.create)
         except SegmentNotFoundError as exc:
@@ -392,8 +477,8 @@ def _segment_read(args: argparse.Namespace) -> int:
 def _segment_tail(args: argparse.Namespace) -> int:
     _check_count(args.max, "--max")
     _check_count(args.offset, "--offset", 0)
-    if args.timeout is not None and args.timeout < 0:
-        raise InvalidInputError(f"--timeout must be at least 0 seconds, got {args.timeout}")
+    if args.timeout is not None and not 0 <= args.timeout < float("inf"):  # nan too: it would never time out
+        raise InvalidInputError(f"--timeout must be at least 0 seconds and finite, got {args.timeout}")
     with _open_store(args, writes=False) as store:
         segment = store.segment(args.name)
         if args.from_end:
@@ -478,48 +563,25 @@ def _segment_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Run a segment command, turning every expected failure into one line on stderr and an exit code."""
-
-    def guarded(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except (InvalidInputError, SegmentNotFoundError) as exc:
-            print(f"attrindex: error: {exc}", file=sys.stderr)
-            return 2
-        except AttrIndexError as exc:
-            print(f"attrindex: error: {exc}", file=sys.stderr)
-            return 1
-        except BrokenPipeError:
-            # The reader of our output went away (e.g. `| head`): stop quietly. Point stdout at
-            # devnull so the interpreter's final flush does not complain again.
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 1
-        except OSError as exc:
-            print(f"attrindex: error: {exc}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return getattr(args, "interrupted_exit", 130)
-
-    return guarded
-
-
 def _add_segment_commands(commands) -> None:
     segment = commands.add_parser("segment", help="append to, read, follow or inspect segments",
-                                  description="Append to, read, follow or inspect the segments of a store. "
-                                  "Exit codes: 0 ok, 1 the operation failed, 2 bad input or no such segment.")
+                                  description="Append to, read, follow or inspect the segments of a store. Only "
+                                  "'append --create' creates a store or segment; the other commands need existing ones.",
+                                  epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _debug_option(segment)
     actions = segment.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    def action(name: str, run, help_text: str, *, named: bool = True, epilog: str | None = None) -> argparse.ArgumentParser:
+    def action(name: str, run, help_text: str, *, named: bool = True, epilog: str = "") -> argparse.ArgumentParser:
         parser = actions.add_parser(name, help=help_text, description=textwrap.fill(help_text[0].upper() + help_text[1:] + ".", 78),
-                                    epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                    epilog=(epilog + "\n" if epilog else "") + EXIT_CODES_HELP,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        _debug_option(parser)
         parser.add_argument("url", metavar="URL", help="storage URL: a directory, file://, memory:// or s3://bucket/prefix")
         if named:
             parser.add_argument("name", metavar="NAME", help="the segment's name, e.g. orders or orders/0")
         parser.add_argument("-o", "--storage-option", action="append", default=[], metavar="NAME=VALUE",
                             help="fsspec storage option, e.g. -o endpoint_url=http://127.0.0.1:9000 (repeatable)")
-        parser.set_defaults(run=_guarded(run))
+        parser.set_defaults(run=run)
         return parser
 
     append = action("append", _segment_append,
@@ -530,8 +592,8 @@ def _add_segment_commands(commands) -> None:
     append.add_argument("--key", help="record key given to every record (UTF-8)")
     append.add_argument("--create", action="store_true", help="create the segment if it does not exist")
     append.add_argument("--attribute", action="append", default=[], metavar="KEY=VALUE",
-                        help="set attribute KEY (32 hex digits, a UUID or an integer) to VALUE (an integer, "
-                             "or 'none' to remove) with the first batch (repeatable)")
+                        help="set attribute KEY (32 hex digits, a UUID or an integer >= 0: see 'attrindex index "
+                             "--help') to VALUE (an integer, or 'none' to remove) with the first batch (repeatable)")
     append.add_argument("--expected-offset", type=int, metavar="N",
                         help="append only if the segment's next offset is N (later batches follow on from it)")
     append.add_argument("--codec", help="compression of the batches: none, gzip, zstd or lz4 (default: none)")
@@ -574,23 +636,62 @@ def _add_segment_commands(commands) -> None:
         "--prefix", default="", metavar="P", help="only the segments under this path, e.g. orders")
 
 
+_DESCRIPTION = """\
+The attrindex command: run the Spark demo, inspect or change attribute indexes, append to, read
+and follow segments. 'attrindex COMMAND --help' describes each."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser``, except that an argument made of ``-`` and a digit (``-5``,
+    ``-5=1``, ``-0x10``) is always a value, never an option: no option name starts with a digit,
+    and argparse alone calls ``index put URL -5=1`` an unknown option."""
+
+    def _parse_optional(self, arg_string):  # type: ignore[override]
+        if _NEGATIVE_VALUE.match(arg_string):
+            return None  # a positional argument
+        return super()._parse_optional(arg_string)
+
+
+_NEGATIVE_VALUE = re.compile(r"-[0-9.]")
+
+
+def _debug_option(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` where a user types it: before or after the command. ``SUPPRESS`` keeps a
+    sub-command's default from overwriting the value given to an outer parser."""
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, print the traceback too; log attrindex's debug messages")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attrindex", description=__doc__)
+    """The ``attrindex`` command's parser."""
+    parser = _Parser(prog="attrindex", description=_DESCRIPTION, epilog=EXIT_CODES_HELP,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"attrindex {__version__}")
+    _debug_option(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = commands.add_parser("demo", help="run the Spark pipeline demo: exactly-once ingest, read back, attributes")
-    demo.add_argument("--path", help="storage URL to run in, e.g. s3://bucket/prefix (default: a temporary directory)")
+    demo = commands.add_parser("demo", help="run the Spark pipeline demo: exactly-once ingest, read back, attributes",
+                               description=_DEMO_HELP, epilog=EXIT_CODES_HELP,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    _debug_option(demo)
+    demo.add_argument("--path", help="storage URL to run in, e.g. s3://bucket/prefix (default: a new directory "
+                                     "under the temporary directory, kept afterwards)")
     demo.add_argument("-o", "--storage-option", action="append", default=[], metavar="NAME=VALUE",
                       help="a storage option, e.g. -o endpoint_url=http://127.0.0.1:9000 (repeatable)")
-    demo.add_argument("--rows", type=int, default=400_000, help="events to generate (default 400,000)")
-    demo.add_argument("--master", default="local[*,4]", help="Spark master (default local[*,4]: retries failed tasks)")
+    demo.add_argument("--rows", type=int, default=400_000, help="events to generate (default 400,000; at least 1,000)")
+    demo.add_argument("--master", default="local[*,4]",
+                      help="Spark master (default local[*,4]: all cores, each task tried up to 4 times; local[N] "
+                           "is run as local[N,4], since the demo's injected failures need retries)")
     demo.set_defaults(run=_demo)
     _add_index_commands(commands)
     _add_segment_commands(commands)
     return parser
 
 
-_NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")
+_DEMO_HELP = """\
+Run the Spark pipeline demo: ingest events exactly once while tasks fail, rerun the job, read
+everything back and count duplicates and losses, bulk-load attributes and look them up. Each run
+writes under run-N/ in the store (N = 1, 2, ...), so rerunning on the same --path is fine and keeps
+the earlier runs. Needs Java 17+ (checked first), and about 2.5 GB of memory while Spark runs."""
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -601,7 +702,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     if extra:
         into = getattr(args, "trailing_values", None)
         options = extra[: extra.index("--")] if "--" in extra else extra  # after "--" all are values
-        if into is None or any(e.startswith("-") and e != "-" and not _NEGATIVE_NUMBER.fullmatch(e) for e in options):
+        if into is None or any(e.startswith("-") and e != "-" and not _NEGATIVE_VALUE.match(e) for e in options):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if "--" in extra:
             extra.remove("--")
@@ -609,17 +710,66 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     return args
 
 
+def _stop_writing_output() -> None:
+    """The reader of our output went away (e.g. ``| head``): point stdout at devnull so the
+    interpreter's final flush does not fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _show_debug_logs() -> None:
+    if getattr(_show_debug_logs, "done", False):  # main() may run many times in one process (tests)
+        return
+    _show_debug_logs.done = True  # type: ignore[attr-defined]
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("attrindex: %(levelname)s %(name)s: %(message)s"))
+    for name in ("attrindex", "storage_adapters"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.DEBUG)
+
+
+def _where(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The store URL a command works on and the S3 endpoint it uses, for error messages."""
+    url = getattr(args, "url", None) or getattr(args, "path", None)
+    try:
+        options = _user_storage_options(getattr(args, "storage_option", []))
+    except InvalidInputError:
+        options = {}
+    return url, s3_endpoint(options)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; every failure ends as one line on stderr and an exit code
+    (``cli_errors``), with the traceback too under ``--debug``."""
+    debug = getattr(args, "debug", False)
+    try:
+        code = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        _stop_writing_output()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        return getattr(args, "interrupted_exit", EXIT_INTERRUPTED)
+    except Exception as exc:  # noqa: BLE001 - the command line's last word: one line, never a traceback
+        if debug:
+            traceback.print_exc()
+        failure = explain(exc, *_where(args))
+        log.debug("exit %d: %r", failure.code, exc)
+        print(f"attrindex: error: {failure.message}", file=sys.stderr)
+        return failure.code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``attrindex`` console script: parse ``argv``, run the command, return its exit code."""
     parser = build_parser()
     args = _parse(parser, argv)
     if not getattr(args, "run", None):
         parser.print_help()
-        return 2
-    try:
-        return args.run(args)
-    except AttrIndexError as exc:
-        print(f"attrindex: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
+    if getattr(args, "debug", False):
+        _show_debug_logs()
+    return run(args)
 
 
 if __name__ == "__main__":

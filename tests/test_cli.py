@@ -18,7 +18,7 @@ def test_version_from_the_installed_console_script():
 
 
 def test_demo_refuses_too_few_rows(capsys):
-    assert main(["demo", "--rows", "10"]) == 1
+    assert main(["demo", "--rows", "10"]) == 2
     assert "--rows must be at least 1000" in capsys.readouterr().err
 
 
@@ -28,7 +28,7 @@ def test_no_command_prints_help_and_fails(capsys):
 
 
 def test_storage_errors_become_messages_not_tracebacks(capsys):
-    assert main(["demo", "--path", "gs://bucket/x"]) == 1
+    assert main(["demo", "--path", "gs://bucket/x"]) == 2
     assert "unsupported storage scheme 'gs'" in capsys.readouterr().err
 
 
@@ -55,9 +55,10 @@ def test_index_verify_passes_then_fails_on_a_flipped_byte(tmp_path, capsys):
     chunk.write_bytes(bytes(raw))
     assert main(["index", "verify", url]) == 3
     err = capsys.readouterr().err
-    assert "FAULT" in err and "page at offset 0: checksum mismatch" in err
+    assert err.startswith(f"attrindex: error: verify found damage at {url}: ") and err.count("\n") == 1
+    assert "page at offset 0: checksum mismatch" in err
 
 
 def test_index_bad_key_text_is_an_error_message(tmp_path, capsys):
-    assert main(["index", "get", str(tmp_path), "not-a-key"]) == 1
+    assert main(["index", "get", str(tmp_path), "not-a-key"]) == 2
     assert "cannot read 'not-a-key' as a key" in capsys.readouterr().err

@@ -132,7 +132,7 @@ def test_a_failing_batch_reports_the_batches_already_appended(tmp_path, capsys, 
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == ("attrindex: appended 4 records at offsets 0..3 before the error below\n"
-                            "attrindex: error: the disk went away\n")
+                            f"attrindex: error: the disk went away (store {tmp_path}); check the storage, then retry\n")
     assert [r.value for r in _records(tmp_path)] == [b"1", b"2", b"3", b"4"]
 
 
@@ -161,13 +161,18 @@ def test_append_and_read_through_real_processes(tmp_path):
 
 def test_append_to_a_missing_segment_needs_create(tmp_path, capsys):
     url = str(tmp_path)
-    assert main(["segment", "append", url, "s", "x"]) == 2
+    assert main(["segment", "append", url, "s", "x"]) == 4  # not even the store exists
+    err = capsys.readouterr().err
+    assert err.startswith(f"attrindex: error: no store at URL 'file://{tmp_path}'") and "give --create" in err
+    assert err.count("\n") == 1 and os.listdir(url) == []  # nothing was created
+    main(["segment", "append", url, "other", "--create", "x"])
+    assert main(["segment", "append", url, "s", "x"]) == 4
     err = capsys.readouterr().err
     assert err.startswith("attrindex: error: segment 's' does not exist") and "--create" in err
     assert err.count("\n") == 1
     with SegmentStore.open(url) as store:
-        assert store.segments() == []
-    assert main(["segment", "read", url, "s"]) == 2
+        assert store.segments() == ["other"]
+    assert main(["segment", "read", url, "s"]) == 4
     assert "segment 's' does not exist" in capsys.readouterr().err
 
 
@@ -442,6 +447,8 @@ def test_durations_and_sizes():
     (["retention", "{url}", "s", "--start-offset", "99"], "start_offset 99 is past the end"),
     (["read", "{url}", "s", "--max", "0"], "--max must be at least 1"),
     (["tail", "{url}", "s", "--timeout", "-1"], "--timeout must be at least 0"),
+    (["tail", "{url}", "s", "--timeout", "nan"], "--timeout must be at least 0 seconds and finite, got nan"),
+    (["tail", "{url}", "s", "--timeout", "inf"], "--timeout must be at least 0 seconds and finite, got inf"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, message):
     url = str(tmp_path / "store")

@@ -1,0 +1,275 @@
+"""The command line's failures: one line on stderr (what, where, what to do), one exit-code
+convention for every command, ``--debug`` for the traceback, and no silent empty stores."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from attrindex import AttributeIndex
+from attrindex.cli import failing_fast, main
+from attrindex.demo import spark_master
+
+from tests.conftest import S3_KEY, S3_SECRET, make_s3_url
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "attrindex.cli"]
+
+
+def _env(**changes: str | None) -> dict[str, str]:
+    """A CLI subprocess's environment: this checkout first on the import path, then ``changes``
+    (``None`` removes a variable)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def _run(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *argv], capture_output=True, text=True, env=env or _env(), timeout=timeout)
+
+
+def _one_error_line(err: str) -> str:
+    assert err.startswith("attrindex: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err[len("attrindex: error: "):-1]
+
+
+# -- 1. a mistyped path is an error, not an empty store --------------------------------------------
+
+READING = [
+    (["index", "get", "{url}", "1"], "no index 'attributes' at URL 'file://{path}'"),
+    (["index", "scan", "{url}"], "no index 'attributes' at URL 'file://{path}'"),
+    (["index", "stats", "{url}"], "no index 'attributes' at URL 'file://{path}'"),
+    (["index", "verify", "{url}"], "no index 'attributes' at URL 'file://{path}'"),
+    (["index", "get", "{url}", "1", "--name", "other"], "no index 'other' at URL 'file://{path}'"),
+    (["segment", "read", "{url}", "s"], "no store at URL 'file://{path}'"),
+    (["segment", "tail", "{url}", "s", "--timeout", "0"], "no store at URL 'file://{path}'"),
+    (["segment", "stats", "{url}", "s"], "no store at URL 'file://{path}'"),
+    (["segment", "list", "{url}"], "no store at URL 'file://{path}'"),
+    (["segment", "retention", "{url}", "s", "--max-age", "1d"], "no store at URL 'file://{path}'"),
+]
+
+
+@pytest.mark.parametrize("existing_directory", [False, True])
+@pytest.mark.parametrize(("argv", "message"), READING)
+def test_reading_a_missing_store_or_index_is_exit_4_and_creates_nothing(tmp_path, capsys, argv, message, existing_directory):
+    path = tmp_path / "mistyped"
+    if existing_directory:
+        path.mkdir()
+    assert main([a.replace("{url}", str(path)) for a in argv]) == 4
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    line = _one_error_line(captured.err)
+    assert line.startswith(message.replace("{path}", str(path))), line
+    assert "check the URL" in line  # what to do
+    assert (sorted(os.listdir(path)) == []) if existing_directory else not path.exists()
+
+
+def test_only_writing_commands_create(tmp_path, capsys):
+    assert main(["index", "put", str(tmp_path / "i"), "1=10"]) == 0
+    assert main(["index", "get", str(tmp_path / "i"), "1"]) == 0
+    assert capsys.readouterr().out.endswith("1\t10\n")
+    assert main(["segment", "append", str(tmp_path / "s"), "seg", "--create", "v"]) == 0
+    assert main(["segment", "list", str(tmp_path / "s")]) == 0
+    assert capsys.readouterr().out.endswith("seg\n")
+
+
+# -- 2. one exit-code convention --------------------------------------------------------------------
+
+
+def _damaged_index(tmp_path) -> str:
+    url = str(tmp_path / "damaged")
+    with AttributeIndex.open(url) as index:
+        index.update({i: i for i in range(100)})
+    chunk = tmp_path / "damaged" / "attributes.seg" / "00000000000000000000"
+    raw = bytearray(chunk.read_bytes())
+    raw[30] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    return url
+
+
+def test_exit_codes_are_one_convention(tmp_path, capsys):
+    url = str(tmp_path / "store")
+    assert main(["index", "put", url, "1=1"]) == 0
+    assert main(["segment", "append", url, "s", "--create", "a"]) == 0
+    assert main(["segment", "append", url, "s", "b", "--expected-offset", "0"]) == 1  # a lost race: failed
+    assert main(["index", "get", url, "not-a-key"]) == 2  # bad input
+    assert main(["segment", "read", url, "s", "--max", "0"]) == 2
+    assert main(["demo", "--rows", "5"]) == 2
+    assert main(["index", "get", _damaged_index(tmp_path), "1"]) == 3  # damage found, not just "failed"
+    assert main(["index", "get", str(tmp_path / "nothing"), "1"]) == 4  # not found
+    assert main(["segment", "read", url, "no-such-segment"]) == 4
+    err = capsys.readouterr().err
+    assert "damaged data at " in err and "checksum mismatch" in err and "'attrindex index verify'" in err
+
+
+@pytest.mark.parametrize("command", [[], ["index"], ["index", "get"], ["segment"], ["segment", "read"], ["demo"]])
+def test_every_help_states_the_exit_codes(capsys, command):
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for line in ("0    ok", "2    bad usage or input", "3    damaged data found", "4    not found", "--debug"):
+        assert line in out, (command, line)
+
+
+def test_index_help_explains_the_key_formats(capsys):
+    with pytest.raises(SystemExit):
+        main(["index", "--help"])
+    out = capsys.readouterr().out
+    for text in ("32 hex digits", "a UUID", "an integer      42, 0x2a", "0 <= n < 2**128", "negative integer is not a key",
+                 "Text is not a key", "'none' removes the key"):
+        assert text in out, text
+
+
+# -- 3. errors instead of tracebacks ------------------------------------------------------------------
+
+
+def test_debug_shows_the_traceback_before_or_after_the_command(tmp_path):
+    missing = str(tmp_path / "missing")
+    plain = _run("index", "get", missing, "1")
+    assert plain.returncode == 4 and _one_error_line(plain.stderr).startswith("no index 'attributes'")
+    for argv in (["--debug", "index", "get", missing, "1"], ["index", "get", missing, "1", "--debug"]):
+        debug = _run(*argv)
+        assert debug.returncode == 4
+        assert "Traceback (most recent call last)" in debug.stderr and "IndexNotFoundError" in debug.stderr
+        assert debug.stderr.splitlines()[-1] == plain.stderr.rstrip("\n")
+
+
+def test_scan_into_a_closed_pipe_exits_141_quietly(tmp_path):
+    url = str(tmp_path)
+    with AttributeIndex.open(url) as index:
+        index.update({i: i for i in range(20_000)})  # about 800 kB of output: far more than a pipe holds
+    scan = subprocess.Popen([*CLI, "index", "scan", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    assert scan.stdout.readline() == b"00000000000000000000000000000000\t0\n"
+    scan.stdout.close()  # what `| head -1` does
+    assert scan.wait(timeout=60) == 141
+    assert scan.stderr.read() == b""
+
+
+def test_negative_keys_reach_the_key_check_instead_of_being_options(tmp_path, capsys):
+    url = str(tmp_path)
+    assert main(["index", "put", url, "-5=1"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == "int key must be in [0, 2**128), got -5"
+    assert main(["index", "put", url, "7=-5", "-0x10=2"]) == 2
+    assert "got -16" in capsys.readouterr().err
+    assert os.listdir(url) == []  # keys are checked before the index is opened (or created)
+    assert main(["index", "put", url, "7=-5"]) == 0
+    assert main(["index", "get", url, "7"]) == 0 and capsys.readouterr().out.endswith("7\t-5\n")
+    assert main(["index", "get", url, "7", "-3"]) == 2
+    assert main(["segment", "append", url, "s", "--create", "--attribute", "-3=1", "v"]) == 2
+    assert "got -3" in capsys.readouterr().err
+
+
+def test_limit_below_one_is_refused(tmp_path, capsys):
+    url = str(tmp_path)
+    main(["index", "put", url, "1=1"])
+    capsys.readouterr()
+    assert main(["index", "scan", url, "--limit", "-1"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == "--limit must be at least 1, got -1"
+    assert main(["index", "scan", url, "--limit", "1"]) == 0
+
+
+def test_storage_options_take_json_and_s3_clients_fail_fast(capsys):
+    assert failing_fast("/tmp/x", {}) == {}
+    options = failing_fast("s3://b/p", {"key": "k", "config_kwargs": {"connect_timeout": 10}})
+    assert options["config_kwargs"] == {"connect_timeout": 10, "retries": {"total_max_attempts": 2, "mode": "standard"}}
+    assert main(["index", "get", "memory://x", "1", "-o", "client_kwargs={not json"]) == 2
+    assert "cannot read '{not json' as JSON" in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _no_aws(**changes: str) -> dict[str, str]:
+    """An environment with no AWS credentials anywhere botocore looks (and no instance metadata)."""
+    unset = {name: None for name in os.environ if name.startswith("AWS_") and name != "AWS_CA_BUNDLE"}
+    return _env(**unset, AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent",
+                AWS_EC2_METADATA_DISABLED="true", **changes)
+
+
+@pytest.mark.parametrize("argv", [["index", "get", "{url}", "1"], ["index", "put", "{url}", "1=1"],
+                                  ["segment", "list", "{url}"]])
+def test_missing_s3_credentials(s3_options, argv):
+    url = make_s3_url(s3_options)
+    done = _run(*[a.replace("{url}", url) for a in argv], "-o", f"endpoint_url={s3_options['endpoint_url']}", env=_no_aws())
+    assert done.returncode == 1
+    assert _one_error_line(done.stderr) == (
+        f"no S3 credentials found for {url} ({s3_options['endpoint_url']}); set AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or give -o key=... -o secret=...")
+
+
+@pytest.mark.parametrize("argv", [["index", "get", "s3://b/x", "1"], ["segment", "append", "s3://b/x", "s", "--create", "v"],
+                                  ["demo", "--path", "s3://b/x", "--rows", "1000"]])
+def test_an_unreachable_s3_endpoint_fails_within_seconds(argv):
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    done = _run(*argv, "-o", f"endpoint_url={endpoint}", "-o", "key=k", "-o", "secret=s")
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1 and done.stdout.count("starting Spark") == 0
+    line = _one_error_line(done.stderr)
+    assert line.startswith(f"cannot reach the S3 endpoint {endpoint} for s3://b/x: ") and "check -o endpoint_url" in line
+    assert elapsed < 8, elapsed  # botocore's defaults took 12 s on a refused connection
+
+
+@pytest.mark.parametrize("argv", [["index", "put", "{url}", "1=1"], ["segment", "append", "{url}", "s", "--create", "v"],
+                                  ["demo", "--path", "{url}", "--rows", "1000"]])
+def test_a_missing_bucket_is_exit_4_and_the_demo_says_so_before_spark(s3_options, argv):
+    url = "s3://no-such-bucket-0d1e/data"
+    options = ["-o", f"endpoint_url={s3_options['endpoint_url']}", "-o", f"key={S3_KEY}", "-o", f"secret={S3_SECRET}"]
+    done = _run(*[a.replace("{url}", url) for a in argv], *options)
+    assert done.returncode == 4 and "starting Spark" not in done.stdout
+    assert _one_error_line(done.stderr) == (
+        f"S3 bucket 'no-such-bucket-0d1e' does not exist ({url} at {s3_options['endpoint_url']}); create it first "
+        "(e.g. aws s3 mb s3://no-such-bucket-0d1e), or check the URL")
+
+
+def _fake_java(directory: Path, version: str) -> None:
+    java = directory / "java"
+    java.write_text(f"#!/bin/sh\necho 'openjdk version \"{version}\" 2020-01-01' >&2\n")
+    java.chmod(java.stat().st_mode | stat.S_IEXEC)
+
+
+def test_the_demo_checks_java_before_anything_else(tmp_path):
+    store = tmp_path / "store"
+    bare = _env(PATH=str(Path(sys.executable).parent), JAVA_HOME=None)  # a PATH without java
+    if any((Path(p) / "java").exists() for p in bare["PATH"].split(os.pathsep)):
+        pytest.fail("the interpreter's directory holds a java: pick another PATH for this test")
+    done = _run("demo", "--path", str(store), "--rows", "1000", env=bare)
+    assert done.returncode == 1 and done.stdout == ""
+    assert _one_error_line(done.stderr) == (
+        "the demo runs Spark, which needs Java 17+, and there is no java in the PATH; install Java 17 or newer "
+        "(e.g. sudo apt install openjdk-17-jre-headless, or brew install openjdk@17) and make sure 'java -version' runs")
+    old = tmp_path / "old-java"
+    (old / "bin").mkdir(parents=True)
+    _fake_java(old / "bin", "11.0.2")
+    done = _run("demo", "--path", str(store), "--rows", "1000", env=_env(JAVA_HOME=str(old)))
+    assert done.returncode == 1
+    assert f"needs Java 17+, and {old}/bin/java is Java 11; install Java 17" in _one_error_line(done.stderr)
+    assert not store.exists()  # nothing was written
+
+
+def test_the_demo_runs_local_masters_with_task_retries(capsys):
+    assert spark_master("local[2]") == ("local[2,4]", "--master local[2] never retries a failed task and the demo "
+                                        "makes tasks fail on purpose, so it runs as local[2,4]")
+    assert spark_master("local")[0] == "local[1,4]" and spark_master("local[*]")[0] == "local[*,4]"
+    assert spark_master("local[*,4]") == ("local[*,4]", None)
+    assert spark_master("spark://host:7077") == ("spark://host:7077", None)  # clusters retry tasks by default
+    assert main(["demo", "--master", "local[2,1]", "--rows", "1000"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        "--master 'local[2,1]' tries each task once, but the demo makes tasks fail on purpose and needs a retry; "
+        "give local[2,4] (or leave out the count)")

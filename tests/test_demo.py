@@ -1,0 +1,69 @@
+"""``attrindex demo`` runs again on the same store, reports only what it measured, and keeps
+what its report names."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from attrindex import SegmentStore
+from attrindex.cli import main as cli_main
+from attrindex.demo import _output_to, main
+
+ROWS = 1000
+
+
+def _demo(spark, path, lines: list[str]) -> int:
+    return main(path, {}, ROWS, spark=spark, segments=2, partitions=2, say=lines.append)
+
+
+def _records(store, stream: str) -> int:
+    return sum(store.segment(name).stats().next_offset for name in store.stream_segments(stream))
+
+
+@pytest.mark.slow
+def test_the_demo_reruns_on_its_store_and_keeps_it(spark, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a demo without --path puts its store
+    first: list[str] = []
+    assert _demo(spark, None, first) == 0
+    url = re.fullmatch(r"attrindex demo: run 1 in (.+)", first[0])[1]
+    assert os.path.dirname(url) == str(tmp_path) and os.path.basename(url).startswith("attrindex-demo-")
+    second: list[str] = []
+    assert _demo(spark, url, second) == 0  # the same store again: was "exactly once NO: 1000 duplicates", exit 1
+    assert second[0] == f"attrindex demo: run 2 in {url}"
+    for run, lines in ((1, first), (2, second)):
+        text = "\n".join(lines)
+        assert f"  store                {url}, run {run} under run-{run}/ (kept)" in lines
+        assert "  exactly once         yes: 0 duplicates, 0 missing" in lines
+        assert f"{ROWS:,} rows read, {ROWS:,} distinct events, 0 duplicates, 0 missing" in text
+        assert re.search(r"  job rerun            same writeId: appended 0 rows in [\d.]+ s", text)
+        assert lines[-1] == f"attrindex demo: the store is kept: attrindex segment list {url} --prefix run-{run}"
+        skipped = int(re.search(r"the retries skipped ([\d,]+) rows", text)[1].replace(",", ""))
+        assert skipped > 0  # the injected failure of task 1 had written rows its retry skipped
+    # what the reports name is there, and holds what they said
+    with SegmentStore.open(url, create=False) as store:
+        for run in (1, 2):
+            assert _records(store, f"run-{run}/shop-events") == ROWS
+            loaded = int(re.search(r"([\d,]+) users loaded", "\n".join(first if run == 1 else second))[1].replace(",", ""))
+            assert store.segment(f"run-{run}/user-purchase-totals").stats().attributes.entry_count == loaded
+    capsys.readouterr()
+    assert cli_main(["segment", "list", url, "--prefix", "run-2"]) == 0
+    assert capsys.readouterr().out.split() == ["run-2/shop-events/0", "run-2/shop-events/1", "run-2/user-purchase-totals"]
+
+
+def test_spark_start_up_output_goes_to_the_log_not_the_terminal(tmp_path, capfd):
+    log = tmp_path / "spark.log"
+    with _output_to(str(log)):
+        child = subprocess.Popen([sys.executable, "-c", "import sys, time; print('jvm out'); "
+                                  "print('WARN jvm start-up', file=sys.stderr); sys.stdout.flush(); time.sleep(0.5); "
+                                  "print('later', file=sys.stderr)"])
+    print("attrindex's own line")
+    child.wait(timeout=30)  # it keeps writing after the redirection ended: still to the log
+    out, err = capfd.readouterr()
+    assert (out, err) == ("attrindex's own line\n", "")
+    assert log.read_text().split("\n") == ["jvm out", "WARN jvm start-up", "later", ""]
