@@ -28,7 +28,7 @@ from .cli_errors import (
     EXIT_USAGE,
     explain,
 )
-from .errors import AttrIndexError, CorruptDataError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError
+from .errors import AttrIndexError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError
 
 log = logging.getLogger("attrindex.cli")
 
@@ -180,28 +180,49 @@ def _index_scan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _index_verify(args: argparse.Namespace) -> int:
-    index = _open_index(args, "r")
+def _verify_progress(what: str):
+    """A progress callback printing ``what done/total`` on a terminal's stderr, and whether it shows."""
     show = sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:
         if show and (done % 256 == 0 or done == total):
-            print(f"\rverifying pages {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
+            print(f"\rverifying {what} {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
+    return progress, show
 
-    try:
-        report = index.verify(progress)
-    except CorruptDataError as exc:
-        print(f"{chr(10) if show else ''}attrindex: error: verify found damage at {args.url}: {exc}", file=sys.stderr)
-        return EXIT_DAMAGED
-    finally:
-        index.close()
+
+def _print_damage(damage: list, url: str) -> int:
+    """Print each damaged range (stdout, one per line) and a summary (stderr); the exit code."""
+    for found in damage:
+        print(f"damaged: {found.where} bytes [{found.start}, {found.end}): {found.reason}")
+    print(f"attrindex: error: verify found {len(damage)} damaged range(s) at {url}; "
+          f"'repair' cuts them away (it says exactly what is lost)", file=sys.stderr)
+    return EXIT_DAMAGED
+
+
+def _index_verify(args: argparse.Namespace) -> int:
+    from .attribute_index import AttributeIndex
+
+    progress, show = _verify_progress("pages")
+    # verify_at works on an index that refuses to open (a damaged newest footer).
+    report = AttributeIndex.verify_at(args.url, args.name, storage_options=_storage_options(args), progress=progress)
     if show:
         print(file=sys.stderr)
     if not report.ok:
-        for damage in report.damage:
-            print(f"FAULT: {damage.where} [{damage.start}, {damage.end}): {damage.reason}", file=sys.stderr)
-        return 3
+        return _print_damage(report.damage, args.url)
     print(f"ok: {report.pages:,} pages, {report.entries:,} entries, {report.bytes:,} bytes, height {report.height}")
+    return 0
+
+
+def _index_repair(args: argparse.Namespace) -> int:
+    from .attribute_index import AttributeIndex
+
+    report = AttributeIndex.repair_at(args.url, args.name, storage_options=_storage_options(args))
+    if not report.rolled_back:
+        print("ok: the newest version is intact; nothing was changed")
+        return 0
+    before = "unknown" if report.entries_before is None else f"{report.entries_before:,}"
+    print(f"repaired: rolled back {report.updates_dropped} update(s) (bytes [{report.lost_start}, {report.lost_end}) "
+          f"no longer count); entries {before} -> {report.entries_after:,}")
     return 0
 
 
@@ -236,7 +257,8 @@ def _add_index_commands(commands) -> None:
     scan.add_argument("--start", help="first key (inclusive)")
     scan.add_argument("--stop", help="end key (exclusive)")
     scan.add_argument("--limit", type=int, metavar="N", help="print at most N entries (N >= 1)")
-    action("verify", _index_verify, "read every live page, check checksums and ordering; exit 3 on a fault")
+    action("verify", _index_verify, "read every committed byte, print every damaged range; exit 3 if any")
+    action("repair", _index_repair, "roll a damaged index back to its newest intact version, saying what is lost")
 
 
 # -- segment commands --------------------------------------------------------------------------
@@ -563,6 +585,25 @@ def _segment_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _segment_verify(args: argparse.Namespace) -> int:
+    with _open_store(args, writes=False) as store:
+        report = store.verify_segment(args.name)
+    if not report.ok:
+        return _print_damage(report.damage, f"{args.url} segment {args.name!r}")
+    print(f"ok: {report.batches:,} batches, {report.records:,} records, {report.log_bytes:,} log bytes, "
+          f"{report.index_files:,} chunk index files, {report.gaps:,} gaps from earlier repairs")
+    return 0
+
+
+def _segment_repair(args: argparse.Namespace) -> int:
+    from .segment_repair import describe_repair
+
+    with _open_store(args, writes=True) as store:
+        report = store.repair_segment(args.name)
+    print(describe_repair(report))
+    return 0
+
+
 def _add_segment_commands(commands) -> None:
     segment = commands.add_parser("segment", help="append to, read, follow or inspect segments",
                                   description="Append to, read, follow or inspect the segments of a store. Only "
@@ -632,6 +673,10 @@ def _add_segment_commands(commands) -> None:
                            help="delete the oldest chunks while the log holds more: 10MB, 512KiB or plain bytes")
     retention.add_argument("--start-offset", type=int, metavar="N", help="delete the records below offset N")
 
+    action("verify", _segment_verify, "read every committed byte of the segment, print every damaged range; "
+                                      "exit 3 if any")
+    action("repair", _segment_repair, "cut the log at its first damaged batch, printing exactly which offsets "
+                                      "are lost; offsets are never reused")
     action("list", _segment_list, "print the names of the segments in the store", named=False).add_argument(
         "--prefix", default="", metavar="P", help="only the segments under this path, e.g. orders")
 
