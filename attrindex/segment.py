@@ -126,7 +126,9 @@ class Segment:
                 segment=self.name, offset=checkpoint)
         self._overlay.clear()
         self._log.open_at(checkpoint)
-        self._log.catch_up(self._replayer(checkpoint), refresh=False)
+        replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
+        _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
+                   self.name, self._log.position, replayed, checkpoint)
 
     def _replayer(self, since: int):
         overlay, name = self._overlay, self.name
@@ -319,6 +321,8 @@ class Segment:
             self._rebuild_overlay()
             self._merge_error = None
             return
+        _log.debug("segment %r: merged %d attribute updates into the B+tree up to log byte %d", self.name, len(keys),
+                   position)
         self._overlay.clear()
         self._flushed_at = time.monotonic()
         if self._merge_error is not None:
@@ -451,6 +455,7 @@ class Segment:
                 position = self._append_empty_batch(now)
             if position > self._log.start_position:
                 self._log.truncate_at(position)
+                _log.info("segment %r: retention removed the log below byte %d (%d chunks)", self.name, position, deleted)
             return deleted
 
     def _append_empty_batch(self, timestamp: int) -> int:

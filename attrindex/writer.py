@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import logging
 import operator
 import time
 import uuid
@@ -40,6 +41,7 @@ from .store import SegmentStore, check_segment_count, validate_name
 
 _PERMANENT = (InvalidInputError, ConditionalUpdateError, CorruptDataError)
 _DIGEST_NAME = "attrindex.EventWriter/digest"  #: derives a writer's digest key from its id
+_log = logging.getLogger("attrindex.writer")
 _REPLAY_FEED = 4096  #: skipped events are digested in groups of this many
 _PAYLOAD, _ROUTING_KEY = operator.itemgetter(0), operator.itemgetter(1)
 
@@ -283,6 +285,8 @@ class EventWriter:
                 f"writer {self.writer_id} on segment {state.segment.name!r}: events up to {current} are stored "
                 f"under this writer's id, but they are not the ones it sent: is another writer using the same id?")
         self.retried_appends += 1
+        _log.info("writer %s on segment %r: events up to %d were already stored (a lost acknowledgement or an "
+                  "earlier life); acknowledged, the rest is resent", self.writer_id, state.segment.name, current)
         _acknowledge(state, current, digest)
 
     def last_event_numbers(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import uuid
 from typing import Any, Iterator
@@ -17,6 +18,7 @@ from typing import Any, Iterator
 from .base import ChunkStorage, relative_paths
 from .errors import ChunkExistsError, ExclusiveCreateUnsupportedError, OutcomeUnknownError, StorageError
 
+_log = logging.getLogger("attrindex.storage")
 _PROBED_GUARD = threading.Lock()
 _PROBED: dict[tuple[str, str], bool] = {}
 
@@ -166,6 +168,8 @@ class S3ChunkStorage(ChunkStorage):
                 except FileNotFoundError as exc:
                     raise StorageError(f"S3 bucket {self.bucket!r} does not exist at {self._endpoint}") from exc
                 _PROBED[key] = refused
+                _log.info("S3 endpoint %s, bucket %r: an exclusive create of an existing object is %s", self._endpoint,
+                          self.bucket, "refused (conditional writes work)" if refused else "ACCEPTED (no conditional writes)")
         if not refused and not self.single_writer:
             raise ExclusiveCreateUnsupportedError(
                 f"the S3 endpoint {self._endpoint} accepted an exclusive create (If-None-Match: *) of an "

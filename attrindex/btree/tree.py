@@ -659,6 +659,9 @@ class BTreeIndex:
         self.io.bytes_written += len(builder.buffer)
         self.io.updates_written += 1
         self.io.pages_relocated += builder.relocated
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("segment %r: update wrote %d bytes at offset %d (%d pages, %d relocated by compaction)",
+                      self.segment.name, len(builder.buffer), old.length, len(builder.pages), builder.relocated)
         if getattr(self.policy, "truncates", True):
             try:
                 self._truncate(footer.min_offset)
@@ -677,6 +680,7 @@ class BTreeIndex:
             freeable += 1
         # Object stores make one chunk per update: delete them in batches, not one by one.
         if freeable and (self.segment.storage.appendable or freeable >= 16):
+            log.debug("segment %r: truncating below offset %d (%d chunks freed)", self.segment.name, min_offset, freeable)
             self.segment.truncate(min_offset)
 
 
