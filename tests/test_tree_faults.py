@@ -225,7 +225,13 @@ def test_a_failed_truncation_does_not_fail_the_update_and_is_retried(url, caplog
     with caplog.at_level(logging.WARNING, logger="attrindex.btree"):
         for step in range(60):
             assert idx.update({k(i): step for i in range(step % 9, 400, 9)})
-    assert storage.injected and "truncating below offset" in caplog.text
+    assert storage.injected
+    if fault == "lost_ack":
+        # The marker was written, only its answer lost: the storage layer reads it back and the
+        # truncation counts as done, so nothing failed and nothing needs a retry.
+        assert "truncating below offset" not in caplog.text and idx._segment.start_offset > 0
+    else:
+        assert "truncating below offset" in caplog.text
     storage.enabled = False
     idx.update({k(0): -1})  # the next update truncates: no chunk but the last lies below the live tree
     min_offset = idx._tree.state.footer.min_offset

@@ -95,7 +95,9 @@ def _report(segment: RollingSegment, survey: Survey, progress) -> VerifyReport:
         return VerifyReport(0, 0, 0, 0, damage, 0)
     newest = survey.versions[0]
     pages, entries, size, tree_damage = check_tree(segment, newest, progress)
-    return VerifyReport(pages, entries, size, newest.footer.height, damage + tree_damage, len(survey.versions))
+    # A live page damaged at rest is met by both passes: report each range once.
+    unique = list(dict.fromkeys(damage + tree_damage))
+    return VerifyReport(pages, entries, size, newest.footer.height, unique, len(survey.versions))
 
 
 def survey_chain(segment: RollingSegment) -> Survey:
