@@ -196,17 +196,21 @@ def kill_loop(url: str, options: dict, history_dir: str, processes: int, count: 
     return done_kills
 
 
-def final_state(url: str, options: dict) -> dict:
-    """What is stored, read with no faults: the segment's records and attributes, and the stream's
-    records (``events``; offsets made unique per segment)."""
+def final_state(url: str, options: dict, streams: tuple[str, ...] = (STREAM,), segment: bool = True) -> dict:
+    """What is stored, read with no faults: the segment's records and attributes, and the records
+    of ``streams`` (offsets made unique per stream segment)."""
+    records, attributes = [], {}
     with SegmentStore.open(url, storage_options=options, **STORE_OPTIONS) as store:
-        seg = store.segment(SEGMENT)
-        records = _all_records(seg)
-        attributes = dict(zip(KEYS, seg.get_attributes(list(KEYS.values()))))
-        events = []
-        for number, name in enumerate(store.stream_segments(STREAM)):
-            events += [[(number + 1) << 40 | offset, value] for offset, value in _all_records(store.segment(name))]
-    return {"records": records + events, "attributes": attributes}
+        if segment:
+            seg = store.segment(SEGMENT)
+            records = _all_records(seg)
+            attributes = dict(zip(KEYS, seg.get_attributes(list(KEYS.values()))))
+        number = 0
+        for stream in streams:
+            for name in store.stream_segments(stream):
+                number += 1
+                records += [[number << 40 | offset, value] for offset, value in _all_records(store.segment(name))]
+    return {"records": records, "attributes": attributes}
 
 
 def _all_records(seg) -> list[list]:
