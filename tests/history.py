@@ -98,8 +98,21 @@ class Recorder:
         else:
             self.end(op_id, OK, **result)
 
+    def faults(self, injected: list) -> None:
+        """Record how many faults of each kind were injected into this client (``FaultyStorage.injected``)."""
+        self._write({"phase": "faults", "counts": dict(Counter(i.kind for i in injected))})
+
     def close(self) -> None:
         self._file.close()
+
+
+def fault_counts(history: list[dict]) -> Counter:
+    """Faults injected per kind, over every client that recorded them."""
+    total: Counter = Counter()
+    for event in history:
+        if event["phase"] == "faults":
+            total.update(event["counts"])
+    return total
 
 
 @attrs.define
@@ -190,7 +203,7 @@ def check(history: list[dict], final_state: dict) -> CheckResult:
     _check_offsets(appends, result)
     _check_counters(appends, present, final_state.get("attributes", {}), result)
     _check_cas(appends, present, final_state.get("attributes", {}), result)
-    _check_reads(ops, appends, stored, result)
+    _check_reads(ops, appends, present, stored, result)
     return result
 
 
@@ -324,7 +337,8 @@ def _cas_chain(ops: list[Op], final: int | None) -> bool:
     return walk(None, frozenset())
 
 
-def _check_reads(ops: list[Op], appends: list[Op], stored: dict[str, list[int]], result: CheckResult) -> None:
+def _check_reads(ops: list[Op], appends: list[Op], present: set[str], stored: dict[str, list[int]],
+                 result: CheckResult) -> None:
     at = {offsets[0]: payload for payload, offsets in stored.items()}
     last_seen: dict[tuple[str, str], int] = {}
     for read in (op for op in ops if op.kind == "read" and op.status == OK):
@@ -337,7 +351,7 @@ def _check_reads(ops: list[Op], appends: list[Op], stored: dict[str, list[int]],
             continue
         value = read.result["value"] or 0
         before = [op for op in appends if key in op.fields.get("increments", {}) and op.invoked < read.ended
-                  and op.status != FAILED]
+                  and (op.status != FAILED or op.id in present)]  # a failed-but-stored one is reported apart
         done = sum(op.fields["increments"][key] for op in before if op.status == OK and op.ended < read.invoked)
         sums = subset_sums([op.fields["increments"][key] for op in before])
         if sums is not None and value not in sums:

@@ -23,12 +23,12 @@ class FaultyTarget(StreamTarget):
 
     seed: int = 0
     rates: dict = attrs.field(factory=dict)
-    _opened: list = attrs.field(factory=lambda: [0], eq=False)
+    opened: list = attrs.field(factory=list, eq=False)  #: every FaultyStorage made, for its ``injected``
 
     def open_store(self) -> SegmentStore:
-        self._opened[0] += 1
-        faulty = FaultyStorage(open_storage(self.url, **self.storage_options), seed=self.seed * 7919 + self._opened[0],
+        faulty = FaultyStorage(open_storage(self.url, **self.storage_options), seed=self.seed * 7919 + len(self.opened),
                                rates=self.rates, latency=0.002)
+        self.opened.append(faulty)
         return SegmentStore(faulty, **self.store_options)
 
 
@@ -64,6 +64,7 @@ def spark_protocol_run(url: str, options: dict, history_dir: str, seed: int, rat
             except AttrIndexError:
                 continue
     recorder.end(op, OK if committed else UNKNOWN)
+    recorder.faults([i for faulty in target.opened for i in faulty.injected])
     recorder.close()
     return committed
 

@@ -60,7 +60,7 @@ def segment_client(url: str, options: dict, history_dir: str, client: str, ops: 
     """Run ``ops`` random operations on the segment as ``client``, recording each."""
     rng = random.Random(seed)
     recorder = Recorder(os.path.join(history_dir, f"{client}.jsonl"), client)
-    store, _faulty = faulty_store(url, options, seed, rates)
+    store, faulty = faulty_store(url, options, seed, rates)
     tag = f"{client}.{uuid.uuid4().hex[:6]}"  # payloads unique across lives of the same client
     last_cas = None
     try:
@@ -97,6 +97,7 @@ def segment_client(url: str, options: dict, history_dir: str, client: str, ops: 
             store.close()
         except Exception:  # noqa: BLE001 - a close that fails under faults leaves what is durable
             pass
+        recorder.faults(faulty.injected)
         recorder.close()
 
 
@@ -117,7 +118,7 @@ def event_client(url: str, options: dict, history_dir: str, client: str, events:
     whose id depends only on ``client``: a restarted life resends them all, in the same order."""
     rng = random.Random(seed)
     recorder = Recorder(os.path.join(history_dir, f"{client}-events-{uuid.uuid4().hex[:6]}.jsonl"), client)
-    store, _faulty = faulty_store(url, options, seed, rates)
+    store, faulty = faulty_store(url, options, seed, rates)
     writer_id = uuid.uuid5(uuid.NAMESPACE_URL, client)
     try:
         writer = None
@@ -132,6 +133,7 @@ def event_client(url: str, options: dict, history_dir: str, client: str, events:
                 writer.flush()
             n += len(payloads)
     finally:
+        recorder.faults(faulty.injected)
         recorder.close()
 
 
