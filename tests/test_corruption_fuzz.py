@@ -14,7 +14,7 @@ import pytest
 
 from sims.faults import fuzz
 
-TRIALS = 240
+TRIALS = 200
 
 
 @pytest.fixture(scope="module")

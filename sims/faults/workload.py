@@ -59,9 +59,9 @@ def segment_client(url: str, options: dict, history_dir: str, client: str, ops: 
                    rates: dict | None = DEFAULT_RATES) -> None:
     """Run ``ops`` random operations on the segment as ``client``, recording each."""
     rng = random.Random(seed)
-    recorder = Recorder(os.path.join(history_dir, f"{client}.jsonl"), client)
-    store, faulty = faulty_store(url, options, seed, rates)
     tag = f"{client}.{uuid.uuid4().hex[:6]}"  # payloads unique across lives of the same client
+    recorder = Recorder(os.path.join(history_dir, f"{tag}.jsonl"), client)  # a file per life: a torn line ends it
+    store, faulty = faulty_store(url, options, seed, rates)
     last_cas = None
     try:
         seg = _open_segment(store, recorder)
