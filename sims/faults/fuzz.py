@@ -12,9 +12,12 @@ A trial copies one (``shutil.copytree``), damages one file (``flip`` a bit, ``ze
 ``index`` (a chunk index file under ``_index/``) or ``tail`` (the last 128 bytes of the newest
 chunk of a log or tree: the newest batch or footer). Then it reopens the copy and runs every query
 under a timer. The outcome is ``ok`` (every answer equals the model), ``error`` (an
-``AttrIndexError`` was raised: the damage was reported), ``wrong`` (an answer differs from the
-model, or an append after the damage reused an offset), ``crash`` (an exception that is no project
-error) or ``hang`` (the timer fired). Only ``ok`` and ``error`` are allowed.
+``AttrIndexError`` was raised: the damage was reported), ``rollback`` (the newest commit record
+was damaged and the answers are exactly the state one write back: what a crash between a write's
+data and its commit record leaves, indistinguishable to storage), ``wrong`` (any other answer that
+differs, answers that disagree with each other, or an append after the damage that reused an
+offset), ``crash`` (an exception that is no project error) or ``hang`` (the timer fired). Only
+``ok``, ``error`` and ``rollback`` are allowed.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from attrindex import AttributeIndex, SegmentStore
 from attrindex.conditional import AttributeUpdate, UpdateType
 from attrindex.errors import AttrIndexError
 
-OUTCOMES = ("ok", "error", "wrong", "crash", "hang")
+OUTCOMES = ("ok", "error", "rollback", "wrong", "crash", "hang")
+ALLOWED = ("ok", "error", "rollback")
 ATTACKS = ("flip", "zero", "truncate")
 TARGETS = ("chunk", "commit", "index", "tail")
 INDEX_OPTIONS = {"page_size": 256, "rolling_size": 4096}
@@ -55,6 +59,7 @@ class Pristine:
     kind: str  #: "index" or "segment"
     path: str
     model: dict  #: index: {key: value}; segment: {"records": [...], "attributes": {...}}
+    earlier: list = attrs.Factory(list)  #: the models after each earlier write, oldest first
 
 
 @attrs.frozen
@@ -81,7 +86,9 @@ def build_index(path: str, seed: int = 1, updates: int = 60) -> Pristine:
     rng = random.Random(seed)
     model: dict[int, int] = {}
     index = AttributeIndex.open(path, **INDEX_OPTIONS)
+    earlier: list[dict] = []
     for _ in range(updates):
+        earlier.append(dict(model))
         batch: dict[int, int | None] = {rng.randrange(INDEX_KEYS): rng.randrange(-2**63, 2**63) for _ in range(25)}
         for key in rng.sample(sorted(model), min(4, len(model))):
             batch[key] = None
@@ -92,7 +99,7 @@ def build_index(path: str, seed: int = 1, updates: int = 60) -> Pristine:
             else:
                 model[key] = value
     index.close()
-    return Pristine("index", path, model)
+    return Pristine("index", path, model, earlier[1:])  # the empty index is no rollback target
 
 
 def build_segment(path: str, seed: int = 2, appends: int = 150) -> Pristine:
@@ -103,7 +110,9 @@ def build_segment(path: str, seed: int = 2, appends: int = 150) -> Pristine:
     segment = store.segment("s", create=True)
     records: list[str] = []
     attributes: dict[int, int] = {}
+    earlier: list[dict] = []
     for n in range(appends):
+        earlier.append({"records": list(records), "attributes": dict(attributes)})
         values = [f"r{n}.{i}:" + "x" * rng.randrange(40) for i in range(rng.randint(1, 3))]
         key, total = rng.randrange(SEGMENT_KEYS), rng.randrange(SEGMENT_KEYS)
         segment.append([v.encode() for v in values],
@@ -111,35 +120,39 @@ def build_segment(path: str, seed: int = 2, appends: int = 150) -> Pristine:
         records += values
         attributes[key] = n
         attributes[total] = attributes.get(total, 0) + n + 1
-    return Pristine("segment", path, {"records": records, "attributes": attributes})
+    earlier = [dict(m, records=m["records"]) for m in earlier[1:]]
+    return Pristine("segment", path, {"records": records, "attributes": attributes}, earlier)
 
 
 # -- queries ------------------------------------------------------------------------------------
-def query_index(path: str, model: dict) -> str:
-    """Every query of an index copy; returns "" if all answers equal the model, else what differs."""
+class Inconsistent(Exception):
+    """Two queries of one store disagreed with each other (always a wrong answer)."""
+
+
+def query_index(path: str) -> dict:
+    """Every query of an index copy; returns what it holds (``{key: value}``), checking that
+    ``get_many``, ``get`` and full and ranged scans agree."""
     index = AttributeIndex.open(path, **INDEX_OPTIONS)
     try:
         keys = list(range(INDEX_KEYS))
-        got = index.get_many(keys)
-        wrong = [k for k, v in zip(keys, got) if v != model.get(k)]
-        if wrong:
-            return f"get_many: {len(wrong)} keys differ, e.g. {wrong[0]}: {got[wrong[0]]} != {model.get(wrong[0])}"
+        seen = {k: v for k, v in zip(keys, index.get_many(keys)) if v is not None}
         for key in keys[::97]:
-            if index.get(key) != model.get(key):
-                return f"get({key}) differs"
-        expected = sorted((k.to_bytes(16, "big"), v) for k, v in model.items())
-        if list(index.items()) != expected:
-            return "items() differs"
+            if index.get(key) != seen.get(key):
+                raise Inconsistent(f"get({key}) != get_many")
+        scanned = sorted((k.to_bytes(16, "big"), v) for k, v in seen.items())
+        if list(index.items()) != scanned:
+            raise Inconsistent("items() != get_many")
         low, high = 300, 900
-        if list(index.items(low, high)) != [kv for kv in expected if low <= int.from_bytes(kv[0], "big") < high]:
-            return "items(300, 900) differs"
-        return ""
+        if list(index.items(low, high)) != [kv for kv in scanned if low <= int.from_bytes(kv[0], "big") < high]:
+            raise Inconsistent("items(300, 900) != get_many")
+        return seen
     finally:
         index.close()
 
 
-def query_segment(path: str, model: dict) -> str:
-    """Every query of a segment copy, then one append (it must land at the model's next offset)."""
+def query_segment(path: str) -> dict:
+    """Every query of a segment copy, then one append; returns ``{"records", "attributes",
+    "appended_at"}``, checking that reads are offset-contiguous and lookups agree with the scan."""
     store = SegmentStore.open(path, **SEGMENT_OPTIONS)
     try:
         segment = store.segment("s")
@@ -149,25 +162,36 @@ def query_segment(path: str, model: dict) -> str:
             if not batch:
                 break
             if [r.offset for r in batch] != list(range(offset, offset + len(batch))):
-                return f"read({offset}): offsets {[r.offset for r in batch][:5]}..."
+                raise Inconsistent(f"read({offset}): offsets {[r.offset for r in batch][:5]}...")
             values += [r.value.decode() for r in batch]
             offset += len(batch)
-        if values != model["records"]:
-            return f"records differ: {len(values)} read, {len(model['records'])} expected"
         keys = list(range(SEGMENT_KEYS))
-        got = segment.get_attributes(keys)
-        wrong = [k for k, v in zip(keys, got) if v != model["attributes"].get(k)]
-        if wrong:
-            return f"attributes: {len(wrong)} differ, e.g. {wrong[0]}: {got[wrong[0]]} != {model['attributes'].get(wrong[0])}"
-        expected = sorted((k.to_bytes(16, "big"), v) for k, v in model["attributes"].items())
-        if list(segment.attributes()) != expected:
-            return "attributes() scan differs"
+        attributes = {k: v for k, v in zip(keys, segment.get_attributes(keys)) if v is not None}
+        if list(segment.attributes()) != sorted((k.to_bytes(16, "big"), v) for k, v in attributes.items()):
+            raise Inconsistent("attributes() scan != get_attributes")
         done = segment.append([b"after-damage"])
-        if done.first_offset != len(model["records"]):
-            return f"an append after the damage landed at offset {done.first_offset}, not {len(model['records'])}"
-        return ""
+        return {"records": values, "attributes": attributes, "appended_at": done.first_offset}
     finally:
         _close_quietly(store)
+
+
+def index_matches(seen: dict, model: dict) -> str:
+    """"" if an index answered like ``model``, else what differs."""
+    wrong = sorted(k for k in set(seen) | set(model) if seen.get(k) != model.get(k))
+    return f"{len(wrong)} keys differ, e.g. {wrong[0]}: {seen.get(wrong[0])} != {model.get(wrong[0])}" if wrong else ""
+
+
+def segment_matches(seen: dict, model: dict) -> str:
+    """"" if a segment answered like ``model`` and the append landed at its next offset."""
+    if seen["records"] != model["records"]:
+        return f"records differ: {len(seen['records'])} read, {len(model['records'])} expected"
+    if seen["attributes"] != model["attributes"]:
+        wrong = sorted(k for k in set(seen["attributes"]) | set(model["attributes"])
+                       if seen["attributes"].get(k) != model["attributes"].get(k))
+        return f"attributes: {len(wrong)} differ, e.g. key {wrong[0]}"
+    if seen["appended_at"] != len(model["records"]):
+        return f"an append after the damage landed at offset {seen['appended_at']}, not {len(model['records'])}"
+    return ""
 
 
 def _close_quietly(store) -> None:
@@ -177,7 +201,24 @@ def _close_quietly(store) -> None:
         pass  # closing a damaged store may report the damage again; the queries were judged
 
 
-QUERIES: dict[str, Callable[[str, dict], str]] = {"index": query_index, "segment": query_segment}
+QUERIES: dict[str, Callable[[str], dict]] = {"index": query_index, "segment": query_segment}
+MATCHES: dict[str, Callable[[dict, dict], str]] = {"index": index_matches, "segment": segment_matches}
+
+
+def judge_answers(pristine: "Pristine", seen: dict, target: str) -> tuple[str, str]:
+    """``ok`` if ``seen`` is the final model. ``rollback`` if the newest commit record was damaged
+    and ``seen`` is the state one write back: a crash between a write's data and its commit record
+    leaves exactly that, so storage cannot tell them apart (docs/reliability.md). Anything else,
+    including a rollback of two or more writes (no crash loses a synced commit record), is ``wrong``."""
+    difference = MATCHES[pristine.kind](seen, pristine.model)
+    if not difference:
+        return "ok", ""
+    for n, earlier in enumerate(reversed(pristine.earlier)):
+        if not MATCHES[pristine.kind](seen, earlier):
+            if n == 0 and target == "commit":
+                return "rollback", f"answers are the state one write back; {difference}"
+            return "wrong", f"answers are the state {n + 1} writes back: {difference}"
+    return "wrong", difference
 
 
 # -- damage -------------------------------------------------------------------------------------
@@ -237,22 +278,26 @@ def run_trial(pristine: Pristine, scratch: str, seed: int, timeout: float = 3.0)
         attack = rng.choice(ATTACKS)
         rel = rng.choice(found[target])
         detail = damage(os.path.join(copy, rel), target, attack, rng)
-        outcome, note = _judge(lambda: QUERIES[pristine.kind](copy, pristine.model), timeout)
+        outcome, note = _judge(lambda: QUERIES[pristine.kind](copy), timeout)
+        if outcome == "answered":
+            outcome, note = judge_answers(pristine, note, target)
         return Trial(seed, pristine.kind, target, attack, rel, detail, outcome, note)
     finally:
         shutil.rmtree(copy, ignore_errors=True)
 
 
-def _judge(query: Callable[[], str], timeout: float) -> tuple[str, str]:
-    """Run ``query`` under a real-time timer (main thread only); classify what it did."""
+def _judge(query: Callable[[], dict], timeout: float) -> tuple[str, object]:
+    """Run ``query`` under a real-time timer (main thread only); ``("answered", answers)`` or how
+    it failed."""
     def fire(_signum, _frame):
         raise TrialTimeout()
 
     previous = signal.signal(signal.SIGALRM, fire)
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        difference = query()
-        return ("wrong", difference) if difference else ("ok", "")
+        return "answered", query()
+    except Inconsistent as exc:
+        return "wrong", f"inconsistent answers: {exc}"
     except TrialTimeout:
         return "hang", f"no answer within {timeout} s"
     except AttrIndexError as exc:
@@ -274,7 +319,7 @@ class Tally:
 
     def add(self, trial: Trial) -> None:
         self.per_attack.setdefault(f"{trial.kind}/{trial.target}/{trial.attack}", Counter())[trial.outcome] += 1
-        if trial.outcome not in ("ok", "error"):
+        if trial.outcome not in ALLOWED:
             self.bad.append(trial)
 
     def totals(self) -> Counter:
@@ -294,7 +339,8 @@ class Tally:
 
     def summary(self) -> str:
         total = self.totals()
-        return (f"trials {sum(total.values())}, ok {total['ok']}, project errors {total['error']}, wrong answers "
+        return (f"trials {sum(total.values())}, ok {total['ok']}, project errors {total['error']}, "
+                f"rollbacks of one write (newest commit record damaged) {total['rollback']}, wrong answers "
                 f"{total['wrong']}, non-project exceptions {total['crash']}, hangs {total['hang']} "
                 f"in {self.seconds:.1f} s")
 

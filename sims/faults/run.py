@@ -38,7 +38,7 @@ def run_fuzz(trials: int, seed: int, timeout: float, scratch: str) -> fuzz.Tally
     with tqdm(total=trials, desc="corruption fuzz", unit="trial") as bar:
         def progress(trial: fuzz.Trial) -> None:
             bar.update()
-            if trial.outcome not in ("ok", "error"):
+            if trial.outcome not in fuzz.ALLOWED:
                 bar.write(trial.describe())
         return fuzz.fuzz(pristines, trials_dir, trials, first_seed=seed, timeout=timeout, progress=progress)
 
