@@ -345,7 +345,8 @@ def _check_reads(ops: list[Op], appends: list[Op], present: set[str], stored: di
         result.reads += 1
         for offset, payload in read.result.get("records", []):
             if at.get(offset) != payload:
-                result.violations.append(f"{read.id}: read {payload!r} at offset {offset}, final log has {at.get(offset)!r}")
+                result.violations.append(
+                    f"{read.id}: read {payload!r} at offset {offset}, final log has {at.get(offset)!r}")
         key = read.fields.get("counter")
         if key is None:
             continue

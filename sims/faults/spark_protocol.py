@@ -9,7 +9,8 @@ import attrs
 
 from attrindex import SegmentStore
 from attrindex.errors import AttrIndexError
-from attrindex.spark.ingest import EventColumns, Faults, StreamTarget, commit_write, stage_attempt, write_direct, write_token
+from attrindex.spark.ingest import (EventColumns, Faults, StreamTarget, commit_write, stage_attempt, write_direct,
+                                    write_token)
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 from tests.history import OK, UNKNOWN, Recorder
