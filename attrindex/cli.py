@@ -217,8 +217,12 @@ def _index_repair(args: argparse.Namespace) -> int:
     from .attribute_index import AttributeIndex
 
     report = AttributeIndex.repair_at(args.url, args.name, storage_options=_storage_options(args))
+    if report.recommitted_bytes:
+        print(f"repaired: {report.recommitted_bytes:,} bytes of whole updates whose commit records were lost "
+              "were committed again (nothing lost)")
     if not report.rolled_back:
-        print("ok: the newest version is intact; nothing was changed")
+        if not report.recommitted_bytes:
+            print("ok: the newest version is intact; nothing was changed")
         return 0
     before = "unknown" if report.entries_before is None else f"{report.entries_before:,}"
     print(f"repaired: rolled back {report.updates_dropped} update(s) (bytes [{report.lost_start}, {report.lost_end}) "

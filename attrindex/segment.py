@@ -127,6 +127,9 @@ class Segment:
         self._overlay.clear()
         self._log.open_at(checkpoint)
         replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
+        lost = self._log.lost_commits()
+        if lost is not None:
+            raise self._log.lost_commits_error(*lost)
         _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
                    self.name, self._log.position, replayed, checkpoint)
 

@@ -64,6 +64,7 @@ class SegmentRepairReport:
     index_files_deleted: int  #: chunk index files deleted (derived data, rebuilt on use)
     attributes_rebuilt: bool  #: the attribute index was rebuilt from the log
     attributes: str  #: what happened to the attributes, and why
+    recommitted_bytes: int = 0  #: whole batches after the committed end whose lost commit records were written again
 
     @property
     def lost_offsets(self) -> range:
@@ -76,7 +77,8 @@ class SegmentRepairReport:
     @property
     def repaired(self) -> bool:
         """Whether anything was changed."""
-        return self.cut_at is not None or self.index_files_deleted > 0 or self.attributes_rebuilt
+        return (self.cut_at is not None or self.index_files_deleted > 0 or self.attributes_rebuilt
+                or self.recommitted_bytes > 0)
 
 
 def _open_log(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentLog:
@@ -109,8 +111,13 @@ def verify_segment(storage: ChunkStorage, name: str, options: SegmentOptions) ->
     try:
         scan = scan_log(log)
         start, length = log.bytes.start_offset, log.bytes.length
+        lost = log.lost_commits()
     finally:
         log.close()
+    if lost is not None:
+        position, data = lost
+        scan.damage.append(Damage(f"{name}/_log", position, position + len(data),
+                                  "whole record batches after the committed end: their commit records were lost"))
     attributes, damage = _verify_attributes(storage, name, options)
     if not damage:
         checkpoint = _checkpoint(storage, name, options) or 0
@@ -129,6 +136,7 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions) ->
     """
     log = _open_log(storage, name, options)
     try:
+        recommitted = _recommit(log)
         scan = scan_log(log)
         log_start, length = log.bytes.start_offset, log.bytes.length
         cut, first_lost, resume, exact = scan.first_damage, None, None, True
@@ -142,10 +150,23 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions) ->
     attribute_damage = _verify_attributes(storage, name, options)[1]
     rebuilt, attributes = _repair_attributes(storage, name, options, cut, log_start, bool(attribute_damage))
     report = SegmentRepairReport(name, scan.damage + attribute_damage, cut, 0 if cut is None else length - cut,
-                                 first_lost, resume, exact, deleted, rebuilt, attributes)
+                                 first_lost, resume, exact, deleted, rebuilt, attributes, recommitted)
     if report.repaired:
         _log.warning("segment %r repaired: %s", name, describe_repair(report))
     return report
+
+
+def _recommit(log: SegmentLog) -> int:
+    """Commit again the whole batches found after the committed end (lost commit records): the
+    same bytes appended at the same place, so the data is kept. Returns the bytes recommitted."""
+    lost = log.lost_commits()
+    if lost is None:
+        return 0
+    position, data = lost
+    log.bytes.append(data, expected_offset=position)
+    _log.warning("segment %r: %d bytes of whole batches after the committed end %d had lost their commit "
+                 "records; committed them again", log.segment, len(data), position)
+    return len(data)
 
 
 def _cut(log: SegmentLog, cut: int, length: int, resume: int) -> None:
@@ -218,6 +239,9 @@ def _roll_back_index(storage: ChunkStorage, name: str, log_start: int) -> str | 
 def describe_repair(report: SegmentRepairReport) -> str:
     """One line saying what a repair did (for logs and the CLI)."""
     parts = []
+    if report.recommitted_bytes:
+        parts.append(f"{report.recommitted_bytes} bytes of whole batches whose commit records were lost committed "
+                     "again (nothing lost)")
     if report.cut_at is not None:
         lost = report.lost_offsets
         bound = "" if report.resume_exact else " (an upper bound: some damaged headers could not be read)"

@@ -5,9 +5,10 @@ A chunk ``NAME`` has a sidecar ``NAME.commit``: a sequence of 16-byte commit rec
 data at the committed size, fdatasyncs it, then appends a commit record and fdatasyncs that. A
 writer killed at any point leaves either the old record (its bytes are invisible and the next
 append overwrites them) or the new one (the append is complete). A torn or garbled last record is
-skipped: the record before it wins. Only the last record can be torn (each one is synced before
-the next is written), so two bad records at the end are damage, never a crash: reading on would
-silently roll back acknowledged appends, and ``CorruptDataError`` is raised instead.
+skipped: the newest valid record wins. A crash tears at most the newest record, so whole appends
+found after the committed size mean lost commit records (damage): the layers above, which can
+parse appends, detect that (``RollingSegment.uncommitted_tail``) instead of answering from an
+older state, and their repair appends the same bytes again, which rewrites the record.
 """
 
 from __future__ import annotations
@@ -49,25 +50,14 @@ def decode_commit_record(record: bytes) -> int | None:
     return size
 
 
-def _last_commit(fd: int, path: str) -> tuple[int, int]:
-    """``(slot for the next record, committed size)`` of the open commit file of chunk ``path``.
-
-    One torn record at the end (a partial one, or a full one that does not decode) is what a crash
-    leaves, and the record before it holds; anything more is damage (``CorruptDataError``).
-    """
-    file_size = os.fstat(fd).st_size
-    slot = file_size // COMMIT_RECORD_SIZE
-    torn = file_size % COMMIT_RECORD_SIZE != 0  # a partial record after the full ones
+def _last_commit(fd: int) -> tuple[int, int]:
+    """``(slot for the next record, committed size)`` of an open commit file."""
+    slot = os.fstat(fd).st_size // COMMIT_RECORD_SIZE
     while slot > 0:
         size = decode_commit_record(os.pread(fd, COMMIT_RECORD_SIZE, (slot - 1) * COMMIT_RECORD_SIZE))
         if size is not None:
             return slot, size
-        if torn:
-            raise CorruptDataError(
-                f"chunk {path!r}: commit record {slot - 1} is damaged and is not the last one written "
-                "(a crash tears only the last); the chunk's committed size is unknown",
-                offset=(slot - 1) * COMMIT_RECORD_SIZE)
-        torn, slot = True, slot - 1
+        slot -= 1
     return 0, 0
 
 
@@ -165,7 +155,7 @@ class LocalChunkStorage(ChunkStorage):
                     raise
                 return 0  # created by a writer that died before its first commit
             try:
-                return _last_commit(fd, path)[1]
+                return _last_commit(fd)[1]
             finally:
                 os.close(fd)
 
@@ -251,7 +241,7 @@ class LocalChunkStorage(ChunkStorage):
     def _commit(self, path: str, previous: int, size: int) -> None:
         fd = os.open(self._abs(path) + COMMIT_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            slot, committed = _last_commit(fd, path)
+            slot, committed = _last_commit(fd)
             if committed != previous:
                 raise StorageError(
                     f"chunk {path!r}: committed size is {committed}, expected {previous} "

@@ -42,6 +42,7 @@ _NAME_COMPONENT = re.compile(r"[A-Za-z0-9_=+@$-][A-Za-z0-9_.=+@$-]*")
 #: Bound on the create attempts of one object append (each lost race or unsettled write is one).
 MAX_APPEND_ATTEMPTS = 100
 #: Bound on the listings one ``refresh`` takes while other processes keep changing the segment.
+MAX_UNCOMMITTED_TAIL = 64 << 20  #: bytes read after the committed end by ``uncommitted_tail``
 MAX_REFRESH_ATTEMPTS = 20
 
 
@@ -395,6 +396,35 @@ class RollingSegment:
             self.refresh()
             self._check_range(offset, length, self._chunks, self._start_offset)
             raise StorageError(f"segment {self.name!r}: a chunk holding offset {offset} is missing") from None
+
+    def uncommitted_tail(self, limit: int = MAX_UNCOMMITTED_TAIL) -> tuple[int, bytes]:
+        """``(length, bytes)``: the committed length and up to ``limit`` bytes stored after it.
+
+        On appendable backends this is what a writer left that died between writing an append's
+        data and its commit record: at most one append's bytes. More than one whole append there
+        means commit records were lost (damage, not a crash), which only the layer above can tell
+        by parsing; ``append`` of exactly those bytes at that length commits them again (the write
+        is identical, so nothing changes but the commit record). Object backends have no such bytes.
+        """
+        self._check_open()
+        if not self.storage.appendable:
+            return self.length, b""  # objects are whole: nothing is ever stored past an end
+        with self._mutex:
+            for _attempt in range(MAX_REFRESH_ATTEMPTS):
+                self.refresh()
+                if not self._chunks:
+                    return self.length, b""
+                last = self._chunks[-1]
+                path = f"{self._dir}/{last.name}"
+                try:
+                    tail = self.storage.read(path, last.length, last.length + limit)
+                    settled = self.storage.committed_size(path) == last.length
+                except FileNotFoundError:
+                    continue  # truncated or rolled meanwhile: look again
+                if settled:  # no commit landed while the tail was read: it really is uncommitted
+                    return last.end, tail
+        raise StorageError(f"segment {self.name!r}: the last chunk kept changing; its uncommitted tail could "
+                           "not be read")
 
     def _check_range(self, offset: int, length: int, chunks: list[ChunkInfo], start_offset: int) -> None:
         end_offset = chunks[-1].end if chunks else start_offset

@@ -246,6 +246,34 @@ class SegmentLog:
             f"SegmentStore.verify_segment / repair_segment",
             segment=self.segment, offset=at)
 
+    def lost_commits(self) -> tuple[int, bytes] | None:
+        """``(position, bytes)`` of the whole batches stored after the committed end when there are
+        two or more: their commit records were lost (a crash leaves at most one append there).
+
+        ``None`` when the uncommitted tail holds at most one whole batch (what a crash leaves: the
+        next append overwrites it). Re-appending the returned bytes at ``position`` commits them.
+        """
+        position, tail = self.bytes.uncommitted_tail()
+        pos, batches = 0, 0
+        while pos < len(tail):
+            try:
+                header = read_header(tail, pos, position=position, segment=self.segment)
+                if header is None:
+                    break  # incomplete: a torn append
+                check_batch(tail, pos, header, position=position, segment=self.segment)
+            except CorruptDataError:
+                break
+            pos, batches = pos + header.size, batches + 1
+        return (position, tail[:pos]) if batches >= 2 else None
+
+    def lost_commits_error(self, position: int, data: bytes) -> CorruptDataError:
+        """The error for whole batches found after the committed end (see ``lost_commits``)."""
+        return CorruptDataError(
+            f"segment {self.segment!r}: {len(data)} bytes of whole record batches lie after the log's committed "
+            f"length {position}: their commit records were lost (a crash loses at most one). The segment refuses "
+            f"appends until repaired: SegmentStore.repair_segment commits them again",
+            segment=self.segment, offset=position)
+
     # -- appending -----------------------------------------------------------------------------
     def append(self, data: bytes, header: BatchHeader) -> int:
         """Append one encoded batch at ``position`` (compare-and-append); return its byte position.

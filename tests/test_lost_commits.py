@@ -1,0 +1,104 @@
+"""Lost or damaged commit records (local disk) are damage, never a silent rollback of several writes.
+
+A crash can tear only the newest commit record (each is synced before the next is written), so
+losing it rolls back exactly one append, which no one can tell from a crash. Losing more, or two
+garbled records at the end, can only be damage: the store must say so, and repair must commit the
+data again (it is all there, checksummed).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from attrindex import AttributeIndex, SegmentStore
+from attrindex.errors import CorruptDataError
+from storage_adapters.local import COMMIT_RECORD_SIZE
+
+
+def _last_chunk(root: str, directory: str) -> str:
+    found = os.path.join(root, directory)
+    return os.path.join(found, max(n for n in os.listdir(found) if re.fullmatch(r"\d{20}", n)))
+
+
+def _cut_commit_records(chunk: str, records: int) -> None:
+    commit = chunk + ".commit"
+    size = os.path.getsize(commit)
+    assert size >= COMMIT_RECORD_SIZE * (records + 1)
+    with open(commit, "r+b") as f:
+        f.truncate(size - COMMIT_RECORD_SIZE * records)
+
+
+def _garble_commit_records(chunk: str, records: int) -> None:
+    commit = chunk + ".commit"
+    size = os.path.getsize(commit)
+    with open(commit, "r+b") as f:
+        f.seek(size - COMMIT_RECORD_SIZE * records)
+        f.write(b"\x00" * COMMIT_RECORD_SIZE * records)
+
+
+def _segment(root: str, appends: int = 20) -> None:
+    with SegmentStore.open(root) as store:
+        seg = store.segment("s", create=True)
+        for i in range(appends):
+            seg.append([b"r%d" % i], [(1, i)])
+
+
+def _records(root: str) -> list[bytes]:
+    with SegmentStore.open(root, create=False) as store:
+        return [r.value for r in store.segment("s").read(0, 1000)]
+
+
+def test_one_lost_log_commit_record_is_a_crash_a_one_write_rollback(tmp_path):
+    root = str(tmp_path / "store")
+    _segment(root)
+    _cut_commit_records(_last_chunk(root, "s/_log.seg"), 1)
+    assert _records(root) == [b"r%d" % i for i in range(19)]
+
+
+@pytest.mark.parametrize("damage", [_cut_commit_records, _garble_commit_records])
+def test_lost_log_commit_records_are_reported_and_repair_commits_them_again(tmp_path, damage):
+    root = str(tmp_path / "store")
+    _segment(root)
+    damage(_last_chunk(root, "s/_log.seg"), 3)
+    with SegmentStore.open(root, create=False) as store:
+        with pytest.raises(CorruptDataError, match="commit record"):
+            store.segment("s")  # refused: it would answer 3 writes back and reuse their offsets
+        assert not store.verify_segment("s").ok
+        report = store.repair_segment("s")
+        assert report.cut_at is None and not report.lost_offsets
+        assert report.recommitted_bytes > 0 or damage is _garble_commit_records
+        assert store.verify_segment("s").ok
+    assert _records(root) == [b"r%d" % i for i in range(20)]  # nothing lost
+    with SegmentStore.open(root, create=False) as store:
+        seg = store.segment("s")
+        assert seg.get_attribute(1) == 19
+        assert seg.append([b"next"]).first_offset == 20
+
+
+def test_lost_index_commit_records_are_reported_and_repair_commits_them_again(tmp_path):
+    root = str(tmp_path / "idx")
+    with AttributeIndex.open(root, page_size=256) as index:
+        for version in range(6):
+            index.update({key: version for key in range(40)})
+    _cut_commit_records(_last_chunk(root, "attributes.seg"), 3)
+    with pytest.raises(CorruptDataError, match="commit records were lost"):
+        AttributeIndex.open(root, mode="r")
+    assert not AttributeIndex.verify_at(root).ok
+    report = AttributeIndex.repair_at(root)
+    assert report.recommitted_bytes > 0 and not report.rolled_back
+    assert AttributeIndex.verify_at(root).ok
+    with AttributeIndex.open(root, mode="r") as index:
+        assert index.get_many(list(range(40))) == [5] * 40  # the newest version, whole
+
+
+def test_one_lost_index_commit_record_rolls_back_one_update(tmp_path):
+    root = str(tmp_path / "idx")
+    with AttributeIndex.open(root, page_size=256) as index:
+        for version in range(6):
+            index.update({key: version for key in range(40)})
+    _cut_commit_records(_last_chunk(root, "attributes.seg"), 1)
+    with AttributeIndex.open(root, mode="r") as index:
+        assert index.get_many(list(range(40))) == [4] * 40
