@@ -107,11 +107,13 @@ def segment_append(directory: str, name: str, count: int) -> None:
             seg.append([b"p%d" % i])
 
 
-def chaos_writer(url: str, options_json: str, stream: str, writer: int, total: int, rate: float, seed: int) -> None:
+def chaos_writer(url: str, options_json: str, stream: str, writer: int, total: int, rate: float, seed: int,
+                 progress: str | None = None) -> None:
     """Write events ``writer:1`` ... ``writer:total`` exactly once through a flaky store.
 
     The writer id depends only on ``writer``, and the events are always written in the same
-    order, so a killed and restarted worker resumes where its earlier life stopped.
+    order, so a killed and restarted worker resumes where its earlier life stopped. ``progress``
+    (a path) is created once the first events are flushed, so a test can kill it mid-write.
     """
     import json
     import uuid
@@ -128,6 +130,8 @@ def chaos_writer(url: str, options_json: str, stream: str, writer: int, total: i
         if n % 10 == 0:
             events.flush()
             print(n, flush=True)
+            if progress is not None and n == 10:
+                open(progress, "w").close()
     events.flush()
     print("done", events.events_skipped, flaky.lost_acks, flaky.failed_writes, flush=True)
 
@@ -140,4 +144,5 @@ if __name__ == "__main__":
     elif sys.argv[1] == "segment_append":
         segment_append(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1] == "chaos_writer":
-        chaos_writer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7]), int(sys.argv[8]))
+        chaos_writer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7]), int(sys.argv[8]),
+                     *sys.argv[9:10])
