@@ -45,6 +45,11 @@ STORE_OPTIONS = {"log_rolling_size": 4096, "flush_keys": 2, "poll_interval": 0.0
 def faulty_store(url: str, options: dict, seed: int, rates: dict | None) -> tuple[SegmentStore, FaultyStorage]:
     """A store over ``FaultyStorage`` with small chunks and frequent merges (so faults hit them)."""
     faulty = FaultyStorage(open_storage(url, **options), seed=seed, rates=rates, latency=0.002)
+    if rates:
+        # Every client meets both kinds at least once on a log write, whatever the random schedule
+        # draws (how many calls a client makes varies with thread timing and kills).
+        faulty.script("fail_before", path_contains="_log.seg")
+        faulty.script("lost_ack", path_contains="_log.seg")
     return SegmentStore(faulty, **STORE_OPTIONS), faulty
 
 
