@@ -127,9 +127,15 @@ class Segment:
         self._overlay.clear()
         self._log.open_at(checkpoint)
         replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
-        lost = self._log.lost_commits()
+        lost = self._log.lost_commits(covered=checkpoint)
         if lost is not None:
             raise self._log.lost_commits_error(*lost)
+        if checkpoint > self._log.bytes.length:
+            raise CorruptDataError(
+                f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, beyond the "
+                f"log's committed length {self._log.bytes.length}: committed log data was lost. The segment "
+                f"refuses appends until repaired: see SegmentStore.verify_segment / repair_segment",
+                segment=self.name, offset=self._log.bytes.length)
         _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
                    self.name, self._log.position, replayed, checkpoint)
 

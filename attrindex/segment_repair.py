@@ -105,6 +105,14 @@ def _checkpoint(storage: ChunkStorage, name: str, options: SegmentOptions) -> in
         index.close()
 
 
+def _readable_checkpoint(storage: ChunkStorage, name: str, options: SegmentOptions) -> int:
+    """The attribute checkpoint, or 0 if the index is damaged (its repair is decided later)."""
+    try:
+        return _checkpoint(storage, name, options) or 0
+    except CorruptDataError:
+        return 0
+
+
 def verify_segment(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentVerifyReport:
     """Read every committed byte of segment ``name`` and report every damaged range."""
     log = _open_log(storage, name, options)
@@ -134,9 +142,10 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions) ->
 
     Raises ``StorageError`` if another writer appended meanwhile (stop writers, run it again).
     """
+    covered = _readable_checkpoint(storage, name, options)
     log = _open_log(storage, name, options)
     try:
-        recommitted = _recommit(log)
+        recommitted = _recommit(log, covered)
         scan = scan_log(log)
         log_start, length = log.bytes.start_offset, log.bytes.length
         cut, first_lost, resume, exact = scan.first_damage, None, None, True
@@ -148,7 +157,8 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions) ->
     finally:
         log.close()
     attribute_damage = _verify_attributes(storage, name, options)[1]
-    rebuilt, attributes = _repair_attributes(storage, name, options, cut, log_start, bool(attribute_damage))
+    rebuilt, attributes = _repair_attributes(storage, name, options, cut, log_start, length,
+                                             bool(attribute_damage))
     report = SegmentRepairReport(name, scan.damage + attribute_damage, cut, 0 if cut is None else length - cut,
                                  first_lost, resume, exact, deleted, rebuilt, attributes, recommitted)
     if report.repaired:
@@ -156,10 +166,10 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions) ->
     return report
 
 
-def _recommit(log: SegmentLog) -> int:
+def _recommit(log: SegmentLog, covered: int) -> int:
     """Commit again the whole batches found after the committed end (lost commit records): the
     same bytes appended at the same place, so the data is kept. Returns the bytes recommitted."""
-    lost = log.lost_commits()
+    lost = log.lost_commits(covered)
     if lost is None:
         return 0
     position, data = lost
@@ -196,14 +206,15 @@ def _delete_index_files(log: SegmentLog, damage: list[Damage], cut: int | None) 
 
 
 def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions, cut: int | None,
-                       log_start: int, damaged: bool) -> tuple[bool, str]:
+                       log_start: int, length: int, damaged: bool) -> tuple[bool, str]:
     """Make the attributes consistent with the kept log; return (rebuilt, explanation)."""
     checkpoint = None if damaged else _checkpoint(storage, name, options)
-    beyond_cut = cut is not None and checkpoint is not None and checkpoint > cut
+    kept_end = length if cut is None else cut
+    beyond_cut = checkpoint is not None and checkpoint > kept_end
     if not damaged and not beyond_cut:
         return False, f"kept: they cover the log up to byte {checkpoint or 0}, within the kept log"
     why = ("the attribute index is damaged" if damaged else
-           f"the attribute index covers the log up to byte {checkpoint}, beyond the cut at {cut}")
+           f"the attribute index covers the log up to byte {checkpoint}, beyond the kept log's end at {kept_end}")
     if log_start > 0 and damaged:
         rolled = _roll_back_index(storage, name, log_start)
         if rolled is not None:

@@ -53,7 +53,9 @@ def _records(root: str) -> list[bytes]:
 
 def test_one_lost_log_commit_record_is_a_crash_a_one_write_rollback(tmp_path):
     root = str(tmp_path / "store")
-    _segment(root)
+    _segment(root, appends=19)
+    store = SegmentStore.open(root, create=False)  # like a process killed after its append: no merge
+    store.segment("s").append([b"r19"], [(1, 19)])
     _cut_commit_records(_last_chunk(root, "s/_log.seg"), 1)
     assert _records(root) == [b"r%d" % i for i in range(19)]
 
@@ -102,3 +104,24 @@ def test_one_lost_index_commit_record_rolls_back_one_update(tmp_path):
     _cut_commit_records(_last_chunk(root, "attributes.seg"), 1)
     with AttributeIndex.open(root, mode="r") as index:
         assert index.get_many(list(range(40))) == [4] * 40
+
+
+def test_one_lost_log_commit_record_under_merged_attributes_is_damage_and_repair_keeps_everything(tmp_path):
+    """A crash cannot lose a commit record that a merge into the B+tree already covered: the tree's
+    checkpoint proves the batch was committed, so this is damage (it used to open with the counter
+    one ahead of the log and let the next append reuse the lost record's offset)."""
+    root = str(tmp_path / "store")
+    _segment(root, appends=5)  # closing the store merges every update: checkpoint = the log's end
+    _cut_commit_records(_last_chunk(root, "s/_log.seg"), 1)
+    with SegmentStore.open(root, create=False) as store:
+        with pytest.raises(CorruptDataError, match="commit record"):
+            store.segment("s")
+        assert not store.verify_segment("s").ok
+        report = store.repair_segment("s")
+        assert report.recommitted_bytes > 0 and not report.lost_offsets
+        assert store.verify_segment("s").ok
+    assert _records(root) == [b"r%d" % i for i in range(5)]
+    with SegmentStore.open(root, create=False) as store:
+        seg = store.segment("s")
+        assert seg.get_attribute(1) == 4
+        assert seg.append([b"next"]).first_offset == 5

@@ -246,12 +246,14 @@ class SegmentLog:
             f"SegmentStore.verify_segment / repair_segment",
             segment=self.segment, offset=at)
 
-    def lost_commits(self) -> tuple[int, bytes] | None:
-        """``(position, bytes)`` of the whole batches stored after the committed end when there are
-        two or more: their commit records were lost (a crash leaves at most one append there).
+    def lost_commits(self, covered: int = 0) -> tuple[int, bytes] | None:
+        """``(position, bytes)`` of the whole batches stored after the committed end when their
+        commit records were lost: there are two or more (a crash leaves at most one append there),
+        or the attribute checkpoint ``covered`` lies beyond the committed end (a merge only ever
+        covers committed batches).
 
-        ``None`` when the uncommitted tail holds at most one whole batch (what a crash leaves: the
-        next append overwrites it). Re-appending the returned bytes at ``position`` commits them.
+        ``None`` otherwise: at most one whole batch is what a crash leaves, and the next append
+        overwrites it. Re-appending the returned bytes at ``position`` commits them.
         """
         position, tail = self.bytes.uncommitted_tail()
         pos, batches = 0, 0
@@ -264,7 +266,7 @@ class SegmentLog:
             except CorruptDataError:
                 break
             pos, batches = pos + header.size, batches + 1
-        return (position, tail[:pos]) if batches >= 2 else None
+        return (position, tail[:pos]) if batches >= 2 or (batches and covered > position) else None
 
     def lost_commits_error(self, position: int, data: bytes) -> CorruptDataError:
         """The error for whole batches found after the committed end (see ``lost_commits``)."""
