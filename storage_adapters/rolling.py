@@ -329,6 +329,20 @@ class RollingSegment:
             raise OutcomeUnknownError(
                 f"segment {self.name!r}: create of {path!r} failed ({error}) and reading it back failed ({exc})"
             ) from error
+        if stored != data:
+            # Bytes that differ decide "another writer's" only if a second read agrees: a flip in
+            # transit would otherwise turn our own append into a duplicate or a false failure.
+            try:
+                again = self.storage.read(path, 0, len(data) + 1)
+            except (StorageError, FileNotFoundError) as exc:
+                raise OutcomeUnknownError(
+                    f"segment {self.name!r}: create of {path!r} failed ({error}) and reading it back failed ({exc})"
+                ) from error
+            if again != stored and again != data:
+                raise OutcomeUnknownError(
+                    f"segment {self.name!r}: create of {path!r} failed ({error}) and two reads of the object "
+                    "disagree (damaged in transit?)") from error
+            stored = again
         if stored == data:
             _log.info("segment %r: create of %r raised %s but the object holds this append; accepted",
                          self.name, path, type(error).__name__)
