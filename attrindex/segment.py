@@ -38,6 +38,7 @@ DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
 DEFAULT_READ_BYTES = 4 << 20
+MAX_OPEN_ATTEMPTS = 10  #: opens that met a concurrent retention before giving up
 MAX_APPEND_RACES = 10_000  #: lost compare-and-append races in a row before an append gives up
 MERGE_RETRY_SECONDS = 1.0  #: after a failed background merge, appends wait this long before retrying it
 
@@ -113,7 +114,14 @@ class Segment:
         self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
         with self._lock:
-            self._open()
+            for attempt in range(MAX_OPEN_ATTEMPTS):
+                try:
+                    self._open()
+                    break
+                except TruncatedError:  # retention elsewhere removed what was being replayed
+                    if attempt + 1 == MAX_OPEN_ATTEMPTS:
+                        raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the "
+                                           f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
 
     # -- opening and catching up ---------------------------------------------------------------
     def _open(self) -> None:

@@ -22,7 +22,7 @@ from storage_adapters.rolling import chunk_name
 
 from .attribute_index import AttributeIndex
 from .damage import Damage
-from .errors import BadOffsetError, CorruptDataError, StorageError
+from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
 from .log.batch import encode_batch
 from .log.segment_log import INDEX_DIR, SegmentLog
 from .log.verify import scan_log, resume_offset
@@ -81,6 +81,9 @@ class SegmentRepairReport:
                 or self.recommitted_bytes > 0)
 
 
+VERIFY_ATTEMPTS = 5
+
+
 def _open_log(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentLog:
     return SegmentLog(storage, name, rolling_size=options.log_rolling_size,
                       index_interval_bytes=options.index_interval_bytes)
@@ -114,12 +117,28 @@ def _readable_checkpoint(storage: ChunkStorage, name: str, options: SegmentOptio
 
 
 def verify_segment(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentVerifyReport:
-    """Read every committed byte of segment ``name`` and report every damaged range."""
+    """Read every committed byte of segment ``name`` and report every damaged range.
+
+    Safe beside writers: retention that cuts what is being read makes it look again (bounded), and
+    the checkpoint is compared with the log so that a merge or retention meanwhile is no damage.
+    """
+    for _attempt in range(VERIFY_ATTEMPTS):
+        try:
+            return _verify_once(storage, name, options)
+        except TruncatedError:  # retention removed what was being read: look again
+            continue
+    raise StorageError(f"segment {name!r}: retention changed the log under verification {VERIFY_ATTEMPTS} times; "
+                       "verify it when its writers are idle")
+
+
+def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentVerifyReport:
+    # Read before the log: a merge covers only committed bytes, so it cannot pass the length read later.
+    covered_before = _readable_checkpoint(storage, name, options)
     log = _open_log(storage, name, options)
     try:
         scan = scan_log(log)
         start, length = log.bytes.start_offset, log.bytes.length
-        lost = log.lost_commits()
+        lost = log.lost_commits(covered_before)
     finally:
         log.close()
     if lost is not None:
@@ -128,8 +147,10 @@ def verify_segment(storage: ChunkStorage, name: str, options: SegmentOptions) ->
                                   "whole record batches after the committed end: their commit records were lost"))
     attributes, damage = _verify_attributes(storage, name, options)
     if not damage:
-        checkpoint = _checkpoint(storage, name, options) or 0
-        if checkpoint < start < length or checkpoint > length:
+        # Read after the log: retention merges before it truncates, so it cannot pass this checkpoint.
+        covered_after = _checkpoint(storage, name, options) or 0
+        if covered_after < start < length or covered_before > length:
+            checkpoint = covered_before if covered_before > length else covered_after
             damage.append(Damage(f"{name}/{ATTRIBUTES_NAME}", checkpoint, checkpoint,
                                  f"the attributes cover the log up to byte {checkpoint}, the log holds bytes "
                                  f"[{start}, {length})"))

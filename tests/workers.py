@@ -107,6 +107,24 @@ def segment_append(directory: str, name: str, count: int) -> None:
             seg.append([b"p%d" % i])
 
 
+def merging_writer(directory: str, name: str, seconds: float) -> None:
+    """Append with an attribute update each, merging every append into the B+tree and applying
+    retention now and then, for ``seconds`` (another process's verifies and opens race it)."""
+    import time
+
+    from attrindex import AttributeUpdate, SegmentStore, UpdateType
+
+    with SegmentStore.open(directory, flush_keys=1, log_rolling_size=2048) as store:
+        seg = store.segment(name)
+        deadline, n = time.monotonic() + seconds, 0
+        while time.monotonic() < deadline:
+            seg.append([b"m%d" % n], [AttributeUpdate(1, UpdateType.ACCUMULATE, value=1)])
+            n += 1
+            if n % 37 == 0:
+                seg.apply_retention(max_bytes=4096)
+        print("appended", n, flush=True)
+
+
 def chaos_writer(url: str, options_json: str, stream: str, writer: int, total: int, rate: float, seed: int,
                  progress: str | None = None) -> None:
     """Write events ``writer:1`` ... ``writer:total`` exactly once through a flaky store.
@@ -143,6 +161,8 @@ if __name__ == "__main__":
         index_update_forever(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "segment_append":
         segment_append(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "merging_writer":
+        merging_writer(sys.argv[2], sys.argv[3], float(sys.argv[4]))
     elif sys.argv[1] == "chaos_writer":
         chaos_writer(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7]), int(sys.argv[8]),
                      *sys.argv[9:10])

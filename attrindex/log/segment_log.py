@@ -25,6 +25,7 @@ This class is not thread-safe on its own; ``Segment`` serialises writers and cat
 from __future__ import annotations
 
 import bisect
+import logging
 import contextlib
 import re
 from typing import Callable, Iterator
@@ -38,6 +39,7 @@ from ..errors import ChunkExistsError, CorruptDataError, InvalidInputError, Stor
 from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, read_header
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
+_log = logging.getLogger("attrindex.log")
 LOG_DIR, INDEX_DIR, GAP_DIR = "_log", "_index", "_gaps"
 DEFAULT_LOG_ROLLING_SIZE = 16 << 20
 DEFAULT_INDEX_INTERVAL_BYTES = 4096
@@ -513,10 +515,19 @@ class SegmentLog:
         """Make bytes below ``position`` (a batch start) unreadable, deleting the chunks wholly
         below it with their index files and gap markers."""
         doomed = [c.start for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
-        self.bytes.truncate(position)
-        self.storage.delete([f"{self.segment}/{INDEX_DIR}/{chunk_name(s)}" for s in doomed])
-        self.storage.delete([f"{self.segment}/{GAP_DIR}/{chunk_name(s)}-{chunk_name(e)}"
-                             for s, e in self._gaps.items() if e <= position])
+        self.bytes.truncate(position)  # durable from here: what follows is housekeeping
+        index_files = [f"{self.segment}/{INDEX_DIR}/{chunk_name(s)}" for s in doomed]
+        gap_markers = [f"{self.segment}/{GAP_DIR}/{chunk_name(s)}-{chunk_name(e)}"
+                       for s, e in self._gaps.items() if e <= position]
+        try:
+            # Leftovers are harmless: index files of deleted chunks are never read, gaps below the
+            # start are never reached; the next truncation deletes them.
+            for paths in (index_files, gap_markers):
+                if paths:
+                    self.storage.delete(paths)
+        except StorageError as exc:
+            _log.warning("segment %r: deleting index files or gap markers below byte %d failed after the "
+                         "truncation (left for later): %s", self.segment, position, exc)
         self._gaps = {s: e for s, e in self._gaps.items() if e > position}
         self._sync_chunks()
 

@@ -1,0 +1,84 @@
+"""Verifying, opening and retention beside another process's writer: benign races are never
+reported as damage or leak the storage layer's errors, and housekeeping never fails a durable act."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from attrindex import SegmentStore
+from attrindex.errors import RecordTruncatedError, StorageError, TruncatedError
+from attrindex.segment import Segment
+from storage_adapters import open_storage
+from storage_adapters.faults import FaultyStorage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_verify_and_open_beside_a_merging_writer_with_retention(tmp_path):
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as store:
+        store.segment("s", create=True).append([b"first"])
+    writer = subprocess.Popen([sys.executable, "-m", "tests.workers", "merging_writer", root, "s", "4"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    verifies = opens = 0
+    false_damage = []
+    try:
+        with SegmentStore.open(root, create=False) as store:
+            deadline = time.monotonic() + 3.5
+            while time.monotonic() < deadline and writer.poll() is None:
+                report = store.verify_segment("s")
+                verifies += 1
+                if not report.ok:
+                    false_damage.append(report.damage)
+                with SegmentStore.open(root, create=False) as reader:
+                    try:
+                        reader.segment("s").get_attribute(1)
+                    except RecordTruncatedError:
+                        pass
+                    opens += 1
+    finally:
+        out, err = writer.communicate(timeout=30)
+    assert writer.returncode == 0, err
+    assert verifies > 5 and not false_damage, f"{len(false_damage)} of {verifies} verifies: {false_damage[:2]}"
+
+
+def test_open_looks_again_when_retention_removes_what_it_replays(monkeypatch):
+    real_open, calls = Segment._open, []
+
+    def racing_open(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise TruncatedError(self.name, 0, 1, 10, 20)  # what a concurrent retention causes
+        return real_open(self)
+
+    monkeypatch.setattr(Segment, "_open", racing_open)
+    with SegmentStore.open("memory://open-race-1") as store:
+        store.segment("s", create=True).append([b"x"])
+    assert len(calls) == 2
+
+    monkeypatch.setattr(Segment, "_open", lambda self: (_ for _ in ()).throw(TruncatedError(self.name, 0, 1, 10, 20)))
+    with SegmentStore.open("memory://open-race-2") as store:
+        with pytest.raises(StorageError, match="retention") as caught:
+            store.segment("s", create=True)
+        assert not isinstance(caught.value, TruncatedError)
+
+
+@pytest.mark.parametrize("kind", ["fail_before", "lost_ack"])
+def test_retention_is_not_failed_by_its_housekeeping(tmp_path, kind):
+    faulty = FaultyStorage(open_storage(str(tmp_path / "store")), seed=5)
+    with SegmentStore(faulty, log_rolling_size=256, index_interval_bytes=64) as store:
+        seg = store.segment("s", create=True)
+        for i in range(60):
+            seg.append([b"record %03d" % i])
+        faulty.script(kind, op="delete", times=1000)  # every deletion after the truncation fails
+        deleted = seg.apply_retention(start_offset=40)
+        assert deleted > 0 and seg.start_offset > 0
+        assert [r.value for r in seg.read(seg.start_offset, 100)][-1] == b"record 059"
+        faulty.enabled = False
+        seg.append([b"after"])
+
