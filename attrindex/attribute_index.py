@@ -73,6 +73,7 @@ def _canonical_batch(updates) -> dict[bytes, int | None]:
 
 def _storage(storage: str | ChunkStorage, options: Mapping[str, Any] | None, name: str) -> ChunkStorage:
     """The storage an index-at classmethod works on: a URL must hold the index ``name``."""
+    validate_segment_name(name)
     if isinstance(storage, ChunkStorage):
         return storage
     what = f"index {name!r}"

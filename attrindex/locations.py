@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Any, Mapping
 
-from storage_adapters import ChunkStorage, open_storage
+from storage_adapters import ChunkStorage, InvalidInputError, open_storage
 from storage_adapters.local import LocalChunkStorage
 from storage_adapters.rolling import SEGMENT_SUFFIX
 
@@ -32,6 +32,9 @@ def open_location(url: str, storage_options: Mapping[str, Any] | None, *, what: 
     ``what`` names the thing looked for ("index 'attributes'", "store") in the error, an instance
     of ``not_found``.
     """
+    if storage_options is not None and (not isinstance(storage_options, Mapping)
+                                        or not all(isinstance(k, str) for k in storage_options)):
+        raise InvalidInputError(f"storage_options must be a dict of str keys or None, got {storage_options!r:.80}")
     storage = open_storage(url, **dict(storage_options or {}))
     blocker = _regular_file_in_the_way(storage)
     if blocker is not None:

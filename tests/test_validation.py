@@ -331,3 +331,17 @@ def test_garbage_at_every_entry_point_raises_only_project_errors_naming_the_argu
                 except Exception as exc:  # noqa: BLE001 - the point of the test
                     pytest.fail(f"{name}({argument}={garbage!r}) raised {type(exc).__name__}: {exc}")
     assert refused > 0.75 * len(GARBAGE) * 67
+
+
+@pytest.mark.parametrize("call", [
+    lambda root: AttributeIndex.open(root, storage_options=1.5),
+    lambda root: AttributeIndex.open(root, storage_options="x"),
+    lambda root: AttributeIndex.repair_at(root, name=None),
+    lambda root: AttributeIndex.verify_at(root, name=5),
+    lambda root: AttributeIndex.repair_at(root, name="../x"),
+], ids=["options-float", "options-str", "repair-name-none", "verify-name-int", "repair-name-dotdot"])
+def test_index_opens_refuse_bad_options_and_names_before_touching_storage(tmp_path, call):
+    root = str(tmp_path / "idx")
+    with pytest.raises(InvalidInputError):
+        call(root)
+    assert not os.path.exists(root)
