@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import pytest
 
@@ -54,12 +55,21 @@ def test_clients_under_faults_and_kills_s3(tmp_path, s3_options):
                   processes=2, process_ops=15, kills=1, rates=S3_RATES, seed=7)
 
 
+@pytest.mark.parametrize("backend", ["memory", "local", "s3"])
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
-def test_spark_write_protocol_exactly_once_under_faults(tmp_path, staged):
-    history, url = str(tmp_path / "history"), str(tmp_path / "store")
+def test_spark_write_protocol_exactly_once_under_faults(tmp_path, staged, backend, request):
+    history = str(tmp_path / "history")
     os.makedirs(history)
-    committed = [spark_protocol_run(url, {}, history, seed, S3_RATES, staged=staged) for seed in range(3)]
-    state = workload.final_state(url, {}, streams=tuple(f"spark{seed}" for seed in range(3)), segment=False)
+    if backend == "s3":
+        from tests.conftest import make_s3_url
+
+        options = request.getfixturevalue("s3_options")
+        url = make_s3_url(options)
+    else:
+        options = {}
+        url = f"memory://spark-faults-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path / "store")
+    committed = [spark_protocol_run(url, options, history, seed, S3_RATES, staged=staged) for seed in range(3)]
+    state = workload.final_state(url, options, streams=tuple(f"spark{seed}" for seed in range(3)), segment=False)
     events = load_history(history)
     result = check(events, state)
     print(f"\nspark {'staged' if staged else 'direct'}: committed {committed}: {result.summary()} "
