@@ -147,8 +147,8 @@ class Segment:
         _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
                    self.name, self._log.position, replayed, checkpoint)
 
-    def _replayer(self, since: int):
-        overlay, name = self._overlay, self.name
+    def _replayer(self, since: int, overlay: AttributeOverlay | None = None):
+        overlay, name = self._overlay if overlay is None else overlay, self.name
 
         def replay(position: int, header, buf, pos: int) -> None:
             if header.attribute_count and position >= since:
@@ -350,10 +350,14 @@ class Segment:
         """The tree covers more of the log than this handle had seen: catch up, replay after it."""
         self._catch_up()
         checkpoint = self._index.checkpoint or 0
-        self._overlay.clear()
-        replay = self._replayer(checkpoint)
+        # Built aside and swapped in whole: a read that fails half-way (this runs after a durable
+        # append, where failures are swallowed) must not leave tier 1 missing updates, which would
+        # let conditional appends validate against stale values.
+        rebuilt = AttributeOverlay()
+        replay = self._replayer(checkpoint, rebuilt)
         for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
+        self._overlay = rebuilt
         self._flushed_at = time.monotonic()
 
     # -- reading records -----------------------------------------------------------------------

@@ -82,3 +82,29 @@ def test_retention_is_not_failed_by_its_housekeeping(tmp_path, kind):
         faulty.enabled = False
         seg.append([b"after"])
 
+
+
+def test_a_merge_that_fails_while_rebuilding_tier_1_keeps_it_whole():
+    """Found by the fault-history run (two compare-and-sets both succeeded against one value): a
+    merge that finds another handle's merge ahead of it rebuilds tier 1 from the log; a read failing
+    half-way used to leave tier 1 cleared, so the handle answered, and validated conditions, with
+    values older than the log it had already read."""
+    url = f"memory://rebuild-{os.getpid()}-{time.monotonic_ns()}"
+    with SegmentStore.open(url) as first, SegmentStore.open(url) as second:
+        a = first.segment("s", create=True)
+        a.append([], [(1, 10)])
+        b = second.segment("s")
+        b.append([], [(2, 1)])
+        b.flush()  # b's merge covers more of the log than a has seen
+        b.append([], [(1, 20)])  # not merged: only in the log
+
+        def failing_batches(*args, **kwargs):
+            raise StorageError("injected: a read of the log failed")
+
+        a._log.batches = failing_batches
+        with pytest.raises(StorageError, match="injected"):
+            a.flush()  # finds b's merge ahead, catches up (sees 20), then the replay fails
+        assert a.get_attribute(1) == 20  # never the tree's older 10
+        del a._log.batches
+        a.flush()
+        assert a.get_attribute(1) == 20
