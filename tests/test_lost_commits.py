@@ -46,6 +46,15 @@ def _segment(root: str, appends: int = 20) -> None:
             seg.append([b"r%d" % i], [(1, i)])
 
 
+def _index_of_six_versions(tmp_path) -> str:
+    """An index whose 40 keys were all set to 0, then 1, ... 5, one update each."""
+    root = str(tmp_path / "idx")
+    with AttributeIndex.open(root, page_size=256) as index:
+        for version in range(6):
+            index.update({key: version for key in range(40)})
+    return root
+
+
 def _records(root: str) -> list[bytes]:
     with SegmentStore.open(root, create=False) as store:
         return [r.value for r in store.segment("s").read(0, 1000)]
@@ -81,10 +90,7 @@ def test_lost_log_commit_records_are_reported_and_repair_commits_them_again(tmp_
 
 
 def test_lost_index_commit_records_are_reported_and_repair_commits_them_again(tmp_path):
-    root = str(tmp_path / "idx")
-    with AttributeIndex.open(root, page_size=256) as index:
-        for version in range(6):
-            index.update({key: version for key in range(40)})
+    root = _index_of_six_versions(tmp_path)
     _cut_commit_records(_last_chunk(root, "attributes.seg"), 3)
     with pytest.raises(CorruptDataError, match="commit records were lost"):
         AttributeIndex.open(root, mode="r")
@@ -97,10 +103,7 @@ def test_lost_index_commit_records_are_reported_and_repair_commits_them_again(tm
 
 
 def test_one_lost_index_commit_record_rolls_back_one_update(tmp_path):
-    root = str(tmp_path / "idx")
-    with AttributeIndex.open(root, page_size=256) as index:
-        for version in range(6):
-            index.update({key: version for key in range(40)})
+    root = _index_of_six_versions(tmp_path)
     _cut_commit_records(_last_chunk(root, "attributes.seg"), 1)
     with AttributeIndex.open(root, mode="r") as index:
         assert index.get_many(list(range(40))) == [4] * 40
