@@ -29,10 +29,9 @@ class FaultyTarget(StreamTarget):
     def open_store(self) -> SegmentStore:
         faulty = FaultyStorage(open_storage(self.url, **self.storage_options), seed=self.seed * 7919 + len(self.opened),
                                rates=self.rates, latency=0.002)
-        if not self.opened:
-            # At least one lost acknowledgement on a log write in every run, whatever the random
-            # schedule draws (how many calls a run makes varies with thread timing).
-            faulty.script("lost_ack", path_contains="_log.seg")
+        # A lost acknowledgement on the first log write of every store a run opens, whatever the
+        # random schedule draws (which stores write, and how often, varies with timing and mode).
+        faulty.script("lost_ack", path_contains="_log.seg")
         self.opened.append(faulty)
         return SegmentStore(faulty, **self.store_options)
 
