@@ -243,7 +243,8 @@ def _entry_points(store, tmp_path):
     full_index.update({i: i for i in range(200)})  # several pages: split_keys has levels to walk
     writer = EventWriter(store, "w", 2)
     return [
-        ("SegmentStore.open", "url", lambda g: SegmentStore.open(g)),
+        # A str is a valid path: keep it under tmp_path, never the working directory.
+        ("SegmentStore.open", "url", lambda g: SegmentStore.open(str(tmp_path / g) if isinstance(g, str) else g)),
         ("SegmentStore.open", "storage_options", lambda g: SegmentStore.open("memory://v", storage_options=g)),
         ("SegmentStore.open", "log_rolling_size", lambda g: SegmentStore.open("memory://v", log_rolling_size=g)),
         ("SegmentStore.open", "flush_seconds", lambda g: SegmentStore.open("memory://v", flush_seconds=g)),
