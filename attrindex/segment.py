@@ -122,6 +122,7 @@ class Segment:
                     if attempt + 1 == MAX_OPEN_ATTEMPTS:
                         raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the "
                                            f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
+                    self._index.refresh()  # retention merged first: replay from its newer checkpoint
 
     # -- opening and catching up ---------------------------------------------------------------
     def _open(self) -> None:

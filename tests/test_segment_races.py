@@ -68,6 +68,34 @@ def test_open_looks_again_when_retention_removes_what_it_replays(monkeypatch):
         assert not isinstance(caught.value, TruncatedError)
 
 
+def test_open_after_a_retention_race_replays_from_the_newer_checkpoint(tmp_path, monkeypatch):
+    """The retry must not keep the checkpoint it read before the race: retention merged first, and
+    the log below that newer checkpoint is gone (the stale one made the retry report damage)."""
+    root, options = str(tmp_path / "store"), {"log_rolling_size": 512}
+    with SegmentStore.open(root, **options) as store:
+        seg = store.segment("s", create=True)
+        for i in range(20):
+            seg.append([b"r%02d" % i], [(1, i)])
+    real_open, raced = Segment._open, []
+
+    def racing_open(self):
+        if not raced:  # the handle under test: another handle appends and applies retention now
+            raced.append(1)
+            with SegmentStore.open(root, **options) as other:
+                seg = other.segment("s")  # its own open is the real one
+                for i in range(20, 40):
+                    seg.append([b"r%02d" % i], [(1, i)] + ([(2, i)] if i < 30 else []))
+                assert seg.apply_retention(max_bytes=600) > 0  # key 2's batches: merged, then deleted
+            raise TruncatedError(self.name, 0, 1, 10, 20)  # what its replay then meets
+        return real_open(self)
+
+    monkeypatch.setattr(Segment, "_open", racing_open)
+    with SegmentStore.open(root, **options) as store:
+        seg = store.segment("s")
+        assert seg.get_attributes([1, 2]) == [39, 29]
+        assert [r.value for r in seg.read(seg.start_offset, 100)][-1] == b"r39"
+
+
 @pytest.mark.parametrize("kind", ["fail_before", "lost_ack"])
 def test_retention_is_not_failed_by_its_housekeeping(tmp_path, kind):
     faulty = FaultyStorage(open_storage(str(tmp_path / "store")), seed=5)
