@@ -73,6 +73,9 @@ class SegmentOptions:
     flush_seconds: float = DEFAULT_FLUSH_SECONDS
     poll_interval: float = 0.05
     attribute_options: dict = attrs.field(factory=dict)
+    #: after a merge, truncate the log below the tree's checkpoint (the plain index's WAL sets it;
+    #: implemented by the merge work, ignored until then)
+    truncate_merged_log: bool = False
 
 
 @attrs.frozen
