@@ -168,10 +168,12 @@ def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions, tree
 
 
 def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
-                   tree_name: str | None = None) -> SegmentRepairReport:
+                   tree_name: str | None = None, rebuild_attributes: bool = True) -> SegmentRepairReport:
     """Cut the log at its first damaged batch (if any) and make the attributes consistent with it.
 
-    ``tree_name`` as for ``verify_segment``. Raises ``StorageError`` if another writer appended
+    ``tree_name`` as for ``verify_segment``. ``rebuild_attributes=False`` never rebuilds the
+    B+tree from the log (the plain index's tree holds what was merged before its WAL began, so
+    the log is not its whole source); it is rolled back or kept instead. Raises ``StorageError`` if another writer appended
     meanwhile (stop writers, run it again).
     """
     covered = _readable_checkpoint(storage, name, options, tree_name)
@@ -190,7 +192,7 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
         log.close()
     attribute_damage = _verify_attributes(storage, name, options, tree_name)[1]
     rebuilt, attributes = _repair_attributes(storage, name, options, cut, log_start, length,
-                                             bool(attribute_damage), tree_name)
+                                             bool(attribute_damage), tree_name, rebuild_attributes)
     report = SegmentRepairReport(name, scan.damage + attribute_damage, cut, 0 if cut is None else length - cut,
                                  first_lost, resume, exact, deleted, rebuilt, attributes, recommitted)
     if report.repaired:
@@ -238,7 +240,8 @@ def _delete_index_files(log: SegmentLog, damage: list[Damage], cut: int | None) 
 
 
 def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions, cut: int | None,
-                       log_start: int, length: int, damaged: bool, tree_name: str | None = None) -> tuple[bool, str]:
+                       log_start: int, length: int, damaged: bool, tree_name: str | None = None,
+                       rebuild: bool = True) -> tuple[bool, str]:
     """Make the attributes consistent with the kept log; return (rebuilt, explanation)."""
     checkpoint = None if damaged else _checkpoint(storage, name, options, tree_name)
     kept_end = length if cut is None else cut
@@ -247,10 +250,13 @@ def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
         return False, f"kept: they cover the log up to byte {checkpoint or 0}, within the kept log"
     why = ("the attribute index is damaged" if damaged else
            f"the attribute index covers the log up to byte {checkpoint}, beyond the kept log's end at {kept_end}")
-    if log_start > 0 and damaged:
+    if (log_start > 0 or not rebuild) and damaged:
         rolled = _roll_back_index(storage, name, log_start, tree_name)
         if rolled is not None:
             return False, f"{why}: {rolled}"
+    if not rebuild:
+        return False, (f"{why}: kept, the log is not its whole source (an update of a cut-off batch that was "
+                       f"merged before may remain)" if not damaged else f"{why}: no intact version is left")
     if log_start > 0:
         return False, (f"{why}, but retention removed the log below byte {log_start}, so the attributes cannot "
                        f"be rebuilt from it; the index's values up to its checkpoint are kept"
