@@ -131,6 +131,8 @@ class IndexStats:
     cache_misses: int
     value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
     value_cache_misses: int
+    pending_keys: int = 0  #: ``AttributeIndex``: keys in its write-ahead log not yet merged into the tree
+    wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
 
 
 class TreeIndex:
