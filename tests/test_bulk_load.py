@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attrindex.attribute_index import AttributeIndex
+from attrindex.tree_index import TreeIndex
 from attrindex.btree import bulk
 from attrindex.btree.page import decode_page, encode_leaf, leaf_capacity
 from attrindex.errors import InvalidInputError, InvalidKeyError, InvalidValueError, OutcomeUnknownError, StorageError
@@ -32,14 +32,14 @@ VALUES = st.one_of(st.none(), st.integers(min_value=-(1 << 63), max_value=(1 << 
 PAIRS = st.lists(st.tuples(KEYS, VALUES), max_size=300)
 
 
-def new_index(url: str | None = None, storage=None, page_size: int = PAGE_SIZE) -> AttributeIndex:
+def new_index(url: str | None = None, storage=None, page_size: int = PAGE_SIZE) -> TreeIndex:
     storage = storage if storage is not None else open_storage(url or f"memory://bulk-{uuid.uuid4().hex}")
-    return AttributeIndex(storage, page_size=page_size, cache_bytes=1 << 20)
+    return TreeIndex(storage, page_size=page_size, cache_bytes=1 << 20)
 
 
-def load(index: AttributeIndex, pairs, **kwargs) -> int:
-    """The bulk load under test, on the B+tree of ``index``."""
-    return index._tree.bulk_load(pairs, **kwargs)
+def load(index: TreeIndex, pairs, **kwargs) -> int:
+    """The bulk load under test (TreeIndex.bulk_load over BTreeIndex.bulk_load)."""
+    return index.bulk_load(pairs, **kwargs)
 
 
 def apply(model: dict, pairs) -> None:
@@ -50,7 +50,7 @@ def apply(model: dict, pairs) -> None:
             model[key] = value
 
 
-def check(index: AttributeIndex, model: dict) -> None:
+def check(index: TreeIndex, model: dict) -> None:
     assert list(index.items()) == sorted(model.items())
     assert len(index) == len(model)
     report = index.verify()
@@ -118,7 +118,7 @@ def test_leaves_are_encoded_as_the_page_codec_does():
 
 
 def test_a_load_into_a_tree_makes_every_old_page_dead_and_truncation_reclaims_it(tmp_path):
-    index = AttributeIndex(open_storage(str(tmp_path)), page_size=4096, rolling_size=1 << 14)
+    index = TreeIndex(open_storage(str(tmp_path)), page_size=4096, rolling_size=1 << 14)
     for n in range(20):
         index.update({k(i): n for i in range(n * 100, n * 100 + 100)})
     before = index.stats()
@@ -129,7 +129,7 @@ def test_a_load_into_a_tree_makes_every_old_page_dead_and_truncation_reclaims_it
     model = {k(i): (19 if i >= 1900 else i // 100) for i in range(2000)}
     apply(model, [(k(i), -i) for i in range(0, 2000, 2)] + [(k(5), None)])
     check(index, model)
-    check(AttributeIndex(open_storage(str(tmp_path)), page_size=4096), model)
+    check(TreeIndex(open_storage(str(tmp_path)), page_size=4096), model)
 
 
 @pytest.mark.parametrize("bad, error", [
@@ -173,6 +173,14 @@ def test_an_empty_load_into_an_empty_tree_writes_nothing():
     index.update({k(1): 1})
     assert load(index, [(k(1), None)]) == 0  # everything removed: an empty tree is written
     check(index, {})
+
+
+def test_the_recent_values_cache_never_answers_a_replaced_value():
+    index = new_index()
+    index.update({k(1): 1, k(2): 2})
+    assert index.get(k(1)) == 1 and index.get_many([k(2), k(3)]) == [2, None]  # now cached
+    load(index, [(k(1), 10), (k(2), None), (k(3), 3)])
+    assert index.get(k(1)) == 10 and index.get_many([k(2), k(3)]) == [None, 3]
 
 
 def test_checkpoints_only_move_forward():
@@ -256,7 +264,7 @@ def test_a_fault_during_the_load_leaves_the_old_tree_or_the_new_one(fault, where
 
 def test_a_failed_truncation_after_the_load_does_not_fail_it(tmp_path):
     storage = FaultyStorage(open_storage(str(tmp_path)), seed=6)
-    index = AttributeIndex(storage, page_size=4096, rolling_size=1 << 12)
+    index = TreeIndex(storage, page_size=4096, rolling_size=1 << 12)
     for n in range(5):
         index.update({k(i): n for i in range(n * 200, n * 200 + 200)})
     storage.script("fail_before", op="delete", times=100)
