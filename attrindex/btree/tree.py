@@ -707,14 +707,18 @@ class BTreeIndex:
         """
         bulk.validate_checkpoint(checkpoint)
         run = bulk.read_pairs(pairs, progress)
+        return self._load_run(run, checkpoint, progress).footer.entry_count
+
+    def _load_run(self, run: bulk.SortedRun, checkpoint: int | None, progress=None) -> TreeState:
+        """Write a fresh tree holding ``run`` merged over the current one; the state afterwards."""
         with self._write_lock:
             for _ in range(MAX_UPDATE_ATTEMPTS):
                 state = self._state
                 footer = state.footer
                 if checkpoint is not None and footer.checkpoint >= checkpoint:
-                    return footer.entry_count
+                    return state
                 if not len(run) and not footer.root_length and checkpoint in (None, footer.checkpoint):
-                    return 0  # removals from an empty tree: nothing to write
+                    return state  # removals from an empty tree: nothing to write
                 target = footer.checkpoint if checkpoint is None else checkpoint
                 try:
                     old = bulk.leaves(self, self._root_page(state)) if footer.root_length else None
@@ -728,7 +732,7 @@ class BTreeIndex:
                     self.reload()
                     continue
                 self._commit_bulk(state, data, new_footer)
-                return new_footer.entry_count
+                return self._state
         raise StorageError(f"segment {self.segment.name!r}: a bulk load lost the append race to other writers "
                            f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
 
