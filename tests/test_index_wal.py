@@ -421,3 +421,22 @@ def test_every_call_on_a_closed_index_raises():
                  lambda: len(index), index.stats, index.refresh):
         with pytest.raises(InvalidInputError, match="closed"):
             call()
+
+
+def test_the_cli_repairs_a_damaged_wal(tmp_path, capsys):
+    from attrindex.cli import main
+
+    root = str(tmp_path)
+    index = AttributeIndex.open(root, merge_keys=1000)
+    index.update({1: 1})
+    index.update({2: 2})
+    _flip(_wal_chunks(root)[-1], index._wal._log.position - 30)  # inside the second batch
+    assert main(["index", "verify", root]) == 3
+    assert "damaged: attributes/_wal" in capsys.readouterr().out
+    assert main(["index", "repair", root]) == 0
+    assert capsys.readouterr().out.startswith("repaired the write-ahead log: log cut at byte")
+    assert main(["index", "verify", root]) == 0
+    assert main(["index", "repair", root]) == 0
+    assert "nothing was changed" in capsys.readouterr().out
+    with AttributeIndex.open(root, mode="r") as reopened:
+        assert reopened.get_many([1, 2]) == [1, None]
