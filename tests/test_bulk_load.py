@@ -312,3 +312,14 @@ def test_a_loader_killed_mid_load_leaves_one_whole_generation(tmp_path):
         assert len(index) == 20_000 and len(generations) == 1, f"attempt {attempt}: a mix of {generations}"
         seen = generations.pop()
         assert seen in (acknowledged[-1], acknowledged[-1] + 1)
+
+
+def test_pairs_read_and_checked_first_load_as_a_run():
+    """A facade that must write before the load (its log entry) checks the pairs first."""
+    run = bulk.read_pairs(iter([(k(2), 2), (k(1), 1), (k(3), None)]))
+    with pytest.raises(InvalidKeyError):
+        bulk.read_pairs([(k(1), 1), (b"x", 2)])
+    index = new_index()
+    index.update({k(3): 3})
+    assert load(index, run) == 2
+    check(index, {k(1): 1, k(2): 2})
