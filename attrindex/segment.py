@@ -13,6 +13,7 @@ opening a segment reads the tree's footer and replays the log after its checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -188,8 +189,16 @@ class Segment:
         return replay
 
     def _catch_up(self) -> int:
-        """Read what other writers appended since this handle last looked; return batches seen."""
+        """Read what other writers appended since this handle last looked; return batches seen.
+
+        If another handle truncated the log past what this one had replayed (retention, or
+        ``truncate_merged_log`` after its merge), the updates cut are in the B+tree: refresh it
+        and rebuild tier 1 from its checkpoint."""
+        replayed = self._log.position
         seen = self._log.catch_up(self._replayer(0))
+        if self._log.start_position > replayed:
+            self._index.refresh()
+            self._replay_from_tree()
         if seen:
             self._appended.notify_all()
         return seen
@@ -358,6 +367,23 @@ class Segment:
             found = [stored[k] if v is MISSING else v for k, v in zip(keys, found)]
         return found  # type: ignore[return-value]
 
+    def _current_value(self, key: bytes) -> int | None:
+        """``_current_values`` for one canonical key (under ``_lock``; no lists on the hot path)."""
+        value = self._overlay.get(key)
+        if value is MISSING and self._frozen is not None:
+            value = self._frozen.get(key)
+        return self._index.get(key) if value is MISSING else value  # type: ignore[return-value]
+
+    def _pending_items(self) -> tuple[list[bytes], list[int | None]]:
+        """Tier 1 (under ``_lock``): every pending key ascending with its newest value (``None``
+        for a removal), the active overlay over the frozen one."""
+        if self._frozen is None:
+            return self._overlay.sorted_items()
+        merged = dict(zip(*self._frozen.sorted_items()))
+        merged.update(zip(*self._overlay.sorted_items()))
+        keys = sorted(merged)
+        return keys, [merged[k] for k in keys]
+
     # -- attributes ----------------------------------------------------------------------------
     def get_attribute(self, key: object) -> int | None:
         """The value of attribute ``key`` (``None`` if absent)."""
@@ -431,10 +457,10 @@ class Segment:
             keys, values = frozen.sorted_items()
             merged = self._index.update_sorted(keys, values, checkpoint=at)
             with self._lock:
-                if merged:
-                    self._frozen = None
-                else:  # another handle merged further: tier 1 restarts from its checkpoint
+                if not merged:  # another handle merged further: tier 1 restarts from its checkpoint
                     self._rebuild_overlay()
+                elif self._frozen is frozen:  # (a rebuild meanwhile replaced it: nothing to drop)
+                    self._frozen = None
                 self._merges += 1
                 if self._merge_error is not None:
                     _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
@@ -487,9 +513,26 @@ class Segment:
         Raises the storage error if the merge fails (for example ``StorageFullError``); the
         updates stay in tier 1 and in the log, and a later flush or the background merge retries."""
         self._check_open()
-        with self._merge_mutex:
+        with self._merging():
             self._check_open()
             self._drain()
+
+    @contextlib.contextmanager
+    def _merging(self) -> Iterator[None]:
+        """Hold ``_merge_mutex`` (one merge at a time). A caller that holds ``_lock`` (the plain
+        index's facade, retention) must not block on it outright: the merge thread may need
+        ``_lock`` to finish the merge that holds it. So it waits in short laps on a condition,
+        which lets go of ``_lock`` meanwhile."""
+        mutex = self._merge_mutex
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            while not mutex.acquire(timeout=0.002):
+                self._merged.wait(0.002)
+        else:
+            mutex.acquire()
+        try:
+            yield
+        finally:
+            mutex.release()
 
     def _start_merger(self) -> None:
         thread = threading.Thread(target=self._run_merger, name=f"attrindex-merge-{self.name}", daemon=True)
@@ -539,7 +582,13 @@ class Segment:
             self._merge_wake.notify_all()
             self._merged.notify_all()
             thread = self._merger
-        if thread is not None and thread is not threading.current_thread():
+        if thread is None or thread is threading.current_thread():
+            return
+        if self._lock._is_owned():  # type: ignore[attr-defined]  # the thread may need _lock to finish
+            with self._lock:
+                while thread.is_alive():
+                    self._merged.wait(0.002)
+        else:
             thread.join()
 
     def _wait_for_room(self) -> None:
@@ -565,6 +614,10 @@ class Segment:
     def _rebuild_overlay(self) -> None:
         """The tree covers more of the log than this handle had seen: catch up, replay after it."""
         self._catch_up()
+        self._replay_from_tree()
+
+    def _replay_from_tree(self) -> None:
+        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position."""
         checkpoint = self._index.checkpoint or 0
         # Built aside and swapped in whole: a read that fails half-way (in the background merge,
         # which retries) must not leave tier 1 missing updates, which would let conditional
@@ -678,7 +731,7 @@ class Segment:
             if value is not None and (type(value) is not int or value < 0):
                 raise InvalidInputError(f"{name} must be an int >= 0 or None, got {value!r}")
         now = int(time.time() * 1000) if now_ms is None else now_ms
-        with self._merge_mutex, self._lock:  # rare: appends wait for the retention
+        with self._merging(), self._lock:  # rare: appends wait for the retention
             self._check_open()
             self._catch_up()
             self._drain(force=True)  # with _lock held: no append lands between the merge and the cut
@@ -737,7 +790,7 @@ class Segment:
             if self._closed:
                 return
         self._stop_merger()
-        with self._merge_mutex, self._lock:
+        with self._merging(), self._lock:
             if self._closed:
                 return
             try:

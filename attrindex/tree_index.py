@@ -132,6 +132,8 @@ class IndexStats:
     cache_misses: int
     value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
     value_cache_misses: int
+    pending_keys: int = 0  #: ``AttributeIndex``: keys in its write-ahead log not yet merged into the tree
+    wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
 
 
 class TreeIndex:
@@ -312,6 +314,30 @@ class TreeIndex:
             else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
                 self._values.refresh_many(dict(zip(keys, values)))
         return True
+
+    def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
+                  checkpoint: int | None = None, progress: Callable[[int, int], None] | None = None) -> int:
+        """Load ``(key, value)`` pairs, in any order, as a fresh B+tree written in ONE durable append;
+        return the number of entries the index holds afterwards.
+
+        The tree is built bottom-up (full leaves, then index pages, then the footer) in one pass
+        over the sorted pairs; into a non-empty index the stored entries are merged in and the
+        whole tree is written afresh (the old pages become dead and their chunks are deleted).
+        Every pair is checked before anything is written (``InvalidInputError`` otherwise); the
+        last pair for a key wins; ``None`` removes the key. ``checkpoint`` as in ``update`` (an
+        index that covers it already is left as it is). ``progress(done, total)`` is called while
+        the pairs are read (``total`` is ``len(pairs)``, 0 if unknown) and then while the tree is
+        built (entries, of the total). Sorted input is streamed into compact columns (about 24
+        bytes a pair); unsorted input is sorted in memory.
+        """
+        self._check_writable()
+        try:
+            return self._tree.bulk_load(pairs, checkpoint=checkpoint, progress=progress)
+        finally:
+            # Tier 1 may hold values the load replaced (also after a failure: a settled lost
+            # acknowledgement may have loaded them): drop it, as when another writer's version
+            # is adopted.
+            self._external_change()
 
     @property
     def checkpoint(self) -> int | None:
