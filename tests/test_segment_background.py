@@ -290,6 +290,31 @@ def test_a_crash_between_merge_and_truncation_is_harmless(tmp_path, caplog):
         assert again.segment("s").get_attributes([key(0), key(1)]) == [-1, 181]
 
 
+def test_a_handle_behind_another_handles_truncation_catches_up_through_the_tree(tmp_path):
+    """Handle B last saw the log before handle A merged and truncated past B's position: B's
+    next conditional append (a lost race, then catch-up) must count what only the tree holds."""
+    root = str(tmp_path / "s")
+    options = dict(truncate_merged_log=True, log_rolling_size=512, flush_keys=5)
+    store_a, store_b = SegmentStore.open(root, **options), SegmentStore.open(root, **options)
+    a = store_a.segment("s", create=True)
+    b = store_b.segment("s")
+    b.update_attributes({key(1): 1})
+    a.refresh()
+    a.update_attributes({key(3): 7})  # only in the part of the log A will cut
+    for i in range(100):
+        a.append([b"a%d" % i], [AttributeUpdate(key(2), UpdateType.ACCUMULATE, 1)])
+    a.flush()
+    assert a._log.start_position > b._log.position  # A cut what B has not replayed
+    b.append([b"b"], [AttributeUpdate(key(3), UpdateType.ACCUMULATE, 1)])
+    assert b.get_attributes([key(1), key(2), key(3)]) == [1, 100, 8]
+    a.refresh()
+    assert a.get_attributes([key(1), key(2), key(3)]) == [1, 100, 8]
+    store_a.close()
+    store_b.close()
+    with SegmentStore.open(root, **options) as store:
+        assert store.segment("s").get_attributes([key(1), key(2), key(3)]) == [1, 100, 8]
+
+
 # -- group commit --------------------------------------------------------------------------------
 def _gate_first_log_append(seg):
     """Hold the next storage append of the log until the returned event is set."""
