@@ -438,6 +438,45 @@ def test_concurrent_appends_share_storage_appends(tmp_path):
     store.close()
 
 
+def test_groups_of_two_handles_racing_revalidate_and_count_exactly(tmp_path):
+    """Two handles (as two processes would), four threads each: groups lose compare-and-append
+    races to the other handle and are validated again from the new tail; every ACCUMULATE counts
+    once and every record is stored once."""
+    root = str(tmp_path / "s")
+    stores = [SegmentStore.open(root, flush_keys=7) for _ in range(2)]
+    handles = [stores[0].segment("s", create=True), stores[1].segment("s")]
+    done: list[tuple[bytes, int]] = []
+
+    def writer(h, w):
+        for i in range(25):
+            payload = b"%d-%d-%d" % (h, w, i)
+            result = handles[h].append([payload], [AttributeUpdate(key(5), UpdateType.ACCUMULATE, 3)])
+            done.append((payload, result.first_offset))
+
+    threads = [threading.Thread(target=writer, args=(h, w)) for h in range(2) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sum(s.segment("s").stats().append_groups for s in stores) < 200  # some grouped
+    for store in stores:
+        store.close()
+    with SegmentStore.open(root) as store:
+        seg = store.segment("s")
+        stored = {r.offset: r.value for r in seg.read(0, 1000)}
+        assert len(stored) == 200 and all(stored[o] == p for p, o in done)
+        assert seg.get_attribute(key(5)) == 600
+
+
+def test_the_new_options_are_checked_before_anything_is_opened():
+    from attrindex.errors import InvalidInputError
+
+    for bad in (dict(max_pending_bytes=0), dict(max_pending_bytes=1.5), dict(truncate_merged_log=1),
+                dict(truncate_merged_log="yes")):
+        with pytest.raises(InvalidInputError, match=next(iter(bad))):
+            SegmentStore.open(f"memory://opts-{uuid.uuid4().hex}", **bad)
+
+
 def group_writer(directory: str, threads: int) -> None:
     """Child process: ``threads`` threads append to one handle (one record and an ACCUMULATE of
     counter key 7 each, truncate_merged_log off), printing ``payload offset`` after each return."""
