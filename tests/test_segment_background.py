@@ -468,6 +468,46 @@ def test_groups_of_two_handles_racing_revalidate_and_count_exactly(tmp_path):
         assert seg.get_attribute(key(5)) == 600
 
 
+def test_the_write_queue_bounds_groups_and_hands_a_failed_write_to_each_member():
+    from attrindex.write_queue import WriteQueue, WriteRequest
+
+    queue = WriteQueue(max_group_bytes=1000, max_group_requests=3)
+    gate, groups = threading.Event(), []
+
+    def write(group):
+        groups.append([r.payload for r in group])
+        if len(groups) == 1:
+            assert gate.wait(20)  # the first leader holds on: the rest queue behind it
+        if any(r.payload == "boom" for r in group):
+            raise OSError("the write failed")
+        for r in group:
+            r.settle(r.payload.upper())
+
+    outcomes = {}
+
+    def call(payload, size=10):
+        try:
+            outcomes[payload] = queue.submit(WriteRequest(payload, size), write)
+        except OSError as exc:
+            outcomes[payload] = exc
+
+    first = threading.Thread(target=call, args=("lead",))
+    first.start()
+    assert wait_until(lambda: groups)
+    threads = []
+    for payload, size in (("a", 10), ("boom", 10), ("b", 10), ("c", 10), ("big", 2000)):
+        threads.append(threading.Thread(target=call, args=(payload, size)))
+        threads[-1].start()
+        assert wait_until(lambda: len(queue._waiting) == len(threads) + 1)
+    gate.set()
+    for thread in [first, *threads]:
+        thread.join(20)
+    assert groups == [["lead"], ["a", "boom", "b"], ["c"], ["big"]]  # 3 at most; bytes bound "big" alone
+    assert outcomes["lead"] == "LEAD" and outcomes["c"] == "C" and outcomes["big"] == "BIG"
+    assert all(isinstance(outcomes[p], OSError) for p in ("a", "boom", "b"))
+    assert not queue._waiting
+
+
 def test_the_new_options_are_checked_before_anything_is_opened():
     from attrindex.errors import InvalidInputError
 
