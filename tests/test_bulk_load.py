@@ -323,3 +323,14 @@ def test_pairs_read_and_checked_first_load_as_a_run():
     index.update({k(3): 3})
     assert load(index, run) == 2
     check(index, {k(1): 1, k(2): 2})
+
+
+def test_a_load_too_large_for_one_update_is_refused_before_writing(monkeypatch):
+    monkeypatch.setattr(bulk, "MAX_UPDATE_BYTES", 2000)  # the real limit is 4 GiB of pages
+    index = new_index()
+    index.update({k(0): 0})
+    length = index.stats().length
+    with pytest.raises(InvalidInputError, match="nothing was written"):
+        load(index, [(k(i), i) for i in range(200)])
+    assert index.stats().length == length
+    assert load(index, [(k(i), i) for i in range(20)]) == 20

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 READ_CHUNK = 1 << 16  #: pairs validated and sorted-checked at a time
 PROGRESS_EVERY = 1 << 16  #: pairs (or entries) between progress calls
+MAX_UPDATE_BYTES = (1 << 32) - 1  #: the footer's update length is a u32 (about 170M entries)
 _LITTLE = sys.byteorder == "little"
 _CRC = struct.Struct("<I")
 
@@ -277,6 +278,10 @@ class _Builder:
         while len(pointers) > 1:
             pointers = [self._index(group) for group in _groups(pointers, self.index_capacity)]
             height += 1
+        if len(self.buffer) + FOOTER_SIZE > MAX_UPDATE_BYTES:
+            raise InvalidInputError(
+                f"a bulk load of {self.entries:,} entries makes {len(self.buffer):,} bytes of pages, more than one "
+                f"update may hold (the footer records its length in 32 bits); nothing was written")
         footer_offset = self.base + len(self.buffer)
         root = pointers[0] if pointers else None
         footer = Footer(
