@@ -334,3 +334,18 @@ def test_a_load_too_large_for_one_update_is_refused_before_writing(monkeypatch):
         load(index, [(k(i), i) for i in range(200)])
     assert index.stats().length == length
     assert load(index, [(k(i), i) for i in range(20)]) == 20
+
+
+def test_load_reopen_and_truncate_on_every_backend(storage_url):
+    url, options = storage_url
+    index = TreeIndex(open_storage(url, **options), page_size=1024, rolling_size=1 << 12)
+    for n in range(3):
+        index.update({k(i): n for i in range(n * 100, n * 100 + 300)})
+    model = {k(i): (i // 100 if i < 200 else 2) for i in range(500)}
+    pairs = [(k(i), -i) for i in range(250, 700)] + [(k(1), None)]
+    assert load(index, pairs) == len(model) + 200 - 1
+    apply(model, pairs)
+    check(index, model)
+    reopened = TreeIndex(open_storage(url, **options), page_size=1024)
+    check(reopened, model)
+    assert reopened.stats().start_offset == reopened.stats().length - reopened.stats().live_bytes - 72
