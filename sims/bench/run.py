@@ -374,13 +374,16 @@ def run_big(args) -> int:
 
 
 def btree_of(index):
-    """The ``BTreeIndex`` under an index handle (the handle itself, or the tree under its facade)."""
+    """The ``BTreeIndex`` under an index handle (found among its attributes, a few levels down:
+    the handle may be the tree index itself or a facade over a log and the tree)."""
     from attrindex.btree import BTreeIndex
 
-    for candidate in [index, *vars(index).values()]:
-        tree = getattr(candidate, "_tree", None)
-        if isinstance(tree, BTreeIndex):
-            return tree
+    level = [index]
+    for _depth in range(4):
+        for candidate in level:
+            if isinstance(candidate, BTreeIndex):
+                return candidate
+        level = [value for candidate in level if hasattr(candidate, "__dict__") for value in vars(candidate).values()]
     raise SystemExit("cannot find the B+tree under the index handle")
 
 
