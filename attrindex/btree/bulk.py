@@ -268,7 +268,9 @@ class _Builder:
 
     def add_lists(self, keys: list[bytes], values: list[int]) -> None:
         if keys:
-            self.add(b"".join(keys), array("q", values))
+            column = array("q")
+            column.frombytes(struct.pack(f"={len(values)}q", *values))  # faster than array("q", values)
+            self.add(b"".join(keys), column)
 
     def _leaf(self, keys, values: array) -> None:
         n = len(values)
