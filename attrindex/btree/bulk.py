@@ -18,6 +18,13 @@ retried without the caller's input (which may be a one-shot iterator):
    as the committed state; every page of the old tree becomes dead, and the truncation after the
    append reclaims their chunks.
 
+Why one append, even for very large inputs: the tree's committed length must end in a footer (an
+open takes anything else for damage, never for an older version), so pages appended ahead of
+their footer by separate appends would make a crash between them a refusal to open rather than
+the old tree. Memory is therefore the new tree's pages (about 24 bytes an entry) plus the run;
+the footer's 32-bit update length caps one load at 4 GiB of pages (about 170M entries), refused
+before anything is written.
+
 Leaves are full (``leaf_capacity`` entries) but for the last; index pages likewise, except that
 the last page of a level never holds a single child. The pages are the ones of ``page.py``,
 byte for byte (leaves are encoded from the columns directly, without a per-entry Python step).
