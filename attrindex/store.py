@@ -34,7 +34,7 @@ SEGMENT_MARKER = "_segment"
 _STREAM_MARKER = re.compile(r"_count\.(\d+)")
 STREAMS_DIR = "_streams"
 MAX_STREAM_SEGMENTS = 1 << 16
-_SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes")
+_SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes", "max_pending_bytes")
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ class SegmentStore:
 
     ``options`` tune every segment opened through this store: ``log_rolling_size`` (16 MiB),
     ``index_interval_bytes`` (4096), ``codec`` ("none", "gzip", "zstd", "lz4"), ``flush_keys``
-    (250,000), ``flush_bytes`` (64 MiB), ``flush_seconds`` (30), ``poll_interval`` (0.05 s), and
-    ``attribute_options`` (passed to the attributes' ``TreeIndex``: page_size, cache_bytes...).
+    (250,000), ``flush_bytes`` (64 MiB), ``flush_seconds`` (30), ``poll_interval`` (0.05 s),
+    ``max_pending_bytes`` (256 MiB: appends wait for the background merge above it),
+    ``truncate_merged_log`` (False), and ``attribute_options`` (passed to the attributes' ``TreeIndex``: page_size, cache_bytes...).
     """
 
     def __init__(self, storage: ChunkStorage, **options: Any):
@@ -250,6 +251,9 @@ def segment_options(options: Mapping[str, Any]) -> SegmentOptions:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
             raise InvalidInputError(f"store option {name} must be a number of seconds in [{low:g}, {high:g}], "
                                     f"got {value!r:.60}")
+    if type(built.truncate_merged_log) is not bool:
+        raise InvalidInputError(f"store option truncate_merged_log must be True or False, "
+                                f"got {built.truncate_merged_log!r:.60}")
     _check_attribute_options(built.attribute_options)
     return built
 
