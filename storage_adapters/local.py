@@ -180,7 +180,7 @@ class LocalChunkStorage(ChunkStorage):
 
     appendable = True
 
-    def __init__(self, root: str, *, sync: bool = True, commit_format: str = "sidecar"):
+    def __init__(self, root: str, *, sync: bool = True, commit_format: str = "xattr"):
         if commit_format not in COMMIT_FORMATS:
             raise InvalidInputError(f"commit_format must be one of {COMMIT_FORMATS}, got {commit_format!r}")
         self.root = os.path.abspath(root)

@@ -29,7 +29,7 @@ def open_storage(url: str, *, single_writer: bool = False, **storage_options: An
     protocol, path = split_protocol(url)
     if protocol in (None, "file", "local"):
         sync = _flag(storage_options.pop("sync", True), "sync")
-        commit_format = storage_options.pop("commit_format", "sidecar")
+        commit_format = storage_options.pop("commit_format", "xattr")
         _no_options("local disk", storage_options)
         from .local import LocalChunkStorage
 
