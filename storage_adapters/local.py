@@ -29,6 +29,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
 import shutil
 import stat
 import struct
@@ -52,6 +53,8 @@ _XATTR_HEAD = struct.Struct("<4sB")
 #: and fault tools take records back the way a lost v1 record would (``drop_commit_records``).
 XATTR_HISTORY = 4
 _NO_XATTR = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
+_HAS_XATTR = hasattr(os, "getxattr")  # Linux only; elsewhere every chunk is v1
+_FENCE = re.compile(r"\d{20}" + re.escape(COMMIT_SUFFIX))
 _COMMIT_MAGIC = b"AIcm"
 _COMMIT_BODY = struct.Struct("<4sQ")
 COMMIT_RECORD_SIZE = _COMMIT_BODY.size + 4
@@ -94,6 +97,8 @@ def decode_commit_xattr(value: bytes) -> list[int] | None:
 
 def _get_record(fd_or_path: int | str) -> bytes | None:
     """The raw v2 record of an open chunk (or a path), ``None`` if it has none."""
+    if not _HAS_XATTR:
+        return None
     try:
         return os.getxattr(fd_or_path, COMMIT_XATTR)
     except OSError as exc:
@@ -211,7 +216,7 @@ class LocalChunkStorage(ChunkStorage):
                 raise exc
 
         for dirpath, dirnames, filenames in os.walk(base, onerror=fail):
-            dirnames[:] = [d for d in dirnames if not d.endswith(COMMIT_SUFFIX)]  # v2 fences, never data
+            dirnames[:] = [d for d in dirnames if not _FENCE.fullmatch(d)]  # v2 fences hold nothing
             rel_dir = os.path.relpath(dirpath, base)
             for name in filenames:
                 if name.endswith(COMMIT_SUFFIX) or name == LOCK_NAME:
@@ -331,8 +336,10 @@ class LocalChunkStorage(ChunkStorage):
     def _chunk_format(self, target: str, fd: int) -> tuple[bytes | None, bool]:
         """``(v2 record or None, whether the chunk uses v2)``; a chunk with neither record nor
         sidecar (new, or its first writer died) takes this handle's ``commit_format``."""
+        supported = _HAS_XATTR
         try:
-            return os.getxattr(fd, COMMIT_XATTR), True
+            if supported:
+                return os.getxattr(fd, COMMIT_XATTR), True
         except OSError as exc:
             if exc.errno not in _NO_XATTR:
                 raise

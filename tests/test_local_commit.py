@@ -107,6 +107,21 @@ def test_a_durable_append_to_a_v2_chunk_costs_one_fsync(tmp_path, monkeypatch):
     assert os.path.isdir(chunk + COMMIT_SUFFIX) and not os.listdir(chunk + COMMIT_SUFFIX)  # the v1 fence
 
 
+def test_v2_writes_the_data_out_before_it_sets_the_record(tmp_path, monkeypatch):
+    """The order the one-sync argument rests on (docs/storage.md): data written, written out to the
+    device, then the record, then the only sync."""
+    from storage_adapters import local
+
+    seg = _segment(tmp_path)
+    seg.append(b"first")
+    order = []
+    for module, name in ((local, "_write_all"), (local, "_write_out"), (os, "setxattr"), (os, "fsync"), (os, "fdatasync")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real: (order.append(_n), _r(*a))[1])
+    seg.append(b"second")
+    assert order == ["_write_all", "_write_out", "setxattr", "fsync"]
+
+
 def test_a_durable_append_to_a_v1_chunk_still_costs_two(tmp_path, monkeypatch):
     seg = _segment(tmp_path, "sidecar")
     seg.append(b"first")
@@ -397,3 +412,10 @@ def test_a_flipped_committed_byte_is_corruption_even_in_the_newest_append(tmp_pa
     with pytest.raises(CorruptDataError):
         with SegmentStore.open(root, create=False) as store:
             list(store.segment("s").read(0, 100))
+
+
+def test_only_fences_are_left_out_of_listings_not_directories_named_like_them(tmp_path):
+    seg = RollingSegment(open_storage(str(tmp_path)), "a.commit/s")  # a valid name: ".commit" is no suffix of ours
+    seg.append(b"abc")
+    assert sorted(open_storage(str(tmp_path)).list_files("")) == [
+        f"a.commit/s.seg/{CHUNK}"]
