@@ -20,7 +20,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
-from .attribute_index import AttributeIndex
+from .tree_index import TreeIndex
 from .damage import Damage
 from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
 from .log.batch import encode_batch
@@ -93,7 +93,7 @@ def _verify_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
     """The attribute index's verification: its report (or None) and its damage."""
     where = f"{name}/{ATTRIBUTES_NAME}"
     try:
-        report = AttributeIndex.verify_at(storage, where)  # works without opening the index
+        report = TreeIndex.verify_at(storage, where)  # works without opening the index
     except CorruptDataError as exc:
         offset = exc.offset if exc.offset is not None else 0
         return None, [Damage(where, offset, offset, str(exc))]
@@ -101,7 +101,7 @@ def _verify_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
 
 
 def _checkpoint(storage: ChunkStorage, name: str, options: SegmentOptions) -> int | None:
-    index = AttributeIndex(storage, f"{name}/{ATTRIBUTES_NAME}", **options.attribute_options)
+    index = TreeIndex(storage, f"{name}/{ATTRIBUTES_NAME}", **options.attribute_options)
     try:
         return index.checkpoint
     finally:
@@ -258,7 +258,7 @@ def _roll_back_index(storage: ChunkStorage, name: str, log_start: int) -> str | 
     """Roll a damaged index back to its newest intact version if the log still holds everything
     after that version's checkpoint (opening then replays it); None if that is not possible."""
     try:
-        rolled = AttributeIndex.repair_at(storage, f"{name}/{ATTRIBUTES_NAME}")
+        rolled = TreeIndex.repair_at(storage, f"{name}/{ATTRIBUTES_NAME}")
     except CorruptDataError:
         return None  # no intact version is left
     checkpoint = rolled.checkpoint or 0
