@@ -59,7 +59,9 @@ class SegmentStore:
 
     ``options`` tune every segment opened through this store: ``log_rolling_size`` (16 MiB),
     ``index_interval_bytes`` (4096), ``codec`` ("none", "gzip", "zstd", "lz4"), ``flush_keys``
-    (250,000), ``flush_bytes`` (64 MiB), ``flush_seconds`` (30), ``poll_interval`` (0.05 s), and
+    (250,000), ``flush_bytes`` (64 MiB), ``flush_seconds`` (30), ``min_poll_interval`` (0.05 s) and
+    ``max_poll_interval`` (1 s): a tail reader's polls for other processes' appends back off between
+    them while nothing comes (``poll_interval`` instead: one fixed interval), and
     ``attribute_options`` (passed to the attributes' ``TreeIndex``: page_size, cache_bytes...).
     """
 
@@ -245,11 +247,18 @@ def segment_options(options: Mapping[str, Any]) -> SegmentOptions:
         value = getattr(built, name)
         if type(value) is not int or value < 1:
             raise InvalidInputError(f"store option {name} must be an int >= 1, got {value!r}")
-    for name, low, high in (("flush_seconds", 0, float("inf")), ("poll_interval", 1e-6, threading.TIMEOUT_MAX)):
+    polls = ("poll_interval", "min_poll_interval", "max_poll_interval")
+    for name, low, high in (("flush_seconds", 0, float("inf")),
+                            *((poll, 1e-6, threading.TIMEOUT_MAX) for poll in polls)):
         value = getattr(built, name)  # flush_seconds=inf: never by time; a poll of 0 would spin
+        if name == "poll_interval" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
             raise InvalidInputError(f"store option {name} must be a number of seconds in [{low:g}, {high:g}], "
                                     f"got {value!r:.60}")
+    if built.min_poll_interval > built.max_poll_interval:
+        raise InvalidInputError(f"store option min_poll_interval ({built.min_poll_interval!r}) must not exceed "
+                                f"max_poll_interval ({built.max_poll_interval!r})")
     _check_attribute_options(built.attribute_options)
     return built
 
