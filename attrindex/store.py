@@ -24,6 +24,7 @@ from storage_adapters import ChunkStorage
 from storage_adapters.rolling import validate_segment_name
 
 from .tree_index import TreeIndex
+from .listing import ListedStorage
 from .errors import AttrIndexError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError, StreamNotFoundError
 from .locations import open_location
 from .segment import Segment, SegmentOptions
@@ -109,10 +110,18 @@ class SegmentStore:
             segment = self._segments.get(name)
             if segment is not None and not segment.closed:
                 return segment
-            exists = self.storage.exists(f"{name}/{SEGMENT_MARKER}")
+            if self.storage.appendable:
+                exists, storage = self.storage.exists(f"{name}/{SEGMENT_MARKER}"), self.storage
+            else:  # an object store: one listing tells whether it exists and opens every part of it
+                listing = self.storage.list_files(name)
+                exists, storage = SEGMENT_MARKER in listing, ListedStorage(self.storage, name, listing)
             if not exists and not create:
                 raise SegmentNotFoundError(f"segment {name!r} does not exist in {self.storage.url!r}")
-            segment = Segment(self.storage, name, self.options)  # only reads: bad options raise here
+            try:
+                segment = Segment(storage, name, self.options)  # only reads: bad options raise here
+            finally:
+                if storage is not self.storage:
+                    storage.expire()  # later listings are live
             if not exists:
                 self.storage.put_marker(f"{name}/{SEGMENT_MARKER}")
             self._segments[name] = segment
