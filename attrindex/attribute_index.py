@@ -125,6 +125,8 @@ class IndexStats:
     cache_misses: int
     value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
     value_cache_misses: int
+    #: requests made so far through the index's storage (``storage_adapters.RequestCounters``), by kind
+    requests: Any = None
 
 
 class AttributeIndex:
@@ -328,6 +330,7 @@ class AttributeIndex:
             cache_misses=cache.misses if cache else 0,
             value_cache_hits=self._values.hits,
             value_cache_misses=self._values.misses,
+            requests=self._segment.storage.requests,
         )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:

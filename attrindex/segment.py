@@ -89,6 +89,8 @@ class SegmentStats:
     attribute_checkpoint: int | None  #: log byte position the B+tree covers
     attributes: Any  #: ``IndexStats`` of the B+tree
     merge_error: str | None = None  #: why the last merge of tier 1 after an append failed (None: it did not)
+    #: requests made so far through the storage this segment is on (shared by its store), by kind
+    requests: Any = None
 
 
 class Segment:
@@ -508,6 +510,7 @@ class Segment:
                 attribute_checkpoint=self._index.checkpoint,
                 attributes=self._index.stats(),
                 merge_error=None if self._merge_error is None else f"{type(self._merge_error).__name__}: {self._merge_error}",
+                requests=log.bytes.storage.requests,
             )
 
     def close(self) -> None:
