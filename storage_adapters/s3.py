@@ -204,7 +204,7 @@ class S3ChunkStorage(ChunkStorage):
             raise InvalidInputError(f"S3 storage option 'max_attempts' must be a positive int, got {max_attempts!r}")
         # Explicit config_kwargs win over the options above (they name botocore's own settings).
         config = {"connect_timeout": connect_timeout, "read_timeout": read_timeout,
-                  "retries": {"mode": "standard", "max_attempts": max_attempts},
+                  "retries": {"mode": "standard", "total_max_attempts": max_attempts},
                   **dict(options.pop("config_kwargs", None) or {})}
         # Listings must be live: another process's append is only seen through a fresh LIST. The
         # filesystem is this storage's own (not fsspec's shared instance), so its requests are ours.
@@ -231,8 +231,12 @@ class S3ChunkStorage(ChunkStorage):
     def _count_request(self, request: Any, event_name: str = "", **_: Any) -> None:
         operation = event_name.rsplit(".", 1)[-1]
         kind = _OPERATION_KINDS.get(operation) or _METHOD_KINDS.get(request.method, "GET")
-        body = request.body
-        written = len(body) if kind == "PUT" and isinstance(body, (bytes, bytearray)) else 0
+        written = 0
+        if kind == "PUT":  # the body is a stream by now; its length is in the header
+            try:
+                written = int(request.headers.get("Content-Length") or 0)
+            except ValueError:
+                written = 0
         self.request_counter.count(kind, written=written)
         # returning None lets the request go out
 
@@ -254,7 +258,7 @@ class S3ChunkStorage(ChunkStorage):
         try:
             with s3_errors("listing", base, missing=True):
                 if not self._native:
-                    found = {p: i["size"] for p, i in self.fs.find(base, detail=True).items()}
+                    found = {p.lstrip("/"): i["size"] for p, i in self.fs.find(base, detail=True).items()}
                     return relative_paths(base, iter(found.items()))
                 return self._list_objects(base)
         except FileNotFoundError:
