@@ -116,6 +116,8 @@ class SegmentStats:
     merges: int = 0  #: merges of tier 1 into the B+tree this handle made
     append_groups: int = 0  #: durable writes of appends made by this handle (group commit: one per group)
     appends_grouped: int = 0  #: appends written in those groups
+    #: requests made so far through the storage this segment is on (shared by its store), by kind
+    requests: Any = None
 
 
 class Segment:
@@ -758,6 +760,7 @@ class Segment:
                 merges=self._merges,
                 append_groups=self._queue.groups,
                 appends_grouped=self._queue.requests,
+                requests=log.bytes.storage.requests,
             )
 
     def close(self) -> None:

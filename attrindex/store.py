@@ -20,7 +20,10 @@ import re
 import threading
 from typing import Any, Mapping
 
+import attrs
+
 from storage_adapters import ChunkStorage
+from storage_adapters.requests import RequestCounters
 from storage_adapters.rolling import validate_segment_name
 
 from .tree_index import TreeIndex
@@ -38,6 +41,15 @@ MAX_STREAM_SEGMENTS = 1 << 16
 _SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes", "max_pending_bytes")
 
 log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class StoreStats:
+    """A snapshot of a store: its URL, open segment handles, and the requests its storage made."""
+
+    url: str
+    open_segments: int
+    requests: RequestCounters  #: by kind (PUT, GET, LIST, HEAD, DELETE) and bytes moved; see docs/cost.md
 
 
 def validate_name(name: str, what: str = "segment") -> str:
@@ -221,6 +233,13 @@ class SegmentStore:
     def _stream_count(self, name: str) -> int | None:
         counts = sorted(int(m[1]) for m in map(_STREAM_MARKER.fullmatch, self.storage.list_files(f"{STREAMS_DIR}/{name}")) if m)
         return counts[0] if counts else None  # two racing creators: the smallest count wins everywhere
+
+    # -- inspection ----------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        """The store's URL, its open segment handles and the storage requests made so far."""
+        with self._lock:
+            open_handles = sum(1 for s in self._segments.values() if not s.closed)
+        return StoreStats(url=self.storage.url, open_segments=open_handles, requests=self.storage.requests)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
