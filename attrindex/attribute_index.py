@@ -26,6 +26,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import validate_segment_name
 
+from .btree.bulk import read_pairs
 from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
 from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError, StorageError
@@ -290,6 +291,7 @@ class AttributeIndex:
         ``StorageError`` (the load may or may not be in the tree then: read to find out).
         """
         self._check_writable()
+        run = read_pairs(pairs, progress)  # checked and sorted before anything is written
         wal = self._wal
         with wal._lock:
             tree, log = wal._index, wal._log
@@ -302,7 +304,7 @@ class AttributeIndex:
                 raise StorageError(f"index {self._name!r}: other writers kept updating during bulk_load "
                                    f"({MAX_REFRESH_ATTEMPTS} tries); nothing was loaded")
             position = log.position
-            tree.bulk_load(pairs, checkpoint=position, progress=progress)
+            tree.bulk_load(run, checkpoint=position, progress=progress)
             if tree.checkpoint != position:
                 raise StorageError(f"index {self._name!r}: another handle merged into the tree during bulk_load "
                                    f"(its checkpoint is {tree.checkpoint}, the load's {position}): stop other writers; "

@@ -31,6 +31,7 @@ from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, enco
 from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog, grouped_batch_id
 from .log.retention import plan_retention
 from .overlay import AttributeOverlay, merge_scan
+from .poller import SegmentPoller
 from .reader import SegmentReader
 from .value_cache import MISSING
 from .write_queue import WriteQueue, WriteRequest
@@ -40,6 +41,8 @@ DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
 DEFAULT_READ_BYTES = 4 << 20
+DEFAULT_MIN_POLL_INTERVAL = 0.05  #: a tail reader's first poll after records came
+DEFAULT_MAX_POLL_INTERVAL = 1.0  #: ... backing off to this: an idle reader costs 1 request/s
 MAX_OPEN_ATTEMPTS = 10  #: opens that met a concurrent retention before giving up
 MAX_APPEND_RACES = 10_000  #: lost compare-and-append races in a row before an append gives up
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
@@ -78,7 +81,7 @@ class SegmentOptions:
     flush_keys: int = DEFAULT_FLUSH_KEYS
     flush_bytes: int = DEFAULT_FLUSH_BYTES
     flush_seconds: float = DEFAULT_FLUSH_SECONDS
-    poll_interval: float = 0.05
+    poll_interval: float | None = None  #: if set: a fixed interval (min = max = it), the old behaviour
     attribute_options: dict = attrs.field(factory=dict)
     #: Appends wait (back-pressure) while tier 1 (the overlay being filled plus the one being
     #: merged) holds more than this many bytes, until the background merge makes room.
@@ -86,6 +89,14 @@ class SegmentOptions:
     #: After each merge, delete the log below the chunk holding the B+tree's checkpoint (records
     #: there are lost: for logs kept only as a write-ahead log of the attributes).
     truncate_merged_log: bool = False
+    min_poll_interval: float = DEFAULT_MIN_POLL_INTERVAL
+    max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL
+
+    def poll_intervals(self) -> tuple[float, float]:
+        """``(min, max)`` seconds between a waiting reader's polls for other handles' appends."""
+        if self.poll_interval is not None:
+            return self.poll_interval, self.poll_interval
+        return self.min_poll_interval, self.max_poll_interval
 
 
 @attrs.frozen
@@ -106,6 +117,8 @@ class SegmentStats:
     merges: int = 0  #: merges of tier 1 into the B+tree this handle made
     append_groups: int = 0  #: durable writes of appends made by this handle (group commit: one per group)
     appends_grouped: int = 0  #: appends written in those groups
+    #: requests made so far through the storage this segment is on (shared by its store), by kind
+    requests: Any = None
 
 
 class Segment:
@@ -144,6 +157,7 @@ class Segment:
         self._queue = WriteQueue(MAX_GROUP_BYTES, MAX_GROUP_REQUESTS)
         self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
+        self._poller: SegmentPoller | None = None  #: made by the first reader that waits
         with self._lock:
             for attempt in range(MAX_OPEN_ATTEMPTS):
                 try:
@@ -686,7 +700,7 @@ class Segment:
                 start = self._log.next_offset if found is None else found
             else:
                 start = self._log.start_offset if offset is None else offset
-        return SegmentReader(self, start, poll_interval=self.options.poll_interval)
+        return SegmentReader(self, start)
 
     def offset_for_timestamp(self, timestamp: int) -> int | None:
         """The first offset whose record timestamp is ``>= timestamp``, or ``None`` if none is."""
@@ -704,14 +718,33 @@ class Segment:
             spans = [(max(s.base_offset, start), s.next_offset) for s in self._log.chunk_summaries()]
         return [(first, end) for first, end in spans if end > first]
 
-    def _wait(self, offset: int, timeout: float) -> None:
-        """Wait until a record at ``offset`` may exist (an append here, or a poll finding one)."""
+    def _wait(self, offset: int, timeout: float, cancelled: threading.Event | None = None) -> None:
+        """Wait until a record at ``offset`` may exist (an append here, or a poll finding one),
+        the handle closes, ``cancelled`` is set, or ``timeout`` passes. Every reader of this
+        handle shares one poller (attrindex/poller.py)."""
         with self._lock:
-            if self._log.next_offset > offset or self._closed:
-                return
-            self._appended.wait(timeout)
-            if self._log.next_offset <= offset and not self._closed:
-                self._catch_up()  # appends by other processes are found by polling
+            poller = self._poller
+            if poller is None:
+                poller = self._poller = SegmentPoller(self, *self.options.poll_intervals())
+        poller.wait(offset, timeout, cancelled)
+
+    def _poll_storage(self) -> bool:
+        """One poll for appends made elsewhere: a cheap look (one small request on object stores),
+        and a catch-up only if it saw something. True if records arrived."""
+        try:
+            # (a view refreshed by a read may hold bytes not scanned yet: then catch up at once)
+            if self._log.position >= self._log.bytes.length and not self._log.bytes.poll():
+                return False
+        except StorageError:
+            if self._closed:  # closed while polling: the reader returns None
+                return False
+            raise
+        with self._lock:
+            if self._closed:
+                return False
+            before = self._log.next_offset
+            self._catch_up()
+            return self._log.next_offset != before
 
     def _wake_readers(self) -> None:
         with self._lock:
@@ -780,6 +813,7 @@ class Segment:
                 merges=self._merges,
                 append_groups=self._queue.groups,
                 appends_grouped=self._queue.requests,
+                requests=log.bytes.storage.requests,
             )
 
     def close(self) -> None:

@@ -134,6 +134,8 @@ class IndexStats:
     value_cache_misses: int
     pending_keys: int = 0  #: ``AttributeIndex``: keys in its write-ahead log not yet merged into the tree
     wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
+    #: requests made so far through the index's storage (``storage_adapters.RequestCounters``), by kind
+    requests: Any = None
 
 
 class TreeIndex:
@@ -376,6 +378,7 @@ class TreeIndex:
             cache_misses=cache.misses if cache else 0,
             value_cache_hits=self._values.hits,
             value_cache_misses=self._values.misses,
+            requests=self._segment.storage.requests,
         )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:

@@ -446,3 +446,14 @@ def test_the_cli_repairs_a_damaged_wal(tmp_path, capsys):
     assert "nothing was changed" in capsys.readouterr().out
     with AttributeIndex.open(root, mode="r") as reopened:
         assert reopened.get_many([1, 2]) == [1, None]
+
+
+@pytest.mark.parametrize("bad", [[(1, 1), (b"short", 2)], [(1, 1.5)], 7])
+def test_bulk_load_of_bad_input_writes_nothing(bad):
+    index = AttributeIndex.open(f"memory://wal-bulk-bad-{uuid.uuid4().hex}", merge_keys=1000)
+    index.update({1: 1})
+    before = index.verify().wal.log_bytes
+    with pytest.raises(InvalidInputError):
+        index.bulk_load(bad)
+    assert index.verify().wal.log_bytes == before and index.stats().pending_keys == 1  # no flush, no batch
+    assert index.get(1) == 1
