@@ -457,3 +457,33 @@ def test_bulk_load_of_bad_input_writes_nothing(bad):
         index.bulk_load(bad)
     assert index.verify().wal.log_bytes == before and index.stats().pending_keys == 1  # no flush, no batch
     assert index.get(1) == 1
+
+
+def test_len_is_exact_while_background_merges_write_the_tree():
+    # Every update inserts 10 new keys, and merges run beside the reads (merge_keys=25): a count
+    # taking the tree's entries from one version and its lookups from another would be off by
+    # the keys of a merge (not a multiple of 10, or going back).
+    import threading
+
+    index = AttributeIndex.open(f"memory://wal-len-{uuid.uuid4().hex}", page_size=256, merge_keys=25)
+    done = threading.Event()
+
+    def writer():
+        for n in range(300):
+            index.update({n * 10 + i: n for i in range(10)})
+        done.set()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    seen = [0]
+    while not done.is_set():
+        count = len(index)
+        assert count % 10 == 0 and count >= seen[-1], seen[-5:] + [count]
+        seen.append(count)
+    thread.join()
+    assert len(index) == 3000 and index.verify().ok
+    index.bulk_load({5: 5}, progress=None)  # beside the merge thread: no deadlock
+    assert len(index) == 3000 and index.get(5) == 5
+    index.repair()  # closes the private segment (joins its merge thread) and reopens it
+    assert len(index) == 3000
+    index.close()
