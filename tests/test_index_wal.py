@@ -487,3 +487,48 @@ def test_len_is_exact_while_background_merges_write_the_tree():
     index.repair()  # closes the private segment (joins its merge thread) and reopens it
     assert len(index) == 3000
     index.close()
+
+
+THREADED_CHILD = textwrap.dedent("""
+    import sys, threading
+    from attrindex import AttributeIndex
+    index = AttributeIndex.open(sys.argv[1], page_size=1024, merge_keys=300, wal_rolling_size=1 << 14)
+    lock = threading.Lock()
+
+    def writer(t):
+        for batch in range(10**9):
+            index.update({t * 1_000_000 + batch * 5 + i: batch for i in range(5)})
+            with lock:  # one line per returned update: written after it returned
+                print(t, batch, flush=True)
+
+    for t in range(4):
+        threading.Thread(target=writer, args=(t,), daemon=True).start()
+    threading.Event().wait()
+""")
+
+
+def test_updates_of_several_threads_sharing_appends_are_durable_when_each_returns(tmp_path):
+    # Group commit: concurrent updates of one handle share storage appends; each call returns only
+    # once its own batch is durable, so a SIGKILL right after any return loses none of them.
+    directory = str(tmp_path / "index")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", THREADED_CHILD, directory], stdout=subprocess.PIPE, text=True,
+                             env=env)
+    returned = []
+    deadline = time.monotonic() + 20
+    while len(returned) < 80 and time.monotonic() < deadline:
+        line = child.stdout.readline()
+        if not line:
+            break
+        returned.append(tuple(map(int, line.split())))
+    child.send_signal(signal.SIGKILL)
+    returned += [tuple(map(int, line.split())) for line in child.stdout.read().splitlines() if line.strip()]
+    child.wait()
+    assert len({t for t, _ in returned}) == 4, "every thread returned updates before the kill"
+    index = AttributeIndex.open(directory, page_size=1024)
+    for t in range(4):
+        batches = sorted(b for u, b in returned if u == t)
+        assert batches == list(range(len(batches)))  # each thread's updates return in order
+        keys = [t * 1_000_000 + b * 5 + i for b in batches for i in range(5)]
+        assert index.get_many(keys) == [b for b in batches for _ in range(5)]
+    assert index.verify().ok
