@@ -33,7 +33,8 @@ from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError, Sto
 from .keys import KEY_SIZE, to_key
 from .locations import index_exists, mark_index_created, open_location
 from .log.segment_log import LOG_DIR
-from .segment import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, Segment, SegmentOptions
+from .segment import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES, Segment,
+                      SegmentOptions)
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
                          IndexStats, TreeIndex, _all_canonical_keys, _all_canonical_values, _canonical_batch, _storage,
@@ -90,10 +91,11 @@ class AttributeIndex:
         merge_keys: int = DEFAULT_FLUSH_KEYS,
         merge_bytes: int = DEFAULT_FLUSH_BYTES,
         merge_seconds: float = DEFAULT_FLUSH_SECONDS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ):
         validate_segment_name(name)
         for option, value in (("wal_rolling_size", wal_rolling_size), ("merge_keys", merge_keys),
-                              ("merge_bytes", merge_bytes)):
+                              ("merge_bytes", merge_bytes), ("max_pending_bytes", max_pending_bytes)):
             if type(value) is not int or value < 1:
                 raise InvalidInputError(f"{option} must be an int >= 1, got {value!r:.60}")
         if isinstance(merge_seconds, bool) or not isinstance(merge_seconds, (int, float)) or not merge_seconds >= 0:
@@ -102,7 +104,7 @@ class AttributeIndex:
         self._name = name
         self._options = SegmentOptions(
             log_rolling_size=wal_rolling_size, flush_keys=merge_keys, flush_bytes=merge_bytes,
-            flush_seconds=float(merge_seconds), truncate_merged_log=True,
+            flush_seconds=float(merge_seconds), max_pending_bytes=max_pending_bytes, truncate_merged_log=True,
             attribute_options=dict(page_size=page_size, rolling_size=rolling_size, cache_bytes=cache_bytes,
                                    value_cache_entries=value_cache_entries, compaction=compaction))
         self._closed = False
@@ -160,8 +162,10 @@ class AttributeIndex:
         ``options``: ``page_size`` (default 32768), ``rolling_size`` of the tree (4 MiB),
         ``cache_bytes`` for decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi),
         ``compaction`` (True: the bounded policy; "pravega"; False); ``wal_rolling_size`` (4 MiB),
-        and when the WAL's pending updates are merged into the tree: ``merge_keys`` (250,000
-        pending keys), ``merge_bytes`` (64 MiB of overlay), ``merge_seconds`` (30).
+        and when the WAL's pending updates are merged into the tree by the background merge:
+        ``merge_keys`` (250,000 pending keys), ``merge_bytes`` (64 MiB of overlay),
+        ``merge_seconds`` (30); ``max_pending_bytes`` (256 MiB) bounds the pending updates'
+        memory: beyond it ``update`` waits for the merge (back-pressure, bounded).
         """
         if mode not in ("a", "r"):
             raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")

@@ -538,3 +538,13 @@ def test_updates_of_several_threads_sharing_appends_are_durable_when_each_return
         keys = [t * 1_000_000 + b * 5 + i for b in batches for i in range(5)]
         assert index.get_many(keys) == [b for b in batches for _ in range(5)]
     assert index.verify().ok
+
+
+def test_max_pending_bytes_reaches_the_wal_and_is_checked():
+    with pytest.raises(InvalidInputError, match="max_pending_bytes"):
+        AttributeIndex.open(f"memory://wal-mpb-{uuid.uuid4().hex}", max_pending_bytes=0)
+    index = AttributeIndex.open(f"memory://wal-mpb-{uuid.uuid4().hex}", max_pending_bytes=4096, merge_keys=10**6)
+    for n in range(20):  # far beyond 4 KiB pending: updates wait for merges instead of piling up
+        index.update({n * 100 + i: i for i in range(100)})
+    assert index._wal.options.max_pending_bytes == 4096 and index.stats().pending_keys < 2000
+    assert len(index) == 2000
