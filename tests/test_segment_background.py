@@ -398,14 +398,12 @@ def _grouped_appends(root: str, members: int) -> None:
 def test_a_crash_mid_group_is_a_crash_not_lost_commits(tmp_path):
     """A group's commit record lost (the crash of one append): the whole group rolls back and the
     segment opens; losing the commit record before it too is damage, as for single appends."""
-    from storage_adapters.local import COMMIT_RECORD_SIZE
+    from storage_adapters.local import drop_commit_records
 
     for lost, damaged in ((1, False), (2, True)):
         root = str(tmp_path / f"s{lost}")
         _grouped_appends(root, 3)
-        chunk = os.path.join(root, "s", "_log.seg", "0" * 20)
-        with open(chunk + ".commit", "r+b") as f:
-            f.truncate(os.path.getsize(chunk + ".commit") - COMMIT_RECORD_SIZE * lost)
+        drop_commit_records(os.path.join(root, "s", "_log.seg", "0" * 20), lost)
         with SegmentStore.open(root) as store:
             if damaged:
                 with pytest.raises(CorruptDataError, match="commit records were lost"):
