@@ -276,6 +276,7 @@ class Segment:
         with self._lock:
             self._check_open()
             self._wait_for_room()
+            self._check_open()  # (closed while waiting?)
             fresh = False  # whether the view was just caught up with the log's tail
             tag = new_batch_id() >> 32  # the group's batches carry it: see SegmentLog.lost_commits
             for _lap in _bounded_races(self.name):
