@@ -17,6 +17,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
@@ -51,6 +52,7 @@ MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background mer
 BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an append waits for a merge to make room in tier 1
 MAX_GROUP_BYTES = 4 << 20  #: about this much of concurrent appends is written as one group
 MAX_GROUP_REQUESTS = 4096  #: appends in one group at most
+_IDLE_RECHECK_SECONDS = 1.0  #: an idle merge thread looks this often whether its handle still exists
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -148,7 +150,8 @@ class Segment:
         self._frozen_at = 0  #: log position the frozen overlay covers up to (its merge's checkpoint)
         self._dirty_since = time.monotonic()  #: when the active overlay got its first update
         self._merged = threading.Condition(self._lock)  #: a merge ended (back-pressure waits on it)
-        self._merge_wake = threading.Condition(self._lock)  #: wakes the merge thread
+        self._wake = threading.Event()  #: wakes the merge thread (an event: a wake-up is never missed)
+        self._merge_retry_at = 0.0  #: after a failed background merge, the thread waits until then
         self._merge_mutex = threading.Lock()  #: one merge at a time; taken before ``_lock``, never inside it
         self._merger: threading.Thread | None = None  #: started by the first append
         self._stopping = False
@@ -273,6 +276,7 @@ class Segment:
         with self._lock:
             self._check_open()
             self._wait_for_room()
+            self._check_open()  # (closed while waiting?)
             fresh = False  # whether the view was just caught up with the log's tail
             tag = new_batch_id() >> 32  # the group's batches carry it: see SegmentLog.lost_commits
             for _lap in _bounded_races(self.name):
@@ -301,7 +305,7 @@ class Segment:
                     request.settle(AppendResult(header.base_offset, header.last_offset))
                 if was_empty and len(self._overlay):  # flush_seconds counts from here
                     self._dirty_since = time.monotonic()
-                    self._merge_wake.notify_all()
+                    self._wake.set()
                 self._after_durable()
                 return
 
@@ -454,7 +458,7 @@ class Segment:
         self._frozen, self._frozen_at = self._overlay, self._log.position
         self._overlay = AttributeOverlay()
         self._dirty_since = time.monotonic()
-        self._merge_wake.notify_all()
+        self._wake.set()
 
     def _pending_bytes(self) -> int:
         frozen = self._frozen
@@ -549,51 +553,46 @@ class Segment:
             mutex.release()
 
     def _start_merger(self) -> None:
-        thread = threading.Thread(target=self._run_merger, name=f"attrindex-merge-{self.name}", daemon=True)
+        # The thread holds the handle only weakly between laps: a handle dropped without close()
+        # is collected, and its thread ends (its updates are in the log, replayed on open).
+        thread = threading.Thread(target=_merge_loop, args=(weakref.ref(self), self._wake),
+                                  name=f"attrindex-merge-{self.name}", daemon=True)
         self._merger = thread
         thread.start()
 
-    def _run_merger(self) -> None:
-        """The background merge: wait for a frozen overlay (or a due one), merge it, repeat.
-        A failure is recorded and logged, and retried after a pause doubling up to
-        ``MERGE_RETRY_SECONDS``. Ends when the handle closes."""
-        pause = 0.0
-        while True:
-            with self._lock:
-                retry_at = time.monotonic() + pause
-                while not self._stopping:
-                    now = time.monotonic()
-                    if now >= retry_at:
-                        if self._frozen is None and self._merge_due():
-                            self._freeze()
-                        if self._frozen is not None:
-                            break
-                    self._merge_wake.wait(self._merger_timeout(retry_at, now))
-                if self._stopping:
-                    return
-            try:
-                with self._merge_mutex:
-                    self._merge_once()
-                pause = 0.0
-            except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
-                pause = min(max(2 * pause, MERGE_RETRY_MIN_SECONDS), MERGE_RETRY_SECONDS)
-                _log.warning("segment %r: merging attribute updates into the B+tree failed in the background "
-                             "(retried in %.2f s; flush() raises it): %s", self.name, pause, exc, exc_info=True)
-
-    def _merger_timeout(self, retry_at: float, now: float) -> float | None:
-        """How long the merge thread may sleep: until a retry is due, or the active overlay is
-        old enough (``flush_seconds``); ``None``: until woken."""
-        if now < retry_at:
-            return retry_at - now
-        if len(self._overlay) and self.options.flush_seconds != float("inf"):
-            return max(self._dirty_since + self.options.flush_seconds - now, 0.001)
-        return None
+    def _merger_lap(self, pause: float) -> tuple[float, float | None] | None:
+        """One lap of the background merge: merge the frozen overlay (freezing the active one if
+        it is due), or say how long to sleep. Returns ``(pause, sleep)`` (``sleep`` None: until
+        woken), or None once the handle closes. A failure is recorded and logged, and retried
+        after a pause doubling from ``MERGE_RETRY_MIN_SECONDS`` up to ``MERGE_RETRY_SECONDS``."""
+        with self._lock:
+            if self._stopping:
+                return None
+            now = time.monotonic()
+            if now < self._merge_retry_at:
+                return pause, self._merge_retry_at - now
+            if self._frozen is None and self._merge_due():
+                self._freeze()
+            if self._frozen is None:
+                if len(self._overlay) and self.options.flush_seconds != float("inf"):
+                    return pause, max(self._dirty_since + self.options.flush_seconds - now, 0.001)
+                return pause, None
+        try:
+            with self._merging():
+                self._merge_once()
+            return 0.0, 0.0
+        except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
+            pause = min(max(2 * pause, MERGE_RETRY_MIN_SECONDS), MERGE_RETRY_SECONDS)
+            self._merge_retry_at = time.monotonic() + pause
+            _log.warning("segment %r: merging attribute updates into the B+tree failed in the background "
+                         "(retried in %.2f s; flush() raises it): %s", self.name, pause, exc, exc_info=True)
+            return pause, 0.0
 
     def _stop_merger(self) -> None:
         """Stop and join the merge thread (not holding ``_lock``: it may be finishing a merge)."""
         with self._lock:
             self._stopping = True
-            self._merge_wake.notify_all()
+            self._wake.set()
             self._merged.notify_all()
             thread = self._merger
         if thread is None or thread is threading.current_thread():
@@ -867,6 +866,25 @@ class _PendingAppend:
     codec: Codec
     batch_id: int
     encoded: tuple | None = None  #: (keys, values, batch) of the last try: a lost race needs only a rebase
+
+
+def _merge_loop(ref: "weakref.ref[Segment]", wake: threading.Event) -> None:
+    """The body of a handle's merge thread: laps of ``Segment._merger_lap``, sleeping on ``wake``
+    between them without holding the handle (at most ``_IDLE_RECHECK_SECONDS``, then it looks
+    whether the handle still exists)."""
+    pause = 0.0
+    while True:
+        wake.clear()
+        segment = ref()
+        if segment is None:
+            return
+        lap = segment._merger_lap(pause)
+        del segment
+        if lap is None:
+            return
+        pause, sleep = lap
+        if sleep is None or sleep > 0:
+            wake.wait(_IDLE_RECHECK_SECONDS if sleep is None else min(sleep, _IDLE_RECHECK_SECONDS))
 
 
 def _bounded_races(name: str) -> Iterator[int]:
