@@ -132,6 +132,9 @@ def _write_out(fd: int, position: int, length: int) -> None:
         return
     if _SYNC_FILE_RANGE(fd, position, length, _WRITE_AND_WAIT) != 0:
         code = ctypes.get_errno()
+        if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE):
+            os.fdatasync(fd)  # a filesystem or kernel without it: the same order, one sync more
+            return
         raise OSError(code, os.strerror(code))
 
 

@@ -9,6 +9,7 @@ read and take appends.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import struct
@@ -120,6 +121,21 @@ def test_v2_writes_the_data_out_before_it_sets_the_record(tmp_path, monkeypatch)
         monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real: (order.append(_n), _r(*a))[1])
     seg.append(b"second")
     assert order == ["_write_all", "_write_out", "setxattr", "fsync"]
+
+
+def test_without_sync_file_range_the_data_is_fdatasynced_before_the_record(tmp_path, monkeypatch):
+    from storage_adapters import local
+
+    seg = _segment(tmp_path)
+    seg.append(b"first")
+    monkeypatch.setattr(local, "_SYNC_FILE_RANGE", lambda *args: (ctypes.set_errno(errno.ENOSYS), -1)[1])
+    syscalls = _Syscalls(monkeypatch)
+    seg.append(b"second")
+    assert syscalls.calls == ["fdatasync", "fsync"]
+    monkeypatch.setattr(local, "_SYNC_FILE_RANGE", None)  # not Linux
+    seg.append(b"third")
+    assert syscalls.calls == ["fdatasync", "fsync"] * 2
+    assert _segment(tmp_path).read(0, 16) == b"firstsecondthird"
 
 
 def test_a_durable_append_to_a_v1_chunk_still_costs_two(tmp_path, monkeypatch):
