@@ -48,6 +48,21 @@ _GAP_NAME = re.compile(r"(\d{20})-(\d{20})")
 _NO_TIMESTAMP = -(1 << 63)
 _ERROR_PREFIX = re.compile(r"^(segment '.*?': )?record batch at offset \d+: ")
 
+#: The batches of one group-commit append share the high bits of their batch ids (``group_tag``):
+#: so a crash that leaves one whole group after the committed end is told from lost commit records.
+GROUP_TAG_SHIFT = 32
+
+
+def group_tag(batch_id: int) -> int:
+    """The group-commit tag of a batch id (shared by the batches of one storage append)."""
+    return batch_id >> GROUP_TAG_SHIFT
+
+
+def grouped_batch_id(tag: int, batch_id: int) -> int:
+    """``batch_id`` carrying group tag ``tag`` (its low bits stay the append call's own)."""
+    return (tag << GROUP_TAG_SHIFT) | (batch_id & ((1 << GROUP_TAG_SHIFT) - 1))
+
+
 # visitor(position, header, buffer, position of the batch in buffer) for each new batch
 BatchVisitor = Callable[[int, BatchHeader, bytes, int], None]
 
@@ -255,7 +270,8 @@ class SegmentLog:
 
     def lost_commits(self, covered: int = 0) -> tuple[int, bytes] | None:
         """``(position, bytes)`` of the whole batches stored after the committed end when their
-        commit records were lost: there are two or more (a crash leaves at most one append there),
+        commit records were lost: they are two or more appends (a crash leaves at most one append
+        there; the batches of one group-commit append share their ``group_tag``),
         or the attribute checkpoint ``covered`` lies beyond the committed end (a merge only ever
         covers committed batches).
 
@@ -263,7 +279,7 @@ class SegmentLog:
         overwrites it. Re-appending the returned bytes at ``position`` commits them.
         """
         position, tail = self.bytes.uncommitted_tail()
-        pos, batches = 0, 0
+        pos, batches, appends, tag = 0, 0, 0, None
         while pos < len(tail):
             try:
                 header = read_header(tail, pos, position=position, segment=self.segment)
@@ -273,7 +289,9 @@ class SegmentLog:
             except CorruptDataError:
                 break
             pos, batches = pos + header.size, batches + 1
-        return (position, tail[:pos]) if batches >= 2 or (batches and covered > position) else None
+            if group_tag(header.batch_id) != tag:  # one storage append may hold a group of batches
+                appends, tag = appends + 1, group_tag(header.batch_id)
+        return (position, tail[:pos]) if appends >= 2 or (batches and covered > position) else None
 
     def lost_commits_error(self, position: int, data: bytes) -> CorruptDataError:
         """The error for whole batches found after the committed end (see ``lost_commits``)."""
@@ -291,15 +309,27 @@ class SegmentLog:
         the bytes are durable nothing here raises (the bookkeeping after them does no I/O but the
         best-effort index file).
         """
-        at = self.bytes.append(data, expected_offset=self.position)
+        return self.append_many([data], [header])[0]
+
+    def append_many(self, datas: list[bytes], headers: list[BatchHeader]) -> list[int]:
+        """Append consecutive encoded batches (each based where the one before ends) as ONE
+        compare-and-append, so they are durable together (group commit); return their positions.
+
+        They land in one chunk, so no batch spans chunks. Errors as for ``append``.
+        """
+        at = self.bytes.append(datas[0] if len(datas) == 1 else b"".join(datas), expected_offset=self.position)
         self._sync_chunks()
         chunk = self._chunks[-1]
         if chunk.start == at:
             chunk.builder = ChunkIndexBuilder(at, self.interval, next_offset=self.next_offset)
             if len(self._chunks) > 1:
                 self._seal(self._chunks[-2])
-        self._advance(chunk, at, header)
-        return at
+        positions = []
+        for data, header in zip(datas, headers):
+            self._advance(chunk, at, header)
+            positions.append(at)
+            at += len(data)
+        return positions
 
     def _seal(self, chunk: _Chunk) -> None:
         """A chunk stopped growing: keep its summary and store its index if it is worth a file."""
@@ -572,4 +602,4 @@ def _index_batch(builder: ChunkIndexBuilder, at: int, header: BatchHeader) -> No
                 header.max_timestamp if header.record_count else _NO_TIMESTAMP)
 
 
-__all__ = ["SegmentLog"]
+__all__ = ["GROUP_TAG_SHIFT", "SegmentLog", "group_tag", "grouped_batch_id"]
