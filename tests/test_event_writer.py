@@ -460,7 +460,12 @@ def test_sigkill_after_flush_keeps_every_acknowledged_event_exactly_once(storage
                              env=env)
     try:
         assert child.stdout.readline() == b"flushed\n"
-        time.sleep(0.5)  # background appends of later events are under way
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until background appends of later events are landing
+            with SegmentStore.open(url) as look:
+                if len(stream_events(look, "s")) > 400:
+                    break
+            time.sleep(0.05)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(10)
