@@ -170,3 +170,18 @@ def test_a_stale_handle_reads_its_start_offset_after_retention_elsewhere(storage
         assert [r.value for r in stale.read(12, 100)] == [b"record %d" % i for i in range(12, 20)]
         stale.refresh()
         assert stale.start_offset == writer.start_offset == 12
+
+
+def test_a_segment_opened_from_one_listing_keeps_its_storage_s_nature_and_counters(s3_url):
+    url, options = s3_url
+    _write(url, options, 2)
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        storage = seg._log.bytes.storage
+        assert isinstance(storage, ListedStorage) and storage.expired  # live once the open is over
+        assert storage.deletion_grace == store.storage.deletion_grace  # not the base class's default
+        assert storage.exclusive_create_enforced == store.storage.exclusive_create_enforced
+        before = store.storage.requests
+        seg.append([b"one more"])
+        assert (store.storage.requests - before).by_kind() == {"PUT": 1, "GET": 0, "LIST": 0, "HEAD": 0, "DELETE": 0}
+        assert seg.stats().requests == store.storage.requests  # the store's counters, nothing counted twice
