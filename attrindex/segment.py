@@ -652,7 +652,13 @@ class Segment:
     def start_offset(self) -> int:
         """The offset of the first record still stored (retention moves it forward)."""
         with self._lock:
-            return self._log.start_offset
+            for _attempt in range(MAX_OPEN_ATTEMPTS):
+                try:
+                    return self._log.start_offset
+                except TruncatedError:  # another handle's retention deleted the chunk it names: look again
+                    self._catch_up()
+            raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the first "
+                               f"chunk while its start offset was read ({MAX_OPEN_ATTEMPTS} tries)")
 
     def read(self, offset: int, max_records: int = 1000, *, max_bytes: int = DEFAULT_READ_BYTES) -> list[Record]:
         """Records from ``offset`` on, at most ``max_records`` (fewer at the end; ``[]`` past it).
