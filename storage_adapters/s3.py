@@ -359,6 +359,18 @@ class S3ChunkStorage(ChunkStorage):
         with s3_errors("delete", self._abs(directory), write=True), contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._abs(directory), recursive=True)
 
+    def close(self) -> None:
+        """Close this storage's HTTP connections (its s3fs client is its own, not a shared one)."""
+        creator = getattr(self.fs, "_s3creator", None) if self._native else None
+        if creator is None:
+            return
+        import s3fs
+
+        with contextlib.suppress(Exception):  # closing is best effort; nothing durable depends on it
+            s3fs.S3FileSystem.close_session(self.fs.loop, creator)
+        self.fs._s3 = None  # a later call (the handle may be reused) connects again
+        self._hooked = None
+
     # -- the exclusive-create capability --------------------------------------------------------
     @property
     def exclusive_create_enforced(self) -> bool:  # type: ignore[override]

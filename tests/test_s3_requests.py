@@ -339,3 +339,12 @@ def test_a_503_after_the_put_landed_is_retried_and_settled_by_reading_back(s3_op
         assert (fresh.length, fresh.read(0, 11), len(fresh.chunks())) == (11, b"firstsecond", 2)
     finally:
         proxy.close()
+
+
+def test_close_releases_the_connections_and_a_reused_storage_reconnects(s3_options):
+    storage = open_storage(make_s3_url(s3_options), **s3_options)
+    seg = RollingSegment(storage, "s")
+    seg.append(b"a")
+    storage.close()
+    assert storage.fs._s3 is None
+    assert _only(_cost(storage, lambda: seg.append(b"b")), put=1)  # counted on the new connection too
