@@ -348,3 +348,13 @@ def test_close_releases_the_connections_and_a_reused_storage_reconnects(s3_optio
     storage.close()
     assert storage.fs._s3 is None
     assert _only(_cost(storage, lambda: seg.append(b"b")), put=1)  # counted on the new connection too
+
+
+def test_the_command_line_shows_the_requests(tmp_path, capsys):
+    from attrindex.cli import main
+
+    url = str(tmp_path)
+    assert main(["index", "put", url, "1=2"]) == 0
+    capsys.readouterr()
+    assert main(["index", "stats", url]) == 0
+    assert re.search(r"requests +put \d+, get \d+, list \d+, head \d+, delete \d+", capsys.readouterr().out)
