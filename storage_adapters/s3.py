@@ -200,6 +200,8 @@ class S3ChunkStorage(ChunkStorage):
         read_timeout = _pop_seconds(options, "read_timeout", DEFAULT_READ_TIMEOUT)
         self.deletion_grace = _pop_seconds(options, "deletion_grace", DEFAULT_DELETION_GRACE)
         max_attempts = options.pop("max_attempts", DEFAULT_MAX_ATTEMPTS)
+        if isinstance(max_attempts, str) and max_attempts.strip().isdigit():  # from a command line's -o
+            max_attempts = int(max_attempts)
         if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
             raise InvalidInputError(f"S3 storage option 'max_attempts' must be a positive int, got {max_attempts!r}")
         # Explicit config_kwargs win over the options above (they name botocore's own settings).

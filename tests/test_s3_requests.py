@@ -250,6 +250,8 @@ def test_timeouts_and_retries_reach_botocore(s3_options):
     config = storage.fs.s3.meta.config
     assert (config.connect_timeout, config.read_timeout) == (3, 7)
     assert config.retries["total_max_attempts"] == 2
+    from_command_line = open_storage(make_s3_url(s3_options), **s3_options, max_attempts="3", read_timeout="2.5")
+    assert from_command_line.fs.s3.meta.config.retries["total_max_attempts"] == 3
     for bad in ({"connect_timeout": -1}, {"read_timeout": "soon"}, {"max_attempts": 0}, {"deletion_grace": float("nan")}):
         with pytest.raises(InvalidInputError, match=next(iter(bad))):
             open_storage(make_s3_url(s3_options), **s3_options, **bad)
