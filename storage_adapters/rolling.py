@@ -178,6 +178,32 @@ class RollingSegment:
             return None  # a new marker with old chunks, or old markers with the new chunks only
         return chunks, start_offset, markers
 
+    def poll(self) -> bool:
+        """Whether the segment may have grown since this handle's last look: ``refresh`` then.
+
+        Cheap, for tail readers: object stores cost one small request (a 1-byte ranged read of
+        the chunk the next append creates: absent means nothing was appended), never a listing;
+        appendable backends stat the last chunk and look for the next (writers with a smaller
+        rolling size roll sooner).
+        Truncations are not looked for (a reader meets them when it reads).
+        """
+        self._check_open()
+        with self._mutex:
+            last = self._chunks[-1] if self._chunks else None
+            if self.storage.appendable and last is not None:
+                try:
+                    if self.storage.committed_size(f"{self._dir}/{last.name}") != last.length:
+                        return True
+                except FileNotFoundError:
+                    return True  # truncated and rolled past meanwhile
+                if not last.length:
+                    return False  # an empty chunk is where the next append goes
+            try:
+                self.storage.read(f"{self._dir}/{chunk_name(self.length)}", 0, 1)
+            except FileNotFoundError:
+                return False
+            return True
+
     def _check_object_size(self, start: int, stored: int, length: int) -> None:
         # Object chunks are written whole, so each must end where the next begins.
         if not self.storage.appendable and stored != length:

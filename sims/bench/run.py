@@ -323,6 +323,22 @@ def run_child(args) -> int:
     return 0
 
 
+def progress_bar(desc: str):
+    """A tqdm bar (stderr) driven by a ``bulk_load`` progress callback: it counts the pairs read,
+    then the entries built (the count starts again for the second phase)."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="pair", unit_scale=True, mininterval=1.0)
+
+    def progress(done: int, total: int) -> None:
+        if total and bar.total != total:
+            bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return bar, progress
+
+
 def run_big(args) -> int:
     """``--big-keys`` for attrindex: bulk load, then cold lookups with a cache for index pages only."""
     rng = random.Random(7)
@@ -330,8 +346,12 @@ def run_big(args) -> int:
     pairs = [(k, i) for i, k in enumerate(universe)]
     data_rss = peak_rss_mib()
     index = AttributeIndex.open(args.dir)
-    load = getattr(index, "bulk_load", index.update)
-    t, _ = timed(load, pairs)
+    if hasattr(index, "bulk_load"):
+        bar, progress = progress_bar(f"bulk load {args.big_keys:,}")
+        t, _ = timed(lambda: index.bulk_load(pairs, progress=progress))
+        bar.close()
+    else:
+        t, _ = timed(index.update, pairs)
     del pairs
     tree = btree_of(index)
     index_bytes = sum(length for _, _, length, page in tree.pages() if not page.is_leaf)
@@ -354,13 +374,16 @@ def run_big(args) -> int:
 
 
 def btree_of(index):
-    """The ``BTreeIndex`` under an index handle (the handle itself, or the tree under its facade)."""
+    """The ``BTreeIndex`` under an index handle (found among its attributes, a few levels down:
+    the handle may be the tree index itself or a facade over a log and the tree)."""
     from attrindex.btree import BTreeIndex
 
-    for candidate in [index, *vars(index).values()]:
-        tree = getattr(candidate, "_tree", None)
-        if isinstance(tree, BTreeIndex):
-            return tree
+    level = [index]
+    for _depth in range(4):
+        for candidate in level:
+            if isinstance(candidate, BTreeIndex):
+                return candidate
+        level = [value for candidate in level if hasattr(candidate, "__dict__") for value in vars(candidate).values()]
     raise SystemExit("cannot find the B+tree under the index handle")
 
 
