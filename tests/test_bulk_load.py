@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -300,11 +301,15 @@ def test_a_loader_killed_mid_load_leaves_one_whole_generation(tmp_path):
     for attempt in range(3):
         child = subprocess.Popen([sys.executable, "-c", _CHILD, directory, str(seen)], stdout=subprocess.PIPE,
                                  text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-        time.sleep(1.0 + rng.random())
+        # Kill only once a load was acknowledged (start-up alone can outlast a fixed sleep on a
+        # loaded machine), then at a random point of the loads that follow.
+        ready, _, _ = select.select([child.stdout], [], [], 120)
+        first = child.stdout.readline() if ready else ""
+        time.sleep(rng.random() * 0.5)
         child.send_signal(signal.SIGKILL)
-        acknowledged = [int(line) for line in child.stdout.read().split()]
+        acknowledged = [int(line) for line in (first + child.stdout.read()).split()]
         child.wait()
-        assert acknowledged, "the child finished no load before it was killed"
+        assert acknowledged, "the child finished no load in 120 s"
         index = TreeIndex(open_storage(directory), page_size=4096)
         assert index.verify().ok
         generations = {value for _key, value in index.items()}
