@@ -548,3 +548,20 @@ def test_max_pending_bytes_reaches_the_wal_and_is_checked():
         index.update({n * 100 + i: i for i in range(100)})
     assert index._wal.options.max_pending_bytes == 4096 and index.stats().pending_keys < 2000
     assert len(index) == 2000
+
+
+def test_an_unsettleable_wal_append_is_an_unknown_outcome_and_never_a_duplicate(tmp_path):
+    # The answer of the append is lost and storage cannot be read to settle it: the update says
+    # so (OutcomeUnknownError), and once storage answers again the batch is there exactly once.
+    storage = FaultyStorage(open_storage(str(tmp_path)), seed=4)
+    index = AttributeIndex(storage, page_size=256, merge_keys=1000)
+    index.update({1: 1})
+    storage.script("lost_ack", path_contains="_wal/_log.seg")
+    storage.script("fail_before", op="read", path_contains="_wal/_log.seg", times=1000)
+    with pytest.raises((OutcomeUnknownError, StorageError)) as caught:
+        index.update({2: 2})
+    assert isinstance(caught.value, OutcomeUnknownError), caught.value
+    assert [i.kind for i in storage.injected][:2] == ["lost_ack", "fail_before"]
+    storage.enabled = False
+    reopened = AttributeIndex(open_storage(str(tmp_path)), page_size=256)
+    assert reopened.get_many([1, 2]) == [1, 2] and wal_batches(reopened) == 2  # written once
