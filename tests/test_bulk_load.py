@@ -348,3 +348,18 @@ def test_load_reopen_and_truncate_on_every_backend(storage_url):
     reopened = TreeIndex(open_storage(url, **options), page_size=1024)
     check(reopened, model)
     assert reopened.stats().start_offset == reopened.stats().length - reopened.stats().live_bytes - 72
+
+
+@pytest.mark.parametrize("sub_bucket_above", [0, 3, 1 << 30])
+def test_unsorted_input_sorted_through_one_or_two_levels_of_buckets(monkeypatch, sub_bucket_above):
+    monkeypatch.setattr(bulk, "_SUB_BUCKET_ABOVE", sub_bucket_above)
+    rng = random.Random(sub_bucket_above)
+    # Keys sharing first bytes (so buckets are large), duplicates and removals.
+    universe = [bytes([rng.randrange(3), rng.randrange(4)]) + rng.randbytes(14) for _ in range(3000)]
+    pairs = [(rng.choice(universe), rng.choice([None, rng.randrange(-5, 5)])) for _ in range(6000)]
+    index = new_index(page_size=1024)
+    index.update({universe[i]: 1 for i in range(0, 3000, 3)})
+    model = {universe[i]: 1 for i in range(0, 3000, 3)}
+    load(index, pairs)
+    apply(model, pairs)
+    check(index, model)
