@@ -7,10 +7,12 @@ retried without the caller's input (which may be a one-shot iterator):
    sorted unique keys in compact columns (16 bytes per key, 8 per value; about 24 bytes a pair,
    against about 100 for Python lists). Input that arrives in ascending order (equal neighbours
    allowed) is streamed into the run chunk by chunk; from the first chunk out of order on, the
-   pairs are collected in a list (the caller's tuples, referenced, not copied) and sorted once
-   at the end, in memory (no external sort; a list or mapping given is in memory already, a
-   generator's tuples cost about 100 bytes a pair until the sort). Duplicate keys: the last wins. ``None`` values mean absent: they
-   remove existing keys when loading into a non-empty tree and are dropped otherwise.
+   pairs are collected in a list (the caller's tuples, referenced, not copied) and sorted at the
+   end, in memory, in buckets by the first key bytes (no external sort; a list or mapping given
+   is in memory already, a generator's tuples cost about 100 bytes a pair until the sort).
+   Duplicate keys: the last wins. ``None`` values mean absent: they remove existing keys when
+   loading into a non-empty tree and are dropped otherwise. The cyclic garbage collector is
+   paused while reading (see :func:`read_pairs`).
 2. **Build** (:func:`build`): stream the run, merged with the existing tree's leaves (read leaf by
    leaf, in order), into full leaves, then index levels over them (child offsets, lengths and
    subtree minimum offsets), then the footer, in one buffer appended by ONE compare-and-append.
