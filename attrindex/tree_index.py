@@ -327,10 +327,11 @@ class TreeIndex:
         whole tree is written afresh (the old pages become dead and their chunks are deleted).
         Every pair is checked before anything is written (``InvalidInputError`` otherwise); the
         last pair for a key wins; ``None`` removes the key. ``checkpoint`` as in ``update`` (an
-        index that covers it already is left as it is). ``progress(done, total)`` is called while
-        the pairs are read (``total`` is ``len(pairs)``, 0 if unknown) and then while the tree is
-        built (entries, of the total). Sorted input is streamed into compact columns (about 24
-        bytes a pair); unsorted input is sorted in memory.
+        index that covers it already is left as it is). ``progress(done, total)`` is called in
+        passes, each counting up to its total: reading the pairs (``total`` is ``len(pairs)``, 0
+        if unknown), sorting them (unsorted input only) and building the tree (entries). Sorted
+        input is streamed into compact columns (about 24 bytes a pair); unsorted input is sorted
+        in memory.
         """
         self._check_writable()
         try:

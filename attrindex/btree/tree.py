@@ -700,10 +700,11 @@ class BTreeIndex:
         whole tree is written afresh: every old page becomes dead and is truncated away. Sorted
         input is streamed into compact columns; unsorted input is sorted in memory (see
         ``bulk.py``). ``checkpoint`` as in ``update`` (a covered one writes nothing).
-        ``progress(done, total)`` is called while reading (pairs read; total ``len(pairs)``, 0 if
-        unknown) and then while building (entries merged and written, of the total). Returns the
-        number of entries in the tree afterwards. A lost compare-and-append race rebuilds over the
-        newer tree from the already validated pairs. ``pairs`` may be a ``bulk.SortedRun`` from
+        ``progress(done, total)`` is called in passes, each counting up to its total: reading
+        (pairs read; total ``len(pairs)``, 0 if unknown), sorting (unsorted input only: pairs
+        sorted) and building (entries merged and written). Returns the number of entries in the
+        tree afterwards. A lost compare-and-append race rebuilds over the newer tree from the
+        already validated pairs. ``pairs`` may be a ``bulk.SortedRun`` from
         ``bulk.read_pairs`` (checked already: read it before writing anything else).
         """
         bulk.validate_checkpoint(checkpoint)

@@ -328,8 +328,8 @@ def run_child(args) -> int:
 
 
 def progress_bar(desc: str):
-    """A tqdm bar (stderr) driven by a ``bulk_load`` progress callback: it counts the pairs read,
-    then the entries built (the count starts again for the second phase)."""
+    """A tqdm bar (stderr) driven by a ``bulk_load`` progress callback, which reports in passes
+    (reading, sorting, building), each counting from 0 up to its total."""
     from tqdm import tqdm
 
     bar = tqdm(desc=desc, unit="pair", unit_scale=True, mininterval=1.0)
