@@ -6,18 +6,18 @@ compare-and-append at the log position this handle last saw. So the check and th
 atomic: a writer that loses the race catches up from the log tail, re-validates and retries.
 
 Attribute state = the B+tree (a checkpoint of the state up to a log position, stored in its
-footer) + tier 1, a sorted overlay of the values in the log after that position. The overlay is
-merged into the tree in large sorted batches (thresholds on keys, bytes and time, and ``flush``);
-opening a segment reads the tree's footer and replays the log after its checkpoint.
+footer) + tier 1, sorted overlays of the values in the log after that position. Tier 1 is merged
+into the tree in large sorted batches by a background thread (``attrindex.segment_merge``);
+opening a segment reads the tree's footer and replays the log after its checkpoint. Concurrent
+appends of one handle are group-committed (``attrindex.write_queue``): one storage append each
+group, each call keeping its own batch, result and errors.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-import weakref
 from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
@@ -34,6 +34,7 @@ from .log.retention import plan_retention
 from .overlay import AttributeOverlay, merge_scan
 from .poller import SegmentPoller
 from .reader import SegmentReader
+from .segment_merge import BACKPRESSURE_WAIT_SECONDS, MERGE_RETRY_MIN_SECONDS, MERGE_RETRY_SECONDS, BackgroundMerge
 from .value_cache import MISSING
 from .write_queue import WriteQueue, WriteRequest
 
@@ -47,12 +48,8 @@ DEFAULT_MAX_POLL_INTERVAL = 1.0  #: ... backing off to this: an idle reader cost
 MAX_OPEN_ATTEMPTS = 10  #: opens that met a concurrent retention before giving up
 MAX_APPEND_RACES = 10_000  #: lost compare-and-append races in a row before an append gives up
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
-MERGE_RETRY_SECONDS = 5.0  #: the longest pause between retries of a failing background merge
-MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background merge (doubling up to the above)
-BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an append waits for a merge to make room in tier 1
 MAX_GROUP_BYTES = 4 << 20  #: about this much of concurrent appends is written as one group
 MAX_GROUP_REQUESTS = 4096  #: appends in one group at most
-_IDLE_RECHECK_SECONDS = 1.0  #: an idle merge thread looks this often whether its handle still exists
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -123,7 +120,7 @@ class SegmentStats:
     requests: Any = None
 
 
-class Segment:
+class Segment(BackgroundMerge):
     """One segment: records with offsets 0, 1, 2, ... and attributes (16-byte key -> int64).
 
     Get one from ``SegmentStore.segment``. Every method is safe to call from several threads;
@@ -433,215 +430,6 @@ class Segment:
             self._check_open()
             return self._index.split_keys(parts)
 
-    # -- merging tier 1 into the B+tree --------------------------------------------------------
-    # Under ``_lock``: ``_freeze``, ``_merge_due``, ``_needs_merge``. ``_merge_once`` and ``_drain``
-    # run with ``_merge_mutex`` held and do the tree's I/O without ``_lock`` (unless the caller holds
-    # it: retention), so appends and reads go on while a merge writes.
-    def _merge_due(self) -> bool:
-        """Whether the active overlay should be frozen and merged now (thresholds on keys, bytes
-        and the age of its first update)."""
-        overlay, options = self._overlay, self.options
-        if len(overlay) >= options.flush_keys or overlay.nbytes >= options.flush_bytes:
-            return True
-        return bool(len(overlay)) and time.monotonic() - self._dirty_since >= options.flush_seconds
-
-    def _needs_merge(self, force: bool) -> bool:
-        """For ``flush``: whether there is anything to merge (``force``: the checkpoint too)."""
-        position, covered = self._log.position, self._index.checkpoint or 0
-        if len(self._overlay) or covered > position:
-            return True
-        return covered < position and (force or position - covered >= self.options.log_rolling_size)
-
-    def _freeze(self) -> None:
-        """Hand the active overlay to the merge: it becomes the frozen one, covering the log up to
-        this handle's position; a fresh overlay takes new appends."""
-        self._frozen, self._frozen_at = self._overlay, self._log.position
-        self._overlay = AttributeOverlay()
-        self._dirty_since = time.monotonic()
-        self._wake.set()
-
-    def _pending_bytes(self) -> int:
-        frozen = self._frozen
-        return self._overlay.nbytes + (0 if frozen is None else frozen.nbytes)
-
-    def _merge_once(self) -> None:
-        """Merge the frozen overlay into the B+tree with checkpoint = the log position at the
-        freeze (``_merge_mutex`` held). Raises the merge's error after recording it."""
-        with self._lock:
-            frozen, at = self._frozen, self._frozen_at
-            if frozen is None or self._closed:
-                return
-        try:
-            keys, values = frozen.sorted_items()
-            merged = self._index.update_sorted(keys, values, checkpoint=at)
-            with self._lock:
-                if not merged:  # another handle merged further: tier 1 restarts from its checkpoint
-                    self._rebuild_overlay()
-                elif self._frozen is frozen:  # (a rebuild meanwhile replaced it: nothing to drop)
-                    self._frozen = None
-                self._merges += 1
-                if self._merge_error is not None:
-                    _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
-                    self._merge_error = None
-                self._merged.notify_all()
-        except Exception as exc:
-            with self._lock:
-                self._merge_error = exc
-                self._merged.notify_all()
-            raise
-        _log.debug("segment %r: merged %d attribute updates into the B+tree up to log byte %d", self.name,
-                   len(keys), at)
-        self._truncate_merged()
-
-    def _truncate_merged(self) -> None:
-        """With ``truncate_merged_log``: delete the log below the chunk holding the tree's
-        checkpoint (never above it). Best effort: a failure leaves more log, which is harmless."""
-        if not self.options.truncate_merged_log:
-            return
-        with self._lock:
-            if self._closed:
-                return
-            covered = self._index.checkpoint or 0
-            cut = max((c.start for c in self._log.bytes.chunks() if c.start <= covered), default=0)
-            if cut <= self._log.start_position or cut > self._log.position:
-                return
-            try:
-                self._log.truncate_at(cut)
-            except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
-                _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
-                             "next merge): %s", self.name, cut, exc)
-                return
-            _log.debug("segment %r: truncated the merged log below byte %d", self.name, cut)
-
-    def _drain(self, *, force: bool = False) -> None:
-        """Merge everything this handle has seen, in the calling thread (``_merge_mutex`` held):
-        first what is frozen, then the active overlay. Raises a merge's error."""
-        for _lap in range(2):
-            with self._lock:
-                if self._frozen is None:
-                    if not self._needs_merge(force):
-                        self._dirty_since = time.monotonic()
-                        return
-                    self._freeze()
-            self._merge_once()
-
-    def flush(self) -> None:
-        """Merge every attribute update seen so far into the B+tree (one sorted batch), now.
-
-        Raises the storage error if the merge fails (for example ``StorageFullError``); the
-        updates stay in tier 1 and in the log, and a later flush or the background merge retries."""
-        self._check_open()
-        with self._merging():
-            self._check_open()
-            self._drain()
-
-    @contextlib.contextmanager
-    def _merging(self) -> Iterator[None]:
-        """Hold ``_merge_mutex`` (one merge at a time). A caller that holds ``_lock`` (the plain
-        index's facade, retention) must not block on it outright: the merge thread may need
-        ``_lock`` to finish the merge that holds it. So it waits in short laps on a condition,
-        which lets go of ``_lock`` meanwhile."""
-        mutex = self._merge_mutex
-        if self._lock._is_owned():  # type: ignore[attr-defined]
-            while not mutex.acquire(timeout=0.002):
-                self._merged.wait(0.002)
-        else:
-            mutex.acquire()
-        try:
-            yield
-        finally:
-            mutex.release()
-
-    def _start_merger(self) -> None:
-        # The thread holds the handle only weakly between laps: a handle dropped without close()
-        # is collected, and its thread ends (its updates are in the log, replayed on open).
-        thread = threading.Thread(target=_merge_loop, args=(weakref.ref(self), self._wake),
-                                  name=f"attrindex-merge-{self.name}", daemon=True)
-        self._merger = thread
-        thread.start()
-
-    def _merger_lap(self, pause: float) -> tuple[float, float | None] | None:
-        """One lap of the background merge: merge the frozen overlay (freezing the active one if
-        it is due), or say how long to sleep. Returns ``(pause, sleep)`` (``sleep`` None: until
-        woken), or None once the handle closes. A failure is recorded and logged, and retried
-        after a pause doubling from ``MERGE_RETRY_MIN_SECONDS`` up to ``MERGE_RETRY_SECONDS``."""
-        with self._lock:
-            if self._stopping:
-                return None
-            now = time.monotonic()
-            if now < self._merge_retry_at:
-                return pause, self._merge_retry_at - now
-            if self._frozen is None and self._merge_due():
-                self._freeze()
-            if self._frozen is None:
-                if len(self._overlay) and self.options.flush_seconds != float("inf"):
-                    return pause, max(self._dirty_since + self.options.flush_seconds - now, 0.001)
-                return pause, None
-        try:
-            with self._merging():
-                self._merge_once()
-            return 0.0, 0.0
-        except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
-            pause = min(max(2 * pause, MERGE_RETRY_MIN_SECONDS), MERGE_RETRY_SECONDS)
-            self._merge_retry_at = time.monotonic() + pause
-            _log.warning("segment %r: merging attribute updates into the B+tree failed in the background "
-                         "(retried in %.2f s; flush() raises it): %s", self.name, pause, exc, exc_info=True)
-            return pause, 0.0
-
-    def _stop_merger(self) -> None:
-        """Stop and join the merge thread (not holding ``_lock``: it may be finishing a merge)."""
-        with self._lock:
-            self._stopping = True
-            self._wake.set()
-            self._merged.notify_all()
-            thread = self._merger
-        if thread is None or thread is threading.current_thread():
-            return
-        if self._lock._is_owned():  # type: ignore[attr-defined]  # the thread may need _lock to finish
-            with self._lock:
-                while thread.is_alive():
-                    self._merged.wait(0.002)
-        else:
-            thread.join()
-
-    def _wait_for_room(self) -> None:
-        """Back-pressure (under ``_lock``, before an append): while tier 1 holds more than
-        ``max_pending_bytes``, wait for the merge, at most ``BACKPRESSURE_WAIT_SECONDS``. A
-        failing merge does not block appends (they go on; the failure is in ``stats()``)."""
-        limit = self.options.max_pending_bytes
-        if self._pending_bytes() <= limit or self._merger is None or self._merge_error is not None:
-            return
-        deadline = time.monotonic() + BACKPRESSURE_WAIT_SECONDS
-        failures_seen = self._merge_error
-        while self._pending_bytes() > limit and not self._stopping and self._merge_error is failures_seen:
-            if self._frozen is None:
-                self._freeze()  # the active overlay alone is too big: merge it now
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                _log.warning("segment %r: tier 1 still holds %d bytes (max_pending_bytes %d) after waiting %.0f s "
-                             "for the merge; appending anyway", self.name, self._pending_bytes(), limit,
-                             BACKPRESSURE_WAIT_SECONDS)
-                return
-            self._merged.wait(remaining)
-
-    def _rebuild_overlay(self) -> None:
-        """The tree covers more of the log than this handle had seen: catch up, replay after it."""
-        self._catch_up()
-        self._replay_from_tree()
-
-    def _replay_from_tree(self) -> None:
-        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position."""
-        checkpoint = self._index.checkpoint or 0
-        # Built aside and swapped in whole: a read that fails half-way (in the background merge,
-        # which retries) must not leave tier 1 missing updates, which would let conditional
-        # appends validate against stale values.
-        rebuilt = AttributeOverlay()
-        replay = self._replayer(checkpoint, rebuilt)
-        for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
-            replay(at, header, buf, pos)
-        self._overlay, self._frozen = rebuilt, None
-        self._dirty_since = time.monotonic()
-
     # -- reading records -----------------------------------------------------------------------
     @property
     def next_offset(self) -> int:
@@ -874,25 +662,6 @@ class _PendingAppend:
     encoded: tuple | None = None  #: (keys, values, batch) of the last try: a lost race needs only a rebase
 
 
-def _merge_loop(ref: "weakref.ref[Segment]", wake: threading.Event) -> None:
-    """The body of a handle's merge thread: laps of ``Segment._merger_lap``, sleeping on ``wake``
-    between them without holding the handle (at most ``_IDLE_RECHECK_SECONDS``, then it looks
-    whether the handle still exists)."""
-    pause = 0.0
-    while True:
-        wake.clear()
-        segment = ref()
-        if segment is None:
-            return
-        lap = segment._merger_lap(pause)
-        del segment
-        if lap is None:
-            return
-        pause, sleep = lap
-        if sleep is None or sleep > 0:
-            wake.wait(_IDLE_RECHECK_SECONDS if sleep is None else min(sleep, _IDLE_RECHECK_SECONDS))
-
-
 def _bounded_races(name: str) -> Iterator[int]:
     """Laps of an append loop: each lost race means another writer appended; give up after
     ``MAX_APPEND_RACES`` of them with a clear error rather than spin."""
@@ -936,4 +705,5 @@ def _pair_update(update: object) -> AttributeUpdate:
     raise InvalidInputError(f"an attribute update must be an AttributeUpdate or a (key, value) pair, got {update!r}")
 
 
-__all__ = ["AppendResult", "Segment", "SegmentOptions", "SegmentStats"]
+__all__ = ["AppendResult", "BACKPRESSURE_WAIT_SECONDS", "MERGE_RETRY_MIN_SECONDS", "MERGE_RETRY_SECONDS", "Segment",
+           "SegmentOptions", "SegmentStats"]
