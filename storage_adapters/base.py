@@ -33,14 +33,29 @@ class ChunkStorage(abc.ABC):
     #: True when a backend counts its own requests (S3 counts HTTP requests); otherwise each
     #: operation a subclass defines is counted as the request kind it stands for (``_OPERATION_KINDS``).
     counts_own_requests: bool = False
-    #: False when ``create`` may silently replace an existing file (an S3-compatible store that
-    #: ignores ``If-None-Match``, used with ``single_writer=True``): then a read-back that finds
-    #: other bytes than ours cannot tell "another writer's" from "ours, overwritten".
-    exclusive_create_enforced: bool = True
-    #: Object backends: seconds a chunk made dead by a truncation keeps its name before it is
-    #: deleted, so that a handle whose view is younger than that never re-creates a deleted name
-    #: (docs/storage.md). 0: deleted at once, and each append lists the truncation markers instead.
-    deletion_grace: float = 0.0
+    # A wrapper (a storage with an ``inner`` ChunkStorage: fault injection, cached listings) has its
+    # inner backend's capability, deletion grace and request counters unless it says otherwise.
+    @property
+    def exclusive_create_enforced(self) -> bool:
+        """False when ``create`` may silently replace an existing file (an S3-compatible store that
+        ignores ``If-None-Match``, used with ``single_writer=True``): then a read-back that finds
+        other bytes than ours cannot tell "another writer's" from "ours, overwritten"."""
+        inner = _inner(self)
+        return True if inner is None else inner.exclusive_create_enforced
+
+    @property
+    def deletion_grace(self) -> float:
+        """Object backends: seconds a chunk made dead by a truncation keeps its name before it is
+        deleted, so that a handle whose view is younger than that never re-creates a deleted name
+        (docs/storage.md). 0: deleted at once, and each append lists the truncation markers instead."""
+        if "_deletion_grace" in self.__dict__:
+            return self.__dict__["_deletion_grace"]
+        inner = _inner(self)
+        return 0.0 if inner is None else inner.deletion_grace
+
+    @deletion_grace.setter
+    def deletion_grace(self, seconds: float) -> None:
+        self.__dict__["_deletion_grace"] = float(seconds)
 
     def __init__(self, url: str):
         self.url = url
@@ -60,7 +75,10 @@ class ChunkStorage(abc.ABC):
     # -- request counters ------------------------------------------------------------------------
     @property
     def request_counter(self) -> RequestCounter:
-        """The live counter this backend increments (created on first use)."""
+        """The live counter this backend increments (created on first use); a wrapper's is its inner's."""
+        inner = _inner(self)
+        if inner is not None:
+            return inner.request_counter
         counter = self.__dict__.get("_request_counter")
         if counter is None:
             with _COUNTER_GUARD:
@@ -135,6 +153,12 @@ class ChunkStorage(abc.ABC):
 
 _COUNTER_GUARD = threading.Lock()
 
+
+def _inner(storage: ChunkStorage) -> ChunkStorage | None:
+    """The backend a wrapping storage passes its calls to (its ``inner`` attribute), if any."""
+    inner = storage.__dict__.get("inner")
+    return inner if isinstance(inner, ChunkStorage) else None
+
 #: The request kind each ``ChunkStorage`` operation stands for, on backends that do not count
 #: their own requests. ``delete`` counts one DELETE per path; ``remove_directory`` a LIST and a DELETE.
 _OPERATION_KINDS = {
@@ -156,6 +180,8 @@ def _counted(method: Callable[..., Any], kind: str) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def wrapper(self: ChunkStorage, *args: Any, **kwargs: Any) -> Any:
+        if _inner(self) is not None:  # a wrapper: the inner backend counts what really happens
+            return method(self, *args, **kwargs)
         counter = self.request_counter
         if kind == "DELETE" and method.__name__ == "delete":
             paths = args[0] if args else kwargs.get("paths", [])

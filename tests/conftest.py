@@ -120,7 +120,7 @@ def seaweedfs_options(tmp_path_factory):
                f"-s3.config={config}", "-volume.max=20", "-master.volumeSizeLimitMB=64",
                *(f"-{name}={port}" for name, port in ports.items())]
     log = open(root / "weed.log", "wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, preexec_fn=_die_with_parent)
     options = {"endpoint_url": f"http://127.0.0.1:{ports['s3.port']}", "key": S3_KEY, "secret": S3_SECRET}
     try:
         _wait_until_writable(server, options, root / "weed.log")
@@ -133,6 +133,18 @@ def seaweedfs_options(tmp_path_factory):
             server.kill()
             server.wait(timeout=10)
         log.close()
+
+
+def _die_with_parent() -> None:
+    """In the child: be killed when the test process dies (weed ignores SIGTERM for a long while, and
+    a killed pytest never runs the fixture's teardown). Linux only; elsewhere the teardown does it."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _wait_until_writable(server, options, log_path, timeout: float = 60) -> None:

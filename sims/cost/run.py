@@ -157,7 +157,8 @@ def print_table(results: dict[str, dict[str, dict[str, float]]]) -> None:
 
 def print_dollars(rows: dict[str, dict[str, float]]) -> None:
     def cost(op: str, n: float) -> str:
-        return f"${dollars(rows[op]) * n:,.2f}"
+        value = dollars(rows[op]) * n
+        return f"${value:,.2f}" if value >= 1 else f"${value:.4f}"
 
     print("\nS3 Standard list prices (PUT/LIST $0.005 per 1,000; GET/HEAD $0.0004 per 1,000; DELETE free):")
     print("  per million events written, one event per append:  ", cost("EventWriter.write+flush (1 event)", 1e6))
