@@ -438,6 +438,12 @@ class RollingSegment:
                 if expected_offset is not None:
                     raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated")
                 continue
+            if self._offset_replaced(offset):  # layout's hook: the name was freed by a chunk switch
+                self._delete_quietly(path)
+                self.refresh()
+                if expected_offset is not None:
+                    raise BadOffsetError(self.name, expected_offset, self.length, "offset was replaced")
+                continue
             self._chunks.append(ChunkInfo(offset, len(data), chunk_name(offset)))
             self._start_offset = max(self._start_offset, start_offset)
             self._after_durable_append()

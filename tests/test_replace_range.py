@@ -221,6 +221,20 @@ def test_stale_handle_gets_a_conflict_and_changes_nothing(storage):
         a.read(0, 16)  # a's view is stale (its chunk was replaced): it looks again and finds the hole
 
 
+def test_stale_appender_after_replacement_appends_at_the_true_end(storage):
+    a = _segment(storage, chunks=3)
+    b = RollingSegment(storage, NAME, rolling_size=10)  # sees 3 chunks; the last is sealed by a's appends
+    a.append(b"D" * 10)
+    a.append(b"E" * 10)
+    a.replace_range(30, 40, b"d")  # the chunk right after b's last one gets a new name
+    with pytest.raises(BadOffsetError):
+        b.append(b"F", expected_offset=30)
+    assert b.append(b"F" * 10) == 50
+    fresh = RollingSegment(storage, NAME)
+    assert fresh.read(0, 31) == b"A" * 10 + b"B" * 10 + b"C" * 10 + b"d"
+    assert fresh.read(40, 20) == b"E" * 10 + b"F" * 10
+
+
 def test_two_handles_racing_for_one_generation(storage):
     """Both listed the same layout and write replacements of one generation: the switch marker
     decides, the loser reports a conflict (overlapping) or takes the next generation (disjoint)."""
