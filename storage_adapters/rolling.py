@@ -167,6 +167,34 @@ class RollingSegment:
         """The chunks holding readable bytes, in offset order (the first may start below ``start_offset``)."""
         return list(self._chunks)
 
+    def chunk_at(self, position: int) -> ChunkInfo | None:
+        """The chunk of this handle's view holding byte ``position`` (the last one for the end)."""
+        chunks = self._chunks
+        i = bisect.bisect_right(chunks, position, key=lambda c: c.start) - 1
+        return chunks[i] if i >= 0 else None
+
+    def chunks_in(self, start: int, end: int) -> list[ChunkInfo]:
+        """The chunks of this handle's view overlapping ``[start, end)`` (the one holding ``start`` if empty)."""
+        chunks = self._chunks
+        i = max(bisect.bisect_right(chunks, start, key=lambda c: c.start) - 1, 0)
+        j = max(bisect.bisect_left(chunks, end, key=lambda c: c.start), i + 1)
+        return chunks[i:j]
+
+    def readable_end(self, position: int, limit: int) -> int:
+        """Where the bytes readable from ``position`` on stop before ``limit``: the start of the first
+        hole at or after ``position`` (``position`` itself if it lies in a hole), else ``limit``."""
+        for chunk in self.chunks_in(position, limit):
+            if chunk.stored_end < min(chunk.end, limit):
+                return max(position, chunk.stored_end)
+        return limit
+
+    def hole_at(self, position: int) -> tuple[int, int] | None:
+        """The hole ``(start, end)`` holding byte ``position`` in this handle's view, if any."""
+        chunk = self.chunk_at(position)
+        if chunk is not None and chunk.stored_end <= position < chunk.end:
+            return chunk.stored_end, chunk.end
+        return None
+
     def holes(self) -> list[tuple[int, int]]:
         """The holes ``(start, end)`` at or above ``start_offset`` as of this handle's view, in order:
         byte ranges that replacements left empty (reading them raises ``HoleError``)."""
