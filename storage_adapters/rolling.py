@@ -880,7 +880,7 @@ class RollingSegment:
         written = 0
         with self._mutex:
             self.refresh()
-            for run in self._small_runs(target):
+            for run in self.small_runs(target):
                 start, end = run[0].start, run[-1].end
                 try:
                     data = self.read(start, run[-1].stored_end - start)
@@ -891,9 +891,10 @@ class RollingSegment:
                 written += 1
         return written
 
-    def _small_runs(self, target: int) -> list[list[ChunkInfo]]:
-        """Runs of two or more adjacent sealed chunks whose stored bytes fit in ``target``; a chunk
-        with a hole may only end a run (the merged chunk keeps its hole at the end)."""
+    def small_runs(self, target: int) -> list[list[ChunkInfo]]:
+        """Runs of two or more adjacent sealed chunks of this view whose stored bytes fit in
+        ``target``: what ``compact_chunks`` merges. A chunk with a hole may only end a run (the
+        merged chunk keeps its hole at the end)."""
         runs: list[list[ChunkInfo]] = []
         run: list[ChunkInfo] = []
         size = 0

@@ -49,7 +49,11 @@ _log = logging.getLogger("attrindex.log")
 LOG_DIR, INDEX_DIR, GAP_DIR = "_log", "_index", "_gaps"
 DEFAULT_LOG_ROLLING_SIZE = 16 << 20
 DEFAULT_INDEX_INTERVAL_BYTES = 4096
-_READ_WINDOW = 1 << 20
+#: Bytes one storage read fetches when scanning (object stores bill per request, so large: one
+#: GET per 8 MiB of a consolidated log). A read for at most ``max_bytes`` fetches that much plus
+#: ``_READ_SLACK`` so that the batch crossing the budget comes in the same request.
+_READ_WINDOW = 8 << 20
+_READ_SLACK = 256 << 10
 MAX_RESYNCS = 10  #: layout changes one catch-up or read follows before it gives up
 _GAP_NAME = re.compile(r"(\d{20})-(\d{20})")
 _NO_TIMESTAMP = -(1 << 63)
@@ -256,7 +260,7 @@ class SegmentLog:
         if chunk.builder is not None and chunk.summary is None:
             chunk.summary, chunk.builder = chunk.builder.summary(), None
 
-    def _walk(self, start: int, end: int, names: set[str] | None = None
+    def _walk(self, start: int, end: int, names: set[str] | None = None, window: int = _READ_WINDOW
               ) -> Iterator[tuple[int, BatchHeader | None, bytes, int]]:
         """Verified batches in ``[start, end)`` read in windows, as (position, header, buffer, pos).
 
@@ -266,7 +270,7 @@ class SegmentLog:
         """
         if names is None:
             names = {c.name for c in self._chunks[self._chunk_index(start):self._chunk_index(max(start, end - 1)) + 1]}
-        position, window = start, _READ_WINDOW
+        position, default_window = start, window
         while position < end:
             window_end = self.bytes.readable_end(position, min(end, position + window))
             if window_end == position:
@@ -298,7 +302,7 @@ class SegmentLog:
                     return
                 window = end - position  # read the big batch whole
                 continue
-            position, window = position + pos, _READ_WINDOW
+            position, window = position + pos, default_window
 
     def _invalid_at(self, chunk: _Chunk, at: int, reason: str) -> None:
         """Step over the recorded gap at ``at``, or raise: invalid committed bytes are corruption."""
@@ -456,7 +460,8 @@ class SegmentLog:
 
     # -- reading batches -----------------------------------------------------------------------
     def batches(self, start: int, end: int, builder: ChunkIndexBuilder | None = None,
-                 next_offset: int = 0, *, names: set[str] | None = None) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
+                 next_offset: int = 0, *, names: set[str] | None = None,
+                 window: int = _READ_WINDOW) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
         """Verified batches in ``[start, end)``, stepping over holes and recorded gaps (else
         ``CorruptDataError``); ``LayoutChangedError`` if chunks other than ``names`` (default: this
         handle's view) turn up, replaced meanwhile.
@@ -467,7 +472,7 @@ class SegmentLog:
             names = {c.name for c in self._chunks[self._chunk_index(start):self._chunk_index(max(start, end - 1)) + 1]}
         position = start
         while position < end:
-            for at, header, buf, pos in self._walk(position, end, names):
+            for at, header, buf, pos in self._walk(position, end, names, window):
                 if header is None or at in self._gaps:
                     gap_end = self._gap_at(at)
                     if gap_end is None:
@@ -501,12 +506,13 @@ class SegmentLog:
         their start (records already returned are skipped by offset)."""
         out: list[Record] = []
         budget = max_bytes
+        window = min(_READ_WINDOW, max_bytes) + _READ_SLACK
         pending = list(ranges)
         for _attempt in range(MAX_RESYNCS):
             try:
                 while pending:
                     start, end, name = pending[0]
-                    for at, header, buf, pos in self.batches(start, end, names={name}):
+                    for at, header, buf, pos in self.batches(start, end, names={name}, window=window):
                         wanted = out[-1].offset + 1 if out else offset
                         if header.next_offset <= wanted or not header.record_count:
                             continue
