@@ -119,3 +119,34 @@ def read_while_switching(url: str, options: dict, chunks: int, seconds: float, r
         results.put(("ok", reads))
     except BaseException as exc:  # report, never hang the parent
         results.put(("error", repr(exc)))
+
+
+def append_records(url: str, options: dict, name: str, count: int, rolling: int, results) -> None:
+    """Append ``count`` records (values = their offsets), a few per batch, as fast as it can."""
+    from attrindex import SegmentStore
+
+    try:
+        seg = SegmentStore.open(url, storage_options=options, log_rolling_size=rolling).segment(name)
+        written = 0
+        while written < count:
+            n = min(1 + written % 3, count - written)
+            seg.append([b"%d" % (written + i) for i in range(n)])
+            written += n
+        results.put(("writer", written))
+    except BaseException as exc:  # report, never hang the parent
+        results.put(("writer", repr(exc)))
+
+
+def tail_records(url: str, options: dict, name: str, count: int, rolling: int, seconds: float, results) -> None:
+    """Tail the segment from offset 0 until ``count`` records came (or ``seconds`` passed)."""
+    from attrindex import SegmentStore
+
+    try:
+        seg = SegmentStore.open(url, storage_options=options, log_rolling_size=rolling).segment(name)
+        reader = seg.reader(offset=0)
+        got, deadline = [], time.monotonic() + seconds
+        while len(got) < count and time.monotonic() < deadline:
+            got += [(r.offset, r.value) for r in reader.read_batch(max_records=1000, timeout=0.2)]
+        results.put(("reader", got))
+    except BaseException as exc:
+        results.put(("reader", repr(exc)))
