@@ -26,6 +26,7 @@ import contextlib
 import logging
 import re
 import threading
+import time
 
 import attrs
 
@@ -122,7 +123,6 @@ class _Layout:
     losers: tuple[str, ...] = ()  #: replacements whose generation another switch took: deleted first
     retired: tuple[str, ...] = ()  #: objects nobody can see any more: any writer may delete them
     debris: tuple[str, ...] = ()  #: replacements never switched to, of generations not yet decided
-    dead_markers: tuple[str, ...] = ()  #: switch markers whose replacement is gone (deleted after ``retired``)
 
 
 class RollingSegment:
@@ -146,6 +146,8 @@ class RollingSegment:
         self._markers: list[int] = []
         self._layout = _Layout()
         self._closed = False
+        self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
+        self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
         self.refresh()
 
     def __repr__(self) -> str:
@@ -211,9 +213,12 @@ class RollingSegment:
         self._check_open()
         with self._mutex:
             for _attempt in range(MAX_REFRESH_ATTEMPTS):
+                started = time.monotonic()
                 view = self._load_view()
                 if view is not None:
                     self._chunks, self._start_offset, self._markers, self._layout = view
+                    self._view_time = started
+                    self._note_dead_objects()
                     return
                 _log.info("segment %r: the listing raced an append or truncation; listing again", self.name)
         raise StorageError(
@@ -223,7 +228,7 @@ class RollingSegment:
 
     def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout] | None:
         """``(chunks, start offset, markers, layout)`` from one listing, or ``None`` if it is inconsistent."""
-        files = self.storage.list_files(self._dir)
+        files = self._listed = self.storage.list_files(self._dir)
         markers = sorted(
             int(n[len(TRUNCATION_DIR) + 1:])
             for n in files
@@ -291,7 +296,7 @@ class RollingSegment:
         if not switches and not candidates:
             return _Layout()
         top = max(markers, default=0)
-        committed, debris, losers, retired, dead_markers = [], [], [], [], []
+        committed, debris, losers, retired = [], [], [], []
         for gen, names in candidates.items():
             chosen = names[0] if len(names) == 1 and gen in switches else None
             if len(names) > 1 and gen in switches:  # racing replacers of one generation: the marker says who won
@@ -309,15 +314,11 @@ class RollingSegment:
         for start, end, gen in sorted(committed, key=lambda r: -r[2]):
             if _overlaps(start, end, accepted):
                 retired.append(replacement_name(start, end, gen))
-                dead_markers.append(f"{SWITCH_DIR}/{chunk_name(gen)}")
             else:
                 accepted.append((start, end, gen))
-        live_gens = {gen for _s, _e, gen in accepted}
-        dead_markers += [f"{SWITCH_DIR}/{chunk_name(g)}" for g in markers if g not in candidates or g not in switches]
         retired += [n for n in files if _CHUNK_NAME.fullmatch(n) and _inside(int(n), accepted)]
-        dead_markers = [m for m in dead_markers if int(m[len(SWITCH_DIR) + 1:]) not in live_gens | {top}]
         return _Layout(top, frozenset(replacement_name(*r) for r in accepted), tuple(sorted(losers)),
-                       tuple(sorted(set(retired))), tuple(sorted(debris)), tuple(sorted(set(dead_markers))))
+                       tuple(sorted(set(retired))), tuple(sorted(debris)))
 
     def _switch_target(self, gen: int) -> str | None:
         """The replacement a switch marker names (read only when several share its generation)."""
@@ -325,6 +326,45 @@ class RollingSegment:
             return self.storage.read(f"{self._dir}/{SWITCH_DIR}/{chunk_name(gen)}", 0, 200).decode("ascii", "replace")
         except FileNotFoundError:
             return None
+
+    def poll(self) -> bool:
+        """Whether the segment may have grown since this handle's last look: ``refresh`` then.
+
+        Cheap, for tail readers: object stores cost one small request (a 1-byte ranged read of
+        the chunk the next append creates: absent means nothing was appended), never a listing;
+        appendable backends stat the last chunk and look for the next (writers with a smaller
+        rolling size roll sooner).
+        Truncations are not looked for (a reader meets them when it reads).
+        """
+        self._check_open()
+        with self._mutex:
+            last = self._chunks[-1] if self._chunks else None
+            if self.storage.appendable and last is not None:
+                try:
+                    if self.storage.committed_size(f"{self._dir}/{last.name}") != last.length:
+                        return True
+                except FileNotFoundError:
+                    return True  # truncated and rolled past meanwhile
+                if not last.length:
+                    return False  # an empty chunk is where the next append goes
+            try:
+                self.storage.read(f"{self._dir}/{chunk_name(self.length)}", 0, 1)
+            except FileNotFoundError:
+                # A chunk switch (layout) may have taken the next chunk's plain name away.
+                return self._switched_since_view()
+            return True
+
+    def _switched_since_view(self) -> bool:
+        """Whether a chunk switch may have happened since this view (then ``refresh``).
+
+        Switches are numbered one after another, so on local disk and memory one existence check
+        of the next generation's marker tells. Object stores with a deletion grace keep replaced
+        chunk names for the grace, so the next chunk's name is found anyway while the view is
+        younger than half of it; an older view just says yes (a listing every grace/2 at most).
+        """
+        if not self.storage.appendable and self.storage.deletion_grace > 0:
+            return time.monotonic() - self._view_time >= self.storage.deletion_grace / 2
+        return self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}")
 
     def _check_object_size(self, start: int, stored: int, length: int) -> None:
         # Object chunks are written whole, so each must end where the next begins.
@@ -433,14 +473,26 @@ class RollingSegment:
             self._chunks.append(last)
 
     def _append_object(self, data: bytes, expected_offset: int | None) -> int:
+        """One exclusive create at the viewed length: 1 PUT when the view is fresh (docs/storage.md).
+
+        A name below the truncation offset could be free again only after its chunk was deleted,
+        and dead chunks keep their names for ``storage.deletion_grace`` seconds; so a view younger
+        than half of that (the other half is margin for a slow request) cannot re-create one, and an
+        older view is refreshed first. With no grace (0), the truncation offset is listed after
+        each create instead, and a create that landed below it is undone.
+        """
+        grace = self.storage.deletion_grace
         retried_unknown = False
         for _attempt in range(MAX_APPEND_ATTEMPTS):
+            if grace > 0 and time.monotonic() - self._view_time >= grace / 2:
+                self.refresh()  # too old to rule out a name freed by a deletion
             if expected_offset is not None and expected_offset != self.length:
                 self.refresh()
                 if expected_offset != self.length:
                     raise BadOffsetError(self.name, expected_offset, self.length)
             offset = self.length
             path = f"{self._dir}/{chunk_name(offset)}"
+            sent = time.monotonic()
             try:
                 self.storage.create(path, data)
             except StorageError as exc:
@@ -457,23 +509,28 @@ class RollingSegment:
                     if expected_offset is not None:
                         raise BadOffsetError(self.name, expected_offset, self.length) from None
                     continue
-            start_offset = self._stored_start_offset_after_write(path)
-            if start_offset > offset:
-                # A name below the truncation offset may have been freed and re-created by this
-                # (stale) handle: its offset was taken and truncated away meanwhile. Undo, report.
-                self._delete_quietly(path)
-                self.refresh()
-                if expected_offset is not None:
-                    raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated")
-                continue
-            if self._offset_replaced(offset):  # layout's hook: the name was freed by a chunk switch
-                self._delete_quietly(path)
-                self.refresh()
-                if expected_offset is not None:
-                    raise BadOffsetError(self.name, expected_offset, self.length, "offset was replaced")
-                continue
+            start_offset = self._start_offset
+            if grace <= 0:
+                start_offset = self._stored_start_offset_after_write(path)
+                if start_offset > offset:
+                    # A name below the truncation offset may have been freed and re-created by this
+                    # (stale) handle: its offset was taken and truncated away meanwhile. Undo, report.
+                    self._delete_quietly(path)
+                    self.refresh()
+                    if expected_offset is not None:
+                        raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated")
+                    continue
+                if self._offset_replaced(offset):  # likewise a name freed by a chunk switch (layout)
+                    self._delete_quietly(path)
+                    self.refresh()
+                    if expected_offset is not None:
+                        raise BadOffsetError(self.name, expected_offset, self.length, "offset was replaced")
+                    continue
             self._chunks.append(ChunkInfo(offset, len(data), chunk_name(offset)))
             self._start_offset = max(self._start_offset, start_offset)
+            # The next name (offset + len) can only be taken by a writer that saw this chunk, which
+            # did not exist before ``sent``: the view is as young as this create.
+            self._view_time = max(self._view_time, sent)
             self._after_durable_append()
             return offset
         raise StorageError(
@@ -512,6 +569,13 @@ class RollingSegment:
             _log.info("segment %r: create of %r raised %s but the object holds this append; accepted",
                          self.name, path, type(error).__name__)
             return "ours"
+        if not isinstance(error, ChunkExistsError) and not self.storage.exclusive_create_enforced:
+            # The store may replace objects (single_writer=True on a store without conditional
+            # writes): other bytes where ours may have landed can be an overwrite of ours.
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: create of {path!r} failed ({error}) and the object now holds other "
+                "bytes: another writer may have overwritten this append (the store ignores If-None-Match and "
+                "single_writer=True promised one writing process)") from error
         return "theirs"
 
     def _stored_start_offset_after_write(self, path: str) -> int:
@@ -538,12 +602,44 @@ class RollingSegment:
         """Delete the chunks before the last that lie wholly below the start offset.
 
         ``truncate`` keeps the last chunk; once an append starts a new one, the old one can go
-        (and any whose deletion failed earlier).
+        (and any whose deletion failed earlier). Object chunks with a deletion grace are only
+        marked dead here and deleted once the grace has passed (``_delete_doomed_objects``).
         """
         dead = [c for c in self._chunks[:-1] if c.end <= self._start_offset]
         if dead:
-            self.storage.delete([f"{self._dir}/{c.name}" for c in dead])
+            if self._defers_deletion():
+                now = time.monotonic()  # the truncation is durable by now: dead since at most now
+                for chunk in dead:
+                    self._doomed.setdefault(chunk.name, now)
+            else:
+                self.storage.delete([f"{self._dir}/{c.name}" for c in dead])
             self._chunks = self._chunks[len(dead):]
+        self._delete_doomed_objects()
+
+    def _defers_deletion(self) -> bool:
+        return not self.storage.appendable and self.storage.deletion_grace > 0
+
+    def _note_dead_objects(self) -> None:
+        """After a listing: remember the dead object chunks it showed (left by other handles or
+        processes, or by an interrupted deletion), so that this handle deletes them after the grace."""
+        if not self._defers_deletion():
+            return
+        first = self._chunks[0].start if self._chunks else self._start_offset
+        now = time.monotonic()  # the listing showed them dead: dead since before now
+        for name in self._listed:
+            if _CHUNK_NAME.fullmatch(name) and int(name) < first:
+                self._doomed.setdefault(name, now)
+
+    def _delete_doomed_objects(self) -> None:
+        """Delete the dead object chunks whose grace has passed (one DeleteObjects request)."""
+        if not self._doomed:
+            return
+        expired = time.monotonic() - self.storage.deletion_grace
+        ripe = sorted(name for name, since in self._doomed.items() if since <= expired)
+        if ripe:
+            self.storage.delete([f"{self._dir}/{name}" for name in ripe])
+            for name in ripe:
+                del self._doomed[name]
 
     def _stored_start_offset(self) -> int:
         files = self.storage.list_files(f"{self._dir}/{TRUNCATION_DIR}")
@@ -852,13 +948,26 @@ class RollingSegment:
                 "won; nothing of this one is visible")
 
     def _sweep_layout(self) -> None:
-        """Delete what no view can use any more: chunks shadowed by replacements, replacements that
-        lost or were never switched to, and switch markers left without their chunk. Best effort:
-        leftovers are harmless and the next replacement or truncation deletes them."""
+        """Delete what no view can use any more: chunks shadowed by replacements, and replacements
+        that lost or were never switched to. Best effort: leftovers are harmless and the next
+        replacement or truncation deletes them. Switch markers stay (tiny; see docs/format.md):
+        "has anything switched since my view" is the existence of the next generation's marker."""
         layout = self._layout
         self._delete_quietly_all(layout.losers)  # first: with its winner gone a loser would look switched
-        self._delete_quietly_all(layout.retired)
-        self._delete_quietly_all(layout.dead_markers)
+        retired = layout.retired
+        if self._defers_deletion():
+            # A plain chunk name freed now could be re-created by a stale appender (1 PUT, no
+            # LIST): it keeps its name for the deletion grace, like a truncated chunk.
+            now = time.monotonic()
+            for name in retired:
+                if _CHUNK_NAME.fullmatch(name):
+                    self._doomed.setdefault(name, now)
+            retired = tuple(n for n in retired if not _CHUNK_NAME.fullmatch(n))
+            try:
+                self._delete_doomed_objects()
+            except StorageError as exc:
+                _log.warning("segment %r: could not delete dead chunks (retried later): %s", self.name, exc)
+        self._delete_quietly_all(retired)
 
     def _delete_quietly_all(self, names) -> None:
         if names:
@@ -917,6 +1026,7 @@ class RollingSegment:
         with self._mutex:
             self.storage.remove_directory(self._dir)
             self._chunks, self._start_offset, self._markers, self._layout = [], 0, [], _Layout()
+            self._doomed.clear()
 
     def close(self) -> None:
         """Forget the handle's view; later calls raise ``StorageError``. Data is already durable."""

@@ -26,6 +26,7 @@ class KillingStorage(ChunkStorage):
         super().__init__(inner.url)
         self.inner, self.kill_at, self.writes = inner, kill_at, 0
         self.appendable = inner.appendable
+        self.deletion_grace = inner.deletion_grace
 
     def _write(self) -> None:
         self.writes += 1
@@ -150,3 +151,20 @@ def tail_records(url: str, options: dict, name: str, count: int, rolling: int, s
         results.put(("reader", got))
     except BaseException as exc:
         results.put(("reader", repr(exc)))
+
+
+def assert_only_live_chunks_left(seg: RollingSegment) -> None:
+    """Every chunk object listed is a live chunk of ``seg``'s view, except, on an object store
+    with a deletion grace, dead plain chunk names this handle waits to delete (a stale appender
+    must not be able to re-create them)."""
+    from storage_adapters.rolling import _CHUNK_NAME, SWITCH_DIR, TRUNCATION_DIR
+
+    files = seg.storage.list_files(seg.name + ".seg")
+    data = {n for n in files if not n.startswith((SWITCH_DIR, TRUNCATION_DIR))}
+    live = {c.name for c in seg.chunks()}
+    assert live <= data
+    extra = data - live
+    if not seg.storage.appendable and seg.storage.deletion_grace > 0:
+        assert all(_CHUNK_NAME.fullmatch(n) and n in seg._doomed for n in extra), extra
+    else:
+        assert not extra, extra

@@ -31,6 +31,7 @@ class CountingStorage(ChunkStorage):
         super().__init__(inner.url)
         self.inner, self.calls = inner, collections.Counter()
         self.appendable = inner.appendable
+        self.deletion_grace = inner.deletion_grace
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

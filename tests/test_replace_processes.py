@@ -12,7 +12,6 @@ import time
 import pytest
 
 from storage_adapters import RollingSegment, open_storage
-from storage_adapters.rolling import SWITCH_DIR, TRUNCATION_DIR
 
 from . import layout_workers as workers
 from .conftest import make_s3_url
@@ -50,11 +49,7 @@ def _check_layout(url, options, exact: bool) -> RollingSegment:
 
 
 def _leftovers_cleaned(seg: RollingSegment) -> None:
-    files = seg.storage.list_files(workers.NAME + ".seg")
-    data_files = sorted(n for n in files if not n.startswith((SWITCH_DIR, TRUNCATION_DIR)))
-    assert data_files == sorted(c.name for c in seg.chunks())
-    live = {c.generation for c in seg.chunks()} | {max([0, *(int(n.split("/")[1]) for n in files if n.startswith(SWITCH_DIR))])}
-    assert {int(n.split("/")[1]) for n in files if n.startswith(SWITCH_DIR)} <= live
+    workers.assert_only_live_chunks_left(seg)
 
 
 def _kill_child(url, options, kill_at, seed) -> int:
