@@ -142,7 +142,9 @@ def _index_stats(args: argparse.Namespace) -> int:
         print(json.dumps(attrs.asdict(stats), indent=2))
     else:
         for field, value in attrs.asdict(stats).items():
-            print(f"{field:20} {value:,}")
+            if isinstance(value, dict):  # the storage requests, by kind
+                value = ", ".join(f"{kind} {count:,}" for kind, count in value.items())
+            print(f"{field:20} {value:,}" if isinstance(value, int) else f"{field:20} {value}")
     return 0
 
 
