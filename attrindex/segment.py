@@ -29,7 +29,7 @@ from .errors import (BadOffsetError, ConditionalUpdateError, CorruptDataError, H
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
                         rebase_batch, record_list)
-from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog, grouped_batch_id
+from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError, SegmentLog, grouped_batch_id
 from .log.retention import plan_retention
 from .overlay import AttributeOverlay, merge_scan
 from .poller import SegmentPoller
@@ -682,7 +682,11 @@ class Segment:
                 start = self._log.start_offset
                 if offset < start:
                     raise RecordTruncatedError(self.name, offset, start)
-                ranges = self._log.plan_read(offset)
+                try:
+                    ranges = self._log.plan_read(offset)
+                except LayoutChangedError:  # chunks switched under the plan (consolidation elsewhere)
+                    self._catch_up()
+                    ranges = self._log.plan_read(offset)
             return self._log.read_planned(ranges, offset, max_records, max_bytes, whole_batches=whole_batches)
         except TruncatedError:  # another handle's retention deleted the chunk under this stale view
             with self._lock:

@@ -209,3 +209,29 @@ def test_reads_match_the_surviving_offsets(steps):
             probe = n % (next_offset + 1)
             later = [o for o in survivors if o >= probe]
             assert [r.offset for r in fresh.read(probe, max_records=1)] == later[:1]
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_stale_handle_reads_by_offset_after_a_switch(storage_url):
+    """A handle whose view predates a compaction plans a read with the old chunks (their index
+    files are gone): the plan meets the switch, the handle catches up and reads the survivors."""
+    url, options = storage_url
+    writer = _store(url, options).segment("s", create=True)
+    _fill(writer, 30)
+    writer.flush()  # the stale handle opens at the checkpoint: no summaries of old chunks
+    stale = _store(url, options).segment("s")
+    assert all(c.summary is None for c in stale._log._chunks[:-1])
+    sealed = _sealed(writer._log)
+    dropped = set()
+
+    def keep(h):
+        if h.base_offset % 6 == 3:
+            dropped.update(range(h.base_offset, h.next_offset))
+            return False
+        return True
+    with writer._lock:
+        _compact(writer._log, sealed[1:4], keep)
+    assert dropped
+    for offset in sorted(dropped)[:3] + [0, 50, 89]:
+        want = [o for o in range(offset, 90) if o not in dropped][:5]
+        assert [r.offset for r in stale.read(offset, max_records=5)] == want
