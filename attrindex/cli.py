@@ -609,6 +609,17 @@ def _segment_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _segment_consolidate(args: argparse.Namespace) -> int:
+    target = None if args.target_size is None else parse_size(args.target_size)
+    with _open_store(args, writes=True) as store:
+        segment = store.segment(args.name)
+        before = segment.stats().log_chunks
+        merged = segment.compact_chunks(target)
+        after = segment.stats().log_chunks
+    print(f"merged {merged} runs of small chunks: {before:,} chunks before, {after:,} after")
+    return 0
+
+
 def _segment_repair(args: argparse.Namespace) -> int:
     from .segment_repair import describe_repair
 
@@ -686,6 +697,12 @@ def _add_segment_commands(commands) -> None:
     retention.add_argument("--max-bytes", metavar="SIZE",
                            help="delete the oldest chunks while the log holds more: 10MB, 512KiB or plain bytes")
     retention.add_argument("--start-offset", type=int, metavar="N", help="delete the records below offset N")
+
+    consolidate = action("consolidate", _segment_consolidate,
+                         "merge runs of small log chunks (one object per append on S3) into large ones; "
+                         "bytes and offsets do not change, readers and writers may go on meanwhile")
+    consolidate.add_argument("--target-size", metavar="SIZE",
+                             help="size of the merged chunks: 32MB, 512KiB or plain bytes (default: the log's rolling size)")
 
     action("verify", _segment_verify, "read every committed byte of the segment, print every damaged range; "
                                       "exit 3 if any")

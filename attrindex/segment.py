@@ -24,12 +24,12 @@ import attrs
 
 from .tree_index import TreeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
-from .errors import (BadOffsetError, ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError,
-                     StorageError, TruncatedError)
+from .errors import (BadOffsetError, ConditionalUpdateError, CorruptDataError, HoleError, InvalidInputError,
+                     LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
                         rebase_batch, record_list)
-from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog, grouped_batch_id
+from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError, SegmentLog, grouped_batch_id
 from .log.retention import plan_retention
 from .overlay import AttributeOverlay, merge_scan
 from .poller import SegmentPoller
@@ -42,7 +42,7 @@ ATTRIBUTES_NAME = "_attributes"
 DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
-DEFAULT_READ_BYTES = 4 << 20
+DEFAULT_READ_BYTES = 8 << 20  # one GET per 8 MiB of a consolidated log on object stores
 DEFAULT_MIN_POLL_INTERVAL = 0.05  #: a tail reader's first poll after records came
 DEFAULT_MAX_POLL_INTERVAL = 1.0  #: ... backing off to this: an idle reader costs 1 request/s
 MAX_OPEN_ATTEMPTS = 10  #: opens that met a concurrent retention before giving up
@@ -470,7 +470,11 @@ class Segment(BackgroundMerge):
                 start = self._log.start_offset
                 if offset < start:
                     raise RecordTruncatedError(self.name, offset, start)
-                ranges = self._log.plan_read(offset)
+                try:
+                    ranges = self._log.plan_read(offset)
+                except LayoutChangedError:  # chunks switched under the plan (consolidation elsewhere)
+                    self._catch_up()
+                    ranges = self._log.plan_read(offset)
             return self._log.read_planned(ranges, offset, max_records, max_bytes, whole_batches=whole_batches)
         except TruncatedError:  # another handle's retention deleted the chunk under this stale view
             with self._lock:
@@ -573,6 +577,40 @@ class Segment(BackgroundMerge):
                 self._log.truncate_at(position)
                 _log.info("segment %r: retention removed the log below byte %d (%d chunks)", self.name, position, deleted)
             return deleted
+
+    # -- consolidation -------------------------------------------------------------------------
+    def compact_chunks(self, target_size: int | None = None) -> int:
+        """Merge runs of small sealed log chunks into chunks of up to ``target_size`` bytes (default:
+        ``log_rolling_size``); return how many merged chunks were written.
+
+        Object stores make one chunk per append; merged, a log is read with one request per
+        8 MiB instead of one per append. Bytes, offsets and positions do not change; each merge is
+        an atomic switch (``RollingSegment.replace_range``) that readers and writers in other
+        processes survive, and runs that another process changes meanwhile are skipped. On local
+        disk chunks already grow in place to the rolling size: there it merges only small ones.
+        """
+        if target_size is not None and (type(target_size) is not int or target_size <= 0):
+            raise InvalidInputError(f"target_size must be an int > 0 or None, got {target_size!r}")
+        target = self.options.log_rolling_size if target_size is None else target_size
+        with self._lock:
+            self._check_open()
+            self._catch_up()
+            runs = self._log.bytes.small_runs(target)
+        merged = 0
+        for run in runs:
+            start, end = run[0].start, run[-1].end
+            try:
+                data = self._log.bytes.read(start, run[-1].stored_end - start)  # without the lock: appends go on
+                with self._lock:
+                    self._check_open()
+                    self._log.replace_range(start, end, data)
+                merged += 1
+            except (LayoutConflictError, HoleError, TruncatedError, InvalidInputError) as exc:
+                # Changed meanwhile (compaction, retention elsewhere) or holding repaired gaps.
+                _log.info("segment %r: log chunks [%d, %d) not merged: %s", self.name, start, end, exc)
+        if merged:
+            _log.info("segment %r: merged %d runs of small log chunks (target %d bytes)", self.name, merged, target)
+        return merged
 
     def _append_empty_batch(self, timestamp: int) -> int:
         """Append a batch with no records and no updates; return its byte position."""

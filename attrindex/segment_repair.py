@@ -232,7 +232,7 @@ def _delete_index_files(log: SegmentLog, damage: list[Damage], cut: int | None) 
     """Delete damaged chunk index files and those of chunks the cut runs through (derived data)."""
     doomed = {d.where for d in damage if f"/{INDEX_DIR}/" in d.where}
     if cut is not None:
-        doomed |= {f"{log.segment}/{INDEX_DIR}/{chunk_name(c.start)}" for c in log.bytes.chunks() if c.end > cut}
+        doomed |= {f"{log.segment}/{INDEX_DIR}/{c.name}" for c in log.bytes.chunks() if c.end > cut}
     existing = {f"{log.segment}/{INDEX_DIR}/{n}" for n in log.storage.list_files(f"{log.segment}/{INDEX_DIR}")}
     doomed &= existing
     log.storage.delete(sorted(doomed))

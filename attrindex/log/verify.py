@@ -69,8 +69,8 @@ def scan_log(log: SegmentLog) -> LogScan:
         if position >= chunk.end:
             continue
         low = max(chunk.start, start)
-        try:
-            buf = log.bytes.read(low, chunk.end - low)
+        try:  # a replacement chunk's hole (after its stored bytes) holds nothing to check
+            buf = log.bytes.read(low, max(low, min(chunk.end, chunk.stored_end)) - low)
         except CorruptDataError as exc:  # the storage itself says the chunk is damaged (short, say)
             damage.append(Damage(_chunk_where(log, chunk.start), position, chunk.end, str(exc)))
             if first_damage is None:
@@ -107,7 +107,7 @@ def scan_log(log: SegmentLog) -> LogScan:
             batches, records = batches + 1, records + header.record_count
             next_offset = header.next_offset
             pos += header.size
-        position = low + pos
+        position = low + pos if chunk.stored_end > low + pos else chunk.end
     damage += _check_gaps(log, gaps)
     index_damage, index_files = _check_index_files(log)
     return LogScan(damage + index_damage, batches, records, read, used_gaps, index_files, first_damage,
@@ -123,12 +123,13 @@ def _check_gaps(log: SegmentLog, gaps: dict[int, int]) -> list[Damage]:
 
 def _check_index_files(log: SegmentLog) -> tuple[list[Damage], int]:
     """Decode every chunk index file of a stored chunk and check it covers the chunk exactly."""
-    sizes = {c.start: c.length for c in log.bytes.chunks()[:-1] if c.start >= log.bytes.start_offset}
+    chunks = {c.name: c for c in log.bytes.chunks()[:-1] if c.start >= log.bytes.start_offset}
+    sizes = {name: c.length for name, c in chunks.items()}
     damage, checked = [], 0
     for name in log.storage.list_files(f"{log.segment}/{INDEX_DIR}"):
-        if not name.isdigit() or int(name) not in sizes:
-            continue  # not a stored sealed chunk's: left behind by a retention, ignored on read
-        start, path = int(name), f"{log.segment}/{INDEX_DIR}/{name}"
+        if name not in sizes:
+            continue  # not a stored sealed chunk's: left behind by a retention or a switch, ignored on read
+        start, path = chunks[name].start, f"{log.segment}/{INDEX_DIR}/{name}"
         checked += 1
         try:
             data = log.storage.read(path, 0, 1 << 30)
@@ -136,8 +137,8 @@ def _check_index_files(log: SegmentLog) -> tuple[list[Damage], int]:
             continue  # deleted meanwhile (derived data)
         try:
             summary = decode_chunk_index(data, chunk_start=start, segment=log.segment)
-            if summary.size != sizes[start]:
-                raise CorruptDataError(f"covers {summary.size} bytes, the chunk holds {sizes[start]}")
+            if summary.size != sizes[name]:
+                raise CorruptDataError(f"covers {summary.size} bytes, the chunk holds {sizes[name]}")
         except CorruptDataError as exc:
             damage.append(Damage(path, 0, len(data), f"{exc} (derived data: rebuilt from the chunk)"))
     return damage, checked
@@ -157,7 +158,7 @@ def resume_offset(log: SegmentLog, start: int, first_lost: int) -> tuple[int, bo
             continue
         low = max(chunk.start, start)
         try:
-            buf = log.bytes.read(low, chunk.end - low)
+            buf = log.bytes.read(low, max(low, min(chunk.end, chunk.stored_end)) - low)
         except CorruptDataError:
             continue  # unreadable: its bytes stay unknown (bounded below)
         i = buf.find(BATCH_MAGIC)
@@ -169,6 +170,8 @@ def resume_offset(log: SegmentLog, start: int, first_lost: int) -> tuple[int, bo
             if header is not None:
                 best = max(best, header.next_offset)
                 covered = max(covered, min(low + i + header.size, chunk.end))
+                if low + i + header.size >= chunk.stored_end:
+                    covered = max(covered, chunk.end)  # the hole after a replacement's bytes holds nothing
             i = buf.find(BATCH_MAGIC, i + 1)
     unknown = log.bytes.length - covered
     if unknown <= 0:
