@@ -282,11 +282,13 @@ output formats:
   text  one line per record: offset, timestamp (ms), key and value, separated by tabs. A key or
         value is shown as UTF-8 text when it decodes as UTF-8 and holds no control characters
         (tabs, newlines...) and does not start with "0x"; otherwise as 0x followed by its bytes
-        in hex. A record without a key has an empty key column. Headers are not shown.
+        in hex. A record without a key has an empty key column. A tombstone (a record that
+        deletes its key: value null) shows "(tombstone)" as its value, and a value that is
+        those very characters is shown in hex. Headers are not shown.
   json  one JSON object per line: {"offset", "timestamp", "key", "value", "headers"}. A key or
         value that is valid UTF-8 is a JSON string; one that is not is given base64-encoded
         under "key_base64" / "value_base64" instead (and "key" / "value" is then absent). A
-        record without a key has "key": null. "headers" is a list of {"name", "value"} objects,
+        record without a key has "key": null, a tombstone "value": null. "headers" is a list of {"name", "value"} objects,
         a header value that is not UTF-8 given as "value_base64" likewise.
 """
 
@@ -341,6 +343,16 @@ def _json_field(out: dict, name: str, data: bytes | None) -> None:
         out[f"{name}_base64"] = base64.b64encode(data).decode("ascii")
 
 
+_TOMBSTONE = "(tombstone)"
+
+
+def _shown_value(value: bytes | None) -> str:
+    if value is None:
+        return _TOMBSTONE
+    shown = _shown(value)
+    return "0x" + value.hex() if shown == _TOMBSTONE else shown
+
+
 def _format_record(record, fmt: str) -> str:
     if fmt == "json":
         out: dict = {"offset": record.offset, "timestamp": record.timestamp}
@@ -353,7 +365,7 @@ def _format_record(record, fmt: str) -> str:
             headers.append(header)
         out["headers"] = headers
         return json.dumps(out, ensure_ascii=False)
-    return f"{record.offset}\t{record.timestamp}\t{_shown(record.key)}\t{_shown(record.value)}"
+    return f"{record.offset}\t{record.timestamp}\t{_shown(record.key)}\t{_shown_value(record.value)}"
 
 
 def _check_count(value: int | None, option: str, minimum: int = 1) -> None:
@@ -541,9 +553,12 @@ _ATTRIBUTE_FIGURES = ("entry_count", "page_count", "height", "storage_bytes", "l
 
 def _segment_stats(args: argparse.Namespace) -> int:
     with _open_store(args, writes=False) as store:
-        stats = store.segment(args.name).stats()
+        segment = store.segment(args.name)
+        stats = segment.stats()
+        policy, dirty = segment.cleanup_policy(), segment.dirty_ratio()
     if args.json:
-        print(json.dumps(attrs.asdict(stats), indent=2))
+        print(json.dumps({**attrs.asdict(stats), "cleanup_policy": attrs.asdict(policy), "dirty_ratio": dirty},
+                         indent=2))
         return 0
     rows = [
         ("name", stats.name),
@@ -555,6 +570,8 @@ def _segment_stats(args: argparse.Namespace) -> int:
         ("max_timestamp", _shown_timestamp(stats.max_timestamp)),
         ("pending_attributes", f"{stats.pending_attributes:,}"),
         ("attribute_checkpoint", "-" if stats.attribute_checkpoint is None else f"{stats.attribute_checkpoint:,}"),
+        ("cleanup_policy", policy.cleanup_policy),
+        ("dirty_ratio", f"{dirty:.3f}"),
     ]
     rows += [(f"attributes.{field}", f"{getattr(stats.attributes, field):,}") for field in _ATTRIBUTE_FIGURES]
     for field, value in rows:

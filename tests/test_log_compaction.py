@@ -210,3 +210,30 @@ def test_rewrite_that_would_grow_keeps_the_batch_and_pins_its_keys():
     rule = KeepRule(offsets, now_ms=0, tombstone_retention_ms=0, clock=TombstoneClock())
     pieces, kept, _ = rewrite_batch(batch, 0, read_header(batch), rule)
     assert pieces == [batch] and kept == 9 and b"\x00" in rule.pinned
+
+
+# ------------------------------------------------------------------------------- the command
+
+
+def test_cli_shows_tombstones_policy_and_dirty_ratio(tmp_path, capsys):
+    import json
+
+    from attrindex.cli import main
+
+    url = str(tmp_path / "store")
+    with SegmentStore.open(url) as store:
+        seg = store.segment("s", create=True, cleanup_policy="compact")
+        seg.append([Record(b"v", b"k"), Record(None, b"k"), Record(b"(tombstone)", b"j")], timestamp=5)
+    capsys.readouterr()
+    assert main(["segment", "read", url, "s"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["0\t5\tk\tv", "1\t5\tk\t(tombstone)",
+                                                    "2\t5\tj\t0x" + b"(tombstone)".hex()]
+    assert main(["segment", "read", url, "s", "--format", "json", "--offset", "1", "--max", "1"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"offset": 1, "timestamp": 5, "key": "k", "value": None,
+                                                   "headers": []}
+    assert main(["segment", "stats", url, "s"]) == 0
+    out = capsys.readouterr().out
+    assert "cleanup_policy             compact" in out and "dirty_ratio                1.000" in out
+    assert main(["segment", "stats", url, "s", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["dirty_ratio"] == 1.0 and shown["cleanup_policy"]["cleanup_policy"] == "compact"
