@@ -594,6 +594,19 @@ def _segment_retention(args: argparse.Namespace) -> int:
     return 0
 
 
+def _segment_compact(args: argparse.Namespace) -> int:
+    min_lag = None if args.min_lag is None else parse_duration(args.min_lag)
+    retention = None if args.tombstone_retention is None else parse_duration(args.tombstone_retention)
+    with _open_store(args, writes=True) as store:
+        segment = store.segment(args.name)
+        stats = segment.compact(min_lag_ms=min_lag, tombstone_retention_ms=retention)
+        dirty = segment.dirty_ratio()
+    print(f"compacted {stats.chunks_cleaned} chunk(s): {stats.records_before:,} -> {stats.records_after:,} records, "
+          f"{stats.bytes_before:,} -> {stats.bytes_after:,} bytes, {stats.tombstones_removed:,} tombstone(s) removed; "
+          f"cleaner checkpoint {stats.checkpoint:,}; dirty ratio now {dirty:.3f}")
+    return 0
+
+
 def _segment_list(args: argparse.Namespace) -> int:
     from .store import validate_name
 
@@ -693,6 +706,14 @@ def _add_segment_commands(commands) -> None:
     retention.add_argument("--max-bytes", metavar="SIZE",
                            help="delete the oldest chunks while the log holds more: 10MB, 512KiB or plain bytes")
     retention.add_argument("--start-offset", type=int, metavar="N", help="delete the records below offset N")
+
+    compact = action("compact", _segment_compact,
+                     "key-based compaction of a segment whose cleanup policy compacts: keep only the latest "
+                     "record of each key in the sealed chunks (offsets never change)")
+    compact.add_argument("--min-lag", metavar="DURATION",
+                         help="leave records younger than this: 90s, 15m, 12h, 7d (default: the segment's policy)")
+    compact.add_argument("--tombstone-retention", metavar="DURATION",
+                         help="remove tombstones first cleaned longer ago than this (default: the segment's policy, 1d)")
 
     action("verify", _segment_verify, "read every committed byte of the segment, print every damaged range; "
                                       "exit 3 if any")
