@@ -132,7 +132,10 @@ class TombstoneClock:
         if entries and end <= entries[-1][0]:
             return TombstoneClock(entries)
         now_ms = max(now_ms, entries[-1][1]) if entries else now_ms
-        entries.append((end, now_ms))
+        if entries and entries[-1][1] == now_ms:
+            entries[-1] = (end, now_ms)  # passes of one compaction share a time: exact, one entry
+        else:
+            entries.append((end, now_ms))
         while len(entries) > MAX_CLOCK_ENTRIES:  # merge the two neighbours closest in time
             i = min(range(len(entries) - 1), key=lambda j: entries[j + 1][1] - entries[j][1])
             entries[i:i + 2] = [entries[i + 1]]
