@@ -1,139 +1,78 @@
-"""``AttributeIndex``: the public key-value index (16-byte keys, int64 values) over any storage URL."""
+"""``AttributeIndex``: the public key-value index (16-byte keys, int64 values) over any storage URL.
+
+It is a facade over a private ``Segment`` (the machinery the segments use, reused, not copied):
+
+* the segment's record-batch log named ``NAME/_wal`` is the write-ahead log: each ``update`` is one
+  attribute-only batch appended to it (REPLACE semantics, ``None`` removes) and returns when that
+  append is durable;
+* the segment's tier-1 overlay serves the updates at once;
+* its attribute B+tree, a ``TreeIndex`` kept at the index's own name ``NAME``, gets the overlay as
+  large sorted batches (the segment's merge) with the WAL position it covers as its checkpoint;
+* opening replays the WAL after that checkpoint. An index written before the WAL existed is a
+  tree with no WAL, and opens unchanged.
+
+See docs/design.md, "Write path". The helpers other modules import from here are re-exported.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping
-
-import uuid
 
 import attrs
 
 from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import validate_segment_name
 
-from .btree import BTreeIndex, policy_for
-from .btree.repair import IndexRepairReport, repair_index
-from .btree.verify import VerifyReport, verify_index
-from .cache import ShardedLRUCache
-from .errors import IndexNotFoundError, InvalidInputError
-from .keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
+from .btree.repair import IndexRepairReport
+from .btree.verify import VerifyReport
+from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError, StorageError
+from .keys import KEY_SIZE, to_key
 from .locations import index_exists, mark_index_created, open_location
-from .value_cache import MISSING, ValueCache
+from .log.segment_log import LOG_DIR
+from .segment import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, Segment, SegmentOptions
+from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
+from .value_cache import MISSING
+from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
+                         IndexStats, TreeIndex, _all_canonical_keys, _all_canonical_values, _canonical_batch, _storage,
+                         key_list)
 
-DEFAULT_CACHE_BYTES = 64 << 20
-MAX_SPLIT_PARTS = 1 << 20  #: more parts than this cannot be meaningful (and would loop for long)
-# Space comes back a whole chunk at a time, so the index's chunks are small next to its live bytes:
-# with 32 MiB chunks, an index of 25 MiB could hold a whole dead chunk more than it needs.
-DEFAULT_INDEX_ROLLING_SIZE = 4 << 20
-DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
+WAL_NAME = "_wal"  #: the write-ahead log of index ``NAME`` is the segment log ``NAME/_wal``
+#: WAL chunk size: space comes back a whole merged chunk at a time, so small next to the tree
+DEFAULT_WAL_ROLLING_SIZE = 4 << 20
+MAX_REFRESH_ATTEMPTS = 10  #: refreshes that met another handle's WAL truncation before giving up
 
-
-# Updates up to this size enter the recent-values cache; larger ones only refresh cached entries.
-_CACHE_UPDATES_UP_TO = 10_000
-
-
-def _all_canonical_keys(keys: Iterable[object]) -> bool:
-    """Whether every key is 16 ``bytes`` (checked with C-level passes, no Python call per key)."""
-    return not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE})
-
-
-def _all_canonical_values(values) -> bool:
-    """Whether every value is an int64 or ``None`` (C-level passes but for dropping the ``None``s)."""
-    values = values if isinstance(values, list) else list(values)
-    types = set(map(type, values))
-    if not types <= {int, type(None)}:
-        return False
-    ints = [v for v in values if v is not None] if type(None) in types else values
-    return not ints or (VALUE_MIN <= min(ints) and max(ints) <= VALUE_MAX)
-
-
-def _canonical_batch(updates) -> dict[bytes, int | None]:
-    """``{16-byte key: int64 or None}``, the last value for a key winning; raises on bad input.
-
-    Input that is already canonical (bytes keys, int values) is checked at C speed and used as is.
-    """
-    if isinstance(updates, Mapping):
-        batch = updates if isinstance(updates, dict) else dict(updates)
-        pairs = updates.items()
-    else:
-        pairs = updates if isinstance(updates, (list, tuple)) else pair_list(updates)
-        try:
-            batch = dict(pairs)
-        except (TypeError, ValueError):  # unhashable key forms (bytearray) or malformed pairs
-            batch = {}
-    if batch and _all_canonical_keys(batch) and _all_canonical_values(batch.values()):
-        return batch
-    canonical: dict[bytes, int | None] = {}
-    for i, pair in enumerate(pairs):  # the original order, so the last value wins across key forms
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise InvalidInputError(f"update {i} must be a (key, value) pair, got {pair!r:.60}")
-        canonical[to_key(pair[0])] = to_update(pair[1])
-    return canonical
-
-
-def _storage(storage: str | ChunkStorage, options: Mapping[str, Any] | None, name: str) -> ChunkStorage:
-    """The storage an index-at classmethod works on: a URL must hold the index ``name``."""
-    validate_segment_name(name)
-    if isinstance(storage, ChunkStorage):
-        return storage
-    what = f"index {name!r}"
-    opened = open_location(storage, options, what=what, not_found=IndexNotFoundError)
-    if not index_exists(opened, name):
-        opened.close()
-        raise IndexNotFoundError(f"no {what} at URL {opened.url!r}")
-    return opened
-# Single keys: iterating one would turn it into a list of bogus keys (16 one-byte "keys" of a bytes).
-_SINGLE_KEY_TYPES = (bytes, bytearray, memoryview, str, int, uuid.UUID)
-
-
-def key_list(keys: Iterable[object]) -> list[object]:
-    """``keys`` as a list; a single key (bytes, str, int, UUID) or a non-iterable raises
-    ``InvalidInputError`` instead of being iterated."""
-    if isinstance(keys, list):
-        return keys
-    if isinstance(keys, _SINGLE_KEY_TYPES):
-        raise InvalidInputError(
-            f"expected an iterable of keys, got a single {type(keys).__name__} key; wrap it in a list: [key]"
-        )
-    try:
-        return list(keys)
-    except TypeError:
-        raise InvalidInputError(f"expected an iterable of keys, got {type(keys).__name__}") from None
-
-
-def _is_index_page(page: object) -> bool:
-    return not page.is_leaf  # type: ignore[attr-defined]
+_log = logging.getLogger("attrindex.index")
 
 
 @attrs.frozen
-class IndexStats:
-    """A snapshot of an index's shape, storage use and I/O counters."""
+class IndexVerifyReport(VerifyReport):
+    """``VerifyReport`` of the B+tree (pages, entries, ... count the tree) with the WAL's damage
+    added to ``damage``; ``wal`` is the WAL's own report (batches and bytes read)."""
 
-    entry_count: int
-    page_count: int
-    height: int
-    length: int  #: bytes ever appended to the index's storage
-    start_offset: int  #: truncation offset: the smallest offset of a live page
-    storage_bytes: int  #: bytes still held in storage (whole chunks; at least length - start_offset)
-    live_bytes: int  #: bytes of the pages reachable from the root
-    bytes_written: int  #: bytes this handle appended
-    updates_written: int  #: appends this handle made
-    pages_relocated: int  #: pages this handle moved to the tail for compaction
-    storage_reads: int  #: page reads that went to storage
-    cache_hits: int  #: page lookups served by the page cache (tier 2); descents that follow an
-    #: index page's references to children still decoded in memory bypass the cache and are not counted
-    cache_misses: int
-    value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
-    value_cache_misses: int
+    wal: SegmentVerifyReport | None = None
+
+
+@attrs.frozen
+class WalIndexRepairReport(IndexRepairReport):
+    """``IndexRepairReport`` of the B+tree, and ``wal``: what the repair of the WAL did."""
+
+    wal: SegmentRepairReport | None = None
+    #: the tree rolled back to a version older than the WAL's start: the updates merged between
+    #: that version and the WAL's start are lost for good (the tree's checkpoint was moved on)
+    merged_updates_lost: bool = False
 
 
 class AttributeIndex:
-    """A durable map of 16-byte keys to signed 64-bit values, stored as an append-only B+tree.
+    """A durable map of 16-byte keys to signed 64-bit values: a write-ahead log over a B+tree.
 
     Keys may be given as 16 ``bytes``, a ``uuid.UUID`` or an ``int`` in ``[0, 2**128)``; they come
-    back as ``bytes`` in unsigned byte order. Each ``update`` is one durable append. Several handles
-    and processes may update one index: an update that loses the race reloads and re-applies
-    itself. Reads see this handle's latest view; ``refresh()`` picks up other writers' updates.
+    back as ``bytes`` in unsigned byte order. Each ``update`` is one durable append to the
+    write-ahead log; reads see it at once, and the B+tree gets the updates later as large sorted
+    merges (``flush()`` forces one). Several handles and processes may update one index:
+    compare-and-append on the log orders their updates. Reads see this handle's latest view;
+    ``refresh()`` picks up other writers' updates.
     """
 
     def __init__(
@@ -146,23 +85,59 @@ class AttributeIndex:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         value_cache_entries: int = DEFAULT_VALUE_CACHE_ENTRIES,
         compaction: bool | str | object = True,
+        wal_rolling_size: int = DEFAULT_WAL_ROLLING_SIZE,
+        merge_keys: int = DEFAULT_FLUSH_KEYS,
+        merge_bytes: int = DEFAULT_FLUSH_BYTES,
+        merge_seconds: float = DEFAULT_FLUSH_SECONDS,
     ):
-        if not isinstance(cache_bytes, int) or cache_bytes < 0:
-            raise InvalidInputError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
-        self._segment = RollingSegment(storage, name, rolling_size=rolling_size)
-        # Index pages are high priority: scans of leaves never push the upper levels out.
-        self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
-        self._values = ValueCache(value_cache_entries)
-        self._versions_adopted = 0  # versions written by others that the tree adopted
+        validate_segment_name(name)
+        for option, value in (("wal_rolling_size", wal_rolling_size), ("merge_keys", merge_keys),
+                              ("merge_bytes", merge_bytes)):
+            if type(value) is not int or value < 1:
+                raise InvalidInputError(f"{option} must be an int >= 1, got {value!r:.60}")
+        if isinstance(merge_seconds, bool) or not isinstance(merge_seconds, (int, float)) or not merge_seconds >= 0:
+            raise InvalidInputError(f"merge_seconds must be a number >= 0, got {merge_seconds!r:.60}")
+        self._storage = storage
+        self._name = name
+        self._options = SegmentOptions(
+            log_rolling_size=wal_rolling_size, flush_keys=merge_keys, flush_bytes=merge_bytes,
+            flush_seconds=float(merge_seconds), truncate_merged_log=True,
+            attribute_options=dict(page_size=page_size, rolling_size=rolling_size, cache_bytes=cache_bytes,
+                                   value_cache_entries=value_cache_entries, compaction=compaction))
         self._closed = False
         self._read_only = False  # set by open(mode="r")
-        # Another writer's state makes tier 1 stale: the tree says when it adopts one.
-        self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
-                                policy=policy_for(compaction), on_external_change=self._external_change)
+        self._updates_written = 0  # WAL appends made by this handle
+        self._len_cache: tuple[tuple, int] | None = None  # (state it was counted at, count)
+        self._wal = self._open_wal()
 
-    def _external_change(self) -> None:
-        self._versions_adopted += 1
-        self._values.clear()
+    def _open_wal(self) -> Segment:
+        """The private segment: the WAL at ``NAME/_wal`` and the tree at ``NAME``, replayed."""
+        try:
+            return Segment(self._storage, self.wal_name, self._options, tree_name=self._name)
+        except CorruptDataError as exc:
+            external = self._external_checkpoint()
+            if external is None:
+                raise
+            raise InvalidInputError(
+                f"index {self._name!r} at {self._storage.url!r} was written with update(checkpoint={external}) "
+                f"before indexes had a write-ahead log: that checkpoint is a position in another log, not in "
+                f"this index's WAL. Open it with attrindex.tree_index.TreeIndex (see docs/design.md, "
+                f"'Write path')") from exc
+
+    def _external_checkpoint(self) -> int | None:
+        """The tree's checkpoint if it cannot be a WAL position (no WAL was ever written)."""
+        if self._storage.list_files(f"{self.wal_name}/{LOG_DIR}.seg"):
+            return None
+        tree = TreeIndex(self._storage, self._name, **self._options.attribute_options)
+        try:
+            return tree.checkpoint or None
+        finally:
+            tree.close()
+
+    @property
+    def wal_name(self) -> str:
+        """The segment name of the write-ahead log (``NAME/_wal``)."""
+        return f"{self._name}/{WAL_NAME}"
 
     @classmethod
     def open(
@@ -177,13 +152,15 @@ class AttributeIndex:
         """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path, ``s3://``.
 
         ``mode="a"`` (the default) opens the index or creates it; ``mode="r"`` opens an existing
-        index read-only: a missing one (a mistyped path, an empty directory) raises
-        ``IndexNotFoundError`` and ``update`` raises ``InvalidInputError``. A local path that is a
-        regular file raises ``IndexNotFoundError`` in both modes.
+        index read-only (nothing is written, not even a merge): a missing one (a mistyped path, an
+        empty directory) raises ``IndexNotFoundError`` and ``update`` raises ``InvalidInputError``.
+        A local path that is a regular file raises ``IndexNotFoundError`` in both modes.
 
-        ``options``: ``page_size`` (default 32768), ``rolling_size`` (4 MiB), ``cache_bytes`` for
-        decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
-        the bounded policy; "pravega"; False).
+        ``options``: ``page_size`` (default 32768), ``rolling_size`` of the tree (4 MiB),
+        ``cache_bytes`` for decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi),
+        ``compaction`` (True: the bounded policy; "pravega"; False); ``wal_rolling_size`` (4 MiB),
+        and when the WAL's pending updates are merged into the tree: ``merge_keys`` (250,000
+        pending keys), ``merge_bytes`` (64 MiB of overlay), ``merge_seconds`` (30).
         """
         if mode not in ("a", "r"):
             raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")
@@ -194,6 +171,7 @@ class AttributeIndex:
             if not index_exists(storage, name):
                 if mode == "r":
                     raise IndexNotFoundError(f"no {what} at URL {storage.url!r} (opened read-only, so nothing was created)")
+                cls(storage, name, **options).close()  # options checked before the marker is written
                 mark_index_created(storage, name)
             index = cls(storage, name, **options)
         except BaseException:
@@ -207,52 +185,53 @@ class AttributeIndex:
         """The value stored for ``key``, or ``None``."""
         self._check_open()
         k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
-        if not self._values.capacity:
-            return self._tree.get(k)
-        value = self._values.get(k)
-        if value is MISSING:
-            value = self._tree.get(k)
-            self._values.put(k, value)
-        return value  # type: ignore[return-value]
+        wal = self._wal
+        with wal._lock:  # the WAL's pending value, else the tree's (one key: no list on the hot path)
+            value = wal._overlay.get(k)
+            return wal._index.get(k) if value is MISSING else value  # type: ignore[return-value]
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
         """Values for ``keys`` in input order (``None`` where absent)."""
         self._check_open()
         keys = key_list(keys)
         canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
-        if not self._values.capacity:
-            return self._tree.get_many(canonical)
-        adopted = self._versions_adopted
-        cached = self._values.get_many(canonical)
-        missing = [k for k, v in zip(canonical, cached) if v is MISSING]
-        if not missing:
-            return cached  # type: ignore[return-value]
-        found = dict(zip(missing, self._tree.get_many(missing)))
-        if self._versions_adopted != adopted:
-            # The lookup moved to a newer version (compaction freed pages of the old one): the
-            # cached values are of the old one. Answer every key from one version.
-            return self._tree.get_many(canonical)
-        self._values.put_many(found.keys(), found.values())
-        return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
+        wal = self._wal
+        with wal._lock:
+            return wal._current_values(canonical)
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
-        """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order."""
+        """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order: the WAL's
+        pending updates merged over the tree (a snapshot of the pending ones, the tree read lazily)."""
         self._check_open()
-        low = None if start is None else to_key(start)
-        high = None if stop is None else to_key(stop)
-        return self._tree.items(low, high)
+        return self._wal.attributes(start, stop)
 
     def split_keys(self, parts: int) -> list[bytes]:
         """Up to ``parts - 1`` ascending keys cutting the stored keys into about equal ranges
-        (for scanning in parallel); reads only a few upper pages."""
+        (for scanning in parallel); reads only a few upper pages of the tree (keys only pending in
+        the WAL are not weighed)."""
         self._check_open()
         if type(parts) is not int or not 0 <= parts <= MAX_SPLIT_PARTS:
             raise InvalidInputError(f"parts must be an int in [0, {MAX_SPLIT_PARTS}], got {parts!r:.60}")
-        return self._tree.split_keys(parts)
+        return self._wal.attribute_split_keys(parts)
 
     def __len__(self) -> int:
+        """The exact number of keys: the tree's count corrected for the WAL's pending updates.
+
+        Costs one tree lookup per pending key (``get_many``, mostly cached pages) when the state
+        changed since the last call; bounded by ``merge_keys``."""
         self._check_open()
-        return self._tree.state.footer.entry_count
+        wal = self._wal
+        with wal._lock:
+            tree = wal._index
+            state = (wal._log.position, tree._tree.state.footer_offset, id(wal._overlay), len(wal._overlay))
+            if self._len_cache is not None and self._len_cache[0] == state:
+                return self._len_cache[1]
+            keys, values = wal._overlay.sorted_items()
+            stored = tree.get_many(keys) if keys else []
+            count = (tree._tree.state.footer.entry_count + sum(v is not None for v in values)
+                     - sum(v is not None for v in stored))
+            self._len_cache = (state, count)
+            return count
 
     def __contains__(self, key: object) -> bool:
         self._check_open()
@@ -260,123 +239,187 @@ class AttributeIndex:
 
     # -- writing -------------------------------------------------------------------------------
     def update(self, updates: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
-               checkpoint: int | None = None) -> bool:
-        """Apply ``key -> value`` updates (``None`` removes) as one durable append; return whether it was.
+               checkpoint: None = None) -> bool:
+        """Apply ``key -> value`` updates (``None`` removes) as one durable append to the WAL;
+        return whether anything was written (False for no updates).
 
         Within one call the last value given for a key wins. Invalid keys or values raise before
-        anything changes. ``checkpoint`` (an int >= 0) is stored with the update, as the position
-        in some other log that the index now covers (segments use it): it only moves forward, so
-        an update whose checkpoint the index already covers is skipped and returns False.
+        anything is written. Returns only once the append is durable; reads see it at once. The
+        merge into the tree that may follow never fails the update (``stats().merge_error``).
+        ``OutcomeUnknownError`` means storage could not settle whether the append was written
+        (``refresh()`` and read to find out). ``checkpoint`` is refused: an index's checkpoint
+        is now its WAL position (``TreeIndex`` keeps positions of other logs).
         """
         self._check_writable()
-        if checkpoint is not None and (type(checkpoint) is not int or not 0 <= checkpoint <= VALUE_MAX):
-            raise InvalidInputError(f"checkpoint must be an int >= 0, got {checkpoint!r}")
+        _refuse_checkpoint(checkpoint)
         batch = _canonical_batch(updates)
-        if not batch and checkpoint is None:
+        if not batch:
             return False
-        keys = sorted(batch)
-        return self.update_sorted(keys, list(map(batch.__getitem__, keys)), checkpoint=checkpoint)
-
-    def update_sorted(self, keys: list[bytes], values: list[int | None], *, checkpoint: int | None = None) -> bool:
-        """``update`` for input already canonical: ``keys`` 16-byte ``bytes``, sorted and unique,
-        ``values`` int64 or ``None``. Not checked (segments merge their checked tier 1 this way)."""
-        self._check_writable()
-        if checkpoint is not None and self._tree.update(keys, values, checkpoint).footer.checkpoint != checkpoint:
-            return False
-        if checkpoint is None:
-            self._tree.update(keys, values)
-        if len(keys) <= _CACHE_UPDATES_UP_TO:
-            self._values.put_many(keys, values)
-        else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
-            self._values.refresh_many(dict(zip(keys, values)))
+        self._append(batch)
         return True
+
+    def update_sorted(self, keys: list[bytes], values: list[int | None], *, checkpoint: None = None) -> bool:
+        """``update`` for input already canonical: ``keys`` 16-byte ``bytes``, sorted and unique,
+        ``values`` int64 or ``None``; the lists are checked at C speed, not per key in Python."""
+        self._check_writable()
+        _refuse_checkpoint(checkpoint)
+        if len(keys) != len(values):
+            raise InvalidInputError(f"update_sorted got {len(keys)} keys and {len(values)} values")
+        if not keys:
+            return False
+        if not (_all_canonical_keys(keys) and _all_canonical_values(values)):
+            raise InvalidInputError("update_sorted takes 16-byte bytes keys and int64 or None values; use update")
+        batch = dict(zip(keys, values))
+        if len(batch) != len(keys):
+            raise InvalidInputError("update_sorted takes unique keys; use update")
+        self._append(batch)
+        return True
+
+    def _append(self, batch: dict[bytes, int | None]) -> None:
+        self._wal.append((), batch)  # durable when it returns: the merge after it never raises
+        self._updates_written += 1
+
+    def flush(self) -> None:
+        """Merge every pending update of the WAL into the tree now (one sorted batch).
+
+        Not needed for durability (every update already is). Raises the storage error if the
+        merge fails; the updates stay in the WAL and a later merge retries."""
+        self._check_writable()
+        self._wal.flush()
 
     @property
     def checkpoint(self) -> int | None:
-        """The checkpoint stored by the last update that gave one (``None`` if none ever did)."""
+        """The WAL byte position the tree covers: updates before it are merged into the tree
+        (``None`` before the first merge)."""
         self._check_open()
-        checkpoint = self._tree.state.footer.checkpoint
-        return None if checkpoint < 0 else checkpoint
+        return self._wal._index.checkpoint
 
     def refresh(self) -> None:
         """Pick up updates made by other handles or processes (the version seen never goes back).
 
-        Raises ``CorruptDataError`` if the newest footer is damaged: see ``verify`` and ``repair``."""
+        Raises ``CorruptDataError`` if the tree's newest footer or the WAL is damaged: see
+        ``verify`` and ``repair``."""
         self._check_open()
-        self._tree.reload()
+        wal = self._wal
+        with wal._lock:
+            tree, log = wal._index, wal._log
+            # The tree first: another handle may have merged and truncated the WAL below the new
+            # checkpoint, and what it cut is then in the tree.
+            before = tree.checkpoint
+            tree.refresh()
+            if tree.checkpoint == before:
+                seen = log.position
+                wal._catch_up()
+                if log.start_position <= seen:  # nothing this handle had not replayed was cut
+                    return
+            for _attempt in range(MAX_REFRESH_ATTEMPTS):
+                # Replay the WAL from the tree's newest checkpoint (the overlay is rebuilt aside).
+                wal._rebuild_overlay()
+                if (tree.checkpoint or 0) >= log.start_position:
+                    return
+                tree.refresh()
+            raise StorageError(f"index {self._name!r}: other handles kept truncating the WAL during refresh "
+                               f"({MAX_REFRESH_ATTEMPTS} tries)")
 
     # -- inspection ----------------------------------------------------------------------------
     def stats(self) -> IndexStats:
-        """Counts, storage use and I/O counters of this handle."""
+        """Counts, storage use and I/O counters of this handle.
+
+        ``entry_count`` is exact (as ``len``); the shape, ``length``, ``start_offset``,
+        ``live_bytes``, ``bytes_written`` (merges) and the cache counters are the tree's;
+        ``updates_written`` counts this handle's WAL appends; ``storage_bytes`` is the tree's
+        plus ``wal_bytes``; ``pending_keys`` are in the WAL, not yet merged into the tree.
+        """
         self._check_open()
-        state, io = self._tree.state, self._tree.io
-        footer = state.footer
-        cache = self._page_cache
-        return IndexStats(
-            entry_count=footer.entry_count,
-            page_count=footer.page_count,
-            height=footer.height,
-            length=state.length,
-            start_offset=footer.min_offset if state.footer_offset >= 0 else state.length,
-            storage_bytes=sum(c.end - max(c.start, self._segment.start_offset) for c in self._segment.chunks()),
-            live_bytes=footer.live_bytes,
-            bytes_written=io.bytes_written,
-            updates_written=io.updates_written,
-            pages_relocated=io.pages_relocated,
-            storage_reads=io.storage_reads,
-            cache_hits=cache.hits if cache else 0,
-            cache_misses=cache.misses if cache else 0,
-            value_cache_hits=self._values.hits,
-            value_cache_misses=self._values.misses,
-        )
+        wal = self._wal
+        with wal._lock:
+            segment = wal.stats()
+            count = len(self)
+        tree = segment.attributes
+        return attrs.evolve(tree, entry_count=count, updates_written=self._updates_written,
+                            storage_bytes=tree.storage_bytes + segment.log_bytes,
+                            pending_keys=segment.pending_attributes, wal_bytes=segment.log_bytes)
 
-    def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-        """Read every committed byte of the index and report every damaged range.
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> IndexVerifyReport:
+        """Read every committed byte of the tree and of the WAL and report every damaged range.
 
-        Checks the chain of updates from the tail footer back to the truncation offset (each footer
-        decodes, each update's pages pass their checksums) and every live page of the newest version
-        (checksum, key order, routing, depth, subtree minimum offsets, footer counts). Damage is
+        The tree: the chain of updates from the tail footer back to the truncation offset and
+        every live page of the newest version (checksum, key order, routing, depth, subtree
+        minimum offsets, footer counts); ``pages``, ``entries``... count the tree alone. The WAL:
+        every batch and its checksum, and that the tree's checkpoint lies within it. Damage is
         collected in ``report.damage`` (``report.ok`` when there is none), not raised.
         ``progress(pages_done, pages_total)`` is called as live pages are checked.
         """
         self._check_open()
-        return verify_index(self._segment, progress)
+        return self._verify(self._storage, self._name, self._options, progress)
 
     @classmethod
     def verify_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+                  progress: Callable[[int, int], None] | None = None) -> IndexVerifyReport:
         """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
-        it: works on an index that refuses to open (a damaged newest footer)."""
-        with RollingSegment(_storage(storage, storage_options, name), name) as segment:
-            return verify_index(segment, progress)
+        it: works on an index that refuses to open (a damaged newest footer or WAL)."""
+        return cls._verify(_storage(storage, storage_options, name), name, SegmentOptions(), progress)
 
-    def repair(self) -> IndexRepairReport:
-        """Roll back to the newest version whose footer and every live page verify.
+    @staticmethod
+    def _verify(storage: ChunkStorage, name: str, options: SegmentOptions,
+                progress: Callable[[int, int], None] | None) -> IndexVerifyReport:
+        wal_report = verify_segment(storage, f"{name}/{WAL_NAME}", options, tree_name=name)
+        tree = wal_report.attributes
+        if tree is None:  # the tree could not be read at all: its damage is in the WAL report's
+            return IndexVerifyReport(0, 0, 0, 0, damage=list(wal_report.damage), wal=wal_report)
+        if progress is not None:
+            progress(tree.pages, tree.pages)
+        return IndexVerifyReport(tree.pages, tree.entries, tree.bytes, tree.height, damage=list(wal_report.damage),
+                                 updates=tree.updates, wal=wal_report)
 
-        The kept version's footer is appended again so it becomes the tail; the report says what
-        was lost (updates dropped, byte range, entry counts) and is logged at WARNING. If no intact
-        version remains, ``CorruptDataError``: rebuild the index from its source. Stop other
-        writers first.
-        """
+    def repair(self) -> WalIndexRepairReport:
+        """Repair the tree, then the WAL, from storage alone (see ``repair_at``); reopen after.
+
+        Stop other writers first."""
         self._check_writable()
-        report = repair_index(self._segment)
-        self._tree.reload()
+        wal = self._wal
+        with wal._lock:
+            wal._wrote = False  # no merge on the way out: the tree may be what is damaged
+            with contextlib.suppress(CorruptDataError, StorageError):
+                wal.close()
+            report = self._repair(self._storage, self._name, self._options)
+            self._wal = self._open_wal()
+            self._len_cache = None
         return report
 
     @classmethod
     def repair_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
-                  storage_options: Mapping[str, Any] | None = None) -> IndexRepairReport:
-        """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it."""
-        with RollingSegment(_storage(storage, storage_options, name), name) as segment:
-            return repair_index(segment)
+                  storage_options: Mapping[str, Any] | None = None) -> WalIndexRepairReport:
+        """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it.
+
+        The tree rolls back to its newest version whose footer and every live page verify (its
+        footer appended again; ``CorruptDataError`` if none is left: rebuild the index from its
+        source); opening then replays the WAL after that version's checkpoint, so updates the WAL
+        still holds come back. Then the WAL is cut at its first damaged batch (``report.wal`` says
+        what was lost); the tree is never rebuilt from the WAL (it holds what was merged before).
+        Whole appends whose commit records were lost are committed again, losing nothing.
+        """
+        return cls._repair(_storage(storage, storage_options, name), name, SegmentOptions())
+
+    @staticmethod
+    def _repair(storage: ChunkStorage, name: str, options: SegmentOptions) -> WalIndexRepairReport:
+        tree = TreeIndex.repair_at(storage, name)
+        lost = tree.rolled_back and _advance_below_wal(storage, name, options)
+        wal = repair_segment(storage, f"{name}/{WAL_NAME}", options, tree_name=name, rebuild_attributes=False)
+        fields = attrs.asdict(tree, recurse=False)
+        fields["damage"] = tree.damage + wal.damage
+        return WalIndexRepairReport(**fields, wal=wal, merged_updates_lost=lost)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the handle (every update is already durable); every later call but ``close``
-        raises ``InvalidInputError``."""
+        """Merge this handle's pending updates into the tree and release the handle (every update
+        is already durable in the WAL: a merge that fails here raises, and the next open replays).
+        Every later call but ``close`` raises ``InvalidInputError``."""
+        if self._closed:
+            return
         self._closed = True
-        self._segment.close()
+        self._wal.close()
 
     @property
     def closed(self) -> bool:
@@ -390,12 +433,12 @@ class AttributeIndex:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidInputError(f"index {self._segment.name!r} at {self._segment.storage.url!r}: the index handle is closed")
+            raise InvalidInputError(f"index {self._name!r} at {self._storage.url!r}: the index handle is closed")
 
     def _check_writable(self) -> None:
         self._check_open()
         if self._read_only:
-            raise InvalidInputError(f"index {self._segment.name!r} at {self._segment.storage.url!r} was opened read-only (mode='r')")
+            raise InvalidInputError(f"index {self._name!r} at {self._storage.url!r} was opened read-only (mode='r')")
 
     def __enter__(self) -> "AttributeIndex":
         self._check_open()
@@ -406,4 +449,36 @@ class AttributeIndex:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"entries={len(self)}"
-        return f"AttributeIndex({self._segment.storage.url!r}, {self._segment.name!r}, {state})"
+        return f"AttributeIndex({self._storage.url!r}, {self._name!r}, {state})"
+
+
+def _advance_below_wal(storage: ChunkStorage, name: str, options: SegmentOptions) -> bool:
+    """After a tree rollback: if the kept version's checkpoint lies below the WAL's start (the WAL
+    between was truncated after a merge), those updates are gone; move the checkpoint to the
+    WAL's start so the index opens, and say so (True)."""
+    wal = RollingSegment(storage, f"{name}/{WAL_NAME}/{LOG_DIR}")
+    tree = TreeIndex(storage, name, **options.attribute_options)
+    try:
+        start, covered = wal.start_offset, tree.checkpoint or 0
+        if covered >= start or wal.length <= start:
+            return False
+        tree.update({}, checkpoint=start)
+        _log.warning("index %r: the tree rolled back to a version covering the WAL up to byte %d, but the WAL "
+                     "starts at %d: the updates merged in between are lost", name, covered, start)
+        return True
+    finally:
+        tree.close()
+        wal.close()
+
+
+def _refuse_checkpoint(checkpoint: object) -> None:
+    if checkpoint is not None:
+        raise InvalidInputError(
+            f"AttributeIndex.update takes no checkpoint (got {checkpoint!r:.60}): the index's checkpoint is its "
+            f"write-ahead log's position; TreeIndex.update(..., checkpoint=) stores a position in another log")
+
+
+__all__ = ["AttributeIndex", "IndexStats", "IndexVerifyReport", "TreeIndex", "VerifyReport", "WalIndexRepairReport",
+           "key_list", "DEFAULT_CACHE_BYTES", "DEFAULT_INDEX_ROLLING_SIZE", "DEFAULT_VALUE_CACHE_ENTRIES",
+           "DEFAULT_WAL_ROLLING_SIZE", "MAX_SPLIT_PARTS", "_all_canonical_keys", "_all_canonical_values",
+           "_canonical_batch", "_storage"]

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
 
-from .attribute_index import AttributeIndex, _canonical_batch
+from .tree_index import TreeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, InvalidInputError,
                      RecordTruncatedError, StorageError, TruncatedError)
@@ -75,6 +75,9 @@ class SegmentOptions:
     flush_seconds: float = DEFAULT_FLUSH_SECONDS
     poll_interval: float = 0.05
     attribute_options: dict = attrs.field(factory=dict)
+    #: after a merge, truncate the log below the tree's checkpoint (the plain index's WAL sets it;
+    #: implemented by the merge work, ignored until then)
+    truncate_merged_log: bool = False
 
 
 @attrs.frozen
@@ -101,14 +104,17 @@ class Segment:
     Reads see this handle's view, which moves with its own appends and with ``refresh()``.
     """
 
-    def __init__(self, storage, name: str, options: SegmentOptions):
+    def __init__(self, storage, name: str, options: SegmentOptions, *, tree_name: str | None = None):
+        """``tree_name``: the segment name of the attributes' B+tree (default ``NAME/_attributes``;
+        the plain ``AttributeIndex`` keeps its tree at its own name and this log as its WAL)."""
         self.name = name
         self.options = options
         self._lock = threading.RLock()
         self._appended = threading.Condition(self._lock)
         self._log = SegmentLog(storage, name, rolling_size=options.log_rolling_size,
                                index_interval_bytes=options.index_interval_bytes)
-        self._index = AttributeIndex(storage, f"{name}/{ATTRIBUTES_NAME}", **options.attribute_options)
+        self.tree_name = f"{name}/{ATTRIBUTES_NAME}" if tree_name is None else tree_name
+        self._index = TreeIndex(storage, self.tree_name, **options.attribute_options)
         self._overlay = AttributeOverlay()
         self._flushed_at = time.monotonic()
         self._merge_error: BaseException | None = None  #: the last failed merge after an append

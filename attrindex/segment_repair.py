@@ -20,7 +20,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
-from .attribute_index import AttributeIndex
+from .tree_index import TreeIndex
 from .damage import Damage
 from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
 from .log.batch import encode_batch
@@ -89,51 +89,60 @@ def _open_log(storage: ChunkStorage, name: str, options: SegmentOptions) -> Segm
                       index_interval_bytes=options.index_interval_bytes)
 
 
-def _verify_attributes(storage: ChunkStorage, name: str, options: SegmentOptions) -> tuple[Any, list[Damage]]:
+def _tree_name(name: str, tree_name: str | None) -> str:
+    """Where segment ``name``'s attribute B+tree lives (see ``Segment``'s ``tree_name``)."""
+    return f"{name}/{ATTRIBUTES_NAME}" if tree_name is None else tree_name
+
+
+def _verify_attributes(storage: ChunkStorage, name: str, options: SegmentOptions,
+                       tree_name: str | None = None) -> tuple[Any, list[Damage]]:
     """The attribute index's verification: its report (or None) and its damage."""
-    where = f"{name}/{ATTRIBUTES_NAME}"
+    where = _tree_name(name, tree_name)
     try:
-        report = AttributeIndex.verify_at(storage, where)  # works without opening the index
+        report = TreeIndex.verify_at(storage, where)  # works without opening the index
     except CorruptDataError as exc:
         offset = exc.offset if exc.offset is not None else 0
         return None, [Damage(where, offset, offset, str(exc))]
     return report, list(report.damage)
 
 
-def _checkpoint(storage: ChunkStorage, name: str, options: SegmentOptions) -> int | None:
-    index = AttributeIndex(storage, f"{name}/{ATTRIBUTES_NAME}", **options.attribute_options)
+def _checkpoint(storage: ChunkStorage, name: str, options: SegmentOptions, tree_name: str | None = None) -> int | None:
+    index = TreeIndex(storage, _tree_name(name, tree_name), **options.attribute_options)
     try:
         return index.checkpoint
     finally:
         index.close()
 
 
-def _readable_checkpoint(storage: ChunkStorage, name: str, options: SegmentOptions) -> int:
+def _readable_checkpoint(storage: ChunkStorage, name: str, options: SegmentOptions, tree_name: str | None = None) -> int:
     """The attribute checkpoint, or 0 if the index is damaged (its repair is decided later)."""
     try:
-        return _checkpoint(storage, name, options) or 0
+        return _checkpoint(storage, name, options, tree_name) or 0
     except CorruptDataError:
         return 0
 
 
-def verify_segment(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentVerifyReport:
+def verify_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
+                   tree_name: str | None = None) -> SegmentVerifyReport:
     """Read every committed byte of segment ``name`` and report every damaged range.
+
+    ``tree_name``: where its attribute B+tree lives, as given to ``Segment`` (default ``NAME/_attributes``).
 
     Safe beside writers: retention that cuts what is being read makes it look again (bounded), and
     the checkpoint is compared with the log so that a merge or retention meanwhile is no damage.
     """
     for _attempt in range(VERIFY_ATTEMPTS):
         try:
-            return _verify_once(storage, name, options)
+            return _verify_once(storage, name, options, tree_name)
         except TruncatedError:  # retention removed what was being read: look again
             continue
     raise StorageError(f"segment {name!r}: retention changed the log under verification {VERIFY_ATTEMPTS} times; "
                        "verify it when its writers are idle")
 
 
-def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentVerifyReport:
+def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions, tree_name: str | None) -> SegmentVerifyReport:
     # Read before the log: a merge covers only committed bytes, so it cannot pass the length read later.
-    covered_before = _readable_checkpoint(storage, name, options)
+    covered_before = _readable_checkpoint(storage, name, options, tree_name)
     log = _open_log(storage, name, options)
     try:
         scan = scan_log(log)
@@ -145,25 +154,29 @@ def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions) -> S
         position, data = lost
         scan.damage.append(Damage(f"{name}/_log", position, position + len(data),
                                   "whole record batches after the committed end: their commit records were lost"))
-    attributes, damage = _verify_attributes(storage, name, options)
+    attributes, damage = _verify_attributes(storage, name, options, tree_name)
     if not damage:
         # Read after the log: retention merges before it truncates, so it cannot pass this checkpoint.
-        covered_after = _checkpoint(storage, name, options) or 0
+        covered_after = _checkpoint(storage, name, options, tree_name) or 0
         if covered_after < start < length or covered_before > length:
             checkpoint = covered_before if covered_before > length else covered_after
-            damage.append(Damage(f"{name}/{ATTRIBUTES_NAME}", checkpoint, checkpoint,
+            damage.append(Damage(_tree_name(name, tree_name), checkpoint, checkpoint,
                                  f"the attributes cover the log up to byte {checkpoint}, the log holds bytes "
                                  f"[{start}, {length})"))
     return SegmentVerifyReport(name, scan.damage + damage, scan.batches, scan.records, scan.bytes, scan.gaps,
                                scan.index_files, attributes)
 
 
-def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentRepairReport:
+def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
+                   tree_name: str | None = None, rebuild_attributes: bool = True) -> SegmentRepairReport:
     """Cut the log at its first damaged batch (if any) and make the attributes consistent with it.
 
-    Raises ``StorageError`` if another writer appended meanwhile (stop writers, run it again).
+    ``tree_name`` as for ``verify_segment``. ``rebuild_attributes=False`` never rebuilds the
+    B+tree from the log (the plain index's tree holds what was merged before its WAL began, so
+    the log is not its whole source); it is rolled back or kept instead. Raises ``StorageError`` if another writer appended
+    meanwhile (stop writers, run it again).
     """
-    covered = _readable_checkpoint(storage, name, options)
+    covered = _readable_checkpoint(storage, name, options, tree_name)
     log = _open_log(storage, name, options)
     try:
         recommitted = _recommit(log, covered)
@@ -177,9 +190,9 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions) ->
         deleted = _delete_index_files(log, scan.damage, cut)
     finally:
         log.close()
-    attribute_damage = _verify_attributes(storage, name, options)[1]
+    attribute_damage = _verify_attributes(storage, name, options, tree_name)[1]
     rebuilt, attributes = _repair_attributes(storage, name, options, cut, log_start, length,
-                                             bool(attribute_damage))
+                                             bool(attribute_damage), tree_name, rebuild_attributes)
     report = SegmentRepairReport(name, scan.damage + attribute_damage, cut, 0 if cut is None else length - cut,
                                  first_lost, resume, exact, deleted, rebuilt, attributes, recommitted)
     if report.repaired:
@@ -227,25 +240,29 @@ def _delete_index_files(log: SegmentLog, damage: list[Damage], cut: int | None) 
 
 
 def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions, cut: int | None,
-                       log_start: int, length: int, damaged: bool) -> tuple[bool, str]:
+                       log_start: int, length: int, damaged: bool, tree_name: str | None = None,
+                       rebuild: bool = True) -> tuple[bool, str]:
     """Make the attributes consistent with the kept log; return (rebuilt, explanation)."""
-    checkpoint = None if damaged else _checkpoint(storage, name, options)
+    checkpoint = None if damaged else _checkpoint(storage, name, options, tree_name)
     kept_end = length if cut is None else cut
     beyond_cut = checkpoint is not None and checkpoint > kept_end
     if not damaged and not beyond_cut:
         return False, f"kept: they cover the log up to byte {checkpoint or 0}, within the kept log"
     why = ("the attribute index is damaged" if damaged else
            f"the attribute index covers the log up to byte {checkpoint}, beyond the kept log's end at {kept_end}")
-    if log_start > 0 and damaged:
-        rolled = _roll_back_index(storage, name, log_start)
+    if (log_start > 0 or not rebuild) and damaged:
+        rolled = _roll_back_index(storage, name, log_start, tree_name)
         if rolled is not None:
             return False, f"{why}: {rolled}"
+    if not rebuild:
+        return False, (f"{why}: kept, the log is not its whole source (an update of a cut-off batch that was "
+                       f"merged before may remain)" if not damaged else f"{why}: no intact version is left")
     if log_start > 0:
         return False, (f"{why}, but retention removed the log below byte {log_start}, so the attributes cannot "
                        f"be rebuilt from it; the index's values up to its checkpoint are kept"
                        + (" (updates from cut-off batches may remain in it)" if beyond_cut else ""))
-    RollingSegment(storage, f"{name}/{ATTRIBUTES_NAME}").delete()
-    segment = Segment(storage, name, options)  # an empty index: the whole log is replayed
+    RollingSegment(storage, _tree_name(name, tree_name)).delete()
+    segment = Segment(storage, name, options, tree_name=tree_name)  # an empty index: the whole log is replayed
     try:
         keys = segment.stats().pending_attributes
         segment.flush()
@@ -254,11 +271,11 @@ def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
     return True, f"{why}: rebuilt from the whole log ({keys} keys)"
 
 
-def _roll_back_index(storage: ChunkStorage, name: str, log_start: int) -> str | None:
+def _roll_back_index(storage: ChunkStorage, name: str, log_start: int, tree_name: str | None = None) -> str | None:
     """Roll a damaged index back to its newest intact version if the log still holds everything
     after that version's checkpoint (opening then replays it); None if that is not possible."""
     try:
-        rolled = AttributeIndex.repair_at(storage, f"{name}/{ATTRIBUTES_NAME}")
+        rolled = TreeIndex.repair_at(storage, _tree_name(name, tree_name))
     except CorruptDataError:
         return None  # no intact version is left
     checkpoint = rolled.checkpoint or 0

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from storage_adapters import ChunkStorage
 from storage_adapters.rolling import validate_segment_name
 
-from .attribute_index import AttributeIndex
+from .tree_index import TreeIndex
 from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError,
                      StreamNotFoundError)
 from .log.cleanup_policy import load_policy, policy_from_options, store_policy
@@ -63,7 +63,7 @@ class SegmentStore:
     ``options`` tune every segment opened through this store: ``log_rolling_size`` (16 MiB),
     ``index_interval_bytes`` (4096), ``codec`` ("none", "gzip", "zstd", "lz4"), ``flush_keys``
     (250,000), ``flush_bytes`` (64 MiB), ``flush_seconds`` (30), ``poll_interval`` (0.05 s), and
-    ``attribute_options`` (passed to the attributes' ``AttributeIndex``: page_size, cache_bytes...).
+    ``attribute_options`` (passed to the attributes' ``TreeIndex``: page_size, cache_bytes...).
     """
 
     def __init__(self, storage: ChunkStorage, **options: Any):
@@ -282,7 +282,7 @@ def _check_attribute_options(options: object) -> None:
     """Names only: their values are checked when a segment's index is opened, before its marker."""
     if not isinstance(options, Mapping):
         raise InvalidInputError(f"store option attribute_options must be a dict, got {type(options).__name__}")
-    allowed = [p.name for p in inspect.signature(AttributeIndex).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    allowed = [p.name for p in inspect.signature(TreeIndex).parameters.values() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(map(repr, set(options) - set(allowed)))
     if unknown:
         raise InvalidInputError(f"unknown attribute_options {', '.join(unknown)}; known: {', '.join(allowed)}")

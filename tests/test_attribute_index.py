@@ -1,4 +1,6 @@
-"""AttributeIndex behaviour: keys and values, phases of random work, compaction, recovery, caching."""
+"""AttributeIndex behaviour (keys and values, phases of random work) and the B+tree's beneath it
+(``TreeIndex``: compaction, recovery, caching, checkpoints). The write-ahead log in front of the
+tree is tested in test_index_wal.py."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import uuid
 import pytest
 
 from attrindex.attribute_index import AttributeIndex
+from attrindex.tree_index import TreeIndex
 from attrindex.btree.page import leaf_capacity
 from attrindex.errors import CorruptDataError, InvalidInputError, InvalidKeyError, InvalidValueError
 from storage_adapters import RollingSegment, open_storage
@@ -74,6 +77,8 @@ def test_ten_thousand_keys_in_phases(url):
         probe = rng.sample(universe, 500) + [rng.randrange(1 << 41) for _ in range(50)]
         assert index.get_many(probe) == [model.get(k(i)) for i in probe]
         assert all(index.get(i) == model.get(k(i)) for i in probe[:100])
+        assert index.verify().ok
+        index.flush()  # verify counts the tree's entries: the WAL's pending updates join them
         report = index.verify()
         assert report.ok and report.entries == len(model), report.damage
 
@@ -93,12 +98,14 @@ def test_ten_thousand_keys_in_phases(url):
         check(AttributeIndex.open(url, page_size=512, rolling_size=1 << 16))
     idx.update({k(i): None for i in universe})
     reopened = AttributeIndex.open(url, page_size=512)
-    assert len(reopened) == 0 and list(reopened.items()) == [] and reopened.stats().height == 0
+    assert len(reopened) == 0 and list(reopened.items()) == []
+    reopened.flush()  # the removals reach the tree
+    assert reopened.stats().height == 0 and reopened.verify().entries == 0
 
 
 def test_truncation_offset_is_the_smallest_live_offset_after_every_update(url):
     rng = random.Random(7)
-    idx = AttributeIndex.open(url, page_size=256, rolling_size=4096, cache_bytes=0)
+    idx = TreeIndex.open(url, page_size=256, rolling_size=4096, cache_bytes=0)
     for step in range(150):
         idx.update({k(rng.randrange(2000)): rng.choice([None, step]) for _ in range(rng.choice([1, 8, 40]))})
         live = [offset for _, offset, _, _ in idx._tree.pages()]
@@ -111,7 +118,7 @@ def test_truncation_offset_is_the_smallest_live_offset_after_every_update(url):
 
 
 def test_sequential_inserts_fill_leaves(url):
-    idx = AttributeIndex.open(url, page_size=32768)
+    idx = TreeIndex.open(url, page_size=32768)
     for start in range(0, 50_000, 100):
         idx.update({k(i): i for i in range(start, start + 100)})
     leaves = [len(page) for _, _, _, page in idx._tree.pages() if page.is_leaf]
@@ -121,7 +128,7 @@ def test_sequential_inserts_fill_leaves(url):
 
 
 def test_iterator_outlives_compaction_and_truncation(url):
-    idx = AttributeIndex.open(url, page_size=256, rolling_size=2048, cache_bytes=0, compaction="pravega")
+    idx = TreeIndex.open(url, page_size=256, rolling_size=2048, cache_bytes=0, compaction="pravega")
     idx.update({k(i): i for i in range(0, 3000, 3)})  # the keys the iterator must see
     iterator = idx.items()
     seen = [next(iterator) for _ in range(50)]
@@ -139,21 +146,21 @@ def test_iterator_outlives_compaction_and_truncation(url):
 def test_committed_bytes_after_the_newest_footer_are_corruption_not_a_rollback(url):
     # Under the commit protocol every committed append of an index ends with a footer, so committed
     # bytes that do not are damage: reopening must say so, not silently fall back to an older footer.
-    idx = AttributeIndex.open(url, page_size=256)
+    idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(100)})
     before = sorted(idx.items())
     raw = RollingSegment(open_storage(url), "attributes")
     raw.append(b"\x00garbage" * 500)
     at = raw.append(b"AIXFOOT1" + bytes(64))  # looks like a footer, but its checksum is wrong
     with pytest.raises(CorruptDataError, match=f"newest footer at offset {at}") as caught:
-        AttributeIndex.open(url, page_size=256)
+        TreeIndex.open(url, page_size=256)
     assert caught.value.offset == at and "attributes.seg/00000000000000000000" in str(caught.value)
-    report = AttributeIndex.repair_at(url)  # explicit: the garbage no longer counts
+    report = TreeIndex.repair_at(url)  # explicit: the garbage no longer counts
     assert report.rolled_back and report.entries_after == 100 and report.lost_end == at + 72
-    repaired = AttributeIndex.open(url, page_size=256)
+    repaired = TreeIndex.open(url, page_size=256)
     assert sorted(repaired.items()) == before and repaired.verify().ok
     repaired.update({k(1000): 1})
-    again = AttributeIndex.open(url, page_size=256)
+    again = TreeIndex.open(url, page_size=256)
     assert again.get(1000) == 1 and len(again) == 101 and again.verify().ok
 
 
@@ -161,7 +168,7 @@ def test_torn_update_past_the_committed_length_is_ignored(tmp_path):
     # A writer killed mid-update leaves bytes past the committed length (no commit record covers
     # them): they are not part of the index, and the next append overwrites them.
     url = str(tmp_path)
-    idx = AttributeIndex.open(url, page_size=256)
+    idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(50)})
     idx.update({k(i): -i for i in range(50)})
     state = idx._tree.state
@@ -169,16 +176,16 @@ def test_torn_update_past_the_committed_length_is_ignored(tmp_path):
     chunk = tmp_path / "attributes.seg" / idx._segment.chunks()[-1].name
     with open(chunk, "ab") as f:
         f.write(last_update[: len(last_update) // 2])
-    reopened = AttributeIndex.open(url, page_size=256)
+    reopened = TreeIndex.open(url, page_size=256)
     assert reopened.get_many(range(50)) == [-i for i in range(50)]
     reopened.update({k(60): 60})
-    again = AttributeIndex.open(url, page_size=256)
+    again = TreeIndex.open(url, page_size=256)
     assert again.get_many([0, 1, 60]) == [0, -1, 60] and again.verify().ok
 
 
 def test_flipped_byte_in_a_live_page_names_the_offset(tmp_path):
     url = str(tmp_path)
-    idx = AttributeIndex.open(url, page_size=256)
+    idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(200)})
     leaf_offset = next(offset for _, offset, _, page in idx._tree.pages() if page.is_leaf)
     chunk = idx._segment.chunks()[0]
@@ -186,7 +193,7 @@ def test_flipped_byte_in_a_live_page_names_the_offset(tmp_path):
     raw = bytearray(path.read_bytes())
     raw[leaf_offset - chunk.start + 20] ^= 0x01
     path.write_bytes(bytes(raw))
-    reopened = AttributeIndex.open(url, page_size=256, cache_bytes=0)
+    reopened = TreeIndex.open(url, page_size=256, cache_bytes=0)
     with pytest.raises(CorruptDataError, match=f"offset {leaf_offset}") as caught:
         list(reopened.items())
     assert caught.value.offset == leaf_offset
@@ -198,17 +205,17 @@ def test_flipped_byte_in_a_live_page_names_the_offset(tmp_path):
 
 # -- caching -----------------------------------------------------------------------------------
 def test_warm_lookups_read_no_storage_and_cold_ones_do(url):
-    idx = AttributeIndex.open(url, page_size=1024)
+    idx = TreeIndex.open(url, page_size=1024)
     idx.update({k(i): i for i in range(2000)})
     assert all(idx.get(i) == i for i in range(2000))
     assert idx.stats().storage_reads == 0  # pages written by this handle are cached
-    cold = AttributeIndex.open(url, page_size=1024, value_cache_entries=0)
+    cold = TreeIndex.open(url, page_size=1024, value_cache_entries=0)
     assert cold.get_many(range(2000)) == list(range(2000))
     reads = cold.stats().storage_reads
     assert 0 < reads <= cold.stats().page_count
     assert all(cold.get(i) == i for i in range(0, 2000, 7))
     assert cold.stats().storage_reads == reads  # warm now
-    uncached = AttributeIndex.open(url, page_size=1024, cache_bytes=0, value_cache_entries=0)
+    uncached = TreeIndex.open(url, page_size=1024, cache_bytes=0, value_cache_entries=0)
     uncached.get(5)
     uncached.get(5)
     # Without a page cache every page but the root (which the handle keeps) is read each time.
@@ -216,9 +223,9 @@ def test_warm_lookups_read_no_storage_and_cold_ones_do(url):
 
 
 def test_threads_missing_the_same_pages_read_each_once(url):
-    idx = AttributeIndex.open(url, page_size=1024)
+    idx = TreeIndex.open(url, page_size=1024)
     idx.update({k(i): i for i in range(64)})  # a root and a few leaves
-    cold = AttributeIndex.open(url, page_size=1024, value_cache_entries=0)
+    cold = TreeIndex.open(url, page_size=1024, value_cache_entries=0)
     barrier = threading.Barrier(8)
     results = []
 
@@ -236,19 +243,19 @@ def test_threads_missing_the_same_pages_read_each_once(url):
 
 
 def test_refresh_sees_other_handles_updates(url):
-    a, b = AttributeIndex.open(url), AttributeIndex.open(url)
+    a, b = TreeIndex.open(url), TreeIndex.open(url)
     a.update({1: 1})
     assert b.get(1) is None
     b.refresh()
     assert b.get(1) == 1
     b.update({2: 2})  # b is current, a is not: a's next update reloads and re-applies
     a.update({3: 3})
-    fresh = AttributeIndex.open(url)
+    fresh = TreeIndex.open(url)
     assert fresh.get_many([1, 2, 3]) == [1, 2, 3]
 
 
 def test_stats_fields(url):
-    idx = AttributeIndex.open(url, page_size=512)
+    idx = TreeIndex.open(url, page_size=512)
     idx.update({k(i): i for i in range(500)})
     stats = idx.stats()
     assert stats.entry_count == 500 and stats.height >= 2 and stats.page_count > 1
@@ -257,7 +264,7 @@ def test_stats_fields(url):
 
 
 def test_bulk_update_refreshes_cached_values_without_flooding_the_cache():
-    idx = AttributeIndex.open(f"memory://bulk-{uuid.uuid4().hex}")
+    idx = TreeIndex.open(f"memory://bulk-{uuid.uuid4().hex}")
     idx.update({1: 1, 2: 2})
     assert idx.get(1) == 1 and idx.get(3) is None  # both now in the recent-values cache
     idx.update({i: -i for i in range(20_000)})  # a bulk write, beyond the tier-1 admission size
@@ -268,7 +275,7 @@ def test_bulk_update_refreshes_cached_values_without_flooding_the_cache():
 def test_compaction_off_keeps_everything_and_the_policies_differ(url):
     written = {}
     for policy in (False, "pravega", True):
-        idx = AttributeIndex.open(f"{url}-{policy}" if url.startswith("memory") else f"{url}/{policy}",
+        idx = TreeIndex.open(f"{url}-{policy}" if url.startswith("memory") else f"{url}/{policy}",
                                   page_size=256, rolling_size=2048, compaction=policy)
         for step in range(120):
             idx.update({k((step * 37 + i) % 500): step for i in range(5)})
@@ -283,11 +290,11 @@ def test_compaction_off_keeps_everything_and_the_policies_differ(url):
 
 def test_unknown_compaction_policy_is_an_error():
     with pytest.raises(ValueError, match="compaction must be"):
-        AttributeIndex.open(f"memory://p-{uuid.uuid4().hex}", compaction="sometimes")
+        TreeIndex.open(f"memory://p-{uuid.uuid4().hex}", compaction="sometimes")
 
 
 def test_a_writer_that_lost_a_race_does_not_serve_values_it_cached_before(url):
-    a, b = AttributeIndex.open(url), AttributeIndex.open(url)
+    a, b = TreeIndex.open(url), TreeIndex.open(url)
     a.update({1: 1})
     assert a.get(1) == 1  # now in a's recent-values cache
     b.refresh()
@@ -298,7 +305,7 @@ def test_a_writer_that_lost_a_race_does_not_serve_values_it_cached_before(url):
 
 
 def test_checkpoints_only_move_forward(tmp_path):
-    idx = AttributeIndex.open(str(tmp_path))
+    idx = TreeIndex.open(str(tmp_path))
     assert idx.checkpoint is None
     assert idx.update({1: 1}, checkpoint=100) is True and idx.checkpoint == 100
     assert idx.update({1: 2}, checkpoint=50) is False  # already covered: older values are not applied
@@ -306,4 +313,4 @@ def test_checkpoints_only_move_forward(tmp_path):
     assert idx.update({}, checkpoint=200) is True and idx.checkpoint == 200  # a checkpoint alone
     with pytest.raises(InvalidInputError):
         idx.update({1: 3}, checkpoint=-1)
-    assert AttributeIndex.open(str(tmp_path)).checkpoint == 200
+    assert TreeIndex.open(str(tmp_path)).checkpoint == 200

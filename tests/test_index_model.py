@@ -1,4 +1,4 @@
-"""Hypothesis model test: AttributeIndex against a dict, with tiny pages so trees are 4+ levels deep."""
+"""Hypothesis model test: TreeIndex against a dict, with tiny pages so trees are 4+ levels deep."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from attrindex.attribute_index import AttributeIndex
+from attrindex.tree_index import TreeIndex
 from storage_adapters import open_storage
 
 PAGE_SIZE = 120  # 4 leaf entries or 3 index entries per page: deep trees from few keys
@@ -35,7 +35,7 @@ def machine_for(new_url, compaction, heights):
             assert self.max_height >= 4
 
         def _open(self, cache_bytes=1 << 20):
-            return AttributeIndex(open_storage(self.url), page_size=PAGE_SIZE, rolling_size=self.rolling,
+            return TreeIndex(open_storage(self.url), page_size=PAGE_SIZE, rolling_size=self.rolling,
                                   cache_bytes=cache_bytes, compaction=compaction)
 
         @rule(batch=st.lists(st.tuples(KEYS, VALUES), min_size=1, max_size=40))

@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from attrindex import AttributeIndex, SegmentStore
+from attrindex import SegmentStore
+from attrindex.tree_index import TreeIndex
 from attrindex.errors import CorruptDataError
 from storage_adapters.local import COMMIT_RECORD_SIZE
 
@@ -47,9 +48,10 @@ def _segment(root: str, appends: int = 20) -> None:
 
 
 def _index_of_six_versions(tmp_path) -> str:
-    """An index whose 40 keys were all set to 0, then 1, ... 5, one update each."""
+    """A B+tree whose 40 keys were all set to 0, then 1, ... 5, one update each (a tree alone: the
+    write-ahead log of TreeIndex would replay a rolled-back update, see test_index_wal.py)."""
     root = str(tmp_path / "idx")
-    with AttributeIndex.open(root, page_size=256) as index:
+    with TreeIndex.open(root, page_size=256) as index:
         for version in range(6):
             index.update({key: version for key in range(40)})
     return root
@@ -93,19 +95,19 @@ def test_lost_index_commit_records_are_reported_and_repair_commits_them_again(tm
     root = _index_of_six_versions(tmp_path)
     _cut_commit_records(_last_chunk(root, "attributes.seg"), 3)
     with pytest.raises(CorruptDataError, match="commit records were lost"):
-        AttributeIndex.open(root, mode="r")
-    assert not AttributeIndex.verify_at(root).ok
-    report = AttributeIndex.repair_at(root)
+        TreeIndex.open(root, mode="r")
+    assert not TreeIndex.verify_at(root).ok
+    report = TreeIndex.repair_at(root)
     assert report.recommitted_bytes > 0 and not report.rolled_back
-    assert AttributeIndex.verify_at(root).ok
-    with AttributeIndex.open(root, mode="r") as index:
+    assert TreeIndex.verify_at(root).ok
+    with TreeIndex.open(root, mode="r") as index:
         assert index.get_many(list(range(40))) == [5] * 40  # the newest version, whole
 
 
 def test_one_lost_index_commit_record_rolls_back_one_update(tmp_path):
     root = _index_of_six_versions(tmp_path)
     _cut_commit_records(_last_chunk(root, "attributes.seg"), 1)
-    with AttributeIndex.open(root, mode="r") as index:
+    with TreeIndex.open(root, mode="r") as index:
         assert index.get_many(list(range(40))) == [4] * 40
 
 

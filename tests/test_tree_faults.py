@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from attrindex.attribute_index import AttributeIndex
+from attrindex.tree_index import TreeIndex
 from attrindex.btree.footer import FOOTER_SIZE, Footer
 from attrindex.btree.page import encode_index
 from attrindex.errors import (
@@ -83,18 +83,18 @@ def within(seconds: float, call):
 
 # -- class 2: the newest footer ----------------------------------------------------------------
 def test_damaged_newest_footer_is_corruption_on_open_and_on_reload(url):
-    stale = AttributeIndex.open(url, page_size=256)
+    stale = TreeIndex.open(url, page_size=256)
     stale.update({k(i): 1 for i in range(100)})
-    writer = AttributeIndex.open(url, page_size=256)
+    writer = TreeIndex.open(url, page_size=256)
     writer.update({k(i): 2 for i in range(100)})
     tail = writer._tree.state.footer_offset
     flip(url, tail + 30)  # inside the entry count
     with pytest.raises(CorruptDataError, match=f"newest footer at offset {tail}") as caught:
-        AttributeIndex.open(url, page_size=256)
+        TreeIndex.open(url, page_size=256)
     assert caught.value.offset == tail and "attributes.seg/" in str(caught.value)
     with pytest.raises(CorruptDataError, match=f"newest footer at offset {tail}"):
         stale.refresh()  # a handle that had the older version does not roll back to it either
-    report = AttributeIndex.verify_at(url)
+    report = TreeIndex.verify_at(url)
     assert not report.ok
     assert any(d.start == tail and d.end == tail + FOOTER_SIZE and "newest footer" in d.reason for d in report.damage)
 
@@ -102,7 +102,7 @@ def test_damaged_newest_footer_is_corruption_on_open_and_on_reload(url):
 def test_damaged_tail_over_a_truncated_previous_version_raises_instead_of_hanging(url):
     # The previous footer's pages are below the truncation offset: the old code fell back to it and
     # looped forever in get() (TruncatedError, reload, same state, ...).
-    idx = AttributeIndex.open(url, page_size=256, rolling_size=1024, compaction="pravega")
+    idx = TreeIndex.open(url, page_size=256, rolling_size=1024, compaction="pravega")
     step = 0
     while True:
         idx.update({k(i): step for i in range(step % 7, 300, 7)})
@@ -113,20 +113,20 @@ def test_damaged_tail_over_a_truncated_previous_version_raises_instead_of_hangin
     flip(url, state.footer_offset + 10)
 
     def read():
-        reopened = AttributeIndex.open(url, page_size=256, rolling_size=1024)
+        reopened = TreeIndex.open(url, page_size=256, rolling_size=1024)
         return reopened.get(k(0))
 
     with pytest.raises(CorruptDataError, match="newest footer"):
         within(10, read)
     with pytest.raises(CorruptDataError, match="rebuilt from its source"):
-        within(10, lambda: AttributeIndex.repair_at(url))
+        within(10, lambda: TreeIndex.repair_at(url))
 
 
 # -- class 3: every loop bounded ---------------------------------------------------------------
 def _dangling_index(url: str) -> tuple[int, int]:
     """An index whose newest version routes to a page below the truncation offset, with a footer
     that claims otherwise (as damage could). Returns (dangling page offset, truncation offset)."""
-    idx = AttributeIndex.open(url, page_size=256, rolling_size=512, compaction="pravega")
+    idx = TreeIndex.open(url, page_size=256, rolling_size=512, compaction="pravega")
     first = None
     for step in range(200):
         idx.update({k(i): step for i in range(step % 5, 200, 5)})
@@ -146,7 +146,7 @@ def _dangling_index(url: str) -> tuple[int, int]:
 
 def test_every_read_loop_over_a_page_that_is_gone_ends_in_corruption(url):
     dangling, start = _dangling_index(url)
-    idx = AttributeIndex.open(url, page_size=256, rolling_size=512, value_cache_entries=0)
+    idx = TreeIndex.open(url, page_size=256, rolling_size=512, value_cache_entries=0)
     calls = {
         "get": lambda: idx.get(k(3)),
         "get_many": lambda: idx.get_many([k(i) for i in range(50)]),
@@ -163,7 +163,7 @@ def test_every_read_loop_over_a_page_that_is_gone_ends_in_corruption(url):
 
 
 def test_restarts_are_bounded_even_when_every_one_finds_a_newer_version(url):
-    idx = AttributeIndex.open(url, page_size=256, cache_bytes=0, value_cache_entries=0)
+    idx = TreeIndex.open(url, page_size=256, cache_bytes=0, value_cache_entries=0)
     idx.update({k(i): i for i in range(100)})
     tree = idx._tree
     reloads = []
@@ -191,7 +191,7 @@ def test_restarts_are_bounded_even_when_every_one_finds_a_newer_version(url):
 
 
 def test_the_update_race_loop_is_bounded(url):
-    idx = AttributeIndex.open(url, page_size=256)
+    idx = TreeIndex.open(url, page_size=256)
     idx.update({1: 1})
 
     def always_lose(data, expected_offset=None):
@@ -204,7 +204,7 @@ def test_the_update_race_loop_is_bounded(url):
 
 
 def test_the_relisting_loop_is_bounded(url):
-    idx = AttributeIndex.open(url, page_size=256)
+    idx = TreeIndex.open(url, page_size=256)
     idx.update({1: 1})
 
     def always_racing():
@@ -220,7 +220,7 @@ def test_the_relisting_loop_is_bounded(url):
 @pytest.mark.parametrize("fault", ["enospc", "fail_before", "lost_ack"])
 def test_a_failed_truncation_does_not_fail_the_update_and_is_retried(url, caplog, fault):
     storage = FaultyStorage(open_storage(url), seed=1)
-    idx = AttributeIndex(storage, page_size=256, rolling_size=1024, compaction="pravega")
+    idx = TreeIndex(storage, page_size=256, rolling_size=1024, compaction="pravega")
     storage.script(fault, op="put_marker", times=1000)  # every truncation fails at its marker
     with caplog.at_level(logging.WARNING, logger="attrindex.btree"):
         for step in range(60):
@@ -237,13 +237,13 @@ def test_a_failed_truncation_does_not_fail_the_update_and_is_retried(url, caplog
     min_offset = idx._tree.state.footer.min_offset
     assert 0 < idx._segment.start_offset <= min_offset
     assert all(c.end > min_offset for c in idx._segment.chunks()[:-1])
-    reopened = AttributeIndex.open(url, page_size=256)
+    reopened = TreeIndex.open(url, page_size=256)
     assert reopened.get(0) == -1 and reopened.verify().ok
 
 
 def test_failed_chunk_deletions_do_not_fail_the_update(url, caplog):
     storage = FaultyStorage(open_storage(url), seed=2)
-    idx = AttributeIndex(storage, page_size=256, rolling_size=1024, compaction="pravega")
+    idx = TreeIndex(storage, page_size=256, rolling_size=1024, compaction="pravega")
     storage.script("fail_before", op="delete", times=1000)
     model = {}
     with caplog.at_level(logging.WARNING, logger="attrindex.btree"):
@@ -253,16 +253,16 @@ def test_failed_chunk_deletions_do_not_fail_the_update(url, caplog):
             model.update(batch)
     assert storage.injected
     storage.enabled = False
-    reopened = AttributeIndex.open(url, page_size=256)
+    reopened = TreeIndex.open(url, page_size=256)
     assert dict(reopened.items()) == model and reopened.verify().ok
 
 
 # -- class 6: readers during another process's compaction ---------------------------------------
 _UPDATER = textwrap.dedent("""
     import sys, time
-    from attrindex.attribute_index import AttributeIndex
+    from attrindex.tree_index import TreeIndex
     directory, keys, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    index = AttributeIndex.open(directory, page_size=256, rolling_size=2048)
+    index = TreeIndex.open(directory, page_size=256, rolling_size=2048)
     deadline, n = time.monotonic() + seconds, 0
     while time.monotonic() < deadline:
         n += 1
@@ -273,12 +273,12 @@ _UPDATER = textwrap.dedent("""
 
 def test_readers_during_compacting_updates_see_one_version_at_a_time(tmp_path):
     directory, keys, seconds = str(tmp_path / "store"), 96, 3.0
-    AttributeIndex.open(directory, page_size=256, rolling_size=2048).update({i: 0 for i in range(keys)})
+    TreeIndex.open(directory, page_size=256, rolling_size=2048).update({i: 0 for i in range(keys)})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
     child = subprocess.Popen([sys.executable, "-c", _UPDATER, directory, str(keys), str(seconds)],
                              stdout=subprocess.PIPE, text=True, env=env)
-    readers = [AttributeIndex.open(directory, page_size=256, rolling_size=2048),
-               AttributeIndex.open(directory, page_size=256, rolling_size=2048, value_cache_entries=0, cache_bytes=0)]
+    readers = [TreeIndex.open(directory, page_size=256, rolling_size=2048),
+               TreeIndex.open(directory, page_size=256, rolling_size=2048, value_cache_entries=0, cache_bytes=0)]
     reads = wrong = scans = 0
     errors: list[str] = []
     newest = [0, 0]
@@ -323,15 +323,15 @@ def test_readers_during_compacting_updates_see_one_version_at_a_time(tmp_path):
     assert child.returncode == 0
     assert reads > 50 and updates > 20, f"too little concurrency: {reads} reads, {updates} updates"
     assert wrong == 0, f"{wrong} wrong answers in {reads} reads and {scans} scans during {updates} updates: {errors[:5]}"
-    final = AttributeIndex.open(directory, page_size=256)
+    final = TreeIndex.open(directory, page_size=256)
     assert final.get_many(range(keys)) == [updates] * keys and final.verify().ok
 
 
 @pytest.mark.parametrize("race", ["no chunks listed", "newest chunk missed"])
 def test_a_listing_that_raced_a_truncation_is_taken_again(url, race):
     # What a reader's listing can see while another process rolls to a new chunk and truncates.
-    writer = AttributeIndex.open(url, page_size=256, rolling_size=1024)
-    reader = AttributeIndex.open(url, page_size=256, rolling_size=1024)
+    writer = TreeIndex.open(url, page_size=256, rolling_size=1024)
+    reader = TreeIndex.open(url, page_size=256, rolling_size=1024)
     for n in range(1, 60):
         writer.update({k(i): n for i in range(40)})
         if n in (10, 30):
@@ -353,8 +353,8 @@ def test_a_listing_that_raced_a_truncation_is_taken_again(url, race):
 
 
 # -- verify and repair -------------------------------------------------------------------------
-def _versions(url: str, count: int, **options) -> AttributeIndex:
-    idx = AttributeIndex.open(url, page_size=256, **options)
+def _versions(url: str, count: int, **options) -> TreeIndex:
+    idx = TreeIndex.open(url, page_size=256, **options)
     for n in range(1, count + 1):
         idx.update({k(i): n * 1000 + i for i in range(0, 120, n)})
     return idx
@@ -367,7 +367,7 @@ def test_verify_reports_every_damaged_range(url):
     assert idx.verify().ok
     flip(url, dead_page + 20)
     flip(url, live_leaf + 14)
-    report = AttributeIndex.verify_at(url)
+    report = TreeIndex.verify_at(url)
     assert not report.ok
     starts = sorted(d.start for d in report.damage)
     assert dead_page in starts and live_leaf in starts, report.damage
@@ -379,7 +379,7 @@ def test_verify_reports_a_damaged_footer_in_the_middle_of_the_chain(url):
     newest = idx._tree.state.footer
     middle = idx._tree.state.length - newest.update_length - FOOTER_SIZE  # the previous update's footer
     flip(url, middle + 12)
-    report = AttributeIndex.verify_at(url)
+    report = TreeIndex.verify_at(url)
     assert [(d.start, d.end) for d in report.damage] == [(middle, middle + FOOTER_SIZE)], report.damage
     assert report.entries == len(idx) and report.updates == 3  # the other three footers chain
 
@@ -387,7 +387,7 @@ def test_verify_reports_a_damaged_footer_in_the_middle_of_the_chain(url):
 def test_repair_rolls_back_to_the_newest_intact_version_and_says_what_was_lost(url, caplog):
     idx = _versions(url, 4, compaction=False)
     state = idx._tree.state
-    before = AttributeIndex.open(url, page_size=256)
+    before = TreeIndex.open(url, page_size=256)
     previous_end = state.length - state.footer.update_length
     # The version before the last: what a rollback of one update must give back.
     expected = {k(i): 3000 + i for i in range(0, 120, 3)}
@@ -399,38 +399,38 @@ def test_repair_rolls_back_to_the_newest_intact_version_and_says_what_was_lost(u
     assert idx.repair().rolled_back is False  # intact: nothing to do
     flip(url, state.footer.root_offset + 20)  # the newest root: only the last version is damaged
     with caplog.at_level(logging.WARNING, logger="attrindex.btree"):
-        report = AttributeIndex.repair_at(url)
+        report = TreeIndex.repair_at(url)
     assert report.rolled_back and report.updates_dropped == 1
     assert (report.lost_start, report.lost_end) == (previous_end, state.length)
     assert (report.entries_before, report.entries_after) == (120, 120)
     assert "rolling back" in caplog.text
-    repaired = AttributeIndex.open(url, page_size=256)
+    repaired = TreeIndex.open(url, page_size=256)
     assert sorted(repaired.items()) == previous_items and repaired.verify().ok
     before.refresh()
     assert before.get_many([k(i) for i in range(120)]) == [value for _, value in previous_items]
     repaired.update({k(0): 7})
-    assert AttributeIndex.open(url, page_size=256).get(0) == 7 and repaired.verify().ok
+    assert TreeIndex.open(url, page_size=256).get(0) == 7 and repaired.verify().ok
 
 
 def test_repair_of_a_first_update_goes_back_to_empty(url):
-    idx = AttributeIndex.open(url, page_size=256)
+    idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(10)})
     flip(url, idx._tree.state.footer_offset + 40)
-    report = AttributeIndex.repair_at(url)
+    report = TreeIndex.repair_at(url)
     assert report.rolled_back and report.kept_footer_offset == -1 and report.entries_after == 0
     assert report.entries_before is None and report.updates_dropped == 1
-    reopened = AttributeIndex.open(url, page_size=256)
+    reopened = TreeIndex.open(url, page_size=256)
     assert len(reopened) == 0 and reopened.verify().ok
     reopened.update({k(1): 1})
-    assert AttributeIndex.open(url).get(1) == 1
+    assert TreeIndex.open(url).get(1) == 1
 
 
 # -- class 7: bit flips in live pages ----------------------------------------------------------
 def test_a_bit_flipped_on_read_is_corruption_never_a_wrong_value(url):
     storage = FaultyStorage(open_storage(url), seed=3)
-    idx = AttributeIndex(storage, page_size=256)
+    idx = TreeIndex(storage, page_size=256)
     idx.update({k(i): i for i in range(300)})
-    cold = AttributeIndex(storage, page_size=256, cache_bytes=0, value_cache_entries=0)
+    cold = TreeIndex(storage, page_size=256, cache_bytes=0, value_cache_entries=0)
     reads = {"get": lambda: cold.get(k(150)), "get_many": lambda: cold.get_many([k(i) for i in range(300)]),
              "items": lambda: list(cold.items()), "items from a key": lambda: list(cold.items(k(100), k(200))),
              "split_keys": lambda: cold.split_keys(4)}
@@ -443,18 +443,18 @@ def test_a_bit_flipped_on_read_is_corruption_never_a_wrong_value(url):
     # The newest footer, read on open: a bad footer is read again (as a listing that raced a
     # truncation would be), so a flip on the way is not taken for damage at rest.
     storage.script("bitflip_read", op="read", path_contains="attributes.seg/")
-    opened = AttributeIndex(storage, page_size=256)
+    opened = TreeIndex(storage, page_size=256)
     assert storage.pending_scripts() == 0 and opened.get(k(7)) == 7 and len(opened) == 300
 
 
 
 def test_a_flipped_bit_in_a_live_page_is_corruption_on_every_read_that_meets_it(url):
-    idx = AttributeIndex.open(url, page_size=256)
+    idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(300)})
     leaf = next((offset, page) for _, offset, _, page in idx._tree.pages() if page.is_leaf and len(page.keys) > 2)
     key = leaf[1].keys[1]
     flip(url, leaf[0] + 40)
-    cold = AttributeIndex.open(url, page_size=256, cache_bytes=0, value_cache_entries=0)
+    cold = TreeIndex.open(url, page_size=256, cache_bytes=0, value_cache_entries=0)
     for read in (lambda: cold.get(key), lambda: cold.get_many([key]), lambda: list(cold.items()),
                  lambda: list(cold.items(key, None))):
         with pytest.raises(CorruptDataError, match=f"offset {leaf[0]}"):
@@ -466,7 +466,7 @@ def test_a_flipped_bit_in_a_live_page_is_corruption_on_every_read_that_meets_it(
 @given(data=st.data())
 def test_a_flipped_bit_anywhere_is_reported_never_answered_around_and_repair_restores_a_version(data):
     url = f"memory://tree-flip-{uuid.uuid4().hex}"
-    idx = AttributeIndex.open(url, page_size=256, rolling_size=2048, compaction=data.draw(st.sampled_from(["pravega", True, False])))
+    idx = TreeIndex.open(url, page_size=256, rolling_size=2048, compaction=data.draw(st.sampled_from(["pravega", True, False])))
     model: dict[bytes, int] = {}
     versions = {-1: {}}  # footer offset -> the model as of that version
     for _ in range(data.draw(st.integers(1, 12))):
@@ -481,10 +481,10 @@ def test_a_flipped_bit_anywhere_is_reported_never_answered_around_and_repair_res
     offset = data.draw(st.integers(segment.start_offset, segment.length - 1))
     flip(url, offset)
 
-    report = AttributeIndex.verify_at(url)
+    report = TreeIndex.verify_at(url)
     assert any(d.start <= offset < d.end for d in report.damage), (offset, report.damage)
     try:  # every answer is the newest version's, or a CorruptDataError
-        reader = AttributeIndex.open(url, page_size=256, cache_bytes=0, value_cache_entries=0)
+        reader = TreeIndex.open(url, page_size=256, cache_bytes=0, value_cache_entries=0)
         for key in map(k, range(0, 151, 7)):
             try:
                 assert reader.get(key) == model.get(key)
@@ -494,11 +494,11 @@ def test_a_flipped_bit_anywhere_is_reported_never_answered_around_and_repair_res
     except CorruptDataError:
         pass
     try:
-        repaired = AttributeIndex.repair_at(url)
+        repaired = TreeIndex.repair_at(url)
     except CorruptDataError as error:
         assert "rebuilt from its source" in str(error)
         return
-    after = AttributeIndex.open(url, page_size=256, cache_bytes=0)
+    after = TreeIndex.open(url, page_size=256, cache_bytes=0)
     assert dict(after.items()) == versions[repaired.kept_footer_offset]
     report = after.verify()
     # Damage in a dead page of the kept version's past stays until compaction truncates it.
@@ -515,7 +515,7 @@ def test_updates_under_random_storage_faults_are_applied_exactly_when_they_say(u
         batch = {k((n * 7 + i) % 60): n for i in range(5)}
         try:
             if idx is None:
-                idx = AttributeIndex(storage, page_size=256, rolling_size=2048, cache_bytes=0, value_cache_entries=0)
+                idx = TreeIndex(storage, page_size=256, rolling_size=2048, cache_bytes=0, value_cache_entries=0)
             idx.update(batch)
             outcomes.append((n, batch, "ok"))
         except OutcomeUnknownError:
@@ -526,36 +526,36 @@ def test_updates_under_random_storage_faults_are_applied_exactly_when_they_say(u
             idx = None if isinstance(error, CorruptDataError) else idx  # a flipped read: open afresh
     storage.enabled = False
     assert {o for _, _, o in outcomes} >= {"ok", "failed"} and len(storage.injected) > 20
-    final = dict(AttributeIndex(storage, page_size=256).items())
+    final = dict(TreeIndex(storage, page_size=256).items())
     for key in map(k, range(60)):
         touched = [(n, outcome) for n, batch, outcome in outcomes if key in batch]
         last_ok = max((n for n, outcome in touched if outcome == "ok"), default=None)
         allowed = {last_ok} | {n for n, outcome in touched if outcome == "unknown" and (last_ok is None or n > last_ok)}
         assert final.get(key) in allowed, (key, final.get(key), touched[-5:])
-    assert AttributeIndex(storage, page_size=256).verify().ok
+    assert TreeIndex(storage, page_size=256).verify().ok
 
 
 def test_damaged_tail_verify_and_repair_on_s3(s3_options):
     url = make_s3_url(s3_options)
-    idx = AttributeIndex.open(url, storage_options=s3_options, page_size=256)
+    idx = TreeIndex.open(url, storage_options=s3_options, page_size=256)
     for n in range(1, 4):
         idx.update({k(i): n for i in range(0, 60, n)})
     raw = RollingSegment(open_storage(url, **s3_options), "attributes")
     at = raw.append(b"not a footer" * 10)  # a whole object: committed, so damage, not a torn tail
     with pytest.raises(CorruptDataError, match="newest footer"):
-        AttributeIndex.open(url, storage_options=s3_options)
-    report = AttributeIndex.verify_at(url, storage_options=s3_options)
+        TreeIndex.open(url, storage_options=s3_options)
+    report = TreeIndex.verify_at(url, storage_options=s3_options)
     assert [(d.start, d.end) for d in report.damage] == [(at + 120 - FOOTER_SIZE, at + 120)]
-    repaired = AttributeIndex.repair_at(url, storage_options=s3_options)
+    repaired = TreeIndex.repair_at(url, storage_options=s3_options)
     assert repaired.rolled_back and repaired.updates_dropped == 1 and repaired.lost_start == at
-    reopened = AttributeIndex.open(url, storage_options=s3_options)
+    reopened = TreeIndex.open(url, storage_options=s3_options)
     assert reopened.get_many([k(0), k(1), k(3)]) == [3, 1, 3] and reopened.verify().ok
 
 
 @pytest.mark.parametrize("fault", ["lost_ack", "torn", "fail_before"])
 def test_an_update_whose_append_failed_ambiguously_is_applied_once_or_not_at_all(url, fault):
     storage = FaultyStorage(open_storage(url), seed=4)
-    idx = AttributeIndex(storage, page_size=256)
+    idx = TreeIndex(storage, page_size=256)
     idx.update({k(i): 1 for i in range(50)})
     storage.script(fault, op="append")
     try:
@@ -566,7 +566,7 @@ def test_an_update_whose_append_failed_ambiguously_is_applied_once_or_not_at_all
         applied = False
     assert storage.injected and applied == (fault == "lost_ack")
     idx.update({k(60): 3})  # the handle goes on from what is stored
-    reopened = AttributeIndex(storage, page_size=256)
+    reopened = TreeIndex(storage, page_size=256)
     assert reopened.get_many([k(0), k(49), k(60)]) == [2 if applied else 1] * 2 + [3]
     report = reopened.verify()
     assert report.ok and report.updates == (3 if applied else 2)  # never twice

@@ -26,6 +26,7 @@ from storage_adapters.errors import (
 )
 
 from ..keys import MIN_KEY
+from . import bulk
 from .compaction import OnePagePolicy, TreeShape
 from .footer import EMPTY, FOOTER_SIZE, Footer, decode_footer, lost_commits
 from .page import (
@@ -675,13 +676,78 @@ class BTreeIndex:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("segment %r: update wrote %d bytes at offset %d (%d pages, %d relocated by compaction)",
                       self.segment.name, len(builder.buffer), old.length, len(builder.pages), builder.relocated)
+        self._truncate_after(footer.min_offset)
+
+    def _truncate_after(self, min_offset: int) -> None:
+        """Free the chunks below a durable new version (best effort, as the policy says)."""
         if getattr(self.policy, "truncates", True):
             try:
-                self._truncate(footer.min_offset)
+                self._truncate(min_offset)
             except (StorageError, OSError) as error:
                 # The update is durable: freeing space is best effort, and the next update retries.
                 log.warning("segment %r: truncating below offset %d failed after a durable update; "
-                            "a later update retries it: %s", self.segment.name, footer.min_offset, error)
+                            "a later update retries it: %s", self.segment.name, min_offset, error)
+
+    # -- bulk load -----------------------------------------------------------------------------
+    def bulk_load(self, pairs, *, checkpoint: int | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> int:
+        """Load ``(key, value)`` pairs (a mapping or an iterable, any order) as a fresh tree built
+        bottom-up: full leaves, then index levels, then the footer, in ONE durable append.
+
+        Every pair is validated before anything is written (``InvalidInputError`` otherwise). The
+        last pair for a key wins; ``None`` means absent (it removes a key the tree holds). Into a
+        non-empty tree, its entries are merged with the new ones in one streaming pass and the
+        whole tree is written afresh: every old page becomes dead and is truncated away. Sorted
+        input is streamed into compact columns; unsorted input is sorted in memory (see
+        ``bulk.py``). ``checkpoint`` as in ``update`` (a covered one writes nothing).
+        ``progress(done, total)`` is called while reading (pairs read; total ``len(pairs)``, 0 if
+        unknown) and then while building (entries merged and written, of the total). Returns the
+        number of entries in the tree afterwards. A lost compare-and-append race rebuilds over the
+        newer tree from the already validated pairs.
+        """
+        bulk.validate_checkpoint(checkpoint)
+        run = bulk.read_pairs(pairs, progress)
+        return self._load_run(run, checkpoint, progress).footer.entry_count
+
+    def _load_run(self, run: bulk.SortedRun, checkpoint: int | None, progress=None) -> TreeState:
+        """Write a fresh tree holding ``run`` merged over the current one; the state afterwards."""
+        with self._write_lock:
+            for _ in range(MAX_UPDATE_ATTEMPTS):
+                state = self._state
+                footer = state.footer
+                if checkpoint is not None and footer.checkpoint >= checkpoint:
+                    return state
+                if not len(run) and not footer.root_length and checkpoint in (None, footer.checkpoint):
+                    return state  # removals from an empty tree: nothing to write
+                target = footer.checkpoint if checkpoint is None else checkpoint
+                try:
+                    old = bulk.leaves(self, self._root_page(state)) if footer.root_length else None
+                    data, new_footer = bulk.build(self, run, old, state.length, target, footer.entry_count, progress)
+                except OffsetOutOfRangeError as error:  # another writer compacted pages this state needs
+                    self._restart(state, error)
+                    continue
+                try:
+                    self.segment.append(data, expected_offset=state.length)
+                except BadOffsetError:
+                    self.reload()
+                    continue
+                self._commit_bulk(state, data, new_footer)
+                return self._state
+        raise StorageError(f"segment {self.segment.name!r}: a bulk load lost the append race to other writers "
+                           f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
+
+    def _commit_bulk(self, old: TreeState, data: bytes, footer: Footer) -> None:
+        """After a bulk load's append: publish the new root, drop the dead pages, truncate."""
+        length = old.length + len(data)
+        self._state = TreeState(footer, length - FOOTER_SIZE, length)
+        clear = getattr(self.cache, "clear", None)
+        if clear is not None:
+            clear()  # every cached page is of the old tree, now dead
+        self.io.bytes_written += len(data)
+        self.io.updates_written += 1
+        log.debug("segment %r: bulk load wrote %d bytes at offset %d (%d pages, %d entries)",
+                  self.segment.name, len(data), old.length, footer.page_count, footer.entry_count)
+        self._truncate_after(footer.min_offset)
 
     def _truncate(self, min_offset: int) -> None:
         """Delete storage chunks lying wholly below the live tree (the new root is already durable)."""

@@ -13,7 +13,8 @@ from storage_adapters import RollingSegment, open_storage
 def index_use(url: str) -> tuple[int | None, list[int | None], int]:
     with AttributeIndex.open(url, mode="a", page_size=4096) as idx:
         idx.update({42: 7, b"k" * 16: -1, uuid.UUID(int=3): None})
-        idx.update([(42, None)], checkpoint=3)
+        idx.update([(42, None)])
+        idx.flush()
         one: int | None = idx.get(42)
         many: list[int | None] = idx.get_many([42, b"k" * 16])
         pairs: list[tuple[bytes, int]] = list(idx.items(start=0, stop=1 << 64))

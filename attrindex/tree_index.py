@@ -1,0 +1,441 @@
+"""``TreeIndex``: a durable map of 16-byte keys to int64 values stored as an append-only B+tree.
+
+Each ``update`` is one durable append of the modified pages (copy-on-write, root last). It is the
+checkpoint layer under ``Segment`` (a segment's attributes) and under the public ``AttributeIndex``
+(whose updates go to a write-ahead log first, see ``attrindex.attribute_index``). The shared input
+helpers (``_canonical_batch``, ``key_list``) and ``IndexStats`` live here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import uuid
+
+import attrs
+
+from storage_adapters import ChunkStorage, RollingSegment
+from storage_adapters.rolling import validate_segment_name
+
+from .btree import BTreeIndex, policy_for
+from .btree.repair import IndexRepairReport, repair_index
+from .btree.verify import VerifyReport, verify_index
+from .cache import ShardedLRUCache
+from .errors import IndexNotFoundError, InvalidInputError
+from .keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
+from .locations import index_exists, mark_index_created, open_location
+from .value_cache import MISSING, ValueCache
+
+DEFAULT_CACHE_BYTES = 64 << 20
+MAX_SPLIT_PARTS = 1 << 20  #: more parts than this cannot be meaningful (and would loop for long)
+# Space comes back a whole chunk at a time, so the index's chunks are small next to its live bytes:
+# with 32 MiB chunks, an index of 25 MiB could hold a whole dead chunk more than it needs.
+DEFAULT_INDEX_ROLLING_SIZE = 4 << 20
+DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
+
+
+# Updates up to this size enter the recent-values cache; larger ones only refresh cached entries.
+_CACHE_UPDATES_UP_TO = 10_000
+
+
+def _all_canonical_keys(keys: Iterable[object]) -> bool:
+    """Whether every key is 16 ``bytes`` (checked with C-level passes, no Python call per key)."""
+    return not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE})
+
+
+def _all_canonical_values(values) -> bool:
+    """Whether every value is an int64 or ``None`` (C-level passes but for dropping the ``None``s)."""
+    values = values if isinstance(values, list) else list(values)
+    types = set(map(type, values))
+    if not types <= {int, type(None)}:
+        return False
+    ints = [v for v in values if v is not None] if type(None) in types else values
+    return not ints or (VALUE_MIN <= min(ints) and max(ints) <= VALUE_MAX)
+
+
+def _canonical_batch(updates) -> dict[bytes, int | None]:
+    """``{16-byte key: int64 or None}``, the last value for a key winning; raises on bad input.
+
+    Input that is already canonical (bytes keys, int values) is checked at C speed and used as is.
+    """
+    if isinstance(updates, Mapping):
+        batch = updates if isinstance(updates, dict) else dict(updates)
+        pairs = updates.items()
+    else:
+        pairs = updates if isinstance(updates, (list, tuple)) else pair_list(updates)
+        try:
+            batch = dict(pairs)
+        except (TypeError, ValueError):  # unhashable key forms (bytearray) or malformed pairs
+            batch = {}
+    if batch and _all_canonical_keys(batch) and _all_canonical_values(batch.values()):
+        return batch
+    canonical: dict[bytes, int | None] = {}
+    for i, pair in enumerate(pairs):  # the original order, so the last value wins across key forms
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidInputError(f"update {i} must be a (key, value) pair, got {pair!r:.60}")
+        canonical[to_key(pair[0])] = to_update(pair[1])
+    return canonical
+
+
+def _storage(storage: str | ChunkStorage, options: Mapping[str, Any] | None, name: str) -> ChunkStorage:
+    """The storage an index-at classmethod works on: a URL must hold the index ``name``."""
+    validate_segment_name(name)
+    if isinstance(storage, ChunkStorage):
+        return storage
+    what = f"index {name!r}"
+    opened = open_location(storage, options, what=what, not_found=IndexNotFoundError)
+    if not index_exists(opened, name):
+        opened.close()
+        raise IndexNotFoundError(f"no {what} at URL {opened.url!r}")
+    return opened
+# Single keys: iterating one would turn it into a list of bogus keys (16 one-byte "keys" of a bytes).
+_SINGLE_KEY_TYPES = (bytes, bytearray, memoryview, str, int, uuid.UUID)
+
+
+def key_list(keys: Iterable[object]) -> list[object]:
+    """``keys`` as a list; a single key (bytes, str, int, UUID) or a non-iterable raises
+    ``InvalidInputError`` instead of being iterated."""
+    if isinstance(keys, list):
+        return keys
+    if isinstance(keys, _SINGLE_KEY_TYPES):
+        raise InvalidInputError(
+            f"expected an iterable of keys, got a single {type(keys).__name__} key; wrap it in a list: [key]"
+        )
+    try:
+        return list(keys)
+    except TypeError:
+        raise InvalidInputError(f"expected an iterable of keys, got {type(keys).__name__}") from None
+
+
+def _is_index_page(page: object) -> bool:
+    return not page.is_leaf  # type: ignore[attr-defined]
+
+
+@attrs.frozen
+class IndexStats:
+    """A snapshot of an index's shape, storage use and I/O counters."""
+
+    entry_count: int
+    page_count: int
+    height: int
+    length: int  #: bytes ever appended to the index's storage
+    start_offset: int  #: truncation offset: the smallest offset of a live page
+    storage_bytes: int  #: bytes still held in storage (whole chunks; at least length - start_offset)
+    live_bytes: int  #: bytes of the pages reachable from the root
+    bytes_written: int  #: bytes this handle appended
+    updates_written: int  #: appends this handle made
+    pages_relocated: int  #: pages this handle moved to the tail for compaction
+    storage_reads: int  #: page reads that went to storage
+    cache_hits: int  #: page lookups served by the page cache (tier 2); descents that follow an
+    #: index page's references to children still decoded in memory bypass the cache and are not counted
+    cache_misses: int
+    value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
+    value_cache_misses: int
+    pending_keys: int = 0  #: ``AttributeIndex``: keys in its write-ahead log not yet merged into the tree
+    wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
+
+
+class TreeIndex:
+    """A durable map of 16-byte keys to signed 64-bit values, stored as an append-only B+tree.
+
+    Keys may be given as 16 ``bytes``, a ``uuid.UUID`` or an ``int`` in ``[0, 2**128)``; they come
+    back as ``bytes`` in unsigned byte order. Each ``update`` is one durable append. Several handles
+    and processes may update one index: an update that loses the race reloads and re-applies
+    itself. Reads see this handle's latest view; ``refresh()`` picks up other writers' updates.
+    """
+
+    def __init__(
+        self,
+        storage: ChunkStorage,
+        name: str = "attributes",
+        *,
+        page_size: int = 32768,
+        rolling_size: int = DEFAULT_INDEX_ROLLING_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        value_cache_entries: int = DEFAULT_VALUE_CACHE_ENTRIES,
+        compaction: bool | str | object = True,
+    ):
+        if not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise InvalidInputError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        self._segment = RollingSegment(storage, name, rolling_size=rolling_size)
+        # Index pages are high priority: scans of leaves never push the upper levels out.
+        self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
+        self._values = ValueCache(value_cache_entries)
+        self._versions_adopted = 0  # versions written by others that the tree adopted
+        self._closed = False
+        self._read_only = False  # set by open(mode="r")
+        # Another writer's state makes tier 1 stale: the tree says when it adopts one.
+        self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
+                                policy=policy_for(compaction), on_external_change=self._external_change)
+
+    def _external_change(self) -> None:
+        self._versions_adopted += 1
+        self._values.clear()
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        name: str = "attributes",
+        *,
+        mode: str = "a",
+        storage_options: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> "TreeIndex":
+        """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path, ``s3://``.
+
+        ``mode="a"`` (the default) opens the index or creates it; ``mode="r"`` opens an existing
+        index read-only: a missing one (a mistyped path, an empty directory) raises
+        ``IndexNotFoundError`` and ``update`` raises ``InvalidInputError``. A local path that is a
+        regular file raises ``IndexNotFoundError`` in both modes.
+
+        ``options``: ``page_size`` (default 32768), ``rolling_size`` (4 MiB), ``cache_bytes`` for
+        decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
+        the bounded policy; "pravega"; False).
+        """
+        if mode not in ("a", "r"):
+            raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")
+        validate_segment_name(name)
+        what = f"index {name!r}"
+        storage = open_location(url, storage_options, what=what, not_found=IndexNotFoundError)
+        try:
+            if not index_exists(storage, name):
+                if mode == "r":
+                    raise IndexNotFoundError(f"no {what} at URL {storage.url!r} (opened read-only, so nothing was created)")
+                mark_index_created(storage, name)
+            index = cls(storage, name, **options)
+        except BaseException:
+            storage.close()
+            raise
+        index._read_only = mode == "r"
+        return index
+
+    # -- reading -------------------------------------------------------------------------------
+    def get(self, key: object) -> int | None:
+        """The value stored for ``key``, or ``None``."""
+        self._check_open()
+        k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
+        if not self._values.capacity:
+            return self._tree.get(k)
+        value = self._values.get(k)
+        if value is MISSING:
+            value = self._tree.get(k)
+            self._values.put(k, value)
+        return value  # type: ignore[return-value]
+
+    def get_many(self, keys: Iterable[object]) -> list[int | None]:
+        """Values for ``keys`` in input order (``None`` where absent)."""
+        self._check_open()
+        keys = key_list(keys)
+        canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
+        if not self._values.capacity:
+            return self._tree.get_many(canonical)
+        adopted = self._versions_adopted
+        cached = self._values.get_many(canonical)
+        missing = [k for k, v in zip(canonical, cached) if v is MISSING]
+        if not missing:
+            return cached  # type: ignore[return-value]
+        found = dict(zip(missing, self._tree.get_many(missing)))
+        if self._versions_adopted != adopted:
+            # The lookup moved to a newer version (compaction freed pages of the old one): the
+            # cached values are of the old one. Answer every key from one version.
+            return self._tree.get_many(canonical)
+        self._values.put_many(found.keys(), found.values())
+        return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
+
+    def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
+        """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order."""
+        self._check_open()
+        low = None if start is None else to_key(start)
+        high = None if stop is None else to_key(stop)
+        return self._tree.items(low, high)
+
+    def split_keys(self, parts: int) -> list[bytes]:
+        """Up to ``parts - 1`` ascending keys cutting the stored keys into about equal ranges
+        (for scanning in parallel); reads only a few upper pages."""
+        self._check_open()
+        if type(parts) is not int or not 0 <= parts <= MAX_SPLIT_PARTS:
+            raise InvalidInputError(f"parts must be an int in [0, {MAX_SPLIT_PARTS}], got {parts!r:.60}")
+        return self._tree.split_keys(parts)
+
+    def __len__(self) -> int:
+        self._check_open()
+        return self._tree.state.footer.entry_count
+
+    def __contains__(self, key: object) -> bool:
+        self._check_open()
+        return self.get(key) is not None
+
+    # -- writing -------------------------------------------------------------------------------
+    def update(self, updates: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
+               checkpoint: int | None = None) -> bool:
+        """Apply ``key -> value`` updates (``None`` removes) as one durable append; return whether it was.
+
+        Within one call the last value given for a key wins. Invalid keys or values raise before
+        anything changes. ``checkpoint`` (an int >= 0) is stored with the update, as the position
+        in some other log that the index now covers (segments use it): it only moves forward, so
+        an update whose checkpoint the index already covers is skipped and returns False.
+        """
+        self._check_writable()
+        if checkpoint is not None and (type(checkpoint) is not int or not 0 <= checkpoint <= VALUE_MAX):
+            raise InvalidInputError(f"checkpoint must be an int >= 0, got {checkpoint!r}")
+        batch = _canonical_batch(updates)
+        if not batch and checkpoint is None:
+            return False
+        keys = sorted(batch)
+        return self.update_sorted(keys, list(map(batch.__getitem__, keys)), checkpoint=checkpoint)
+
+    def update_sorted(self, keys: list[bytes], values: list[int | None], *, checkpoint: int | None = None) -> bool:
+        """``update`` for input already canonical: ``keys`` 16-byte ``bytes``, sorted and unique,
+        ``values`` int64 or ``None``. Not checked (segments merge their checked tier 1 this way)."""
+        self._check_writable()
+        if checkpoint is not None and self._tree.update(keys, values, checkpoint).footer.checkpoint != checkpoint:
+            return False
+        if checkpoint is None:
+            self._tree.update(keys, values)
+        if len(keys) <= _CACHE_UPDATES_UP_TO:
+            self._values.put_many(keys, values)
+        else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
+            self._values.refresh_many(dict(zip(keys, values)))
+        return True
+
+    def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
+                  checkpoint: int | None = None, progress: Callable[[int, int], None] | None = None) -> int:
+        """Load ``(key, value)`` pairs, in any order, as a fresh B+tree written in ONE durable append;
+        return the number of entries the index holds afterwards.
+
+        The tree is built bottom-up (full leaves, then index pages, then the footer) in one pass
+        over the sorted pairs; into a non-empty index the stored entries are merged in and the
+        whole tree is written afresh (the old pages become dead and their chunks are deleted).
+        Every pair is checked before anything is written (``InvalidInputError`` otherwise); the
+        last pair for a key wins; ``None`` removes the key. ``checkpoint`` as in ``update`` (an
+        index that covers it already is left as it is). ``progress(done, total)`` is called while
+        the pairs are read (``total`` is ``len(pairs)``, 0 if unknown) and then while the tree is
+        built (entries, of the total). Sorted input is streamed into compact columns (about 24
+        bytes a pair); unsorted input is sorted in memory.
+        """
+        self._check_writable()
+        try:
+            return self._tree.bulk_load(pairs, checkpoint=checkpoint, progress=progress)
+        finally:
+            # Tier 1 may hold values the load replaced (also after a failure: a settled lost
+            # acknowledgement may have loaded them): drop it, as when another writer's version
+            # is adopted.
+            self._external_change()
+
+    @property
+    def checkpoint(self) -> int | None:
+        """The checkpoint stored by the last update that gave one (``None`` if none ever did)."""
+        self._check_open()
+        checkpoint = self._tree.state.footer.checkpoint
+        return None if checkpoint < 0 else checkpoint
+
+    def refresh(self) -> None:
+        """Pick up updates made by other handles or processes (the version seen never goes back).
+
+        Raises ``CorruptDataError`` if the newest footer is damaged: see ``verify`` and ``repair``."""
+        self._check_open()
+        self._tree.reload()
+
+    # -- inspection ----------------------------------------------------------------------------
+    def stats(self) -> IndexStats:
+        """Counts, storage use and I/O counters of this handle."""
+        self._check_open()
+        state, io = self._tree.state, self._tree.io
+        footer = state.footer
+        cache = self._page_cache
+        return IndexStats(
+            entry_count=footer.entry_count,
+            page_count=footer.page_count,
+            height=footer.height,
+            length=state.length,
+            start_offset=footer.min_offset if state.footer_offset >= 0 else state.length,
+            storage_bytes=sum(c.end - max(c.start, self._segment.start_offset) for c in self._segment.chunks()),
+            live_bytes=footer.live_bytes,
+            bytes_written=io.bytes_written,
+            updates_written=io.updates_written,
+            pages_relocated=io.pages_relocated,
+            storage_reads=io.storage_reads,
+            cache_hits=cache.hits if cache else 0,
+            cache_misses=cache.misses if cache else 0,
+            value_cache_hits=self._values.hits,
+            value_cache_misses=self._values.misses,
+        )
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """Read every committed byte of the index and report every damaged range.
+
+        Checks the chain of updates from the tail footer back to the truncation offset (each footer
+        decodes, each update's pages pass their checksums) and every live page of the newest version
+        (checksum, key order, routing, depth, subtree minimum offsets, footer counts). Damage is
+        collected in ``report.damage`` (``report.ok`` when there is none), not raised.
+        ``progress(pages_done, pages_total)`` is called as live pages are checked.
+        """
+        self._check_open()
+        return verify_index(self._segment, progress)
+
+    @classmethod
+    def verify_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+                  storage_options: Mapping[str, Any] | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+        """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
+        it: works on an index that refuses to open (a damaged newest footer)."""
+        with RollingSegment(_storage(storage, storage_options, name), name) as segment:
+            return verify_index(segment, progress)
+
+    def repair(self) -> IndexRepairReport:
+        """Roll back to the newest version whose footer and every live page verify.
+
+        The kept version's footer is appended again so it becomes the tail; the report says what
+        was lost (updates dropped, byte range, entry counts) and is logged at WARNING. If no intact
+        version remains, ``CorruptDataError``: rebuild the index from its source. Stop other
+        writers first.
+        """
+        self._check_writable()
+        report = repair_index(self._segment)
+        self._tree.reload()
+        return report
+
+    @classmethod
+    def repair_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+                  storage_options: Mapping[str, Any] | None = None) -> IndexRepairReport:
+        """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it."""
+        with RollingSegment(_storage(storage, storage_options, name), name) as segment:
+            return repair_index(segment)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the handle (every update is already durable); every later call but ``close``
+        raises ``InvalidInputError``."""
+        self._closed = True
+        self._segment.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
+
+    @property
+    def read_only(self) -> bool:
+        """Whether the handle was opened with ``mode="r"``: ``update`` raises."""
+        return self._read_only
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInputError(f"index {self._segment.name!r} at {self._segment.storage.url!r}: the index handle is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._read_only:
+            raise InvalidInputError(f"index {self._segment.name!r} at {self._segment.storage.url!r} was opened read-only (mode='r')")
+
+    def __enter__(self) -> "TreeIndex":
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"entries={len(self)}"
+        return f"{type(self).__name__}({self._segment.storage.url!r}, {self._segment.name!r}, {state})"

@@ -1,0 +1,314 @@
+"""Bulk load (issue 11): a fresh B+tree built bottom-up in one append, checked against a dict, the
+tree's own verify, its shape, reopening, bad input, another writer's race and storage faults."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attrindex.tree_index import TreeIndex
+from attrindex.btree import bulk
+from attrindex.btree.page import decode_page, encode_leaf, leaf_capacity
+from attrindex.errors import InvalidInputError, InvalidKeyError, InvalidValueError, OutcomeUnknownError, StorageError
+from storage_adapters import open_storage
+from storage_adapters.faults import FaultyStorage
+
+PAGE_SIZE = 120  # 4 leaf entries, 3 index entries per page: deep trees from few keys
+
+
+def KEY_OF(i: int) -> bytes:
+    return (i * 0x9E3779B97F4A7C15 % (1 << 128)).to_bytes(16, "big")
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+KEYS = st.integers(min_value=0, max_value=300).map(KEY_OF)
+VALUES = st.one_of(st.none(), st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1))
+PAIRS = st.lists(st.tuples(KEYS, VALUES), max_size=300)
+
+
+def new_index(url: str | None = None, storage=None, page_size: int = PAGE_SIZE) -> TreeIndex:
+    storage = storage if storage is not None else open_storage(url or f"memory://bulk-{uuid.uuid4().hex}")
+    return TreeIndex(storage, page_size=page_size, cache_bytes=1 << 20)
+
+
+def load(index: TreeIndex, pairs, **kwargs) -> int:
+    """The bulk load under test (TreeIndex.bulk_load over BTreeIndex.bulk_load)."""
+    return index.bulk_load(pairs, **kwargs)
+
+
+def apply(model: dict, pairs) -> None:
+    for key, value in pairs:  # the last value for a key wins; None removes
+        if value is None:
+            model.pop(key, None)
+        else:
+            model[key] = value
+
+
+def check(index: TreeIndex, model: dict) -> None:
+    assert list(index.items()) == sorted(model.items())
+    assert len(index) == len(model)
+    report = index.verify()
+    assert report.ok, report.damage
+    assert report.entries == len(model)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(before=PAIRS, pairs=PAIRS, order=st.sampled_from(["as given", "sorted", "reversed"]),
+       existing=st.sampled_from(["empty", "updated", "bulk loaded"]))
+def test_bulk_load_matches_a_dict(before, pairs, order, existing):
+    index = new_index()
+    model: dict = {}
+    if existing == "updated":
+        index.update(before)
+        apply(model, before)
+    elif existing == "bulk loaded":
+        load(index, before)
+        apply(model, before)
+    if order == "sorted":
+        pairs = sorted(pairs, key=lambda p: p[0])  # stable: the last of equal keys stays last
+    elif order == "reversed":
+        pairs = pairs[::-1]
+    count = load(index, iter(pairs))  # a one-shot iterator
+    apply(model, pairs)
+    assert count == len(model)
+    check(index, model)
+    probe = [KEY_OF(i) for i in range(0, 300, 7)]
+    assert index.get_many(probe) == [model.get(p) for p in probe]
+    reopened = new_index(storage=index._segment.storage)
+    check(reopened, model)
+    assert [reopened.get(p) for p in probe] == [model.get(p) for p in probe]
+
+
+@pytest.mark.parametrize("count", [1, 4, 5, 13, 100, 1000])
+def test_leaves_and_index_pages_are_full(count):
+    index = new_index()
+    load(index, [(k(i), i) for i in range(count)])
+    leaves, per_level = [], {}
+    for depth, _offset, _length, page in index._tree.pages():
+        per_level.setdefault(depth, []).append(len(page))
+        if page.is_leaf:
+            leaves.append(page)
+    leaf_cap, index_cap = index._tree.leaf_capacity, index._tree.index_capacity
+    sizes = [len(page) for page in sorted(leaves, key=lambda p: p.keys[0])]
+    assert all(size == leaf_cap for size in sizes[:-1]) and 0 < sizes[-1] <= leaf_cap
+    assert len(sizes) == -(-count // leaf_cap)
+    for depth, sizes in per_level.items():
+        if depth < max(per_level):  # index levels: full but the last two, never one child
+            assert sum(size == index_cap for size in sizes) >= len(sizes) - 2 and min(sizes) >= (2 if len(sizes) > 1 or depth > 1 else 1)
+    stats = index.stats()
+    assert stats.page_count == sum(map(len, per_level.values()))
+    assert stats.live_bytes + 72 == stats.length  # one append: every byte but the footer is a live page
+    check(index, {k(i): i for i in range(count)})
+
+
+def test_leaves_are_encoded_as_the_page_codec_does():
+    builder = bulk._Builder(1000, leaf_capacity(4096), 100)
+    keys = [k(i) for i in range(5)]
+    builder.add_lists(keys, [-1, 0, 1, 1 << 62, -(1 << 63)])
+    data, _footer = builder.finish(-1)
+    page = encode_leaf(keys, [-1, 0, 1, 1 << 62, -(1 << 63)], 1000)
+    assert data.startswith(page)
+    assert decode_page(page, 1000).values == [-1, 0, 1, 1 << 62, -(1 << 63)]
+
+
+def test_a_load_into_a_tree_makes_every_old_page_dead_and_truncation_reclaims_it(tmp_path):
+    index = TreeIndex(open_storage(str(tmp_path)), page_size=4096, rolling_size=1 << 14)
+    for n in range(20):
+        index.update({k(i): n for i in range(n * 100, n * 100 + 100)})
+    before = index.stats()
+    load(index, [(k(i), -i) for i in range(0, 2000, 2)] + [(k(5), None)])
+    after = index.stats()
+    assert after.start_offset == before.length  # the fresh tree starts where the old one ended
+    assert after.storage_bytes < after.length - before.length + (1 << 14)  # old chunks deleted
+    model = {k(i): (19 if i >= 1900 else i // 100) for i in range(2000)}
+    apply(model, [(k(i), -i) for i in range(0, 2000, 2)] + [(k(5), None)])
+    check(index, model)
+    check(TreeIndex(open_storage(str(tmp_path)), page_size=4096), model)
+
+
+@pytest.mark.parametrize("bad, error", [
+    ([(k(1), 1), (b"short", 2)], InvalidKeyError),
+    ([(k(1), 1), (k(2), 1 << 63)], InvalidValueError),
+    ([(k(1), 1), (k(2), "7")], InvalidValueError),
+    ([(k(1), 1), (k(2), True)], InvalidValueError),
+    ([(k(1), 1), (k(2), 1, 3)], InvalidInputError),
+    ([(k(1), 1), k(2)], InvalidInputError),
+    (None, InvalidInputError),
+    ("pairs", InvalidInputError),
+    (7, InvalidInputError),
+])
+def test_bad_input_writes_nothing(bad, error):
+    index = new_index()
+    index.update({k(0): 0})
+    length = index.stats().length
+    with pytest.raises(error):
+        load(index, bad)
+    # A bad pair far into a sorted stream: pages for the first ones were never written either.
+    with pytest.raises(InvalidKeyError, match="pair 200000"):
+        load(index, ((k(i), i) if i < 200_000 else ("x", i) for i in range(200_001)))
+    assert index.stats().length == length and index.get(k(0)) == 0
+    with pytest.raises(InvalidInputError):
+        load(index, [(k(1), 1)], checkpoint=-1)
+    assert new_index(storage=index._segment.storage).stats().length == length
+
+
+def test_key_forms_mappings_and_the_last_duplicate():
+    index = new_index()
+    assert load(index, {uuid.UUID(int=3): 3, 2: 2}) == 2
+    assert load(index, [(bytearray(k(1)), 1), [memoryview(k(2)), 2]]) == 3
+    assert load(index, [(k(9), 1), (k(9), None), (k(8), 1), (k(8), 2), (k(2), None)]) == 3
+    check(index, {k(1): 1, k(3): 3, k(8): 2})
+
+
+def test_an_empty_load_into_an_empty_tree_writes_nothing():
+    index = new_index()
+    assert load(index, []) == 0 and load(index, [(k(1), None)]) == 0
+    assert index.stats().length == 0
+    index.update({k(1): 1})
+    assert load(index, [(k(1), None)]) == 0  # everything removed: an empty tree is written
+    check(index, {})
+
+
+def test_the_recent_values_cache_never_answers_a_replaced_value():
+    index = new_index()
+    index.update({k(1): 1, k(2): 2})
+    assert index.get(k(1)) == 1 and index.get_many([k(2), k(3)]) == [2, None]  # now cached
+    load(index, [(k(1), 10), (k(2), None), (k(3), 3)])
+    assert index.get(k(1)) == 10 and index.get_many([k(2), k(3)]) == [None, 3]
+
+
+def test_checkpoints_only_move_forward():
+    index = new_index()
+    assert load(index, [(k(1), 1)], checkpoint=10) == 1 and index.checkpoint == 10
+    length = index.stats().length
+    assert load(index, [(k(2), 2)], checkpoint=10) == 1  # covered: skipped, nothing written
+    assert index.stats().length == length and index.get(k(2)) is None
+    assert load(index, [(k(2), 2)]) == 2 and index.checkpoint == 10  # None keeps it
+    assert load(index, [], checkpoint=11) == 2 and index.checkpoint == 11
+
+
+def test_progress_is_reported_up_to_the_total():
+    index = new_index(page_size=4096)
+    calls = []
+    load(index, [(k(i), i) for i in range(200_000)], progress=lambda done, total: calls.append((done, total)))
+    assert calls[0][1] == 200_000 and (200_000, 200_000) in calls
+    assert calls[-1] == (200_000, 200_000)
+
+
+def test_unsorted_after_a_sorted_start_and_duplicates_across_chunks():
+    n = bulk.READ_CHUNK + 10
+    pairs = [(k(i), i) for i in range(n)] + [(k(n - 1), -1), (k(3), -3), (k(n + 5), 5)]
+    index = new_index(page_size=4096)
+    load(index, iter(pairs))
+    model: dict = {}
+    apply(model, pairs)
+    check(index, model)
+    # Equal keys across a chunk boundary of sorted input: the later one wins.
+    pairs = [(k(i), i) for i in range(bulk.READ_CHUNK)] + [(k(bulk.READ_CHUNK - 1), None), (k(n), 1)]
+    index = new_index(page_size=4096)
+    load(index, iter(pairs))
+    model = {}
+    apply(model, pairs)
+    check(index, model)
+
+
+def test_another_writer_between_read_and_append_is_merged_not_overwritten():
+    storage = open_storage(f"memory://bulk-race-{uuid.uuid4().hex}")
+    mine, other = new_index(storage=storage), new_index(storage=storage)
+    mine.update({k(0): 0})
+
+    def pairs():
+        yield from ((k(i), i) for i in range(1, 50))
+        other.update({k(100): 100, k(0): None})  # lands after this handle last looked
+
+    assert load(mine, pairs()) == 50
+    model = {k(i): i for i in range(1, 50)} | {k(100): 100}
+    check(mine, model)
+    check(new_index(storage=storage), model)
+
+
+@pytest.mark.parametrize("fault", ["fail_before", "lost_ack", "torn", "enospc"])
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_a_fault_during_the_load_leaves_the_old_tree_or_the_new_one(fault, where, tmp_path):
+    url = f"memory://bulk-faults-{uuid.uuid4().hex}" if where == "memory" else str(tmp_path / "store")
+    storage = FaultyStorage(open_storage(url), seed=5)
+    index = new_index(storage=storage)
+    old = {k(i): i for i in range(100)}
+    index.update(old)
+    new = {k(i): -i for i in range(50, 400)}
+    storage.script(fault, op="append")
+    try:
+        load(index, new)
+        loaded = True
+    except StorageError as error:
+        assert not isinstance(error, OutcomeUnknownError), "reading back settles what is stored"
+        assert storage.injected
+        loaded = False
+    assert loaded == (fault == "lost_ack")
+    expected = old | new if loaded else old
+    check(index, expected)
+    reopened = new_index(storage=open_storage(url))
+    check(reopened, expected)  # never a mix: one version or the other
+    # The handle goes on: the same load again (idempotent) and an update.
+    load(index, new)
+    index.update({k(1000): 1})
+    check(new_index(storage=open_storage(url)), old | new | {k(1000): 1})
+
+
+def test_a_failed_truncation_after_the_load_does_not_fail_it(tmp_path):
+    storage = FaultyStorage(open_storage(str(tmp_path)), seed=6)
+    index = TreeIndex(storage, page_size=4096, rolling_size=1 << 12)
+    for n in range(5):
+        index.update({k(i): n for i in range(n * 200, n * 200 + 200)})
+    storage.script("fail_before", op="delete", times=100)
+    storage.script("fail_before", op="put_marker", times=100)
+    assert load(index, {k(i): 7 for i in range(1000)}) == 1000
+    storage.enabled = False
+    check(index, {k(i): 7 for i in range(1000)})
+
+
+_CHILD = """
+import sys
+from attrindex.tree_index import TreeIndex
+from storage_adapters import open_storage
+index = TreeIndex(open_storage(sys.argv[1]), page_size=4096, rolling_size=1 << 16)
+generation = int(sys.argv[2])
+while True:
+    generation += 1
+    index.bulk_load(((i.to_bytes(16, "big"), generation) for i in range(20_000)))
+    print(generation, flush=True)
+"""
+
+
+def test_a_loader_killed_mid_load_leaves_one_whole_generation(tmp_path):
+    """SIGKILL a process bulk-loading generation after generation (every key holds the generation):
+    the index reopens with every key at one generation, the last acknowledged or the one in flight."""
+    directory = str(tmp_path / "store")
+    rng = random.Random(11)
+    seen = 0
+    for attempt in range(3):
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, directory, str(seen)], stdout=subprocess.PIPE,
+                                 text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        time.sleep(1.0 + rng.random())
+        child.send_signal(signal.SIGKILL)
+        acknowledged = [int(line) for line in child.stdout.read().split()]
+        child.wait()
+        assert acknowledged, "the child finished no load before it was killed"
+        index = TreeIndex(open_storage(directory), page_size=4096)
+        assert index.verify().ok
+        generations = {value for _key, value in index.items()}
+        assert len(index) == 20_000 and len(generations) == 1, f"attempt {attempt}: a mix of {generations}"
+        seen = generations.pop()
+        assert seen in (acknowledged[-1], acknowledged[-1] + 1)
