@@ -775,7 +775,9 @@ def _layout(data, start: int, end: int, header: BatchHeader, corrupt) -> _Layout
     if flags & FLAG_KEYS:
         codes, at = _varints(data, at, count, updates_at, corrupt, "key lengths")
         layout.key_codes = codes
-        layout.key_lengths = lengths = [c - 1 if c else 0 for c in codes]
+        # key length + 1 (0: no key); subtracted in C when every record has a key
+        layout.key_lengths = lengths = (list(map((1).__rsub__, codes)) if 0 not in codes
+                                        else [c - 1 if c else 0 for c in codes])
         layout.key_bounds = bounds = _bounds(lengths, at, updates_at, corrupt, "key lengths")
         at = bounds[-1]
     if flags & FLAG_TIMESTAMPS:

@@ -91,13 +91,16 @@ class OffsetMap:
 
     def latest(self, keys: list) -> list[int]:
         """The latest offset of each (already mapped) key, ``-1`` for keys not in the map."""
-        get = self._latest.get
-        return [get(k, -1) for k in keys]
+        return list(map(self._latest.get, keys, itertools.repeat(-1, len(keys))))
 
 
 def map_keys(keys: list) -> list:
     """Keys as the offset map stores them (long ones digested)."""
-    if any(k is not None and len(k) > _SHORT_KEY for k in keys):
+    if None in keys:
+        longest = max((len(k) for k in keys if k is not None), default=0)
+    else:
+        longest = max(map(len, keys), default=0)  # in C: the common case
+    if longest > _SHORT_KEY:
         return [k if k is None or len(k) <= _SHORT_KEY else hashlib.blake2b(k, digest_size=16).digest()
                 for k in keys]
     return keys
