@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import attrs
@@ -25,6 +26,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import validate_segment_name
 
+from .btree.bulk import read_pairs
 from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
 from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError, StorageError
@@ -274,6 +276,42 @@ class AttributeIndex:
             raise InvalidInputError("update_sorted takes unique keys; use update")
         self._append(batch)
         return True
+
+    def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
+                  progress: Callable[[int, int], None] | None = None) -> int:
+        """Load ``(key, value)`` pairs, in any order, straight into the tree; return ``len(self)``.
+
+        The tree is built bottom-up (full leaves, then index pages) and written as ONE durable
+        append (``TreeIndex.bulk_load``: sorted input is streamed, the last pair for a key wins,
+        ``None`` removes, stored entries are merged in). First the WAL's pending updates are
+        merged into the tree and an empty batch is appended to the WAL; the load carries that
+        batch's end as its checkpoint, so it is ordered after every earlier update and before
+        every later one, and replay never applies an older update over it. Every pair is checked
+        before anything is written. ``progress(done, total)`` as in ``TreeIndex.bulk_load``.
+        Stop other writers of the index first: a merge by another handle during the load raises
+        ``StorageError`` (the load may or may not be in the tree then: read to find out).
+        """
+        self._check_writable()
+        run = read_pairs(pairs, progress)  # checked and sorted before anything is written
+        wal = self._wal
+        with wal._lock:
+            tree, log = wal._index, wal._log
+            for _attempt in range(MAX_REFRESH_ATTEMPTS):
+                wal.flush()
+                wal._append_empty_batch(int(time.time() * 1000))  # the load's place in the WAL
+                if not len(wal._overlay):  # no other writer's update slipped in before it
+                    break
+            else:
+                raise StorageError(f"index {self._name!r}: other writers kept updating during bulk_load "
+                                   f"({MAX_REFRESH_ATTEMPTS} tries); nothing was loaded")
+            position = log.position
+            tree.bulk_load(run, checkpoint=position, progress=progress)
+            if tree.checkpoint != position:
+                raise StorageError(f"index {self._name!r}: another handle merged into the tree during bulk_load "
+                                   f"(its checkpoint is {tree.checkpoint}, the load's {position}): stop other writers; "
+                                   f"read the index to see whether the load is in it")
+            self._updates_written += 1
+            return len(self)
 
     def _append(self, batch: dict[bytes, int | None]) -> None:
         self._wal.append((), batch)  # durable when it returns: the merge after it never raises

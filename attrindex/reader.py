@@ -11,20 +11,23 @@ from .log.batch import Record
 
 _FETCH_RECORDS = 4096
 _FETCH_BYTES = 4 << 20
+_STALL_WAIT = 0.05
+_WAIT_SLICE = 60.0  #: a read without a timeout still waits in bounded slices
 
 
 class SegmentReader:
     """Reads records in offset order from ``offset`` on and waits at the tail for more.
 
     Records appended through the same ``Segment`` wake it at once; records appended by other
-    handles or processes are found by polling every ``poll_interval`` seconds. Iterating yields
-    records until ``cancel()``. Get one from ``Segment.reader``.
+    handles or processes are found by the segment's one poller, shared by all its readers, which
+    backs off from ``min_poll_interval`` to ``max_poll_interval`` while nothing comes (an idle
+    reader on S3 costs one small request per ``max_poll_interval``). Iterating yields records
+    until ``cancel()``. Get one from ``Segment.reader``.
     """
 
-    def __init__(self, segment, offset: int, *, poll_interval: float = 0.05):
+    def __init__(self, segment, offset: int):
         self.segment = segment
         self.position = offset  #: the offset of the next record this reader returns
-        self.poll_interval = poll_interval
         self._buffer: list[Record] = []
         self._next = 0
         self._cancelled = threading.Event()
@@ -46,10 +49,13 @@ class SegmentReader:
             if records:
                 self._buffer, self._next = records, 0
                 return self._take()
-            remaining = self.poll_interval if deadline is None else min(self.poll_interval, deadline - time.monotonic())
+            remaining = _WAIT_SLICE if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            self.segment._wait(self.position, remaining)
+            if self.segment.next_offset > self.position:  # readable yet read nothing (a cut gap?): no spin
+                self._cancelled.wait(min(remaining, _STALL_WAIT))
+                continue
+            self.segment._wait(self.position, remaining, self._cancelled)
         return None
 
     def read_batch(self, max_records: int = _FETCH_RECORDS, timeout: float | None = None) -> list[Record]:

@@ -27,22 +27,31 @@ from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, C
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
                         rebase_batch, record_list)
-from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog
+from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog, grouped_batch_id
 from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
 from .overlay import AttributeOverlay, merge_scan
+from .poller import SegmentPoller
 from .reader import SegmentReader
 from .value_cache import MISSING
+from .write_queue import WriteQueue, WriteRequest
 
 ATTRIBUTES_NAME = "_attributes"
 DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
 DEFAULT_READ_BYTES = 4 << 20
+DEFAULT_MIN_POLL_INTERVAL = 0.05  #: a tail reader's first poll after records came
+DEFAULT_MAX_POLL_INTERVAL = 1.0  #: ... backing off to this: an idle reader costs 1 request/s
 MAX_OPEN_ATTEMPTS = 10  #: opens that met a concurrent retention before giving up
 MAX_APPEND_RACES = 10_000  #: lost compare-and-append races in a row before an append gives up
-MERGE_RETRY_SECONDS = 1.0  #: after a failed background merge, appends wait this long before retrying it
+DEFAULT_MAX_PENDING_BYTES = 256 << 20
+MERGE_RETRY_SECONDS = 5.0  #: the longest pause between retries of a failing background merge
+MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background merge (doubling up to the above)
+BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an append waits for a merge to make room in tier 1
+MAX_GROUP_BYTES = 4 << 20  #: about this much of concurrent appends is written as one group
+MAX_GROUP_REQUESTS = 4096  #: appends in one group at most
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -73,11 +82,22 @@ class SegmentOptions:
     flush_keys: int = DEFAULT_FLUSH_KEYS
     flush_bytes: int = DEFAULT_FLUSH_BYTES
     flush_seconds: float = DEFAULT_FLUSH_SECONDS
-    poll_interval: float = 0.05
+    poll_interval: float | None = None  #: if set: a fixed interval (min = max = it), the old behaviour
     attribute_options: dict = attrs.field(factory=dict)
-    #: after a merge, truncate the log below the tree's checkpoint (the plain index's WAL sets it;
-    #: implemented by the merge work, ignored until then)
+    #: Appends wait (back-pressure) while tier 1 (the overlay being filled plus the one being
+    #: merged) holds more than this many bytes, until the background merge makes room.
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    #: After each merge, delete the log below the chunk holding the B+tree's checkpoint (records
+    #: there are lost: for logs kept only as a write-ahead log of the attributes).
     truncate_merged_log: bool = False
+    min_poll_interval: float = DEFAULT_MIN_POLL_INTERVAL
+    max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL
+
+    def poll_intervals(self) -> tuple[float, float]:
+        """``(min, max)`` seconds between a waiting reader's polls for other handles' appends."""
+        if self.poll_interval is not None:
+            return self.poll_interval, self.poll_interval
+        return self.min_poll_interval, self.max_poll_interval
 
 
 @attrs.frozen
@@ -94,6 +114,12 @@ class SegmentStats:
     attribute_checkpoint: int | None  #: log byte position the B+tree covers
     attributes: Any  #: ``IndexStats`` of the B+tree
     merge_error: str | None = None  #: why the last merge of tier 1 after an append failed (None: it did not)
+    pending_bytes: int = 0  #: estimated memory of tier 1 (both overlays), against ``max_pending_bytes``
+    merges: int = 0  #: merges of tier 1 into the B+tree this handle made
+    append_groups: int = 0  #: durable writes of appends made by this handle (group commit: one per group)
+    appends_grouped: int = 0  #: appends written in those groups
+    #: requests made so far through the storage this segment is on (shared by its store), by kind
+    requests: Any = None
 
 
 class Segment:
@@ -115,12 +141,24 @@ class Segment:
                                index_interval_bytes=options.index_interval_bytes)
         self.tree_name = f"{name}/{ATTRIBUTES_NAME}" if tree_name is None else tree_name
         self._index = TreeIndex(storage, self.tree_name, **options.attribute_options)
+        # Tier 1 is two overlays (LevelDB's memtable and immutable memtable): appends go to the
+        # active one; a full one is frozen and merged into the B+tree by a background thread while
+        # a fresh active one takes new appends. Reads look in active, then frozen, then the tree.
         self._overlay = AttributeOverlay()
-        self._flushed_at = time.monotonic()
-        self._merge_error: BaseException | None = None  #: the last failed merge after an append
-        self._merge_retry_at = 0.0  #: monotonic time before which appends do not retry it
+        self._frozen: AttributeOverlay | None = None
+        self._frozen_at = 0  #: log position the frozen overlay covers up to (its merge's checkpoint)
+        self._dirty_since = time.monotonic()  #: when the active overlay got its first update
+        self._merged = threading.Condition(self._lock)  #: a merge ended (back-pressure waits on it)
+        self._merge_wake = threading.Condition(self._lock)  #: wakes the merge thread
+        self._merge_mutex = threading.Lock()  #: one merge at a time; taken before ``_lock``, never inside it
+        self._merger: threading.Thread | None = None  #: started by the first append
+        self._stopping = False
+        self._merges = 0
+        self._merge_error: BaseException | None = None  #: the last failed merge (None after a success)
+        self._queue = WriteQueue(MAX_GROUP_BYTES, MAX_GROUP_REQUESTS)
         self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
+        self._poller: SegmentPoller | None = None  #: made by the first reader that waits
         with self._lock:
             for attempt in range(MAX_OPEN_ATTEMPTS):
                 try:
@@ -191,13 +229,17 @@ class Segment:
         without one (default: now). If a condition fails, ``ConditionalUpdateError`` names every
         failed update and its current value; nothing is appended and nothing changes.
 
-        Returns if and only if the batch is durable: the merge into the B+tree that may follow
-        never fails the append (see ``stats().merge_error``). The batch carries a random id, kept
-        by every retry of this call, so that a write whose acknowledgement was lost is recognised
-        by reading it back, never written twice. ``OutcomeUnknownError`` means storage could not
-        settle whether the batch was written (``refresh()`` and read to find out);
-        ``CorruptDataError`` means the log is damaged: it refuses appends until
-        ``SegmentStore.repair_segment``.
+        Returns if and only if the batch is durable. Appends from several threads of this handle
+        are grouped (group commit): each is checked in turn against the state including the ones
+        before it in the group, keeps its own batch (and its own errors), and the group is written
+        as one durable storage append. Merging attribute updates into the B+tree runs in a
+        background thread and never fails an append (see ``stats().merge_error``); an append waits
+        only while tier 1 holds more than ``max_pending_bytes`` (back-pressure, bounded by
+        ``BACKPRESSURE_WAIT_SECONDS``). The batch carries a random id, kept by every retry of this
+        call, so that a write whose acknowledgement was lost is recognised by reading it back,
+        never written twice. ``OutcomeUnknownError`` means storage could not settle whether the
+        batch was written (``refresh()`` and read to find out); ``CorruptDataError`` means the log
+        is damaged: it refuses appends until ``SegmentStore.repair_segment``.
         """
         records = record_list(records)
         self._check_compactable(records)
@@ -208,58 +250,105 @@ class Segment:
             raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
         stamp = int(time.time() * 1000) if timestamp is None else timestamp
         chosen = self.options.codec if codec is None else codec_for(codec)
-        batch_id = new_batch_id()  # one per call: identical bytes at an offset then mean this call
+        # One batch id per call: identical bytes at an offset then mean this call.
+        pending = _PendingAppend(records, updates, replacements, expected_offset, stamp, chosen, new_batch_id())
+        if updates is None:  # no conditions: encode here, outside the lock (bad records raise here too)
+            data = encode_batch(0, records, timestamp=stamp, attribute_updates=replacements, codec=chosen,
+                                batch_id=pending.batch_id)
+            pending.encoded, size = (*replacements, data), len(data)
+        else:
+            size = sum(len(r) if isinstance(r, bytes) else 64 for r in records) + 40 * len(updates)
+        self._check_open()
+        return self._queue.submit(WriteRequest(pending, size), self._write_group)
+
+    def _write_group(self, group: list[WriteRequest]) -> None:
+        """The leader's part of group commit: validate the group's appends in order, write those
+        that pass as one durable append, settle each request with its result or its own error."""
         with self._lock:
             self._check_open()
-            fresh = False
-            encoded = None  # (keys, values, batch) of the last try: a lost race needs only a rebase
+            self._wait_for_room()
+            fresh = False  # whether the view was just caught up with the log's tail
+            tag = new_batch_id() >> 32  # the group's batches carry it: see SegmentLog.lost_commits
             for _lap in _bounded_races(self.name):
-                try:
-                    keys, values = replacements if updates is None else resolve_updates(updates, self._current_values)
-                except ConditionalUpdateError:
-                    if fresh:
-                        raise
-                    self._catch_up()  # the view may be stale: only the true tail can fail an update
-                    fresh = True
-                    continue
-                log = self._log
-                if expected_offset is not None and expected_offset != log.next_offset:
-                    if fresh:
-                        raise BadOffsetError(self.name, expected_offset, log.next_offset)
+                outcome = self._plan_group(group, fresh, tag)
+                if outcome is None:  # a failure on a stale view: only the true tail can fail an append
                     self._catch_up()
                     fresh = True
                     continue
-                if encoded is not None and encoded[0] == keys and encoded[1] == values:
-                    data = rebase_batch(encoded[2], log.next_offset)
-                else:
-                    data = encode_batch(log.next_offset, records, timestamp=stamp,
-                                        attribute_updates=(keys, values), codec=chosen, batch_id=batch_id)
-                    encoded = (keys, values, data)
-                header = read_header(data)
+                planned, failures = outcome
+                for request, error in failures:
+                    request.settle(error=error)
+                if not planned:
+                    return
                 try:
-                    log.append(data, header)
-                except BadOffsetError:
+                    self._log.append_many([p[3] for p in planned], [p[4] for p in planned])
+                except BadOffsetError:  # another writer appended first: re-validate the whole group
+                    for request, _error in failures:
+                        request.error = None  # unsettle: the new tail decides again
                     self._catch_up()
                     fresh = True
                     continue
-                self._after_durable(keys, values)  # never raises: the batch is durable
-                return AppendResult(header.base_offset, header.last_offset)
+                was_empty = not len(self._overlay)
+                for request, keys, values, _data, header in planned:  # durable: nothing below raises
+                    if keys:
+                        self._overlay.apply(keys, values)
+                    request.settle(AppendResult(header.base_offset, header.last_offset))
+                if was_empty and len(self._overlay):  # flush_seconds counts from here
+                    self._dirty_since = time.monotonic()
+                    self._merge_wake.notify_all()
+                self._after_durable()
+                return
 
-    def _after_durable(self, keys: list[bytes], values: list[int | None]) -> None:
-        """Apply a durable batch's updates to tier 1, wake readers, maybe merge into the B+tree."""
-        if keys:
-            self._overlay.apply(keys, values)
+    def _plan_group(self, group: list[WriteRequest], fresh: bool, tag: int):
+        """``(planned, failures)`` for the group against the current view, or ``None`` when a
+        member failed and the view may be stale. ``planned``: ``(request, keys, values, batch,
+        header)`` of the members that pass, in order; ``failures``: ``(request, error)``."""
+        planned, failures = [], []
+        next_offset = self._log.next_offset
+        earlier: dict[bytes, int | None] = {}  # values set by earlier members of the group
+
+        def current(keys: list[bytes]) -> list[int | None]:
+            found = self._current_values(keys)
+            return [earlier.get(k, v) for k, v in zip(keys, found)] if earlier else found
+
+        for request in group:
+            a: _PendingAppend = request.payload
+            try:
+                keys, values = a.replacements if a.updates is None else resolve_updates(a.updates, current)
+                if a.expected_offset is not None and a.expected_offset != next_offset:
+                    raise BadOffsetError(self.name, a.expected_offset, next_offset)
+            except (ConditionalUpdateError, BadOffsetError) as exc:
+                if not fresh:
+                    return None
+                failures.append((request, exc))
+                continue
+            batch_id = grouped_batch_id(tag, a.batch_id)
+            if a.encoded is not None and a.encoded[0] == keys and a.encoded[1] == values:
+                data = rebase_batch(a.encoded[2], next_offset, batch_id)  # encoded before, or a lost race
+            else:
+                try:
+                    data = encode_batch(next_offset, a.records, timestamp=a.stamp, attribute_updates=(keys, values),
+                                        codec=a.codec, batch_id=batch_id)
+                except Exception as exc:  # noqa: BLE001 - bad records fail their own append only
+                    failures.append((request, exc))
+                    continue
+                a.encoded = (keys, values, data)
+            header = read_header(data)
+            planned.append((request, keys, values, data, header))
+            next_offset = header.next_offset
+            if keys:
+                earlier.update(zip(keys, values))
+        return planned, failures
+
+    def _after_durable(self) -> None:
+        """After a durable write: wake readers, start the merge thread, freeze tier 1 if it is due.
+        Never raises (the write is durable)."""
         self._wrote = True
         self._appended.notify_all()
-        if self._merge_error is not None and time.monotonic() < self._merge_retry_at:
-            return
-        try:
-            self._maybe_flush()
-        except Exception as exc:  # noqa: BLE001 - a failed merge must not fail a durable append
-            self._merge_error = exc
-            self._merge_retry_at = time.monotonic() + MERGE_RETRY_SECONDS
-            _log.warning("segment %r: merging attribute updates into the B+tree failed after a durable "
-                         "append (retried later; flush() raises it): %s", self.name, exc, exc_info=True)
+        if self._merger is None and not self._stopping:
+            self._start_merger()
+        if self._frozen is None and self._merge_due():
+            self._freeze()
 
     def update_attributes(self, updates: Iterable[AttributeUpdate | tuple] | Mapping[object, int | None],
                           expected_offset: int | None = None) -> AppendResult:
@@ -271,8 +360,15 @@ class Segment:
         return self.append((), updates, expected_offset)
 
     def _current_values(self, keys: list[bytes]) -> list[int | None]:
-        """True current values: tier 1 (the log after the tree's checkpoint), then the B+tree."""
+        """True current values (under ``_lock``): the active overlay, the frozen one being merged,
+        then the B+tree. A merge landing meanwhile changes nothing: the tree then holds what the
+        frozen overlay held."""
         found = self._overlay.get_many(keys)
+        frozen = self._frozen
+        if frozen is not None and MISSING in found:
+            older = frozen.get_many([k for k, v in zip(keys, found) if v is MISSING])
+            it = iter(older)
+            found = [next(it) if v is MISSING else v for v in found]
         missing = [k for k, v in zip(keys, found) if v is MISSING]
         if missing:
             stored = dict(zip(missing, self._index.get_many(missing)))
@@ -295,9 +391,13 @@ class Segment:
         """``(key, value)`` with ``start <= key < stop`` ascending: tier 1 merged over the B+tree."""
         low = None if start is None else to_key(start)
         high = None if stop is None else to_key(stop)
-        with self._lock:
-            overlay = list(self._overlay.items(low, high))  # a snapshot: appends may follow
-        return merge_scan(iter(overlay), self._index.items(low, high))
+        with self._lock:  # snapshots: appends and merges may follow
+            overlay = list(self._overlay.items(low, high))
+            frozen = [] if self._frozen is None else list(self._frozen.items(low, high))
+        # The tree's scan starts later, from whatever version is current then: a merge meanwhile
+        # only moves into it what the frozen snapshot holds anyway.
+        tree = self._index.items(low, high)
+        return merge_scan(iter(overlay), merge_scan(iter(frozen), tree) if frozen else tree)
 
     def attribute_split_keys(self, parts: int) -> list[bytes]:
         """Keys cutting the attributes into about ``parts`` ranges for parallel scans (by the
@@ -306,69 +406,192 @@ class Segment:
             self._check_open()
             return self._index.split_keys(parts)
 
-    # -- flushing tier 1 into the B+tree -------------------------------------------------------
-    def _maybe_flush(self) -> None:
-        overlay = self._overlay
-        if not len(overlay):
-            self._flushed_at = time.monotonic()
+    # -- merging tier 1 into the B+tree --------------------------------------------------------
+    # Under ``_lock``: ``_freeze``, ``_merge_due``, ``_needs_merge``. ``_merge_once`` and ``_drain``
+    # run with ``_merge_mutex`` held and do the tree's I/O without ``_lock`` (unless the caller holds
+    # it: retention), so appends and reads go on while a merge writes.
+    def _merge_due(self) -> bool:
+        """Whether the active overlay should be frozen and merged now (thresholds on keys, bytes
+        and the age of its first update)."""
+        overlay, options = self._overlay, self.options
+        if len(overlay) >= options.flush_keys or overlay.nbytes >= options.flush_bytes:
+            return True
+        return bool(len(overlay)) and time.monotonic() - self._dirty_since >= options.flush_seconds
+
+    def _needs_merge(self, force: bool) -> bool:
+        """For ``flush``: whether there is anything to merge (``force``: the checkpoint too)."""
+        position, covered = self._log.position, self._index.checkpoint or 0
+        if len(self._overlay) or covered > position:
+            return True
+        return covered < position and (force or position - covered >= self.options.log_rolling_size)
+
+    def _freeze(self) -> None:
+        """Hand the active overlay to the merge: it becomes the frozen one, covering the log up to
+        this handle's position; a fresh overlay takes new appends."""
+        self._frozen, self._frozen_at = self._overlay, self._log.position
+        self._overlay = AttributeOverlay()
+        self._dirty_since = time.monotonic()
+        self._merge_wake.notify_all()
+
+    def _pending_bytes(self) -> int:
+        frozen = self._frozen
+        return self._overlay.nbytes + (0 if frozen is None else frozen.nbytes)
+
+    def _merge_once(self) -> None:
+        """Merge the frozen overlay into the B+tree with checkpoint = the log position at the
+        freeze (``_merge_mutex`` held). Raises the merge's error after recording it."""
+        with self._lock:
+            frozen, at = self._frozen, self._frozen_at
+            if frozen is None or self._closed:
+                return
+        try:
+            keys, values = frozen.sorted_items()
+            merged = self._index.update_sorted(keys, values, checkpoint=at)
+            with self._lock:
+                if merged:
+                    self._frozen = None
+                else:  # another handle merged further: tier 1 restarts from its checkpoint
+                    self._rebuild_overlay()
+                self._merges += 1
+                if self._merge_error is not None:
+                    _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
+                    self._merge_error = None
+                self._merged.notify_all()
+        except Exception as exc:
+            with self._lock:
+                self._merge_error = exc
+                self._merged.notify_all()
+            raise
+        _log.debug("segment %r: merged %d attribute updates into the B+tree up to log byte %d", self.name,
+                   len(keys), at)
+        self._truncate_merged()
+
+    def _truncate_merged(self) -> None:
+        """With ``truncate_merged_log``: delete the log below the chunk holding the tree's
+        checkpoint (never above it). Best effort: a failure leaves more log, which is harmless."""
+        if not self.options.truncate_merged_log:
             return
-        options = self.options
-        if (len(overlay) >= options.flush_keys or overlay.nbytes >= options.flush_bytes
-                or time.monotonic() - self._flushed_at >= options.flush_seconds):
-            self._flush()
+        with self._lock:
+            if self._closed:
+                return
+            covered = self._index.checkpoint or 0
+            cut = max((c.start for c in self._log.bytes.chunks() if c.start <= covered), default=0)
+            if cut <= self._log.start_position or cut > self._log.position:
+                return
+            try:
+                self._log.truncate_at(cut)
+            except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
+                _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
+                             "next merge): %s", self.name, cut, exc)
+                return
+            _log.debug("segment %r: truncated the merged log below byte %d", self.name, cut)
+
+    def _drain(self, *, force: bool = False) -> None:
+        """Merge everything this handle has seen, in the calling thread (``_merge_mutex`` held):
+        first what is frozen, then the active overlay. Raises a merge's error."""
+        for _lap in range(2):
+            with self._lock:
+                if self._frozen is None:
+                    if not self._needs_merge(force):
+                        self._dirty_since = time.monotonic()
+                        return
+                    self._freeze()
+            self._merge_once()
 
     def flush(self) -> None:
-        """Merge every attribute update seen so far into the B+tree (one sorted batch).
+        """Merge every attribute update seen so far into the B+tree (one sorted batch), now.
 
         Raises the storage error if the merge fails (for example ``StorageFullError``); the
-        updates stay in tier 1 and in the log, and a later flush or append retries."""
-        with self._lock:
+        updates stay in tier 1 and in the log, and a later flush or the background merge retries."""
+        self._check_open()
+        with self._merge_mutex:
             self._check_open()
-            self._flush()
+            self._drain()
 
-    def _flush(self, *, force: bool = False) -> None:
-        """Merge tier 1 into the B+tree and move its checkpoint to this handle's log position.
+    def _start_merger(self) -> None:
+        thread = threading.Thread(target=self._run_merger, name=f"attrindex-merge-{self.name}", daemon=True)
+        self._merger = thread
+        thread.start()
 
-        With nothing to merge, the checkpoint alone is written only if ``force`` (retention is
-        about to delete log data below it) or the log has grown by a chunk since: then opening
-        replays at most about a chunk, and readers that merely replayed never write.
-        """
-        position = self._log.position
-        covered = self._index.checkpoint or 0
-        if not len(self._overlay) and not force and position - covered < self.options.log_rolling_size:
-            self._flushed_at = time.monotonic()
+    def _run_merger(self) -> None:
+        """The background merge: wait for a frozen overlay (or a due one), merge it, repeat.
+        A failure is recorded and logged, and retried after a pause doubling up to
+        ``MERGE_RETRY_SECONDS``. Ends when the handle closes."""
+        pause = 0.0
+        while True:
+            with self._lock:
+                retry_at = time.monotonic() + pause
+                while not self._stopping:
+                    now = time.monotonic()
+                    if now >= retry_at:
+                        if self._frozen is None and self._merge_due():
+                            self._freeze()
+                        if self._frozen is not None:
+                            break
+                    self._merge_wake.wait(self._merger_timeout(retry_at, now))
+                if self._stopping:
+                    return
+            try:
+                with self._merge_mutex:
+                    self._merge_once()
+                pause = 0.0
+            except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
+                pause = min(max(2 * pause, MERGE_RETRY_MIN_SECONDS), MERGE_RETRY_SECONDS)
+                _log.warning("segment %r: merging attribute updates into the B+tree failed in the background "
+                             "(retried in %.2f s; flush() raises it): %s", self.name, pause, exc, exc_info=True)
+
+    def _merger_timeout(self, retry_at: float, now: float) -> float | None:
+        """How long the merge thread may sleep: until a retry is due, or the active overlay is
+        old enough (``flush_seconds``); ``None``: until woken."""
+        if now < retry_at:
+            return retry_at - now
+        if len(self._overlay) and self.options.flush_seconds != float("inf"):
+            return max(self._dirty_since + self.options.flush_seconds - now, 0.001)
+        return None
+
+    def _stop_merger(self) -> None:
+        """Stop and join the merge thread (not holding ``_lock``: it may be finishing a merge)."""
+        with self._lock:
+            self._stopping = True
+            self._merge_wake.notify_all()
+            self._merged.notify_all()
+            thread = self._merger
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _wait_for_room(self) -> None:
+        """Back-pressure (under ``_lock``, before an append): while tier 1 holds more than
+        ``max_pending_bytes``, wait for the merge, at most ``BACKPRESSURE_WAIT_SECONDS``. A
+        failing merge does not block appends (they go on; the failure is in ``stats()``)."""
+        limit = self.options.max_pending_bytes
+        if self._pending_bytes() <= limit or self._merger is None or self._merge_error is not None:
             return
-        keys, values = self._overlay.sorted_items()
-        if covered < position:
-            if not self._index.update_sorted(keys, values, checkpoint=position):
-                self._rebuild_overlay()  # another handle flushed further: tier 1 restarts from there
-                self._merge_error = None
+        deadline = time.monotonic() + BACKPRESSURE_WAIT_SECONDS
+        failures_seen = self._merge_error
+        while self._pending_bytes() > limit and not self._stopping and self._merge_error is failures_seen:
+            if self._frozen is None:
+                self._freeze()  # the active overlay alone is too big: merge it now
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                _log.warning("segment %r: tier 1 still holds %d bytes (max_pending_bytes %d) after waiting %.0f s "
+                             "for the merge; appending anyway", self.name, self._pending_bytes(), limit,
+                             BACKPRESSURE_WAIT_SECONDS)
                 return
-        elif covered > position:
-            self._rebuild_overlay()
-            self._merge_error = None
-            return
-        _log.debug("segment %r: merged %d attribute updates into the B+tree up to log byte %d", self.name, len(keys),
-                   position)
-        self._overlay.clear()
-        self._flushed_at = time.monotonic()
-        if self._merge_error is not None:
-            _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
-            self._merge_error = None
+            self._merged.wait(remaining)
 
     def _rebuild_overlay(self) -> None:
         """The tree covers more of the log than this handle had seen: catch up, replay after it."""
         self._catch_up()
         checkpoint = self._index.checkpoint or 0
-        # Built aside and swapped in whole: a read that fails half-way (this runs after a durable
-        # append, where failures are swallowed) must not leave tier 1 missing updates, which would
-        # let conditional appends validate against stale values.
+        # Built aside and swapped in whole: a read that fails half-way (in the background merge,
+        # which retries) must not leave tier 1 missing updates, which would let conditional
+        # appends validate against stale values.
         rebuilt = AttributeOverlay()
         replay = self._replayer(checkpoint, rebuilt)
         for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
-        self._overlay = rebuilt
-        self._flushed_at = time.monotonic()
+        self._overlay, self._frozen = rebuilt, None
+        self._dirty_since = time.monotonic()
 
     # -- reading records -----------------------------------------------------------------------
     @property
@@ -427,7 +650,7 @@ class Segment:
                 start = self._log.next_offset if found is None else found
             else:
                 start = self._log.start_offset if offset is None else offset
-        return SegmentReader(self, start, poll_interval=self.options.poll_interval)
+        return SegmentReader(self, start)
 
     def offset_for_timestamp(self, timestamp: int) -> int | None:
         """The first offset whose record timestamp is ``>= timestamp``, or ``None`` if none is."""
@@ -445,14 +668,33 @@ class Segment:
             spans = [(max(s.base_offset, start), s.next_offset) for s in self._log.chunk_summaries()]
         return [(first, end) for first, end in spans if end > first]
 
-    def _wait(self, offset: int, timeout: float) -> None:
-        """Wait until a record at ``offset`` may exist (an append here, or a poll finding one)."""
+    def _wait(self, offset: int, timeout: float, cancelled: threading.Event | None = None) -> None:
+        """Wait until a record at ``offset`` may exist (an append here, or a poll finding one),
+        the handle closes, ``cancelled`` is set, or ``timeout`` passes. Every reader of this
+        handle shares one poller (attrindex/poller.py)."""
         with self._lock:
-            if self._log.next_offset > offset or self._closed:
-                return
-            self._appended.wait(timeout)
-            if self._log.next_offset <= offset and not self._closed:
-                self._catch_up()  # appends by other processes are found by polling
+            poller = self._poller
+            if poller is None:
+                poller = self._poller = SegmentPoller(self, *self.options.poll_intervals())
+        poller.wait(offset, timeout, cancelled)
+
+    def _poll_storage(self) -> bool:
+        """One poll for appends made elsewhere: a cheap look (one small request on object stores),
+        and a catch-up only if it saw something. True if records arrived."""
+        try:
+            # (a view refreshed by a read may hold bytes not scanned yet: then catch up at once)
+            if self._log.position >= self._log.bytes.length and not self._log.bytes.poll():
+                return False
+        except StorageError:
+            if self._closed:  # closed while polling: the reader returns None
+                return False
+            raise
+        with self._lock:
+            if self._closed:
+                return False
+            before = self._log.next_offset
+            self._catch_up()
+            return self._log.next_offset != before
 
     def _wake_readers(self) -> None:
         with self._lock:
@@ -472,10 +714,10 @@ class Segment:
             if value is not None and (type(value) is not int or value < 0):
                 raise InvalidInputError(f"{name} must be an int >= 0 or None, got {value!r}")
         now = int(time.time() * 1000) if now_ms is None else now_ms
-        with self._lock:
+        with self._merge_mutex, self._lock:  # rare: appends wait for the retention
             self._check_open()
             self._catch_up()
-            self._flush(force=True)
+            self._drain(force=True)  # with _lock held: no append lands between the merge and the cut
             if start_offset is not None and start_offset > self._log.next_offset:
                 raise InvalidInputError(f"segment {self.name!r}: start_offset {start_offset} is past the end "
                                         f"(next offset {self._log.next_offset})")
@@ -623,23 +865,35 @@ class Segment:
                 log_bytes=stored,
                 log_chunks=len(chunks),
                 max_timestamp=None if log.max_timestamp == -(1 << 63) else log.max_timestamp,
-                pending_attributes=len(self._overlay),
+                pending_attributes=len(self._overlay) + (0 if self._frozen is None else len(self._frozen)),
                 attribute_checkpoint=self._index.checkpoint,
                 attributes=self._index.stats(),
                 merge_error=None if self._merge_error is None else f"{type(self._merge_error).__name__}: {self._merge_error}",
+                pending_bytes=self._pending_bytes(),
+                merges=self._merges,
+                append_groups=self._queue.groups,
+                appends_grouped=self._queue.requests,
+                requests=log.bytes.storage.requests,
             )
 
     def close(self) -> None:
-        """Merge pending attribute updates into the B+tree and release the handle."""
+        """Stop the background merge, merge pending attribute updates into the B+tree (raising
+        the merge's error if it fails: the updates stay in the log, replayed on open) and release
+        the handle."""
         with self._lock:
+            if self._closed:
+                return
+        self._stop_merger()
+        with self._merge_mutex, self._lock:
             if self._closed:
                 return
             try:
                 if self._wrote:  # a handle that only read leaves the merge to the writers
-                    self._flush()
+                    self._drain()
             finally:
                 self._closed = True
                 self._appended.notify_all()
+                self._merged.notify_all()
                 self._log.close()
                 self._index.close()
 
@@ -659,6 +913,20 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, next_offset={self._log.next_offset})"
+
+
+@attrs.define(slots=True)
+class _PendingAppend:
+    """One ``append`` call waiting in the group-commit queue (checked arguments, its batch id)."""
+
+    records: list
+    updates: list | None
+    replacements: tuple
+    expected_offset: int | None
+    stamp: int
+    codec: Codec
+    batch_id: int
+    encoded: tuple | None = None  #: (keys, values, batch) of the last try: a lost race needs only a rebase
 
 
 def _bounded_races(name: str) -> Iterator[int]:

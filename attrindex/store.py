@@ -21,10 +21,14 @@ import re
 import threading
 from typing import Any, Mapping
 
+import attrs
+
 from storage_adapters import ChunkStorage
+from storage_adapters.requests import RequestCounters
 from storage_adapters.rolling import validate_segment_name
 
 from .tree_index import TreeIndex
+from .listing import ListedStorage
 from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError,
                      StreamNotFoundError)
 from .log.cleanup_policy import load_policy, policy_from_options, store_policy
@@ -37,9 +41,18 @@ SEGMENT_MARKER = "_segment"
 _STREAM_MARKER = re.compile(r"_count\.(\d+)")
 STREAMS_DIR = "_streams"
 MAX_STREAM_SEGMENTS = 1 << 16
-_SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes")
+_SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes", "max_pending_bytes")
 
 log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class StoreStats:
+    """A snapshot of a store: its URL, open segment handles, and the requests its storage made."""
+
+    url: str
+    open_segments: int
+    requests: RequestCounters  #: by kind (PUT, GET, LIST, HEAD, DELETE) and bytes moved; see docs/cost.md
 
 
 def validate_name(name: str, what: str = "segment") -> str:
@@ -62,8 +75,12 @@ class SegmentStore:
 
     ``options`` tune every segment opened through this store: ``log_rolling_size`` (16 MiB),
     ``index_interval_bytes`` (4096), ``codec`` ("none", "gzip", "zstd", "lz4"), ``flush_keys``
-    (250,000), ``flush_bytes`` (64 MiB), ``flush_seconds`` (30), ``poll_interval`` (0.05 s), and
-    ``attribute_options`` (passed to the attributes' ``TreeIndex``: page_size, cache_bytes...).
+    (250,000), ``flush_bytes`` (64 MiB), ``flush_seconds`` (30), ``min_poll_interval`` (0.05 s) and
+    ``max_poll_interval`` (1 s): a tail reader's polls for other processes' appends back off between
+    them while nothing comes (``poll_interval`` instead: one fixed interval),
+    ``max_pending_bytes`` (256 MiB: appends wait for the background merge above it),
+    ``truncate_merged_log`` (False), and ``attribute_options`` (passed to the attributes' ``TreeIndex``:
+    page_size, cache_bytes...).
     """
 
     def __init__(self, storage: ChunkStorage, **options: Any):
@@ -117,12 +134,20 @@ class SegmentStore:
                 if cleanup:
                     _check_policy(segment.cleanup_policy(), cleanup, name)
                 return segment
-            exists = self.storage.exists(f"{name}/{SEGMENT_MARKER}")
+            if self.storage.appendable:
+                exists, storage = self.storage.exists(f"{name}/{SEGMENT_MARKER}"), self.storage
+            else:  # an object store: one listing tells whether it exists and opens every part of it
+                listing = self.storage.list_files(name)
+                exists, storage = SEGMENT_MARKER in listing, ListedStorage(self.storage, name, listing)
             if not exists and not create:
                 raise SegmentNotFoundError(f"segment {name!r} does not exist in {self.storage.url!r}")
             if cleanup:
                 self._settle_policy(name, wanted, cleanup, exists)
-            segment = Segment(self.storage, name, self.options)  # only reads: bad options raise here
+            try:
+                segment = Segment(storage, name, self.options)  # only reads: bad options raise here
+            finally:
+                if storage is not self.storage:
+                    storage.expire()  # later listings are live
             if not exists:
                 self.storage.put_marker(f"{name}/{SEGMENT_MARKER}")
             self._segments[name] = segment
@@ -233,6 +258,13 @@ class SegmentStore:
         counts = sorted(int(m[1]) for m in map(_STREAM_MARKER.fullmatch, self.storage.list_files(f"{STREAMS_DIR}/{name}")) if m)
         return counts[0] if counts else None  # two racing creators: the smallest count wins everywhere
 
+    # -- inspection ----------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        """The store's URL, its open segment handles and the storage requests made so far."""
+        with self._lock:
+            open_handles = sum(1 for s in self._segments.values() if not s.closed)
+        return StoreStats(url=self.storage.url, open_segments=open_handles, requests=self.storage.requests)
+
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
         """Close every segment handle (merging pending attribute updates into their B+trees)."""
@@ -269,11 +301,21 @@ def segment_options(options: Mapping[str, Any]) -> SegmentOptions:
         value = getattr(built, name)
         if type(value) is not int or value < 1:
             raise InvalidInputError(f"store option {name} must be an int >= 1, got {value!r}")
-    for name, low, high in (("flush_seconds", 0, float("inf")), ("poll_interval", 1e-6, threading.TIMEOUT_MAX)):
+    polls = ("poll_interval", "min_poll_interval", "max_poll_interval")
+    for name, low, high in (("flush_seconds", 0, float("inf")),
+                            *((poll, 1e-6, threading.TIMEOUT_MAX) for poll in polls)):
         value = getattr(built, name)  # flush_seconds=inf: never by time; a poll of 0 would spin
+        if name == "poll_interval" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
             raise InvalidInputError(f"store option {name} must be a number of seconds in [{low:g}, {high:g}], "
                                     f"got {value!r:.60}")
+    if type(built.truncate_merged_log) is not bool:
+        raise InvalidInputError(f"store option truncate_merged_log must be True or False, "
+                                f"got {built.truncate_merged_log!r:.60}")
+    if built.min_poll_interval > built.max_poll_interval:
+        raise InvalidInputError(f"store option min_poll_interval ({built.min_poll_interval!r}) must not exceed "
+                                f"max_poll_interval ({built.max_poll_interval!r})")
     _check_attribute_options(built.attribute_options)
     return built
 

@@ -8,6 +8,7 @@ helpers (``_canonical_batch``, ``key_list``) and ``IndexStats`` live here too.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import uuid
@@ -133,6 +134,8 @@ class IndexStats:
     value_cache_misses: int
     pending_keys: int = 0  #: ``AttributeIndex``: keys in its write-ahead log not yet merged into the tree
     wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
+    #: requests made so far through the index's storage (``storage_adapters.RequestCounters``), by kind
+    requests: Any = None
 
 
 class TreeIndex:
@@ -161,6 +164,10 @@ class TreeIndex:
         # Index pages are high priority: scans of leaves never push the upper levels out.
         self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
         self._values = ValueCache(value_cache_entries)
+        # A lookup may run beside an update in another thread (a segment's background merge):
+        # a value read from the old tree is cached only if no update landed meanwhile.
+        self._cache_lock = threading.Lock()
+        self._cache_epoch = 0  #: updates and adopted versions so far
         self._versions_adopted = 0  # versions written by others that the tree adopted
         self._closed = False
         self._read_only = False  # set by open(mode="r")
@@ -169,8 +176,16 @@ class TreeIndex:
                                 policy=policy_for(compaction), on_external_change=self._external_change)
 
     def _external_change(self) -> None:
-        self._versions_adopted += 1
-        self._values.clear()
+        with self._cache_lock:
+            self._cache_epoch += 1
+            self._versions_adopted += 1
+            self._values.clear()
+
+    def _cache_found(self, epoch: int, keys, values) -> None:
+        """Cache values read from the tree, unless an update landed since ``epoch`` (they may be older)."""
+        with self._cache_lock:
+            if self._cache_epoch == epoch:
+                self._values.put_many(keys, values)
 
     @classmethod
     def open(
@@ -217,10 +232,11 @@ class TreeIndex:
         k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
         if not self._values.capacity:
             return self._tree.get(k)
+        epoch = self._cache_epoch
         value = self._values.get(k)
         if value is MISSING:
             value = self._tree.get(k)
-            self._values.put(k, value)
+            self._cache_found(epoch, (k,), (value,))
         return value  # type: ignore[return-value]
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
@@ -230,7 +246,7 @@ class TreeIndex:
         canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
         if not self._values.capacity:
             return self._tree.get_many(canonical)
-        adopted = self._versions_adopted
+        adopted, epoch = self._versions_adopted, self._cache_epoch
         cached = self._values.get_many(canonical)
         missing = [k for k, v in zip(canonical, cached) if v is MISSING]
         if not missing:
@@ -240,7 +256,7 @@ class TreeIndex:
             # The lookup moved to a newer version (compaction freed pages of the old one): the
             # cached values are of the old one. Answer every key from one version.
             return self._tree.get_many(canonical)
-        self._values.put_many(found.keys(), found.values())
+        self._cache_found(epoch, found.keys(), found.values())
         return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
@@ -293,10 +309,12 @@ class TreeIndex:
             return False
         if checkpoint is None:
             self._tree.update(keys, values)
-        if len(keys) <= _CACHE_UPDATES_UP_TO:
-            self._values.put_many(keys, values)
-        else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
-            self._values.refresh_many(dict(zip(keys, values)))
+        with self._cache_lock:
+            self._cache_epoch += 1
+            if len(keys) <= _CACHE_UPDATES_UP_TO:
+                self._values.put_many(keys, values)
+            else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
+                self._values.refresh_many(dict(zip(keys, values)))
         return True
 
     def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
@@ -360,6 +378,7 @@ class TreeIndex:
             cache_misses=cache.misses if cache else 0,
             value_cache_hits=self._values.hits,
             value_cache_misses=self._values.misses,
+            requests=self._segment.storage.requests,
         )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:

@@ -17,9 +17,11 @@ that sends *different* events raises ``WriterConflictError`` instead of dropping
 from __future__ import annotations
 
 import array
+import contextlib
 import hashlib
 import logging
 import operator
+import threading
 import time
 import uuid
 import zlib
@@ -44,6 +46,9 @@ _DIGEST_NAME = "attrindex.EventWriter/digest"  #: derives a writer's digest key 
 _log = logging.getLogger("attrindex.writer")
 _REPLAY_FEED = 4096  #: skipped events are digested in groups of this many
 _PAYLOAD, _ROUTING_KEY = operator.itemgetter(0), operator.itemgetter(1)
+MAX_FLUSHERS = 4  #: background flusher threads of a lingering writer (at most one per segment)
+QUEUE_BATCHES = 4  #: a lingering writer's write blocks while a segment queues this many full batches
+_WAIT_SLICE = 1.0  #: waits for the flushers are made of bounded slices (errors and closing end them)
 
 
 class _EventDigest:
@@ -95,6 +100,33 @@ class _SegmentState:
     hashed: int = 0
     stored_digest: int | None = None  #: the digest stored with event number ``acked`` (None: none)
     replayed: list = attrs.Factory(list)  #: skipped events not digested yet (numbers ``hashed+1``...)
+    since: float = 0.0  #: linger: when the oldest queued event was queued (monotonic; an upper bound)
+    sending: bool = False  #: linger: a flusher is appending from this queue now
+
+
+class Acknowledgement:
+    """Returned by ``EventWriter.write``/``write_many``: tells when those events are durable.
+
+    ``wait()`` returns ``True`` once every one of them is durably written exactly once (at once if
+    the segment already held them). On a writer with ``linger_ms`` that is at most about
+    ``linger_ms`` plus one append after the write; without linger it sends what is queued first
+    (as ``flush()`` does). If a background append failed, ``wait`` raises that error.
+    """
+
+    __slots__ = ("_writer", "_marks")
+
+    def __init__(self, writer: "EventWriter", marks: list):
+        self._writer = writer
+        self._marks = marks  #: (segment state, event number) pairs: durable once acked >= number
+
+    @property
+    def done(self) -> bool:
+        """Whether the events are durable now (no waiting, no error raised)."""
+        return all(state.acked is not None and state.acked >= number for state, number in self._marks)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the events are durable (``True``), or ``timeout`` seconds pass (``False``)."""
+        return self._writer._wait_for(self._marks, timeout)
 
 
 class EventWriter:
@@ -123,7 +155,7 @@ class EventWriter:
 
     def __init__(self, store: SegmentStore, stream: str, segments: int | None = None, writer_id: object = None, *,
                  batch_events: int = 1000, batch_bytes: int = 1 << 20, retries: int = 8, retry_delay: float = 0.05,
-                 shared: bool = False):
+                 shared: bool = False, linger_ms: float | None = None):
         # Every argument first: a bad one must leave storage untouched (no stream, no segment).
         if not isinstance(store, SegmentStore):
             raise InvalidInputError(f"store must be a SegmentStore, got {type(store).__name__}")
@@ -138,6 +170,10 @@ class EventWriter:
             raise InvalidInputError(f"retry_delay must be a number of seconds in [0, 3600], got {retry_delay!r:.60}")
         if not isinstance(shared, bool):
             raise InvalidInputError(f"shared must be True or False, got {type(shared).__name__}: {shared!r:.60}")
+        if linger_ms is not None and (isinstance(linger_ms, bool) or not isinstance(linger_ms, (int, float))
+                                      or not 0 <= linger_ms <= 3_600_000):
+            raise InvalidInputError(f"linger_ms must be a number of milliseconds in [0, 3600000] or None, "
+                                    f"got {linger_ms!r:.60}")
         names = store.create_stream(stream, segments) if segments is not None else store.stream_segments(stream)
         self.store = store
         self.stream = stream
@@ -150,25 +186,35 @@ class EventWriter:
         self.shared = shared
         self.events_skipped = 0  #: events a restarted writer found already written
         self.retried_appends = 0  #: appends repeated after an error or a lost acknowledgement
+        self.appends = 0  #: appends made (each one batch of events to one segment)
+        self.linger = (linger_ms or 0) / 1000  #: seconds an event may wait for more to share its append
+        self._cond = threading.Condition()  #: guards the queues when flushers run beside writes
+        self._flushers: list[threading.Thread] = []
+        self._error: BaseException | None = None  #: a background append that failed: raised to callers
+        self._urgent = 0  #: flush() calls waiting: every queue is due now
+        self._closing = False
 
     def segment_for(self, routing_key: object) -> int:
         """The index of the segment a routing key maps to (a stable hash, the same in every process)."""
         return zlib.crc32(_key_bytes(routing_key)) % len(self._states)
 
     def write(self, payload: bytes, routing_key: object = None, *, timestamp: int | None = None,
-              headers: Any = ()) -> None:
+              headers: Any = ()) -> Acknowledgement:
         """Queue one event. Events with a routing key go to the segment its hash picks, in order;
         events without one are spread round-robin. ``timestamp``: ms since the epoch (an int64;
         default: when it is sent); ``headers``: ``(str, bytes)`` pairs. A bad event raises
-        ``InvalidInputError`` here and is not queued."""
-        self.write_many([payload], None if routing_key is None else [routing_key],
-                        timestamps=None if timestamp is None else [timestamp], headers=[headers] if headers else None)
+        ``InvalidInputError`` here and is not queued. Returns an ``Acknowledgement``: its
+        ``wait()`` tells when the event is durable. An error of a background append (``linger_ms``)
+        is raised by the next ``write``, ``flush`` or ``wait``."""
+        return self.write_many([payload], None if routing_key is None else [routing_key],
+                               timestamps=None if timestamp is None else [timestamp],
+                               headers=[headers] if headers else None)
 
     def write_many(self, payloads: list, routing_keys: list | None = None, *, timestamps: list | None = None,
-                   headers: list | None = None) -> None:
+                   headers: list | None = None) -> Acknowledgement:
         """``write`` for many events at once (lists of equal length; ``None`` items allowed in the
         keys and timestamps): the same events in the same order, with less work per event. Every
-        event is checked first: if one is bad, none is queued."""
+        event is checked first: if one is bad, none is queued. One ``Acknowledgement`` covers them all."""
         payloads = _column(payloads, "payloads")
         count = len(payloads)
         if routing_keys is not None:
@@ -184,14 +230,26 @@ class EventWriter:
         stamps = check_timestamps(timestamps, "timestamp") if timestamps else [None] * count
         pairs = [() if not h else normalize_headers(h, f"event {i}") for i, h in enumerate(headers)] \
             if headers and any(headers) else [()] * count
+        with self._guard():
+            self._raise_background_error()
+            touched = self._queue(payloads, keys, stamps, pairs)
+            if self.linger:
+                self._after_queueing(touched)
+            return Acknowledgement(self, [(state, state.numbered) for state in touched])
+
+    def _queue(self, payloads: list, keys: list, stamps: list, pairs: list) -> list[_SegmentState]:
+        """Number the events and queue them per segment; returns the segments touched."""
         states, n = self._states, len(self._states)
         crc32, make = zlib.crc32, tuple.__new__  # Record(...) without its keyword-handling __new__
+        touched: dict[int, _SegmentState] = {}
+        lingering = bool(self.linger)
         for payload, key, stamp, header in zip(payloads, keys, stamps, pairs):
             if key is None:
                 state = states[self._round_robin % n]
                 self._round_robin += 1
             else:
                 state = states[crc32(key) % n]
+            touched[id(state)] = state
             if state.acked is None:
                 self._load(state)
             record = make(Record, (payload, key, stamp, header, None))
@@ -200,16 +258,38 @@ class EventWriter:
                 self.events_skipped += 1  # written by an earlier life of this writer (or its twin)
                 self._replayed(state, record)
                 continue
+            if not state.pending:
+                state.since = time.monotonic()
             state.pending.append(record)
             state.pending_bytes += len(payload)
-            if len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes:
+            if not lingering and (len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes):
                 self._send(state)
+        return list(touched.values())
 
     def flush(self) -> None:
-        """Send every queued event; when this returns they are all durably written exactly once."""
-        for state in self._states:
-            if state.pending:
-                self._send(state)
+        """Send every queued event; when this returns they are all durably written exactly once.
+
+        On a writer with ``linger_ms`` the flushers send them now (not after the linger), and
+        this waits for them; an error of a background append is raised here."""
+        if not self.linger:
+            for state in self._states:
+                if state.pending:
+                    self._send(state)
+            return
+        with self._cond:
+            self._raise_background_error()
+            marks = [(state, state.numbered) for state in self._states if state.acked is not None]
+            self._urgent += 1
+            self._cond.notify_all()
+        try:
+            self._wait_for(marks, None)
+        finally:
+            with self._cond:
+                self._urgent -= 1
+
+    def _guard(self) -> contextlib.AbstractContextManager:
+        """The queues' lock when flushers run beside the caller; no lock (one thread) without linger."""
+        return self._cond if self.linger else contextlib.nullcontext()
 
     def _load(self, state: _SegmentState) -> None:
         """Read the stored event number and digest (one consistent view of the segment)."""
@@ -231,23 +311,31 @@ class EventWriter:
                 f"by this writer differ from the ones stored under its id (a reused writer id with other "
                 f"events?); write new events under a new writer_id")
 
-    def _send(self, state: _SegmentState) -> None:
+    def _send(self, state: _SegmentState, lock: Any = None, target: int | None = None) -> None:
+        """Append the queue of ``state`` in batches until event ``target`` (default: all of it) is
+        acknowledged. ``lock`` (the flushers') is held for the bookkeeping, not for the appends."""
+        guard = contextlib.nullcontext() if lock is None else lock
         failures = 0
-        while state.pending:
-            batch = state.pending[: self.batch_events]
-            last = state.acked + len(batch)
-            digest = state.digest.copy().update(batch)
-            updates = [
-                AttributeUpdate(self._key, UpdateType.REPLACE_IF_EQUALS, value=last, compare=state.acked or None),
-                AttributeUpdate(self._digest_key, UpdateType.REPLACE_IF_EQUALS, value=digest.value(),
-                                compare=state.stored_digest),
-            ]
+        while True:
+            with guard:
+                if not state.pending or (target is not None and state.acked >= target):
+                    return
+                batch = state.pending[: self.batch_events]
+                last = state.acked + len(batch)
+                digest = state.digest.copy().update(batch)
+                updates = [
+                    AttributeUpdate(self._key, UpdateType.REPLACE_IF_EQUALS, value=last, compare=state.acked or None),
+                    AttributeUpdate(self._digest_key, UpdateType.REPLACE_IF_EQUALS, value=digest.value(),
+                                    compare=state.stored_digest),
+                ]
+                self.appends += 1
             try:
                 state.segment.append(batch, updates)
             except ConditionalUpdateError as exc:
                 current = {f.update.key: f.current for f in exc.failures}
-                self._adopt(state, current.get(self._key, state.acked) or 0,
-                            current.get(self._digest_key, state.stored_digest))
+                with guard:
+                    self._adopt(state, current.get(self._key, state.acked) or 0,
+                                current.get(self._digest_key, state.stored_digest))
                 continue
             except _PERMANENT:
                 raise
@@ -258,7 +346,8 @@ class EventWriter:
                 self.retried_appends += 1
                 time.sleep(self.retry_delay * failures)
                 continue
-            _acknowledge(state, last, digest)
+            with guard:
+                _acknowledge(state, last, digest)
 
     def _adopt(self, state: _SegmentState, current: int, stored_digest: int | None) -> None:
         """The segment holds events up to ``current`` (digest ``stored_digest``): they are
@@ -292,15 +381,127 @@ class EventWriter:
     def last_event_numbers(self) -> dict[str, int]:
         """The last event number acknowledged per segment name (read from the segments if unknown)."""
         out = {}
-        for state in self._states:
-            if state.acked is None:
-                self._load(state)
-            out[state.segment.name] = state.acked
+        with self._guard():
+            for state in self._states:
+                if state.acked is None:
+                    self._load(state)
+                out[state.segment.name] = state.acked
         return out
 
+    # -- linger: background flushers ---------------------------------------------------------
+    def _after_queueing(self, touched: list[_SegmentState]) -> None:
+        """Under the lock, after queueing with linger: start the flushers, wake them for full
+        batches, and hold the caller back while a queue is far ahead of them (bounded slices)."""
+        if not self._flushers:
+            self._start_flushers()
+        if any(self._full(state) for state in touched):
+            self._cond.notify_all()
+        limit = QUEUE_BATCHES * self.batch_events
+        while any(len(state.pending) >= limit for state in touched):
+            self._cond.wait(_WAIT_SLICE)
+            self._raise_background_error()
+
+    def _full(self, state: _SegmentState) -> bool:
+        return len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes
+
+    def _start_flushers(self) -> None:
+        self._closing = False
+        for i in range(min(MAX_FLUSHERS, len(self._states))):
+            thread = threading.Thread(target=self._flusher, name=f"attrindex-EventWriter-flusher-{i}", daemon=True)
+            self._flushers.append(thread)
+            thread.start()
+
+    def _flusher(self) -> None:
+        """A flusher thread: appends each queue when it is full, ``linger`` old, or flushed."""
+        while True:
+            with self._cond:
+                state = self._next_due()
+                if state is None:
+                    return  # closing, or a failure stopped every flusher
+                state.sending = True
+                target = state.acked + len(state.pending)
+                queued_at = time.monotonic()
+            try:
+                self._send(state, self._cond, target)
+            except BaseException as exc:  # raised to the caller by the next write/flush/wait
+                with self._cond:
+                    self._error = self._error or exc
+                    state.sending = False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                state.sending = False
+                if state.pending:  # all queued after the queue was taken: none is older than that
+                    state.since = queued_at
+                self._cond.notify_all()
+
+    def _next_due(self) -> _SegmentState | None:
+        """Under the lock: a queue due for an append, waiting (bounded) until one is; ``None``
+        when the flushers must stop (closed, or another flusher failed)."""
+        while self._error is None:
+            now = time.monotonic()
+            soonest = None
+            for state in self._states:
+                if not state.pending or state.sending:
+                    continue
+                due = now if (self._urgent or self._closing or self._full(state)) else state.since + self.linger
+                if due <= now:
+                    return state
+                soonest = due if soonest is None else min(soonest, due)
+            if self._closing and not any(state.sending for state in self._states):
+                return None
+            self._cond.wait(_WAIT_SLICE if soonest is None else min(_WAIT_SLICE, soonest - now))
+        return None
+
+    def _wait_for(self, marks: list, timeout: float | None) -> bool:
+        """Wait until each ``(state, number)`` has ``acked >= number``; raise a background error."""
+        def reached() -> bool:
+            return all(state.acked is not None and state.acked >= number for state, number in marks)
+        if not self.linger:
+            if not reached():
+                self.flush()
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not reached():
+                self._raise_background_error()
+                if not self._flushers:  # nothing would send them: a closed writer
+                    raise InvalidInputError("the EventWriter is closed; its unsent events were not written")
+                remaining = _WAIT_SLICE if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, _WAIT_SLICE))
+            return True
+
+    def _raise_background_error(self) -> None:
+        """Raise the error a background append met (every call after it, until the writer is
+        replaced: the events it held are not acknowledged; resume with the same writer_id)."""
+        if self._error is not None:
+            raise self._error
+
+    def _stop_flushers(self, flush: bool) -> None:
+        """Stop the flusher threads (after sending everything queued if ``flush``); bounded."""
+        if not self._flushers:
+            return
+        with self._cond:
+            if flush:
+                self._closing = True
+            else:
+                self._error = self._error or InvalidInputError("the EventWriter was closed after an error")
+            self._cond.notify_all()
+        for thread in self._flushers:
+            thread.join()  # bounded: each append retries a bounded number of times
+        self._flushers = []
+
     def close(self) -> None:
-        """Flush; the store (and its segments) stay open."""
-        self.flush()
+        """Flush and stop the background flushers; the store (and its segments) stay open.
+        Raises the error of a background append if one failed."""
+        try:
+            if self._error is None:
+                self.flush()
+        finally:
+            self._stop_flushers(flush=self._error is None)
+        self._raise_background_error()
 
     def __enter__(self) -> "EventWriter":
         return self
@@ -308,6 +509,8 @@ class EventWriter:
     def __exit__(self, exc_type, *exc_info: object) -> None:
         if exc_type is None:
             self.close()
+        else:
+            self._stop_flushers(flush=False)  # the events queued are not acknowledged: nothing waits
 
 
 def _acknowledge(state: _SegmentState, number: int, digest: _EventDigest) -> None:

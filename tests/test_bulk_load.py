@@ -312,3 +312,40 @@ def test_a_loader_killed_mid_load_leaves_one_whole_generation(tmp_path):
         assert len(index) == 20_000 and len(generations) == 1, f"attempt {attempt}: a mix of {generations}"
         seen = generations.pop()
         assert seen in (acknowledged[-1], acknowledged[-1] + 1)
+
+
+def test_pairs_read_and_checked_first_load_as_a_run():
+    """A facade that must write before the load (its log entry) checks the pairs first."""
+    run = bulk.read_pairs(iter([(k(2), 2), (k(1), 1), (k(3), None)]))
+    with pytest.raises(InvalidKeyError):
+        bulk.read_pairs([(k(1), 1), (b"x", 2)])
+    index = new_index()
+    index.update({k(3): 3})
+    assert load(index, run) == 2
+    check(index, {k(1): 1, k(2): 2})
+
+
+def test_a_load_too_large_for_one_update_is_refused_before_writing(monkeypatch):
+    monkeypatch.setattr(bulk, "MAX_UPDATE_BYTES", 2000)  # the real limit is 4 GiB of pages
+    index = new_index()
+    index.update({k(0): 0})
+    length = index.stats().length
+    with pytest.raises(InvalidInputError, match="nothing was written"):
+        load(index, [(k(i), i) for i in range(200)])
+    assert index.stats().length == length
+    assert load(index, [(k(i), i) for i in range(20)]) == 20
+
+
+def test_load_reopen_and_truncate_on_every_backend(storage_url):
+    url, options = storage_url
+    index = TreeIndex(open_storage(url, **options), page_size=1024, rolling_size=1 << 12)
+    for n in range(3):
+        index.update({k(i): n for i in range(n * 100, n * 100 + 300)})
+    model = {k(i): (i // 100 if i < 200 else 2) for i in range(500)}
+    pairs = [(k(i), -i) for i in range(250, 700)] + [(k(1), None)]
+    assert load(index, pairs) == len(model) + 200 - 1
+    apply(model, pairs)
+    check(index, model)
+    reopened = TreeIndex(open_storage(url, **options), page_size=1024)
+    check(reopened, model)
+    assert reopened.stats().start_offset == reopened.stats().length - reopened.stats().live_bytes - 72

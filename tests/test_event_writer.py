@@ -298,3 +298,175 @@ def test_resumed_writer_model(first, second, first_batch, second_batch, flush_ev
         key_bytes = (lambda k: None if k is None else k if isinstance(k, bytes) else k.encode())
         records = store.segment("s/0").read(0, 100)
         assert [(r.value, r.key) for r in records] == [(p, key_bytes(k)) for p, k in expected]
+
+
+# -- linger (issue 12): a background flusher turns a stream of small events into few appends ----
+def _flusher_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("attrindex-EventWriter-flusher")]
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"], indirect=True)
+def test_linger_groups_a_stream_of_small_events_into_few_appends(storage_url):
+    url, options = storage_url
+    with SegmentStore.open(url, storage_options=options) as store:
+        writer = EventWriter(store, "s", segments=4, linger_ms=200)
+        tickets = [writer.write(b"e%d" % i, routing_key=i) for i in range(2000)]
+        assert all(t.wait(timeout=30) for t in tickets)
+        assert writer.appends <= 4 * 4  # 4 segments, a few linger periods (nowhere near 2000)
+        writer.close()
+        assert sorted(v for _, _, v in stream_events(store, "s")) == sorted(b"e%d" % i for i in range(2000))
+    assert _flusher_threads() == []
+
+
+def test_linger_acknowledges_within_linger_plus_one_append(store):
+    writer = EventWriter(store, "s", segments=2, linger_ms=300)
+    import time
+
+    started = time.monotonic()
+    ticket = writer.write(b"one", routing_key="k")
+    assert not ticket.done  # lingering: nothing was sent yet
+    assert ticket.wait(timeout=10)
+    took = time.monotonic() - started
+    assert 0.3 <= took < 0.3 + 3  # the linger, plus one append on a loaded machine
+    assert ticket.done
+    assert [v for _, _, v in stream_events(store, "s")] == [b"one"]
+    writer.close()
+
+
+def test_linger_flush_sends_now_and_waits(store):
+    import time
+
+    writer = EventWriter(store, "s", segments=3, linger_ms=600_000)
+    writer.write_many([b"%d" % i for i in range(50)], routing_keys=list(range(50)))
+    started = time.monotonic()
+    writer.flush()
+    assert time.monotonic() - started < 5  # not the ten-minute linger
+    assert sorted(int(v) for _, _, v in stream_events(store, "s")) == list(range(50))
+    assert writer.last_event_numbers() and sum(writer.last_event_numbers().values()) == 50
+    writer.close()
+    assert _flusher_threads() == []
+
+
+def test_linger_zero_or_none_is_the_synchronous_writer(store):
+    for linger in (None, 0):
+        writer = EventWriter(store, f"s{linger}", segments=1, batch_events=2, linger_ms=linger)
+        writer.write(b"a")
+        assert writer.appends == 0
+        ticket = writer.write(b"b")  # a full batch is sent inside write, as before
+        assert writer.appends == 1 and ticket.done and ticket.wait(timeout=0)
+        late = writer.write(b"c")
+        assert not late.done and late.wait() and writer.appends == 2  # waiting sends it (flush)
+        assert _flusher_threads() == []
+
+
+@pytest.mark.parametrize("backend", ["memory"], indirect=True)
+def test_a_failed_background_append_is_raised_to_the_next_call_and_nothing_is_lost(storage_url):
+    from attrindex.errors import StorageError
+    from storage_adapters.faults import FaultyStorage
+
+    url, options = storage_url
+    faulty = FaultyStorage(open_storage(url, **options), seed=5)
+    store = SegmentStore(faulty)
+    writer_id = uuid.uuid4()
+    writer = EventWriter(store, "s", segments=2, writer_id=writer_id, linger_ms=20, retries=1, retry_delay=0)
+    first = writer.write_many([b"%d" % i for i in range(10)], routing_keys=list(range(10)))
+    assert first.wait(timeout=10)
+    faulty.script("fail_before", op="append", path_contains="_log.seg", times=1000)
+    ticket = writer.write(b"10", routing_key=10)
+    with pytest.raises(StorageError):
+        ticket.wait(timeout=10)
+    for call in (lambda: writer.write(b"11", routing_key=11), writer.flush, writer.close):
+        with pytest.raises(StorageError):  # every later call, until the writer is replaced
+            call()
+    assert _flusher_threads() == []
+    faulty.enabled = False
+    resumed = EventWriter(store, "s", writer_id=writer_id, linger_ms=20)
+    for i in range(12):  # the way out: a new writer with the same id replays its events
+        resumed.write(b"%d" % i, routing_key=i)
+    resumed.close()
+    assert sorted(int(v) for _, _, v in stream_events(store, "s")) == list(range(12))
+    assert resumed.events_skipped == 10
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
+def test_linger_under_lost_acknowledgements_never_duplicates_or_loses(storage_url):
+    url, options = storage_url
+    flaky = FlakyStorage(open_storage(url, **options), rate=0.15, seed=4)
+    store = SegmentStore(flaky)
+    writer = EventWriter(store, "s", segments=3, batch_events=5, retries=50, retry_delay=0, linger_ms=5)
+    tickets = []
+    for i in range(300):
+        tickets.append(writer.write(b"%d" % i, routing_key=i % 11))
+        if i % 37 == 0:
+            writer.flush()
+    writer.close()
+    assert all(t.done for t in tickets)
+    assert flaky.lost_acks > 3 and flaky.failed_writes > 3
+    with SegmentStore.open(url, storage_options=options) as clean:
+        assert sorted(int(v) for _, _, v in stream_events(clean, "s")) == list(range(300))
+
+
+@pytest.mark.parametrize("given", [-1, float("nan"), float("inf"), True, "100", 3_600_001])
+def test_bad_linger_is_refused_before_anything_is_created(store, given):
+    with pytest.raises(InvalidInputError, match="linger_ms"):
+        EventWriter(store, "never", segments=1, linger_ms=given)
+    assert not store.segments()
+
+
+def test_leaving_the_with_block_on_an_exception_stops_the_flushers(store):
+    with pytest.raises(RuntimeError):
+        with EventWriter(store, "s", segments=2, linger_ms=60_000) as writer:
+            writer.write(b"unsent")
+            raise RuntimeError("the caller failed")
+    assert _flusher_threads() == []
+
+
+_KILLED_CHILD = """
+import sys, time, uuid
+from attrindex import EventWriter, SegmentStore
+store = SegmentStore.open(sys.argv[1])
+writer = EventWriter(store, "s", segments=4, writer_id=uuid.UUID(sys.argv[2]), linger_ms=30)
+for i in range(400):
+    writer.write(b"%d" % i, routing_key=i)
+writer.flush()
+print("flushed", flush=True)
+i = 400
+while True:  # keeps writing (the flushers keep appending in the background) until killed
+    writer.write(b"%d" % i, routing_key=i)
+    i += 1
+    time.sleep(0.0005)
+"""
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_sigkill_after_flush_keeps_every_acknowledged_event_exactly_once(storage_url):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    url, _options = storage_url
+    writer_id = uuid.uuid4()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, url, str(writer_id)], stdout=subprocess.PIPE,
+                             env=env)
+    try:
+        assert child.stdout.readline() == b"flushed\n"
+        time.sleep(0.5)  # background appends of later events are under way
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+    with SegmentStore.open(url) as store:
+        stored = [int(v) for _, _, v in stream_events(store, "s")]
+        assert len(stored) == len(set(stored))  # no duplicate
+        assert set(range(400)) <= set(stored)  # every event acknowledged by flush() is there
+        assert len(stored) > 400  # the kill landed while later events were being appended
+        total = max(stored) + 50
+        resumed = EventWriter(store, "s", writer_id=writer_id, linger_ms=30)
+        for i in range(total):  # the restarted writer replays its input
+            resumed.write(b"%d" % i, routing_key=i)
+        resumed.close()
+        assert sorted(int(v) for _, _, v in stream_events(store, "s")) == list(range(total))

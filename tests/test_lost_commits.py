@@ -16,7 +16,7 @@ import pytest
 from attrindex import SegmentStore
 from attrindex.tree_index import TreeIndex
 from attrindex.errors import CorruptDataError
-from storage_adapters.local import COMMIT_RECORD_SIZE
+from storage_adapters.local import drop_commit_records, garble_commit_records
 
 
 def _last_chunk(root: str, directory: str) -> str:
@@ -25,19 +25,11 @@ def _last_chunk(root: str, directory: str) -> str:
 
 
 def _cut_commit_records(chunk: str, records: int) -> None:
-    commit = chunk + ".commit"
-    size = os.path.getsize(commit)
-    assert size >= COMMIT_RECORD_SIZE * (records + 1)
-    with open(commit, "r+b") as f:
-        f.truncate(size - COMMIT_RECORD_SIZE * records)
+    drop_commit_records(chunk, records)  # v2: out of the record's history; v1: off the sidecar
 
 
 def _garble_commit_records(chunk: str, records: int) -> None:
-    commit = chunk + ".commit"
-    size = os.path.getsize(commit)
-    with open(commit, "r+b") as f:
-        f.seek(size - COMMIT_RECORD_SIZE * records)
-        f.write(b"\x00" * COMMIT_RECORD_SIZE * records)
+    garble_commit_records(chunk, records)
 
 
 def _segment(root: str, appends: int = 20) -> None:

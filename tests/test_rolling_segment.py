@@ -126,6 +126,7 @@ def test_read_after_another_handle_appended_refreshes(storage):
 
 
 def test_truncate_deletes_whole_chunks_and_survives_reopen(storage):
+    storage.deletion_grace = 0  # objects: dead chunks deleted at once (the default grace: test_s3_requests.py)
     seg = RollingSegment(storage, "s", rolling_size=4)
     for piece in (b"0000", b"1111", b"2222", b"3333"):
         seg.append(piece)
@@ -167,6 +168,7 @@ def test_truncate_beyond_the_end_is_an_error(storage):
 
 
 def test_reader_behind_a_truncation_gets_truncated_error(storage):
+    storage.deletion_grace = 0  # objects: dead chunks deleted at once (the default grace: test_s3_requests.py)
     reader, owner = RollingSegment(storage, "s", rolling_size=2), RollingSegment(storage, "s", rolling_size=2)
     for piece in (b"aa", b"bb", b"cc"):
         owner.append(piece)

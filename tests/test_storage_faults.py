@@ -285,6 +285,7 @@ def test_s3_put_lands_response_lost_retry_gets_412(s3_options, expected):
 
 
 def test_housekeeping_after_the_durable_point_never_fails_the_append(storage):
+    storage.deletion_grace = 0  # objects: dead chunks deleted at once (the default grace: test_s3_requests.py)
     faulty = FaultyStorage(storage, seed=6)
     seg = RollingSegment(faulty, "s", rolling_size=4)
     seg.append(b"abcd")
@@ -343,6 +344,7 @@ def test_refresh_relists_when_a_listed_chunk_vanishes(tmp_path):
 
 
 def test_truncate_is_done_once_its_marker_is_durable(storage):
+    storage.deletion_grace = 0  # objects: dead chunks deleted at once (the default grace: test_s3_requests.py)
     faulty = FaultyStorage(storage, seed=2)
     seg = RollingSegment(faulty, "s", rolling_size=4)
     for part in (b"abcd", b"efgh", b"ijkl"):

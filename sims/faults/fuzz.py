@@ -8,7 +8,8 @@ Two pristine stores are built once on local disk, each with its model:
   its B+tree and the newest only in the log; model: the record values and the attribute dict.
 
 A trial copies one (``shutil.copytree``), damages one file (``flip`` a bit, ``zero`` a range,
-``truncate``) in one *target*: ``chunk`` (any data chunk), ``commit`` (a ``.commit`` file),
+``truncate``) in one *target*: ``chunk`` (any data chunk), ``commit`` (a v1 ``.commit`` file or the
+value of a v2 chunk's commit-record xattr),
 ``index`` (a chunk index file under ``_index/``) or ``tail`` (the last 128 bytes of the newest
 chunk of a log or tree: the newest batch or footer). Then it reopens the copy and runs every query
 under a timer. The outcome is ``ok`` (every answer equals the model), ``error`` (an
@@ -35,6 +36,7 @@ import attrs
 from attrindex import AttributeIndex, SegmentStore
 from attrindex.conditional import AttributeUpdate, UpdateType
 from attrindex.errors import AttrIndexError
+from storage_adapters import local
 
 OUTCOMES = ("ok", "error", "rollback", "wrong", "crash", "hang")
 ALLOWED = ("ok", "error", "rollback")
@@ -239,12 +241,16 @@ def targets(root: str) -> dict[str, list[str]]:
             elif name.isdigit() and directory.endswith(".seg"):
                 found["chunk"].append(rel)
                 newest[directory] = max(newest.get(directory, ""), rel)
+                if local.read_commit_record(full) is not None:
+                    found["commit"].append(rel)  # a v2 chunk: its record is an xattr of the file
     found["tail"] = sorted(newest.values())
     return found
 
 
 def damage(path: str, target: str, attack: str, rng: random.Random) -> str:
     """Damage file ``path`` in place; return what was done (for the report)."""
+    if target == "commit" and not path.endswith(".commit"):
+        return _damage_commit_xattr(path, attack, rng)
     size = os.path.getsize(path)
     low = max(0, size - TAIL_BYTES) if target == "tail" else 0
     with open(path, "r+b") as handle:
@@ -265,6 +271,27 @@ def damage(path: str, target: str, attack: str, rng: random.Random) -> str:
         cut = rng.randrange(low, size)
         handle.truncate(cut)
         return f"truncated to {cut}/{size}"
+
+
+def _damage_commit_xattr(path: str, attack: str, rng: random.Random) -> str:
+    """The same attacks on the value of a v2 chunk's commit record (an extended attribute)."""
+    value = bytearray(local.read_commit_record(path) or b"")
+    size = len(value)
+    if attack == "flip":
+        at, bit = rng.randrange(size), rng.randrange(8)
+        value[at] ^= 1 << bit
+        detail = f"bit {bit} of byte {at}/{size}"
+    elif attack == "zero":
+        at = rng.randrange(size)
+        length = min(rng.randint(1, 64), size - at)
+        value[at:at + length] = bytes(length)
+        detail = f"zeroed {at}..{at + length}/{size}"
+    else:
+        cut = rng.randrange(size)
+        del value[cut:]
+        detail = f"truncated to {cut}/{size}"
+    local.write_commit_record(path, bytes(value))
+    return "commit xattr: " + detail
 
 
 def run_trial(pristine: Pristine, scratch: str, seed: int, timeout: float = 3.0) -> Trial:

@@ -1,0 +1,453 @@
+"""AttributeIndex's write path: updates go to a write-ahead log (a segment log), are served from its
+overlay and merged into the B+tree (``TreeIndex``) in large sorted batches.
+
+A dict model under updates, merges, bulk loads and reopens; a child process SIGKILLed right after
+updates return; lost acknowledgements and failed appends on the WAL; indexes written before the WAL
+existed; verify and repair of a damaged WAL and of a damaged tree whose updates the WAL still holds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from attrindex import AttributeIndex
+from attrindex.errors import CorruptDataError, InvalidInputError, OutcomeUnknownError, StorageError
+from attrindex.tree_index import TreeIndex
+from storage_adapters import open_storage
+from storage_adapters.faults import FaultyStorage
+
+SMALL = dict(page_size=256, rolling_size=2048, wal_rolling_size=1024, merge_keys=12)
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def wal_batches(index: AttributeIndex) -> int:
+    """Attribute batches in the WAL from its start (as verify reads them)."""
+    return index.verify().wal.batches
+
+
+# -- a dict model ----------------------------------------------------------------------------------
+KEYS = st.integers(0, 60)
+VALUES = st.one_of(st.none(), st.integers(-(1 << 63), (1 << 63) - 1))
+
+
+class IndexWithWal(RuleBasedStateMachine):
+    """The index against a dict: every read matches after any mix of updates, merges (small
+    ``merge_keys`` makes them frequent), bulk loads, flushes and close + reopen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.url = f"memory://wal-model-{uuid.uuid4().hex}"
+        self.index = AttributeIndex.open(self.url, **SMALL)
+        self.model: dict[bytes, int] = {}
+
+    def _apply(self, pairs) -> None:
+        for key, value in pairs:
+            if value is None:
+                self.model.pop(k(key), None)
+            else:
+                self.model[k(key)] = value
+
+    @rule(pairs=st.lists(st.tuples(KEYS, VALUES), max_size=20))
+    def update(self, pairs):
+        written = self.index.update(pairs)
+        assert written == bool(pairs)
+        self._apply(pairs)
+
+    @rule(pairs=st.lists(st.tuples(KEYS, VALUES), max_size=40))
+    def bulk_load(self, pairs):
+        self._apply(pairs)
+        assert self.index.bulk_load(pairs) == len(self.model)
+        assert self.index.stats().pending_keys == 0
+
+    @rule()
+    def flush(self):
+        self.index.flush()
+        assert self.index.stats().pending_keys == 0
+
+    @rule()
+    def reopen(self):
+        self.index.close()
+        self.index = AttributeIndex.open(self.url, **SMALL)
+
+    @rule(keys=st.lists(KEYS, max_size=10))
+    def get_many(self, keys):
+        assert self.index.get_many(keys) == [self.model.get(k(i)) for i in keys]
+
+    @rule(key=KEYS)
+    def get(self, key):
+        assert self.index.get(key) == self.model.get(k(key))
+        assert (key in self.index) == (k(key) in self.model)
+
+    @rule(low=KEYS, high=KEYS)
+    def items(self, low, high):
+        expected = sorted((key, v) for key, v in self.model.items() if k(low) <= key < k(high))
+        assert list(self.index.items(low, high)) == expected
+
+    @precondition(lambda self: self.index.stats().pending_keys == 0)
+    @rule()
+    def tree_holds_everything_when_nothing_is_pending(self):
+        assert self.index.verify().entries == len(self.model)
+
+    @invariant()
+    def length_is_exact(self):
+        assert len(self.index) == len(self.model) == self.index.stats().entry_count
+
+    def teardown(self) -> None:
+        self.index.close()
+
+
+def test_the_index_matches_a_dict_through_merges_bulk_loads_and_reopens():
+    run_state_machine_as_test(IndexWithWal, settings=settings(
+        max_examples=40, stateful_step_count=30, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+# -- the write path --------------------------------------------------------------------------------
+def test_an_update_is_one_wal_append_served_at_once_and_merged_later(tmp_path):
+    index = AttributeIndex.open(str(tmp_path), merge_keys=1000)
+    assert index.update({i: i for i in range(100)}) is True
+    assert index.update({}) is False  # nothing written
+    stats = index.stats()
+    assert (stats.pending_keys, stats.entry_count, stats.height, stats.updates_written) == (100, 100, 0, 1)
+    assert stats.wal_bytes > 0 and stats.storage_bytes >= stats.wal_bytes
+    assert index.get_many(range(100)) == list(range(100)) and index.checkpoint is None
+    assert wal_batches(index) == 1
+    index.flush()  # one sorted merge into the tree, at the WAL's position
+    stats = index.stats()
+    assert (stats.pending_keys, stats.entry_count, stats.height) == (0, 100, 1)
+    assert index.checkpoint == index._wal._log.position
+    index.update({i: None for i in range(0, 100, 2)} | {1000: 1})  # removals and an insert pending
+    assert len(index) == 51 and index.verify().entries == 100  # exact; the tree merges later
+    index.close()
+    assert len(AttributeIndex.open(str(tmp_path), mode="r")) == 51
+
+
+def test_a_merge_happens_once_merge_keys_are_pending(tmp_path):
+    index = AttributeIndex.open(str(tmp_path), merge_keys=50)
+    index.update({i: i for i in range(49)})
+    assert index.stats().pending_keys == 49
+    index.update({49: 49})  # the 50th pending key: merged into the tree after the durable append
+    assert index.stats().pending_keys == 0 and index.verify().entries == 50
+
+
+def test_reopening_replays_the_wal_after_the_trees_checkpoint(tmp_path):
+    index = AttributeIndex.open(str(tmp_path), merge_keys=1000)
+    index.update({i: i for i in range(10)})
+    index.flush()
+    index.update({i: -i for i in range(5, 15)})
+    # Abandoned without close (like a crash): its last update is only in the WAL.
+    reopened = AttributeIndex.open(str(tmp_path), mode="r")
+    assert reopened.stats().pending_keys == 10 and reopened.verify().entries == 10
+    assert reopened.get_many(range(15)) == [0, 1, 2, 3, 4] + [-i for i in range(5, 15)]
+    assert len(reopened) == 15
+
+
+def test_a_read_only_handle_writes_nothing_not_even_a_merge(tmp_path):
+    with AttributeIndex.open(str(tmp_path), merge_keys=1000) as index:
+        index.update({1: 1})
+        index._wal._wrote = False  # leave the update in the WAL only, as a killed writer would
+    before = {path: os.path.getsize(os.path.join(d, path)) for d, _, files in os.walk(tmp_path) for path in files}
+    with AttributeIndex.open(str(tmp_path), mode="r") as reader:
+        assert reader.get(1) == 1 and reader.stats().pending_keys == 1
+        for call in (lambda: reader.update({2: 2}), reader.flush, lambda: reader.bulk_load({2: 2}), reader.repair):
+            with pytest.raises(InvalidInputError, match="read-only"):
+                call()
+    after = {path: os.path.getsize(os.path.join(d, path)) for d, _, files in os.walk(tmp_path) for path in files}
+    assert after == before
+
+
+def test_refresh_sees_updates_and_merges_of_another_handle(tmp_path):
+    a, b = AttributeIndex.open(str(tmp_path)), AttributeIndex.open(str(tmp_path))
+    a.update({1: 1})
+    assert b.get(1) is None
+    b.refresh()
+    assert b.get(1) == 1
+    b.update({2: 2})  # b is current, a is not: a's append loses the race, catches up and retries
+    a.update({3: 3, 2: 20})
+    a.flush()  # a's merge moves the tree's checkpoint past what b has seen
+    b.refresh()
+    assert b.get_many([1, 2, 3]) == [1, 20, 3] and len(b) == 3
+    assert AttributeIndex.open(str(tmp_path)).get_many([1, 2, 3]) == [1, 20, 3]
+
+
+def test_checkpoints_of_another_log_are_refused():
+    index = AttributeIndex.open(f"memory://wal-cp-{uuid.uuid4().hex}")
+    for call in (lambda: index.update({1: 1}, checkpoint=5), lambda: index.update_sorted([k(1)], [1], checkpoint=5)):
+        with pytest.raises(InvalidInputError, match="checkpoint"):
+            call()
+    assert len(index) == 0 and wal_batches(index) == 0
+
+
+def test_update_sorted_takes_canonical_input_only():
+    index = AttributeIndex.open(f"memory://wal-sorted-{uuid.uuid4().hex}")
+    assert index.update_sorted([k(1), k(2)], [5, None]) is True and index.get_many([1, 2]) == [5, None]
+    for keys, values in (([1], [1]), ([k(1)], [1.5]), ([k(1), k(1)], [1, 2]), ([k(1)], [])):
+        with pytest.raises(InvalidInputError):
+            index.update_sorted(keys, values)
+    assert wal_batches(index) == 1
+
+
+def test_bulk_load_is_ordered_between_earlier_and_later_updates(tmp_path):
+    index = AttributeIndex.open(str(tmp_path), **SMALL)
+    index.update({i: -1 for i in range(10)})  # pending in the WAL: merged before the load
+    assert index.bulk_load(((i, i) for i in range(5, 500)), progress=lambda done, total: None) == 500
+    index.update({7: 70})  # after the load: replayed over it
+    assert index.get_many([0, 5, 7, 499]) == [-1, 5, 70, 499]
+    index._wal._wrote = False  # no merge on close: reopening must replay the later update only
+    index.close()
+    reopened = AttributeIndex.open(str(tmp_path), **SMALL)
+    assert reopened.get_many([0, 5, 7, 499]) == [-1, 5, 70, 499] and len(reopened) == 500
+    assert reopened.verify().ok
+
+
+def test_bad_options_are_refused_before_anything_is_created(tmp_path):
+    for bad in (dict(merge_keys=0), dict(wal_rolling_size="4MiB"), dict(merge_seconds=-1), dict(page_size=3)):
+        with pytest.raises((InvalidInputError, ValueError)):
+            AttributeIndex.open(str(tmp_path / "x"), **bad)
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").rglob("*"))
+
+
+# -- crashes and faults ----------------------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import sys
+    from attrindex import AttributeIndex
+    index = AttributeIndex.open(sys.argv[1], page_size=1024, merge_keys=400, wal_rolling_size=1 << 14)
+    batch = int(sys.argv[2])
+    while True:
+        index.update({(batch * 37 + i) % 3000: batch for i in range(40)})
+        print(batch, flush=True)
+        batch += 1
+""")
+
+
+def test_a_writer_killed_right_after_updates_return_loses_none_of_them(tmp_path):
+    directory = str(tmp_path / "index")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    model: dict[int, int] = {}
+    start = 0
+    for attempt in range(3):
+        child = subprocess.Popen([sys.executable, "-c", CHILD, directory, str(start)], stdout=subprocess.PIPE,
+                                 text=True, env=env)
+        seen = []
+        deadline = time.monotonic() + 20
+        while len(seen) < 15 + 10 * attempt and time.monotonic() < deadline:
+            line = child.stdout.readline()
+            if not line:
+                break
+            seen.append(int(line))
+        child.send_signal(signal.SIGKILL)
+        seen += [int(line) for line in child.stdout.read().split()]
+        child.wait()
+        assert seen, "the child returned no update before it was killed"
+        for batch in seen:
+            model.update({(batch * 37 + i) % 3000: batch for i in range(40)})
+        index = AttributeIndex.open(directory, page_size=1024)
+        keys = sorted(model)
+        stored = index.get_many(keys)
+        # Every update that returned is there; the one in flight may have landed after them.
+        in_flight = seen[-1] + 1
+        assert all(v == model[key] or v == in_flight for key, v in zip(keys, stored)), f"attempt {attempt}"
+        assert index.verify().ok
+        model = {key: v for key, v in zip(keys, stored)} | {
+            key: v for key, v in zip(range(3000), index.get_many(range(3000))) if v is not None}
+        index.close()
+        start = in_flight + 1
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_a_lost_acknowledgement_on_the_wal_append_is_settled_without_a_duplicate(backend, tmp_path):
+    url = f"memory://wal-ack-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path)
+    storage = FaultyStorage(open_storage(url), seed=1)
+    index = AttributeIndex(storage, page_size=256, merge_keys=1000)
+    index.update({1: 1})
+    storage.script("lost_ack", path_contains="_wal/_log.seg")
+    try:
+        index.update({2: 2, 1: None})  # written, but the answer was lost: read back, recognised
+    except OutcomeUnknownError:
+        pytest.fail("a lost acknowledgement that storage can settle must not be an unknown outcome")
+    assert [i.kind for i in storage.injected] == ["lost_ack"]
+    assert index.get_many([1, 2]) == [None, 2] and len(index) == 1
+    assert wal_batches(index) == 2  # the batch once, never twice
+    reopened = AttributeIndex(open_storage(url), page_size=256)
+    assert reopened.get_many([1, 2]) == [None, 2] and wal_batches(reopened) == 2
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_a_failed_wal_append_raises_and_changes_nothing(backend, tmp_path):
+    url = f"memory://wal-fail-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path)
+    storage = FaultyStorage(open_storage(url), seed=2)
+    index = AttributeIndex(storage, page_size=256, merge_keys=1000)
+    index.update({1: 1})
+    storage.script("fail_before", op="append" if storage.appendable else "create", path_contains="_wal/_log.seg")
+    with pytest.raises(StorageError):
+        index.update({1: 5, 2: 2})
+    assert index.get_many([1, 2]) == [1, None] and len(index) == 1
+    assert AttributeIndex(open_storage(url), page_size=256).get_many([1, 2]) == [1, None]
+    index.update({2: 2})  # the handle goes on
+    assert AttributeIndex(open_storage(url), page_size=256).get_many([1, 2]) == [1, 2]
+
+
+def test_a_failed_merge_never_fails_the_durable_update(tmp_path):
+    storage = FaultyStorage(open_storage(str(tmp_path)), seed=3)
+    index = AttributeIndex(storage, page_size=256, merge_keys=1)
+    storage.script("enospc", path_contains="attributes.seg")
+    assert index.update({1: 1}) is True  # durable in the WAL; the merge after it failed
+    assert any(i.kind == "enospc" for i in storage.injected)
+    assert index.get(1) == 1 and index.stats().pending_keys == 1
+    assert AttributeIndex(open_storage(str(tmp_path)), page_size=256).get(1) == 1  # replayed from the WAL
+    index.flush()  # the merge retried by hand succeeds now
+    assert index.stats().pending_keys == 0 and index.verify().entries == 1
+
+
+# -- the layout written before the WAL -------------------------------------------------------------
+def test_an_index_written_before_the_wal_opens_and_reads_unchanged(tmp_path):
+    root = str(tmp_path)
+    with TreeIndex.open(root, page_size=256) as old:
+        old.update({i: i for i in range(300)})
+        old.update({i: None for i in range(0, 300, 3)})
+    assert sorted(os.listdir(root)) == ["attributes.seg"]  # a tree alone
+    with AttributeIndex.open(root, mode="r") as index:
+        assert len(index) == 200 and index.get_many([0, 1, 299]) == [None, 1, 299]
+        assert list(index.items(0, 5)) == [(k(1), 1), (k(2), 2), (k(4), 4)]
+        assert index.verify().ok and index.stats().pending_keys == 0
+    assert sorted(os.listdir(root)) == ["attributes.seg"]  # a read-only open wrote nothing
+    with AttributeIndex.open(root, page_size=256) as index:
+        index.update({0: 0})
+    with AttributeIndex.open(root, mode="r") as index:
+        assert len(index) == 201 and index.get(0) == 0 and index.verify().ok
+
+
+def test_a_tree_with_another_logs_checkpoint_is_refused_with_a_clear_error(tmp_path):
+    with TreeIndex.open(str(tmp_path)) as old:
+        old.update({1: 1}, checkpoint=500)
+    with pytest.raises(InvalidInputError, match="checkpoint=500.*TreeIndex"):
+        AttributeIndex.open(str(tmp_path))
+    assert TreeIndex.open(str(tmp_path)).checkpoint == 500  # still readable as what it is
+
+
+# -- verify and repair -----------------------------------------------------------------------------
+def _wal_chunks(root) -> list[str]:
+    directory = os.path.join(root, "attributes", "_wal", "_log.seg")
+    return [os.path.join(directory, n) for n in sorted(os.listdir(directory)) if n.isdigit()]
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_a_damaged_wal_is_reported_and_repair_cuts_it_at_the_damage(tmp_path):
+    root = str(tmp_path)
+    index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
+    index.update({i: 1 for i in range(20)})
+    index.flush()  # in the tree
+    index.update({i: 2 for i in range(10)})  # in the WAL only (never merged: the handle is dropped)
+    position = index._wal._log.position
+    chunk = _wal_chunks(root)[-1]
+    _flip(chunk, position - 30)  # inside the last batch
+    with pytest.raises(CorruptDataError, match="_wal"):
+        AttributeIndex.open(root)
+    report = AttributeIndex.verify_at(root)
+    assert not report.ok and all("_wal" in d.where for d in report.damage) and report.wal is not None
+    repaired = AttributeIndex.repair_at(root)
+    assert not repaired.rolled_back and repaired.wal.cut_at is not None and repaired.wal.lost_bytes > 0
+    assert AttributeIndex.verify_at(root).ok
+    with AttributeIndex.open(root) as reopened:
+        assert reopened.get_many(range(20)) == [1] * 20  # the merged state; the damaged batch is gone
+        reopened.update({0: 3})
+    with AttributeIndex.open(root, mode="r") as again:
+        assert again.get(0) == 3 and again.verify().ok
+
+
+def test_a_tree_rolled_back_by_repair_gets_its_updates_back_from_the_wal(tmp_path):
+    root = str(tmp_path)
+    index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
+    for version in range(3):
+        index.update({i: version for i in range(30)})
+        index.flush()
+    index._wal._wrote = False
+    index.close()
+    tree_chunks = sorted(n for n in os.listdir(os.path.join(root, "attributes.seg")) if n.isdigit())
+    last = os.path.join(root, "attributes.seg", tree_chunks[-1])
+    _flip(last, os.path.getsize(last) - 10)  # inside the tree's newest footer
+    with pytest.raises(CorruptDataError):
+        AttributeIndex.open(root)
+    assert not AttributeIndex.verify_at(root).ok
+    with pytest.raises(CorruptDataError):
+        AttributeIndex.open(root)
+    report = AttributeIndex.repair_at(root)
+    assert report.rolled_back and report.updates_dropped == 1
+    with AttributeIndex.open(root) as reopened:
+        values = reopened.get_many(range(30))
+        if report.merged_updates_lost:  # the WAL below the newest merge was already truncated
+            assert values == [1] * 30
+        else:  # replayed from the WAL after the kept version's checkpoint: nothing lost
+            assert values == [2] * 30
+        assert reopened.verify().ok
+
+
+def test_repair_through_an_open_handle_reopens_it(tmp_path):
+    root = str(tmp_path)
+    index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
+    index.update({1: 1})
+    report = index.repair()
+    assert not report.rolled_back and not report.wal.repaired
+    assert index.get(1) == 1
+    index.update({2: 2})
+    assert index.get_many([1, 2]) == [1, 2]
+
+
+def test_every_call_on_a_closed_index_raises():
+    index = AttributeIndex.open(f"memory://wal-closed-{uuid.uuid4().hex}")
+    index.close()
+    for call in (lambda: index.bulk_load({1: 1}), index.flush, index.repair, lambda: index.update({1: 1}),
+                 lambda: len(index), index.stats, index.refresh):
+        with pytest.raises(InvalidInputError, match="closed"):
+            call()
+
+
+def test_the_cli_repairs_a_damaged_wal(tmp_path, capsys):
+    from attrindex.cli import main
+
+    root = str(tmp_path)
+    index = AttributeIndex.open(root, merge_keys=1000)
+    index.update({1: 1})
+    index.update({2: 2})
+    _flip(_wal_chunks(root)[-1], index._wal._log.position - 30)  # inside the second batch
+    assert main(["index", "verify", root]) == 3
+    assert "damaged: attributes/_wal" in capsys.readouterr().out
+    assert main(["index", "repair", root]) == 0
+    assert capsys.readouterr().out.startswith("repaired the write-ahead log: log cut at byte")
+    assert main(["index", "verify", root]) == 0
+    assert main(["index", "repair", root]) == 0
+    assert "nothing was changed" in capsys.readouterr().out
+    with AttributeIndex.open(root, mode="r") as reopened:
+        assert reopened.get_many([1, 2]) == [1, None]
+
+
+@pytest.mark.parametrize("bad", [[(1, 1), (b"short", 2)], [(1, 1.5)], 7])
+def test_bulk_load_of_bad_input_writes_nothing(bad):
+    index = AttributeIndex.open(f"memory://wal-bulk-bad-{uuid.uuid4().hex}", merge_keys=1000)
+    index.update({1: 1})
+    before = index.verify().wal.log_bytes
+    with pytest.raises(InvalidInputError):
+        index.bulk_load(bad)
+    assert index.verify().wal.log_bytes == before and index.stats().pending_keys == 1  # no flush, no batch
+    assert index.get(1) == 1
