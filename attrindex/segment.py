@@ -813,10 +813,10 @@ class Segment:
         deleted = 0
         if policy.deletes and (policy.retention_ms is not None or policy.retention_bytes is not None):
             deleted = self.apply_retention(policy.retention_ms, policy.retention_bytes, now_ms=now)
-        with self._lock:
+        with self._merge_mutex, self._lock:  # as retention: no append lands between the merge and the limit
             self._check_open()
             self._catch_up()
-            self._flush(force=True)  # no attribute update may live only in a batch the cleaner rewrites
+            self._drain(force=True)  # no attribute update may live only in a batch the cleaner rewrites
             limit = self._index.checkpoint or 0
         cleaner = LogCleaner(self._cleaner_log(), limit=limit, now_ms=now,
                              min_lag_ms=policy.min_compaction_lag_ms if min_lag_ms is None else min_lag_ms,
