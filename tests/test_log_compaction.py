@@ -201,15 +201,21 @@ def test_rewrite_keeps_the_latest_per_key_and_offsets():
     assert rewrite_batch(batch, 0, header, pinned)[1:] == (3, 0)
 
 
-def test_rewrite_that_would_grow_keeps_the_batch_and_pins_its_keys():
-    keys = [bytes([i]) for i in range(9)]  # tiny records, every other one superseded: many runs
+def test_small_gaps_between_survivors_stay_so_that_a_batch_never_grows():
+    keys = [bytes([i]) for i in range(9)]  # tiny records, every other one superseded
     batch = encode_batch(0, [Record(b"", k) for k in keys], timestamp=5)
     offsets = OffsetMap(10)
     offsets.add(keys, 0)
     offsets.add(keys[::2], 50)
     rule = KeepRule(offsets, now_ms=0, tombstone_retention_ms=0, clock=TombstoneClock())
     pieces, kept, _ = rewrite_batch(batch, 0, read_header(batch), rule)
-    assert pieces == [batch] and kept == 9 and b"\x00" in rule.pinned
+    # 0 and 8 go (no new batch needed); 2, 4 and 6 stay: removing them would cost a header each
+    assert [[r.offset for r in decode_records(p, 0, read_header(p))] for p in pieces] == [list(range(1, 8))]
+    assert kept == 7 and rule.kept_anyway == 3 and rule.pinned == {b"\x02", b"\x04", b"\x06"}
+    big = encode_batch(0, [Record(b"x" * 80, k) for k in keys], timestamp=5)
+    rule = KeepRule(offsets, now_ms=0, tombstone_retention_ms=0, clock=TombstoneClock())
+    pieces, kept, _ = rewrite_batch(big, 0, read_header(big), rule)
+    assert len(pieces) == 4 and kept == 4 and rule.kept_anyway == 0 and sum(map(len, pieces)) < len(big)
 
 
 # ------------------------------------------------------------------------------- the command
@@ -237,3 +243,4 @@ def test_cli_shows_tombstones_policy_and_dirty_ratio(tmp_path, capsys):
     assert main(["segment", "stats", url, "s", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["dirty_ratio"] == 1.0 and shown["cleanup_policy"]["cleanup_policy"] == "compact"
+

@@ -46,7 +46,7 @@ import attrs
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, InvalidInputError, StorageError
-from .batch import BatchHeader, Record, decode_keys, decode_records, encode_batch
+from .batch import BatchHeader, Record, decode_keys, decode_records, encode_batch, read_header
 
 _log = logging.getLogger("attrindex.cleaner")
 
@@ -55,6 +55,7 @@ DEFAULT_MAX_MAP_KEYS = 1_000_000  #: keys per pass: about 100 MB of Python dict 
 _SHORT_KEY = 32  #: keys up to this length are map keys as they are; longer ones by a 128-bit digest
 _NO_TIMESTAMP = -(1 << 63)
 MAX_CLOCK_ENTRIES = 64  #: entries of the tombstone clock kept in the checkpoint
+_GAP_WORTH = 72  #: bytes a gap between two surviving runs must hold to be worth a batch header (64)
 
 # ---------------------------------------------------------------------------------- pure logic
 
@@ -159,9 +160,10 @@ class KeepRule:
     tombstone_retention_ms: int
     clock: TombstoneClock
     pinned: set = attrs.Factory(set)
+    kept_anyway: int = 0  #: records kept although the rule would remove them (pinned cases)
 
-    def survivors(self, keys: list, tombstones: bytes | None, base_offset: int) -> tuple[list[int], int]:
-        """Indexes of the records of a batch that survive, and how many tombstones expire.
+    def survivors(self, keys: list, tombstones: bytes | None, base_offset: int) -> tuple[list[int], set[int]]:
+        """Indexes of the records of a batch that survive, and those of the tombstones that expire.
 
         A record survives if it has no key, or no later record of its key is in the map (records
         past the map's end are later than everything in it). A surviving tombstone expires once it
@@ -172,21 +174,28 @@ class KeepRule:
         latest = self.offsets.latest(mapped)
         kept = list(itertools.compress(range(n), map(operator.ge, range(base_offset, base_offset + n), latest)))
         if tombstones is None or not any(tombstones):
-            return kept, 0
+            return kept, set()
         dead = [i for i in kept if tombstones[i]]
         times = self.clock.cleaned_at([base_offset + i for i in dead])
         horizon = self.now_ms - self.tombstone_retention_ms
         expired = {i for i, t in zip(dead, times) if t is not None and t <= horizon and mapped[i] not in self.pinned}
         if not expired:
-            return kept, 0
-        return [i for i in kept if i not in expired], len(expired)
+            return kept, expired
+        return [i for i in kept if i not in expired], expired
 
     def pin(self, keys: list) -> None:
         self.pinned.update(k for k in map_keys(keys) if k is not None)
 
+    def keep_anyway(self, keys: list, tombstones: bytes | None, indexes) -> None:
+        """Records ``indexes`` of a batch stay although the rule would remove them: pin the keys of
+        those with values (a kept tombstone cannot bring anything back)."""
+        indexes = list(indexes)
+        self.kept_anyway += len(indexes)
+        self.pin([keys[i] for i in indexes if tombstones is None or not tombstones[i]])
 
-def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *,
-                  segment: str | None = None, position: int = 0) -> tuple[list[bytes], int, int]:
+
+def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *, segment: str | None = None,
+                  position: int = 0, keep_first: bool = False) -> tuple[list[bytes], int, int]:
     """The batch at ``buf[pos]`` cleaned: ``(pieces, records kept, tombstones expired)``.
 
     ``pieces`` are batches to write in its place: the batch itself when every record survives,
@@ -194,28 +203,52 @@ def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *,
     below the attribute checkpoint), else one batch per run of consecutive survivors, each keeping
     its records' offsets, timestamps, keys, headers, the codec and the batch id. If those would
     take more bytes than the batch (tiny records split into many runs), the batch stays as it is
-    and its keys are pinned (see ``KeepRule``).
+    and its keys are pinned (see ``KeepRule``). ``keep_first`` keeps the first record whatever the
+    rule says (pinning its key): the batch that starts the log keeps its base offset, so the log's
+    start offset does not move (compaction is not retention).
     """
     n = header.record_count
     if n == 0:
         return [], 0, 0
     keys, tombstones = decode_keys(buf, pos, header, position=position, segment=segment, verify=False)
     kept, expired = rule.survivors(keys, tombstones, header.base_offset)
+    if keep_first and (not kept or kept[0] != 0):
+        kept.insert(0, 0)
+        rule.keep_anyway(keys, tombstones, [0])
+        expired.discard(0)
     original = bytes(buf[pos:pos + header.size])
     if len(kept) == n:
         return [original], n, 0
     if not kept:
-        return [], 0, expired
+        return [], 0, len(expired)
     records = decode_records(buf, pos, header, position=position, segment=segment, verify=False)
+    kept = _join_small_gaps(kept, records, keys, tombstones, rule, expired)
     pieces = []
     for run in _runs(kept):
         chosen = [records[i] for i in run]
         pieces.append(encode_batch(chosen[0].offset, [Record(r.value, r.key, r.timestamp, r.headers) for r in chosen],
                                    timestamp=chosen[0].timestamp, codec=header.codec, batch_id=header.batch_id))
-    if sum(map(len, pieces)) > header.size:
-        rule.pin(keys)
+    if sum(map(len, pieces)) > header.size:  # timestamps or compression of the runs took more
+        rule.keep_anyway(keys, tombstones, [i for i in range(n) if i not in set(kept)])
         return [original], n, 0
-    return pieces, len(kept), expired
+    return pieces, len(kept), len(expired)
+
+
+def _join_small_gaps(kept: list[int], records: list, keys: list, tombstones: bytes | None, rule: KeepRule,
+                     expired: set[int]) -> list[int]:
+    """``kept`` with the records between two runs kept too where removing them would save fewer
+    bytes than the header of the extra batch it costs (so a cleaned batch never grows)."""
+    joined: list[int] = []
+    for i in kept:
+        if joined and i > joined[-1] + 1:
+            gap = range(joined[-1] + 1, i)
+            saved = sum(len(records[j].value or b"") + len(records[j].key or b"") + 3 for j in gap)
+            if saved < _GAP_WORTH:
+                joined.extend(gap)
+                rule.keep_anyway(keys, tombstones, gap)
+                expired.difference_update(gap)
+        joined.append(i)
+    return joined
 
 
 def _runs(indexes: list[int]) -> list[list[int]]:
@@ -272,6 +305,7 @@ class CompactionStats:
     checkpoint: int = 0  #: the cleaner checkpoint afterwards: first offset not yet deduplicated
     retention_chunks_deleted: int = 0  #: chunks deleted by retention first (``delete,compact``)
     seconds: float = 0.0
+    kept_anyway: int = 0  #: superseded records (or expired tombstones) kept: see docs/segments.md
 
     @property
     def records_removed(self) -> int:
@@ -285,7 +319,9 @@ class _Span:
 
     start: int
     end: int
+    base_offset: int
     next_offset: int
+    stored: int  #: bytes stored (a hole is not)
 
 
 class LogCleaner:
@@ -306,7 +342,7 @@ class LogCleaner:
         self.max_group_bytes = max_group_bytes or log.bytes.rolling_size
         self._dir = f"{log.segment}/{CHECKPOINT_DIR}"
         self.records_before = self.records_after = self.bytes_before = self.bytes_after = 0
-        self.chunks_cleaned = self.tombstones_removed = self.passes = 0
+        self.chunks_cleaned = self.tombstones_removed = self.passes = self.kept_anyway = 0
 
     # -- checkpoint ----------------------------------------------------------------------------
     def load_checkpoint(self) -> tuple[int, TombstoneClock]:
@@ -352,6 +388,7 @@ class LogCleaner:
         chunks = log._chunks
         out, partial = [], None
         horizon = self.now_ms - self.min_lag_ms
+        stored_sizes = {c.start: getattr(c, "stored", c.length) for c in log.bytes.chunks()}
         for i in range(len(chunks) - 1):  # never the last chunk
             start, end = chunks[i].start, chunks[i + 1].start
             if end <= log.start_position:
@@ -362,9 +399,10 @@ class LogCleaner:
             if summary.max_timestamp != _NO_TIMESTAMP and summary.max_timestamp > horizon:
                 break  # Kafka: the first chunk newer than the lag bounds the cleanable section
             if start < log.start_position:
-                partial = _Span(log.start_position, end, summary.next_offset)
+                partial = _Span(log.start_position, end, summary.base_offset, summary.next_offset, 0)
                 continue
-            out.append(_Span(start, end, summary.next_offset))
+            stored = stored_sizes.get(start, end - start)
+            out.append(_Span(start, end, summary.base_offset, summary.next_offset, stored))
         return out, partial
 
     def dirty_bytes(self) -> tuple[int, int]:
@@ -414,6 +452,7 @@ class LogCleaner:
         if partial is not None:
             self._pin_all(partial, rule)
         self._clean(spans[:last + 1], rule)
+        self.kept_anyway += rule.kept_anyway
         return complete, end
 
     def _fill(self, offsets: OffsetMap, spans: list[_Span], first_dirty: int) -> tuple[int, bool]:
@@ -441,40 +480,74 @@ class LogCleaner:
         group: list[tuple[_Span, list[bytes], bool]] = []
         size = 0
         for span in spans:
-            pieces, changed = self._clean_span(span, rule)
+            pieces, changed = self._clean_start(span, rule) if span.start == self.log.start_position \
+                else self._clean_span(span, rule)
             out = sum(map(len, pieces))
             if group and size + out > self.max_group_bytes:
-                self._replace(group)
+                self._replace(group, rule)
                 group, size = [], 0
             group.append((span, pieces, changed))
             size += out
         if group:
-            self._replace(group)
+            self._replace(group, rule)
 
-    def _clean_span(self, span: _Span, rule: KeepRule) -> tuple[list[bytes], bool]:
+    def _clean_start(self, span: _Span, rule: KeepRule) -> tuple[list[bytes], bool]:
+        """Clean the chunk that starts the log, keeping the log's start offset (compaction is not
+        retention: a read at the start gets the first surviving record). If its first record goes,
+        a record-less marker batch keeps the offset, or, when the cleaned chunk has no room for
+        its 64 bytes, the first record stays (its key pinned: decided before any later batch)."""
+        counters = (self.records_before, self.records_after, self.tombstones_removed, set(rule.pinned),
+                    rule.kept_anyway)
+        pieces, changed = self._clean_span(span, rule, at_start=True)
+        first = read_header(pieces[0]).base_offset if pieces else None
+        if first == span.base_offset:
+            return pieces, changed
+        marker = empty_batch(span.base_offset, self.now_ms)
+        if sum(map(len, pieces)) + len(marker) <= span.end - span.start:
+            return [marker, *pieces], True
+        (self.records_before, self.records_after, self.tombstones_removed, rule.pinned,
+         rule.kept_anyway) = counters
+        return self._clean_span(span, rule, at_start=True, keep_first=True)
+
+    def _clean_span(self, span: _Span, rule: KeepRule, *, at_start: bool = False,
+                    keep_first: bool = False) -> tuple[list[bytes], bool]:
+        """The cleaned batches of one chunk and whether they differ from its batches. ``at_start``:
+        a record-less batch starting the log is kept (it holds the start offset); ``keep_first``:
+        so is the first record (see ``_clean_start``)."""
         pieces: list[bytes] = []
         changed = False
         segment = self.log.segment
-        self.bytes_before += span.end - span.start
         for at, header, buf, pos in self.log.batches(span.start, span.end):
+            first, at_start = at_start, False
+            if not header.record_count and (first or not header.attribute_count):
+                if first:
+                    pieces.append(bytes(buf[pos:pos + header.size]))
+                continue  # an offset marker (an emptied group's, retention's): dropping it is no change
             self.records_before += header.record_count
-            out, kept, expired = rewrite_batch(buf, pos, header, rule, segment=segment, position=at - pos)
+            out, kept, expired = rewrite_batch(buf, pos, header, rule, segment=segment, position=at - pos,
+                                               keep_first=first and keep_first)
             changed = changed or kept != header.record_count or len(out) != 1
             pieces.extend(out)
             self.records_after += kept
             self.tombstones_removed += expired
         return pieces, changed
 
-    def _replace(self, group: list) -> None:
+    def _replace(self, group: list, rule: KeepRule) -> None:
         """Swap one group of chunks for one chunk holding their cleaned batches (if it changed)."""
         start, end = group[0][0].start, group[-1][0].end
-        pieces = [p for _span, chunk_pieces, _changed in group for p in chunk_pieces]
+        self.bytes_before += sum(span.stored for span, _pieces, _changed in group)
         if len(group) == 1 and not group[0][2]:
-            self.bytes_after += sum(map(len, pieces))
+            self.bytes_after += sum(span.stored for span, _pieces, _changed in group)
             return
+        pieces = [p for _span, chunk_pieces, _changed in group for p in chunk_pieces]
         if not pieces:  # everything went: keep the offset the group ends at
             pieces = [empty_batch(group[-1][0].next_offset, self.now_ms)]
         data = b"".join(pieces)
+        if len(data) > end - start:  # cannot happen (every batch's output is at most its size): be safe
+            for span, _pieces, _changed in group:
+                self._pin_all(span, rule)
+            self.bytes_after += sum(span.stored for span, _pieces, _changed in group)
+            return
         self.log.replace_range(start, end, data)  # atomic, and a conflict if the view is stale
         self.chunks_cleaned += len(group)
         self.bytes_after += len(data)
@@ -482,7 +555,7 @@ class LogCleaner:
     def stats(self, checkpoint: int, seconds: float, retention_deleted: int = 0) -> CompactionStats:
         return CompactionStats(self.records_before, self.records_after, self.bytes_before, self.bytes_after,
                                self.chunks_cleaned, self.tombstones_removed, self.passes, checkpoint,
-                               retention_deleted, seconds)
+                               retention_deleted, seconds, self.kept_anyway)
 
 
 __all__ = ["CHECKPOINT_DIR", "CompactionStats", "KeepRule", "LogCleaner", "OffsetMap", "TombstoneClock",
