@@ -20,9 +20,10 @@ from .reader import SegmentReader
 from .segment import AppendResult, Segment, SegmentStats
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport
 from .store import SegmentStore
-from .writer import EventWriter
+from .writer import Acknowledgement, EventWriter
 
 __all__ = [
+    "Acknowledgement",
     "AppendResult",
     "AttributeIndex",
     "AttributeUpdate",

@@ -33,9 +33,9 @@ from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError, Sto
 from .keys import KEY_SIZE, to_key
 from .locations import index_exists, mark_index_created, open_location
 from .log.segment_log import LOG_DIR
-from .segment import DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, Segment, SegmentOptions
+from .segment import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES, Segment,
+                      SegmentOptions)
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
-from .value_cache import MISSING
 from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
                          IndexStats, TreeIndex, _all_canonical_keys, _all_canonical_values, _canonical_batch, _storage,
                          key_list)
@@ -91,10 +91,11 @@ class AttributeIndex:
         merge_keys: int = DEFAULT_FLUSH_KEYS,
         merge_bytes: int = DEFAULT_FLUSH_BYTES,
         merge_seconds: float = DEFAULT_FLUSH_SECONDS,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ):
         validate_segment_name(name)
         for option, value in (("wal_rolling_size", wal_rolling_size), ("merge_keys", merge_keys),
-                              ("merge_bytes", merge_bytes)):
+                              ("merge_bytes", merge_bytes), ("max_pending_bytes", max_pending_bytes)):
             if type(value) is not int or value < 1:
                 raise InvalidInputError(f"{option} must be an int >= 1, got {value!r:.60}")
         if isinstance(merge_seconds, bool) or not isinstance(merge_seconds, (int, float)) or not merge_seconds >= 0:
@@ -103,7 +104,7 @@ class AttributeIndex:
         self._name = name
         self._options = SegmentOptions(
             log_rolling_size=wal_rolling_size, flush_keys=merge_keys, flush_bytes=merge_bytes,
-            flush_seconds=float(merge_seconds), truncate_merged_log=True,
+            flush_seconds=float(merge_seconds), max_pending_bytes=max_pending_bytes, truncate_merged_log=True,
             attribute_options=dict(page_size=page_size, rolling_size=rolling_size, cache_bytes=cache_bytes,
                                    value_cache_entries=value_cache_entries, compaction=compaction))
         self._closed = False
@@ -161,8 +162,10 @@ class AttributeIndex:
         ``options``: ``page_size`` (default 32768), ``rolling_size`` of the tree (4 MiB),
         ``cache_bytes`` for decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi),
         ``compaction`` (True: the bounded policy; "pravega"; False); ``wal_rolling_size`` (4 MiB),
-        and when the WAL's pending updates are merged into the tree: ``merge_keys`` (250,000
-        pending keys), ``merge_bytes`` (64 MiB of overlay), ``merge_seconds`` (30).
+        and when the WAL's pending updates are merged into the tree by the background merge:
+        ``merge_keys`` (250,000 pending keys), ``merge_bytes`` (64 MiB of overlay),
+        ``merge_seconds`` (30); ``max_pending_bytes`` (256 MiB) bounds the pending updates'
+        memory: beyond it ``update`` waits for the merge (back-pressure, bounded).
         """
         if mode not in ("a", "r"):
             raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")
@@ -189,8 +192,7 @@ class AttributeIndex:
         k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
         wal = self._wal
         with wal._lock:  # the WAL's pending value, else the tree's (one key: no list on the hot path)
-            value = wal._overlay.get(k)
-            return wal._index.get(k) if value is MISSING else value  # type: ignore[return-value]
+            return wal._current_value(k)
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
         """Values for ``keys`` in input order (``None`` where absent)."""
@@ -220,20 +222,42 @@ class AttributeIndex:
         """The exact number of keys: the tree's count corrected for the WAL's pending updates.
 
         Costs one tree lookup per pending key (``get_many``, mostly cached pages) when the state
-        changed since the last call; bounded by ``merge_keys``."""
+        changed since the last call; bounded by ``merge_keys`` (twice, with a merge running)."""
         self._check_open()
         wal = self._wal
         with wal._lock:
-            tree = wal._index
-            state = (wal._log.position, tree._tree.state.footer_offset, id(wal._overlay), len(wal._overlay))
-            if self._len_cache is not None and self._len_cache[0] == state:
-                return self._len_cache[1]
-            keys, values = wal._overlay.sorted_items()
-            stored = tree.get_many(keys) if keys else []
-            count = (tree._tree.state.footer.entry_count + sum(v is not None for v in values)
-                     - sum(v is not None for v in stored))
-            self._len_cache = (state, count)
-            return count
+            cached = self._len_cache
+            if cached is not None and cached[0] == self._len_state():
+                return cached[1]
+            for _attempt in range(MAX_REFRESH_ATTEMPTS):
+                # The background merge writes the tree without the handle's lock: count again if
+                # the tree moved while it was being read, so count and lookups share one version.
+                state = self._len_state()
+                count = self._count()
+                if self._len_state() == state:
+                    self._len_cache = (state, count)
+                    return count
+        with wal._merge_mutex, wal._lock:  # merges kept moving it: count with merges held off
+            return self._count()
+
+    def _len_state(self) -> tuple:
+        """What ``len`` depends on (under the WAL's lock): the WAL position, the tree's version
+        and the overlays (they change only with the position, a merge or a rebuild)."""
+        wal = self._wal
+        frozen = wal._frozen
+        return (wal._log.position, wal._index._tree.state.footer_offset, id(wal._overlay), len(wal._overlay),
+                id(frozen), 0 if frozen is None else len(frozen))
+
+    def _count(self) -> int:
+        """Tree entries + pending keys present now - pending keys the tree holds (under the lock)."""
+        wal = self._wal
+        tree = wal._index
+        entries = tree._tree.state.footer.entry_count
+        pending, now = wal._pending_items()
+        if not pending:
+            return entries
+        stored = tree.get_many(pending)
+        return entries + sum(v is not None for v in now) - sum(v is not None for v in stored)
 
     def __contains__(self, key: object) -> bool:
         self._check_open()
@@ -294,24 +318,26 @@ class AttributeIndex:
         self._check_writable()
         run = read_pairs(pairs, progress)  # checked and sorted before anything is written
         wal = self._wal
-        with wal._lock:
-            tree, log = wal._index, wal._log
+        tree, log = wal._index, wal._log
+        with wal._merge_mutex:  # no background merge until the load is in the tree
             for _attempt in range(MAX_REFRESH_ATTEMPTS):
-                wal.flush()
-                wal._append_empty_batch(int(time.time() * 1000))  # the load's place in the WAL
-                if not len(wal._overlay):  # no other writer's update slipped in before it
-                    break
+                wal._drain()
+                with wal._lock:
+                    wal._append_empty_batch(int(time.time() * 1000))  # the load's place in the WAL
+                    position = log.position
+                    if not len(wal._overlay) and wal._frozen is None:  # no update slipped in before it
+                        break
             else:
-                raise StorageError(f"index {self._name!r}: other writers kept updating during bulk_load "
+                raise StorageError(f"index {self._name!r}: updates kept arriving during bulk_load "
                                    f"({MAX_REFRESH_ATTEMPTS} tries); nothing was loaded")
-            position = log.position
+            # Updates appended meanwhile land after ``position`` in the WAL and in the overlay.
             tree.bulk_load(run, checkpoint=position, progress=progress)
             if tree.checkpoint != position:
                 raise StorageError(f"index {self._name!r}: another handle merged into the tree during bulk_load "
                                    f"(its checkpoint is {tree.checkpoint}, the load's {position}): stop other writers; "
                                    f"read the index to see whether the load is in it")
-            self._updates_written += 1
-            return len(self)
+        self._updates_written += 1
+        return len(self)
 
     def _append(self, batch: dict[bytes, int | None]) -> None:
         self._wal.append((), batch)  # durable when it returns: the merge after it never raises
@@ -339,7 +365,7 @@ class AttributeIndex:
         ``verify`` and ``repair``."""
         self._check_open()
         wal = self._wal
-        with wal._lock:
+        with wal._merge_mutex, wal._lock:  # no merge of this handle's meanwhile
             tree, log = wal._index, wal._log
             # The tree first: another handle may have merged and truncated the WAL below the new
             # checkpoint, and what it cut is then in the tree.
@@ -369,10 +395,8 @@ class AttributeIndex:
         plus ``wal_bytes``; ``pending_keys`` are in the WAL, not yet merged into the tree.
         """
         self._check_open()
-        wal = self._wal
-        with wal._lock:
-            segment = wal.stats()
-            count = len(self)
+        segment = self._wal.stats()
+        count = len(self)  # not under the WAL's lock: it may wait for a merge (lock order: merge, then lock)
         tree = segment.attributes
         return attrs.evolve(tree, entry_count=count, updates_written=self._updates_written,
                             storage_bytes=tree.storage_bytes + segment.log_bytes,
@@ -417,13 +441,12 @@ class AttributeIndex:
         Stop other writers first."""
         self._check_writable()
         wal = self._wal
-        with wal._lock:
-            wal._wrote = False  # no merge on the way out: the tree may be what is damaged
-            with contextlib.suppress(CorruptDataError, StorageError):
-                wal.close()
-            report = self._repair(self._storage, self._name, self._options)
-            self._wal = self._open_wal()
-            self._len_cache = None
+        wal._wrote = False  # no merge on the way out: the tree may be what is damaged
+        with contextlib.suppress(CorruptDataError, StorageError):
+            wal.close()
+        report = self._repair(self._storage, self._name, self._options)
+        self._wal = self._open_wal()
+        self._len_cache = None
         return report
 
     @classmethod

@@ -142,7 +142,9 @@ def _index_stats(args: argparse.Namespace) -> int:
         print(json.dumps(attrs.asdict(stats), indent=2))
     else:
         for field, value in attrs.asdict(stats).items():
-            print(f"{field:20} {value:,}")
+            if isinstance(value, dict):  # the storage requests, by kind
+                value = ", ".join(f"{kind} {count:,}" for kind, count in value.items())
+            print(f"{field:20} {value:,}" if isinstance(value, int) else f"{field:20} {value}")
     return 0
 
 
@@ -637,6 +639,17 @@ def _segment_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _segment_consolidate(args: argparse.Namespace) -> int:
+    target = None if args.target_size is None else parse_size(args.target_size)
+    with _open_store(args, writes=True) as store:
+        segment = store.segment(args.name)
+        before = segment.stats().log_chunks
+        merged = segment.compact_chunks(target)
+        after = segment.stats().log_chunks
+    print(f"merged {merged} runs of small chunks: {before:,} chunks before, {after:,} after")
+    return 0
+
+
 def _segment_repair(args: argparse.Namespace) -> int:
     from .segment_repair import describe_repair
 
@@ -722,6 +735,12 @@ def _add_segment_commands(commands) -> None:
                          help="leave records younger than this: 90s, 15m, 12h, 7d (default: the segment's policy)")
     compact.add_argument("--tombstone-retention", metavar="DURATION",
                          help="remove tombstones first cleaned longer ago than this (default: the segment's policy, 1d)")
+
+    consolidate = action("consolidate", _segment_consolidate,
+                         "merge runs of small log chunks (one object per append on S3) into large ones; "
+                         "bytes and offsets do not change, readers and writers may go on meanwhile")
+    consolidate.add_argument("--target-size", metavar="SIZE",
+                             help="size of the merged chunks: 32MB, 512KiB or plain bytes (default: the log's rolling size)")
 
     action("verify", _segment_verify, "read every committed byte of the segment, print every damaged range; "
                                       "exit 3 if any")

@@ -26,7 +26,24 @@ _SERVES = 2  #: answers per directory from the listing (the parts list twice at 
 
 
 class ListedStorage(ChunkStorage):
-    """``inner`` with the listings below ``root`` answered from ``listing`` until ``expire()``."""
+    """``inner`` with the listings below ``root`` answered from ``listing`` until ``expire()``.
+
+    Everything else is the inner backend's: its nature, its deletion grace, its request counters
+    (a listing answered here is no request, and is not counted)."""
+
+    counts_own_requests = True  # the inner backend counts what is really sent
+
+    @property
+    def request_counter(self):  # type: ignore[override]
+        return self.inner.request_counter
+
+    @property
+    def exclusive_create_enforced(self) -> bool:  # type: ignore[override]
+        return self.inner.exclusive_create_enforced
+
+    @property
+    def deletion_grace(self) -> float:  # type: ignore[override]
+        return self.inner.deletion_grace
 
     def __init__(self, inner: ChunkStorage, root: str, listing: dict[str, int]):
         super().__init__(inner.url)

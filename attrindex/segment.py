@@ -13,17 +13,19 @@ opening a segment reads the tree's footer and replays the log after its checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
 
 from .tree_index import TreeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
-from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, InvalidInputError,
-                     RecordTruncatedError, StorageError, TruncatedError)
+from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
+                     InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
                         rebase_batch, record_list)
@@ -41,7 +43,7 @@ ATTRIBUTES_NAME = "_attributes"
 DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
-DEFAULT_READ_BYTES = 4 << 20
+DEFAULT_READ_BYTES = 8 << 20  # one GET per 8 MiB of a consolidated log on object stores
 DEFAULT_MIN_POLL_INTERVAL = 0.05  #: a tail reader's first poll after records came
 DEFAULT_MAX_POLL_INTERVAL = 1.0  #: ... backing off to this: an idle reader costs 1 request/s
 MAX_OPEN_ATTEMPTS = 10  #: opens that met a concurrent retention before giving up
@@ -52,6 +54,7 @@ MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background mer
 BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an append waits for a merge to make room in tier 1
 MAX_GROUP_BYTES = 4 << 20  #: about this much of concurrent appends is written as one group
 MAX_GROUP_REQUESTS = 4096  #: appends in one group at most
+_IDLE_RECHECK_SECONDS = 1.0  #: an idle merge thread looks this often whether its handle still exists
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -149,7 +152,8 @@ class Segment:
         self._frozen_at = 0  #: log position the frozen overlay covers up to (its merge's checkpoint)
         self._dirty_since = time.monotonic()  #: when the active overlay got its first update
         self._merged = threading.Condition(self._lock)  #: a merge ended (back-pressure waits on it)
-        self._merge_wake = threading.Condition(self._lock)  #: wakes the merge thread
+        self._wake = threading.Event()  #: wakes the merge thread (an event: a wake-up is never missed)
+        self._merge_retry_at = 0.0  #: after a failed background merge, the thread waits until then
         self._merge_mutex = threading.Lock()  #: one merge at a time; taken before ``_lock``, never inside it
         self._merger: threading.Thread | None = None  #: started by the first append
         self._stopping = False
@@ -204,8 +208,16 @@ class Segment:
         return replay
 
     def _catch_up(self) -> int:
-        """Read what other writers appended since this handle last looked; return batches seen."""
+        """Read what other writers appended since this handle last looked; return batches seen.
+
+        If another handle truncated the log past what this one had replayed (retention, or
+        ``truncate_merged_log`` after its merge), the updates cut are in the B+tree: refresh it
+        and rebuild tier 1 from its checkpoint."""
+        replayed = self._log.position
         seen = self._log.catch_up(self._replayer(0))
+        if self._log.start_position > replayed:
+            self._index.refresh()
+            self._replay_from_tree()
         if seen:
             self._appended.notify_all()
         return seen
@@ -267,6 +279,7 @@ class Segment:
         with self._lock:
             self._check_open()
             self._wait_for_room()
+            self._check_open()  # (closed while waiting?)
             fresh = False  # whether the view was just caught up with the log's tail
             tag = new_batch_id() >> 32  # the group's batches carry it: see SegmentLog.lost_commits
             for _lap in _bounded_races(self.name):
@@ -295,7 +308,7 @@ class Segment:
                     request.settle(AppendResult(header.base_offset, header.last_offset))
                 if was_empty and len(self._overlay):  # flush_seconds counts from here
                     self._dirty_since = time.monotonic()
-                    self._merge_wake.notify_all()
+                    self._wake.set()
                 self._after_durable()
                 return
 
@@ -375,6 +388,23 @@ class Segment:
             found = [stored[k] if v is MISSING else v for k, v in zip(keys, found)]
         return found  # type: ignore[return-value]
 
+    def _current_value(self, key: bytes) -> int | None:
+        """``_current_values`` for one canonical key (under ``_lock``; no lists on the hot path)."""
+        value = self._overlay.get(key)
+        if value is MISSING and self._frozen is not None:
+            value = self._frozen.get(key)
+        return self._index.get(key) if value is MISSING else value  # type: ignore[return-value]
+
+    def _pending_items(self) -> tuple[list[bytes], list[int | None]]:
+        """Tier 1 (under ``_lock``): every pending key ascending with its newest value (``None``
+        for a removal), the active overlay over the frozen one."""
+        if self._frozen is None:
+            return self._overlay.sorted_items()
+        merged = dict(zip(*self._frozen.sorted_items()))
+        merged.update(zip(*self._overlay.sorted_items()))
+        keys = sorted(merged)
+        return keys, [merged[k] for k in keys]
+
     # -- attributes ----------------------------------------------------------------------------
     def get_attribute(self, key: object) -> int | None:
         """The value of attribute ``key`` (``None`` if absent)."""
@@ -431,7 +461,7 @@ class Segment:
         self._frozen, self._frozen_at = self._overlay, self._log.position
         self._overlay = AttributeOverlay()
         self._dirty_since = time.monotonic()
-        self._merge_wake.notify_all()
+        self._wake.set()
 
     def _pending_bytes(self) -> int:
         frozen = self._frozen
@@ -448,10 +478,10 @@ class Segment:
             keys, values = frozen.sorted_items()
             merged = self._index.update_sorted(keys, values, checkpoint=at)
             with self._lock:
-                if merged:
-                    self._frozen = None
-                else:  # another handle merged further: tier 1 restarts from its checkpoint
+                if not merged:  # another handle merged further: tier 1 restarts from its checkpoint
                     self._rebuild_overlay()
+                elif self._frozen is frozen:  # (a rebuild meanwhile replaced it: nothing to drop)
+                    self._frozen = None
                 self._merges += 1
                 if self._merge_error is not None:
                     _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
@@ -504,59 +534,77 @@ class Segment:
         Raises the storage error if the merge fails (for example ``StorageFullError``); the
         updates stay in tier 1 and in the log, and a later flush or the background merge retries."""
         self._check_open()
-        with self._merge_mutex:
+        with self._merging():
             self._check_open()
             self._drain()
 
+    @contextlib.contextmanager
+    def _merging(self) -> Iterator[None]:
+        """Hold ``_merge_mutex`` (one merge at a time). A caller that holds ``_lock`` (the plain
+        index's facade, retention) must not block on it outright: the merge thread may need
+        ``_lock`` to finish the merge that holds it. So it waits in short laps on a condition,
+        which lets go of ``_lock`` meanwhile."""
+        mutex = self._merge_mutex
+        if self._lock._is_owned():  # type: ignore[attr-defined]
+            while not mutex.acquire(timeout=0.002):
+                self._merged.wait(0.002)
+        else:
+            mutex.acquire()
+        try:
+            yield
+        finally:
+            mutex.release()
+
     def _start_merger(self) -> None:
-        thread = threading.Thread(target=self._run_merger, name=f"attrindex-merge-{self.name}", daemon=True)
+        # The thread holds the handle only weakly between laps: a handle dropped without close()
+        # is collected, and its thread ends (its updates are in the log, replayed on open).
+        thread = threading.Thread(target=_merge_loop, args=(weakref.ref(self), self._wake),
+                                  name=f"attrindex-merge-{self.name}", daemon=True)
         self._merger = thread
         thread.start()
 
-    def _run_merger(self) -> None:
-        """The background merge: wait for a frozen overlay (or a due one), merge it, repeat.
-        A failure is recorded and logged, and retried after a pause doubling up to
-        ``MERGE_RETRY_SECONDS``. Ends when the handle closes."""
-        pause = 0.0
-        while True:
-            with self._lock:
-                retry_at = time.monotonic() + pause
-                while not self._stopping:
-                    now = time.monotonic()
-                    if now >= retry_at:
-                        if self._frozen is None and self._merge_due():
-                            self._freeze()
-                        if self._frozen is not None:
-                            break
-                    self._merge_wake.wait(self._merger_timeout(retry_at, now))
-                if self._stopping:
-                    return
-            try:
-                with self._merge_mutex:
-                    self._merge_once()
-                pause = 0.0
-            except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
-                pause = min(max(2 * pause, MERGE_RETRY_MIN_SECONDS), MERGE_RETRY_SECONDS)
-                _log.warning("segment %r: merging attribute updates into the B+tree failed in the background "
-                             "(retried in %.2f s; flush() raises it): %s", self.name, pause, exc, exc_info=True)
-
-    def _merger_timeout(self, retry_at: float, now: float) -> float | None:
-        """How long the merge thread may sleep: until a retry is due, or the active overlay is
-        old enough (``flush_seconds``); ``None``: until woken."""
-        if now < retry_at:
-            return retry_at - now
-        if len(self._overlay) and self.options.flush_seconds != float("inf"):
-            return max(self._dirty_since + self.options.flush_seconds - now, 0.001)
-        return None
+    def _merger_lap(self, pause: float) -> tuple[float, float | None] | None:
+        """One lap of the background merge: merge the frozen overlay (freezing the active one if
+        it is due), or say how long to sleep. Returns ``(pause, sleep)`` (``sleep`` None: until
+        woken), or None once the handle closes. A failure is recorded and logged, and retried
+        after a pause doubling from ``MERGE_RETRY_MIN_SECONDS`` up to ``MERGE_RETRY_SECONDS``."""
+        with self._lock:
+            if self._stopping:
+                return None
+            now = time.monotonic()
+            if now < self._merge_retry_at:
+                return pause, self._merge_retry_at - now
+            if self._frozen is None and self._merge_due():
+                self._freeze()
+            if self._frozen is None:
+                if len(self._overlay) and self.options.flush_seconds != float("inf"):
+                    return pause, max(self._dirty_since + self.options.flush_seconds - now, 0.001)
+                return pause, None
+        try:
+            with self._merging():
+                self._merge_once()
+            return 0.0, 0.0
+        except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
+            pause = min(max(2 * pause, MERGE_RETRY_MIN_SECONDS), MERGE_RETRY_SECONDS)
+            self._merge_retry_at = time.monotonic() + pause
+            _log.warning("segment %r: merging attribute updates into the B+tree failed in the background "
+                         "(retried in %.2f s; flush() raises it): %s", self.name, pause, exc, exc_info=True)
+            return pause, 0.0
 
     def _stop_merger(self) -> None:
         """Stop and join the merge thread (not holding ``_lock``: it may be finishing a merge)."""
         with self._lock:
             self._stopping = True
-            self._merge_wake.notify_all()
+            self._wake.set()
             self._merged.notify_all()
             thread = self._merger
-        if thread is not None and thread is not threading.current_thread():
+        if thread is None or thread is threading.current_thread():
+            return
+        if self._lock._is_owned():  # type: ignore[attr-defined]  # the thread may need _lock to finish
+            with self._lock:
+                while thread.is_alive():
+                    self._merged.wait(0.002)
+        else:
             thread.join()
 
     def _wait_for_room(self) -> None:
@@ -582,6 +630,10 @@ class Segment:
     def _rebuild_overlay(self) -> None:
         """The tree covers more of the log than this handle had seen: catch up, replay after it."""
         self._catch_up()
+        self._replay_from_tree()
+
+    def _replay_from_tree(self) -> None:
+        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position."""
         checkpoint = self._index.checkpoint or 0
         # Built aside and swapped in whole: a read that fails half-way (in the background merge,
         # which retries) must not leave tier 1 missing updates, which would let conditional
@@ -603,7 +655,13 @@ class Segment:
     def start_offset(self) -> int:
         """The offset of the first record still stored (retention moves it forward)."""
         with self._lock:
-            return self._log.start_offset
+            for _attempt in range(MAX_OPEN_ATTEMPTS):
+                try:
+                    return self._log.start_offset
+                except TruncatedError:  # another handle's retention deleted the chunk it names: look again
+                    self._catch_up()
+            raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the first "
+                               f"chunk while its start offset was read ({MAX_OPEN_ATTEMPTS} tries)")
 
     def read(self, offset: int, max_records: int = 1000, *, max_bytes: int = DEFAULT_READ_BYTES) -> list[Record]:
         """Records from ``offset`` on, at most ``max_records`` (fewer at the end; ``[]`` past it).
@@ -714,7 +772,7 @@ class Segment:
             if value is not None and (type(value) is not int or value < 0):
                 raise InvalidInputError(f"{name} must be an int >= 0 or None, got {value!r}")
         now = int(time.time() * 1000) if now_ms is None else now_ms
-        with self._merge_mutex, self._lock:  # rare: appends wait for the retention
+        with self._merging(), self._lock:  # rare: appends wait for the retention
             self._check_open()
             self._catch_up()
             self._drain(force=True)  # with _lock held: no append lands between the merge and the cut
@@ -730,6 +788,40 @@ class Segment:
                 self._log.truncate_at(position)
                 _log.info("segment %r: retention removed the log below byte %d (%d chunks)", self.name, position, deleted)
             return deleted
+
+    # -- consolidation -------------------------------------------------------------------------
+    def compact_chunks(self, target_size: int | None = None) -> int:
+        """Merge runs of small sealed log chunks into chunks of up to ``target_size`` bytes (default:
+        ``log_rolling_size``); return how many merged chunks were written.
+
+        Object stores make one chunk per append; merged, a log is read with one request per
+        8 MiB instead of one per append. Bytes, offsets and positions do not change; each merge is
+        an atomic switch (``RollingSegment.replace_range``) that readers and writers in other
+        processes survive, and runs that another process changes meanwhile are skipped. On local
+        disk chunks already grow in place to the rolling size: there it merges only small ones.
+        """
+        if target_size is not None and (type(target_size) is not int or target_size <= 0):
+            raise InvalidInputError(f"target_size must be an int > 0 or None, got {target_size!r}")
+        target = self.options.log_rolling_size if target_size is None else target_size
+        with self._lock:
+            self._check_open()
+            self._catch_up()
+            runs = self._log.bytes.small_runs(target)
+        merged = 0
+        for run in runs:
+            start, end = run[0].start, run[-1].end
+            try:
+                data = self._log.bytes.read(start, run[-1].stored_end - start)  # without the lock: appends go on
+                with self._lock:
+                    self._check_open()
+                    self._log.replace_range(start, end, data)
+                merged += 1
+            except (LayoutConflictError, HoleError, TruncatedError, InvalidInputError) as exc:
+                # Changed meanwhile (compaction, retention elsewhere) or holding repaired gaps.
+                _log.info("segment %r: log chunks [%d, %d) not merged: %s", self.name, start, end, exc)
+        if merged:
+            _log.info("segment %r: merged %d runs of small log chunks (target %d bytes)", self.name, merged, target)
+        return merged
 
     def _append_empty_batch(self, timestamp: int) -> int:
         """Append a batch with no records and no updates; return its byte position."""
@@ -884,7 +976,7 @@ class Segment:
             if self._closed:
                 return
         self._stop_merger()
-        with self._merge_mutex, self._lock:
+        with self._merging(), self._lock:
             if self._closed:
                 return
             try:
@@ -927,6 +1019,25 @@ class _PendingAppend:
     codec: Codec
     batch_id: int
     encoded: tuple | None = None  #: (keys, values, batch) of the last try: a lost race needs only a rebase
+
+
+def _merge_loop(ref: "weakref.ref[Segment]", wake: threading.Event) -> None:
+    """The body of a handle's merge thread: laps of ``Segment._merger_lap``, sleeping on ``wake``
+    between them without holding the handle (at most ``_IDLE_RECHECK_SECONDS``, then it looks
+    whether the handle still exists)."""
+    pause = 0.0
+    while True:
+        wake.clear()
+        segment = ref()
+        if segment is None:
+            return
+        lap = segment._merger_lap(pause)
+        del segment
+        if lap is None:
+            return
+        pause, sleep = lap
+        if sleep is None or sleep > 0:
+            wake.wait(_IDLE_RECHECK_SECONDS if sleep is None else min(sleep, _IDLE_RECHECK_SECONDS))
 
 
 def _bounded_races(name: str) -> Iterator[int]:

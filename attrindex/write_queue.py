@@ -22,7 +22,7 @@ _UNSET = object()
 class WriteRequest:
     """One caller's request: the ``payload`` the leader's write function reads, and its outcome."""
 
-    __slots__ = ("payload", "size", "result", "error", "done")
+    __slots__ = ("payload", "size", "result", "error", "done", "taken")
 
     def __init__(self, payload: Any, size: int):
         self.payload = payload
@@ -30,6 +30,7 @@ class WriteRequest:
         self.result: Any = _UNSET
         self.error: BaseException | None = None
         self.done = False
+        self.taken = False  #: a leader took it into a group
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> None:
         """Give this request its outcome (by the leader; the first one given stands)."""
@@ -65,8 +66,14 @@ class WriteQueue:
         """
         with self._cv:
             self._waiting.append(request)
-            while not request.done and self._waiting[0] is not request:
-                self._cv.wait()  # woken when a leader finishes: then either done or at the head
+            try:
+                while not request.done and self._waiting[0] is not request:
+                    self._cv.wait()  # woken when a leader finishes: then either done or at the head
+            except BaseException:  # interrupted while waiting (KeyboardInterrupt): leave the queue,
+                if not request.taken:  # unless a leader is writing it, so that no one waits on it
+                    self._waiting.remove(request)
+                    self._cv.notify_all()
+                raise
             if request.done:
                 return request.outcome()
             group = self._take_group()
@@ -94,5 +101,6 @@ class WriteQueue:
             if group and (size + member.size > self.max_group_bytes or len(group) >= self.max_group_requests):
                 break
             group.append(member)
+            member.taken = True
             size += member.size
         return group

@@ -105,3 +105,24 @@ class CorruptDataError(StorageError):
         self.segment = segment
         self.offset = offset
         super().__init__(message)
+
+
+class HoleError(StorageError):
+    """A read touched a hole: bytes ``[hole_start, hole_end)`` of the segment were replaced by a
+    shorter chunk (``RollingSegment.replace_range``) and hold nothing. Offsets around a hole stay
+    valid; ``RollingSegment.holes()`` lists the holes so readers can step over them."""
+
+    def __init__(self, segment: str, hole_start: int, hole_end: int):
+        self.segment = segment
+        self.hole_start = hole_start
+        self.hole_end = hole_end
+        super().__init__(f"segment {segment!r}: bytes [{hole_start}, {hole_end}) are a hole left by a chunk "
+                         "replacement (compaction); nothing is stored there")
+
+    def __reduce__(self):
+        return (type(self), (self.segment, self.hole_start, self.hole_end))
+
+
+class LayoutConflictError(StorageError):
+    """A chunk replacement lost to another one: the chunks it was to replace were replaced (or
+    truncated) by another handle or process first. Nothing of the losing replacement is visible."""

@@ -132,6 +132,9 @@ def _write_out(fd: int, position: int, length: int) -> None:
         return
     if _SYNC_FILE_RANGE(fd, position, length, _WRITE_AND_WAIT) != 0:
         code = ctypes.get_errno()
+        if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE):
+            os.fdatasync(fd)  # a filesystem or kernel without it: the same order, one sync more
+            return
         raise OSError(code, os.strerror(code))
 
 
@@ -195,7 +198,7 @@ class LocalChunkStorage(ChunkStorage):
         # cache) but not a power loss or an OS crash, as with Kafka's default flush policy.
         self.sync = sync
         # The format of chunks this handle creates; a chunk keeps its format for life. "xattr"
-        # falls back to "sidecar" on a filesystem without user xattrs (found at the first chunk).
+        # falls back to "sidecar" on a filesystem without user xattrs, and with sync=False.
         self.commit_format = commit_format
 
     def _abs(self, path: str) -> str:
@@ -350,7 +353,9 @@ class LocalChunkStorage(ChunkStorage):
             mode = None
         if mode is not None:
             return None, stat.S_ISDIR(mode)  # a v1 sidecar file, or the fence of a v2 chunk
-        if self.commit_format != "xattr" or not supported:
+        if self.commit_format != "xattr" or not supported or not self.sync:
+            # Without syncs v2 saves nothing, and its record (metadata, committed by the journal
+            # every few seconds) would run ahead of data that the page cache writes back later.
             return None, False
         # v2 from here: a directory where v1 code looks for the sidecar makes that code fail
         # (reading it is EISDIR) instead of taking the chunk for an empty one and overwriting it.

@@ -5,6 +5,14 @@ Layout of segment ``NAME`` (see docs/storage.md)::
     NAME.seg/00000000000000000000          chunk holding offsets [0, next chunk's start)
     NAME.seg/00000000000033554432          ... named by its 20-digit zero-padded start offset
     NAME.seg/truncation/00000000000000001234   empty marker; the largest is the start offset
+    NAME.seg/<start>-<end>.<generation>    replacement chunk: holds [start, end), maybe fewer bytes
+    NAME.seg/switch/<generation>           commit marker of that replacement (names it)
+
+Sealed chunks can be replaced (``replace_range``: consolidation, log compaction) by ONE chunk
+object covering exactly their range; if it holds fewer bytes than the range, the rest is a hole.
+A replacement is visible only once its switch marker exists (one exclusive create: the atomic
+switch); it then shadows the chunks inside its range, which are deleted afterwards. See
+docs/format.md for the rules readers apply to a listing and for crash recovery.
 
 Appendable backends (local disk, memory) grow the last chunk in place until it reaches
 ``rolling_size``; object backends (S3) write one new object per append. Truncation never deletes
@@ -14,6 +22,7 @@ the last chunk, so the segment's length can always be recovered from its chunks 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import re
 import threading
@@ -26,7 +35,9 @@ from .errors import (
     BadOffsetError,
     ChunkExistsError,
     CorruptDataError,
+    HoleError,
     InvalidInputError,
+    LayoutConflictError,
     OffsetOutOfRangeError,
     OutcomeUnknownError,
     StorageError,
@@ -38,18 +49,28 @@ _log = logging.getLogger("attrindex.storage")
 DEFAULT_ROLLING_SIZE = 32 << 20
 SEGMENT_SUFFIX = ".seg"
 TRUNCATION_DIR = "truncation"
+SWITCH_DIR = "switch"
 _CHUNK_NAME = re.compile(r"\d{20}")
+_REPLACEMENT_NAME = re.compile(r"(\d{20})-(\d{20})\.(\d{20})")
+#: Bound on the attempts of one ``replace_range`` (each is one lost race for a generation).
+MAX_REPLACE_ATTEMPTS = 10
 _NAME_COMPONENT = re.compile(r"[A-Za-z0-9_=+@$-][A-Za-z0-9_.=+@$-]*")
 #: Bound on the create attempts of one object append (each lost race or unsettled write is one).
 MAX_APPEND_ATTEMPTS = 100
 #: Bound on the listings one ``refresh`` takes while other processes keep changing the segment.
 MAX_UNCOMMITTED_TAIL = 64 << 20  #: bytes read after the committed end by ``uncommitted_tail``
 MAX_REFRESH_ATTEMPTS = 20
+MAX_READ_REFRESHES = 10  #: listings one read takes when the chunks of its view keep vanishing
 
 
 def chunk_name(offset: int) -> str:
     """The 20-digit zero-padded name of the chunk starting at ``offset``."""
     return f"{offset:020d}"
+
+
+def replacement_name(start: int, end: int, generation: int) -> str:
+    """The name of the replacement chunk of generation ``generation`` covering ``[start, end)``."""
+    return f"{start:020d}-{end:020d}.{generation:020d}"
 
 
 def validate_segment_name(name: str) -> str:
@@ -71,15 +92,37 @@ def validate_segment_name(name: str) -> str:
 
 @attrs.frozen
 class ChunkInfo:
-    """One chunk of a segment: it holds the segment's bytes ``[start, start + length)``."""
+    """One chunk of a segment: it covers the segment's bytes ``[start, start + length)``.
+
+    A replacement chunk (``generation > 0``) may store fewer bytes than it covers: ``stored``
+    bytes from ``start`` on, then a hole up to ``end``.
+    """
 
     start: int
     length: int
     name: str
+    stored: int = attrs.field(default=attrs.Factory(lambda self: self.length, takes_self=True))
+    generation: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    @property
+    def stored_end(self) -> int:
+        """Where the chunk's stored bytes end (its hole, if any, runs from here to ``end``)."""
+        return self.start + self.stored
+
+
+@attrs.frozen
+class _Layout:
+    """What one listing says about replacements (see ``RollingSegment._read_layout``)."""
+
+    generation: int = 0  #: the highest switch marker: never deleted; the next switch takes the one after
+    accepted: frozenset[str] = frozenset()  #: replacement chunks in force
+    losers: tuple[str, ...] = ()  #: replacements whose generation another switch took: deleted first
+    retired: tuple[str, ...] = ()  #: objects nobody can see any more: any writer may delete them
+    debris: tuple[str, ...] = ()  #: replacements never switched to, of generations not yet decided
 
 
 class RollingSegment:
@@ -101,6 +144,7 @@ class RollingSegment:
         self._chunks: list[ChunkInfo] = []
         self._start_offset = 0
         self._markers: list[int] = []
+        self._layout = _Layout()
         self._closed = False
         self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
         self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
@@ -125,8 +169,42 @@ class RollingSegment:
         """The chunks holding readable bytes, in offset order (the first may start below ``start_offset``)."""
         return list(self._chunks)
 
+    def chunk_at(self, position: int) -> ChunkInfo | None:
+        """The chunk of this handle's view holding byte ``position`` (the last one for the end)."""
+        chunks = self._chunks
+        i = bisect.bisect_right(chunks, position, key=lambda c: c.start) - 1
+        return chunks[i] if i >= 0 else None
+
+    def chunks_in(self, start: int, end: int) -> list[ChunkInfo]:
+        """The chunks of this handle's view overlapping ``[start, end)`` (the one holding ``start`` if empty)."""
+        chunks = self._chunks
+        i = max(bisect.bisect_right(chunks, start, key=lambda c: c.start) - 1, 0)
+        j = max(bisect.bisect_left(chunks, end, key=lambda c: c.start), i + 1)
+        return chunks[i:j]
+
+    def readable_end(self, position: int, limit: int) -> int:
+        """Where the bytes readable from ``position`` on stop before ``limit``: the start of the first
+        hole at or after ``position`` (``position`` itself if it lies in a hole), else ``limit``."""
+        for chunk in self.chunks_in(position, limit):
+            if chunk.stored_end < min(chunk.end, limit):
+                return max(position, chunk.stored_end)
+        return limit
+
+    def hole_at(self, position: int) -> tuple[int, int] | None:
+        """The hole ``(start, end)`` holding byte ``position`` in this handle's view, if any."""
+        chunk = self.chunk_at(position)
+        if chunk is not None and chunk.stored_end <= position < chunk.end:
+            return chunk.stored_end, chunk.end
+        return None
+
+    def holes(self) -> list[tuple[int, int]]:
+        """The holes ``(start, end)`` at or above ``start_offset`` as of this handle's view, in order:
+        byte ranges that replacements left empty (reading them raises ``HoleError``)."""
+        return [(max(c.stored_end, self._start_offset), c.end) for c in self._chunks
+                if c.stored < c.length and c.end > self._start_offset]
+
     def refresh(self) -> None:
-        """Reload this handle's view from storage (appends and truncations by other handles).
+        """Reload this handle's view from storage (appends, truncations and replacements by other handles).
 
         A listing taken while another process appends and truncates can mix two states (a new
         truncation marker with the old chunks, a listed chunk deleted before its size was read);
@@ -138,7 +216,7 @@ class RollingSegment:
                 started = time.monotonic()
                 view = self._load_view()
                 if view is not None:
-                    self._chunks, self._start_offset, self._markers = view
+                    self._chunks, self._start_offset, self._markers, self._layout = view
                     self._view_time = started
                     self._note_dead_objects()
                     return
@@ -148,35 +226,106 @@ class RollingSegment:
             "them; no consistent view could be read"
         )
 
-    def _load_view(self) -> tuple[list[ChunkInfo], int, list[int]] | None:
-        """``(chunks, start offset, markers)`` from one listing, or ``None`` if it is inconsistent."""
+    def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout] | None:
+        """``(chunks, start offset, markers, layout)`` from one listing, or ``None`` if it is inconsistent."""
         files = self._listed = self.storage.list_files(self._dir)
-        starts = sorted(int(n) for n in files if _CHUNK_NAME.fullmatch(n))
         markers = sorted(
             int(n[len(TRUNCATION_DIR) + 1:])
             for n in files
             if n.startswith(TRUNCATION_DIR + "/") and _CHUNK_NAME.fullmatch(n[len(TRUNCATION_DIR) + 1:])
         )
         start_offset = markers[-1] if markers else 0
+        layout = self._read_layout(files)
+        if layout is None:
+            return None
+        replacements = sorted(_parse_replacement(n) for n in layout.accepted)
+        # Chunks inside a replacement's range are shadowed by it (deleted after the switch).
+        live = [(start, None, chunk_name(start)) for start in sorted(int(n) for n in files if _CHUNK_NAME.fullmatch(n))
+                if not _inside(start, replacements)]
+        live = sorted(live + [(start, end, replacement_name(start, end, gen)) for start, end, gen in replacements])
         chunks = []
-        for i, start in enumerate(starts):
-            if i + 1 < len(starts):
-                if starts[i + 1] <= start_offset:
-                    continue  # wholly truncated; its deletion was interrupted
-                length = starts[i + 1] - start
-                self._check_object_size(start, files[chunk_name(start)], length)
+        for i, (start, end, name) in enumerate(live):
+            last = i + 1 == len(live)
+            if not last and live[i + 1][0] <= start_offset:
+                continue  # wholly truncated; its deletion was interrupted
+            if end is not None:  # a replacement: the rest of its range past its bytes is a hole
+                chunks.append(self._replacement_info(start, end, name, files[name]))
+                continue
+            if not last:
+                length = live[i + 1][0] - start
+                self._check_object_size(start, files[name], length)
             elif self.storage.appendable:
                 try:
-                    length = self.storage.committed_size(f"{self._dir}/{chunk_name(start)}")
+                    length = self.storage.committed_size(f"{self._dir}/{name}")
                 except FileNotFoundError:
                     return None  # deleted after the listing: a truncation moved on
             else:
-                length = files[chunk_name(start)]
-            chunks.append(ChunkInfo(start, length, chunk_name(start)))
+                length = files[name]
+            chunks.append(ChunkInfo(start, length, name))
+        if any(a.end != b.start for a, b in zip(chunks, chunks[1:])):
+            return None  # a replacement listed without the chunks around it: a switch raced the listing
         length = chunks[-1].end if chunks else start_offset
         if start_offset > length or (chunks and chunks[0].start > start_offset):
             return None  # a new marker with old chunks, or old markers with the new chunks only
-        return chunks, start_offset, markers
+        return chunks, start_offset, markers, layout
+
+    def _replacement_info(self, start: int, end: int, name: str, stored: int) -> ChunkInfo:
+        if stored > end - start:
+            raise CorruptDataError(
+                f"segment {self.name!r}: replacement chunk {name} holds {stored} bytes but covers only "
+                f"{end - start}", segment=self.name, offset=start)
+        return ChunkInfo(start, end - start, name, stored, _parse_replacement(name)[2])
+
+    def _read_layout(self, files: dict[str, int]) -> _Layout | None:
+        """Decide from a listing which replacements are in force.
+
+        A replacement is in force when its switch marker exists and no replacement of a higher
+        generation overlaps it (a replacer that lost such a race takes its own back). Everything
+        it shadows, and replacements that lost or were never switched to, is ``retired``: no view
+        uses them any more. ``None`` if a marker vanished while being read (list again).
+        """
+        markers = {int(n[len(SWITCH_DIR) + 1:]): size for n, size in files.items()
+                   if n.startswith(SWITCH_DIR + "/") and _CHUNK_NAME.fullmatch(n[len(SWITCH_DIR) + 1:])}
+        # An empty marker is a fence: it takes a generation from a replacer that crashed or stalled
+        # holding it, and switches nothing.
+        switches = {gen for gen, size in markers.items() if size}
+        candidates: dict[int, list[str]] = {}
+        for n in files:
+            if _REPLACEMENT_NAME.fullmatch(n):
+                candidates.setdefault(_parse_replacement(n)[2], []).append(n)
+        if not switches and not candidates:
+            return _Layout()
+        top = max(markers, default=0)
+        committed, debris, losers, retired = [], [], [], []
+        for gen, names in candidates.items():
+            chosen = names[0] if len(names) == 1 and gen in switches else None
+            if len(names) > 1 and gen in switches:  # racing replacers of one generation: the marker says who won
+                chosen = self._switch_target(gen)
+                if chosen is None:
+                    return None
+            for n in names:
+                if n == chosen:
+                    committed.append(_parse_replacement(n))
+                elif gen <= top:
+                    losers.append(n)  # lost its generation, or was fenced: it can never be switched to
+                else:
+                    debris.append(n)  # maybe still being written: only a replacer holding the lock removes it
+        accepted: list[tuple[int, int, int]] = []
+        for start, end, gen in sorted(committed, key=lambda r: -r[2]):
+            if _overlaps(start, end, accepted):
+                retired.append(replacement_name(start, end, gen))
+            else:
+                accepted.append((start, end, gen))
+        retired += [n for n in files if _CHUNK_NAME.fullmatch(n) and _inside(int(n), accepted)]
+        return _Layout(top, frozenset(replacement_name(*r) for r in accepted), tuple(sorted(losers)),
+                       tuple(sorted(set(retired))), tuple(sorted(debris)))
+
+    def _switch_target(self, gen: int) -> str | None:
+        """The replacement a switch marker names (read only when several share its generation)."""
+        try:
+            return self.storage.read(f"{self._dir}/{SWITCH_DIR}/{chunk_name(gen)}", 0, 200).decode("ascii", "replace")
+        except FileNotFoundError:
+            return None
 
     def poll(self) -> bool:
         """Whether the segment may have grown since this handle's last look: ``refresh`` then.
@@ -201,8 +350,21 @@ class RollingSegment:
             try:
                 self.storage.read(f"{self._dir}/{chunk_name(self.length)}", 0, 1)
             except FileNotFoundError:
-                return False
+                # A chunk switch (layout) may have taken the next chunk's plain name away.
+                return self._switched_since_view()
             return True
+
+    def _switched_since_view(self) -> bool:
+        """Whether a chunk switch may have happened since this view (then ``refresh``).
+
+        Switches are numbered one after another, so on local disk and memory one existence check
+        of the next generation's marker tells. Object stores with a deletion grace keep replaced
+        chunk names for the grace, so the next chunk's name is found anyway while the view is
+        younger than half of it; an older view just says yes (a listing every grace/2 at most).
+        """
+        if not self.storage.appendable and self.storage.deletion_grace > 0:
+            return time.monotonic() - self._view_time >= self.storage.deletion_grace / 2
+        return self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}")
 
     def _check_object_size(self, start: int, stored: int, length: int) -> None:
         # Object chunks are written whole, so each must end where the next begins.
@@ -293,6 +455,11 @@ class RollingSegment:
         except FileNotFoundError:  # deleted by a truncation elsewhere: no longer the last chunk
             self.refresh()
             return
+        if self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}"):
+            # A replacement switched since this view (replacers hold this lock too and number their
+            # switches one after another here): chunks after the view's last may have new names.
+            self.refresh()
+            return
         self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
         # A new chunk starts only where a non-empty one ends (an empty one ends at its own name).
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
@@ -352,6 +519,12 @@ class RollingSegment:
                     self.refresh()
                     if expected_offset is not None:
                         raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated")
+                    continue
+                if self._offset_replaced(offset):  # likewise a name freed by a chunk switch (layout)
+                    self._delete_quietly(path)
+                    self.refresh()
+                    if expected_offset is not None:
+                        raise BadOffsetError(self.name, expected_offset, self.length, "offset was replaced")
                     continue
             self._chunks.append(ChunkInfo(offset, len(data), chunk_name(offset)))
             self._start_offset = max(self._start_offset, start_offset)
@@ -488,16 +661,19 @@ class RollingSegment:
             return b""
         try:
             return self._read_chunks(chunks, offset, end)
-        except FileNotFoundError:
+        except (FileNotFoundError, HoleError):
             pass
-        self.refresh()  # a chunk vanished under a stale view: truncated by another handle
-        self._check_range(offset, length, self._chunks, self._start_offset)
-        try:
-            return self._read_chunks(self._chunks, offset, end)
-        except FileNotFoundError:
+        # A chunk vanished under a stale view (truncated or replaced by another handle), or the
+        # view shows a hole that a newer replacement may have changed: look again, once.
+        for _attempt in range(MAX_READ_REFRESHES):
             self.refresh()
             self._check_range(offset, length, self._chunks, self._start_offset)
-            raise StorageError(f"segment {self.name!r}: a chunk holding offset {offset} is missing") from None
+            try:
+                return self._read_chunks(self._chunks, offset, end)
+            except FileNotFoundError:
+                continue  # replaced again meanwhile (compaction keeps running): bounded
+        raise StorageError(f"segment {self.name!r}: a chunk holding offset {offset} kept vanishing "
+                           f"({MAX_READ_REFRESHES} listings)")
 
     def uncommitted_tail(self, limit: int = MAX_UNCOMMITTED_TAIL) -> tuple[int, bytes]:
         """``(length, bytes)``: the committed length and up to ``limit`` bytes stored after it.
@@ -542,6 +718,8 @@ class RollingSegment:
         while position < end:
             chunk = chunks[index]
             stop = min(chunk.end, end)
+            if stop > chunk.stored_end:
+                raise HoleError(self.name, chunk.stored_end, chunk.end)
             piece = self.storage.read(f"{self._dir}/{chunk.name}", position - chunk.start, stop - chunk.start)
             if len(piece) != stop - position:  # committed bytes are missing: never a short answer
                 missing = position + len(piece)
@@ -575,6 +753,7 @@ class RollingSegment:
             self._put_marker(f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(offset)}")
             self._start_offset, self._markers = offset, [*self._markers, offset]
             self._delete_dead()
+            self._sweep_layout()
 
     def _put_marker(self, path: str) -> None:
         """Write a truncation marker; after an error, whether it exists decides the outcome."""
@@ -609,12 +788,244 @@ class RollingSegment:
         except StorageError as exc:
             _log.warning("segment %r: could not delete truncated chunks or markers (retried later): %s", self.name, exc)
 
+    # -- replacing chunks ----------------------------------------------------------------------
+    def replace_range(self, start: int, end: int, data: bytes) -> None:
+        """Atomically replace the sealed chunks covering exactly ``[start, end)`` by one chunk holding ``data``.
+
+        ``start`` and ``end`` must be chunk boundaries of this handle's view (``chunks()``), at or
+        above ``start_offset``, and the last chunk is never replaced. ``len(data) <= end - start``;
+        if shorter, ``[start + len(data), end)`` becomes a hole (reads touching it raise
+        ``HoleError``; ``holes()`` lists them). Offsets never move.
+
+        It is a compare-and-swap on the chunks this handle's view shows in the range: if another
+        handle or process replaced or truncated them first, ``LayoutConflictError`` and nothing
+        changed. Readers and writers elsewhere see the old chunks or the new one, never a mix;
+        a crash at any point leaves one of the two, and the leftovers are deleted by the next
+        replacement or truncation.
+        """
+        self._check_open()
+        data = b"" if isinstance(data, (bytes, bytearray, memoryview)) and not len(data) else _as_bytes(data)
+        for value, what in ((start, "start"), (end, "end")):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(f"replace_range {what} must be a non-negative int, got {value!r}")
+        if end <= start or len(data) > end - start:
+            raise InvalidInputError(f"segment {self.name!r}: replace_range needs start < end and at most "
+                                    f"end - start bytes; got [{start}, {end}) with {len(data)} bytes")
+        with self._mutex:
+            expected = [c.name for c in self._sealed_run(self._chunks, self._start_offset, start, end, InvalidInputError)]
+            locked = self.storage.lock(self._dir) if self.storage.appendable else contextlib.nullcontext()
+            with locked:
+                self._replace_locked(start, end, data, expected)
+
+    def _replace_locked(self, start: int, end: int, data: bytes, expected: list[str]) -> None:
+        for _attempt in range(MAX_REPLACE_ATTEMPTS):
+            self.refresh()
+            run = self._sealed_run(self._chunks, self._start_offset, start, end, LayoutConflictError)
+            if [c.name for c in run] != expected:
+                raise LayoutConflictError(
+                    f"segment {self.name!r}: the chunks in [{start}, {end}) changed since this handle looked "
+                    f"(replaced by another handle: {[c.name for c in run]} instead of {expected}); nothing replaced")
+            if self.storage.appendable:
+                self._delete_quietly_all(self._layout.debris)  # under the lock nobody else is replacing
+            gen = self._layout.generation + 1
+            name = replacement_name(start, end, gen)
+            if not self._write_replacement(name, data):
+                self._fence(gen)  # a crashed or slower replacer holds the name: take its generation away
+                continue
+            if not self._switch(gen, name):
+                self._delete_quietly_all([name])
+                continue  # another replacement took this generation: look again
+            self._confirm_switch(start, end, name)
+            self._sweep_layout()
+            return
+        raise LayoutConflictError(f"segment {self.name!r}: gave up replacing [{start}, {end}) after "
+                                  f"{MAX_REPLACE_ATTEMPTS} lost races with other replacers; nothing replaced")
+
+    def _sealed_run(self, chunks: list[ChunkInfo], start_offset: int, start: int, end: int,
+                    error: type[StorageError] | type[InvalidInputError]) -> list[ChunkInfo]:
+        """The chunks covering exactly ``[start, end)`` in a view, all sealed; else ``error``."""
+        starts = [c.start for c in chunks]
+        i = bisect.bisect_left(starts, start)
+        j = i
+        while j < len(chunks) - 1 and chunks[j].end < end:
+            j += 1
+        problem = None
+        if start < start_offset:
+            problem = f"start {start} lies below the start offset {start_offset}"
+        elif i >= len(chunks) or starts[i] != start:
+            problem = f"no chunk starts at {start}"
+        elif j >= len(chunks) - 1 or chunks[j].end != end:
+            problem = f"no sealed chunk ends at {end} (the last chunk, which is appended to, is never replaced)"
+        if problem is not None:
+            raise error(f"segment {self.name!r}: cannot replace [{start}, {end}): {problem}; chunks are "
+                        f"{[(c.start, c.end) for c in chunks[-8:]]}{' (last 8)' if len(chunks) > 8 else ''}")
+        return chunks[i:j + 1]
+
+    def _write_replacement(self, name: str, data: bytes) -> bool:
+        """Write the (still invisible) replacement object; ``False`` if another replacer holds the name."""
+        path = f"{self._dir}/{name}"
+        try:
+            self.storage.create(path, data)
+            return True
+        except StorageError as exc:
+            found = self._settle_object(path, data, exc)
+            if found == "ours":
+                return True
+            if found == "theirs":
+                return False
+            if isinstance(exc, OutcomeUnknownError):
+                raise StorageError(f"segment {self.name!r}: the replacement did not happen ({exc})") from exc
+            raise
+
+    def _switch(self, gen: int, name: str) -> bool:
+        """Create the switch marker of ``gen`` naming ``name``: the atomic switch. ``False`` if
+        another replacement took ``gen`` first; ``OutcomeUnknownError`` if it cannot be told."""
+        path = f"{self._dir}/{SWITCH_DIR}/{chunk_name(gen)}"
+        content = name.encode("ascii")
+        try:
+            self.storage.create(path, content)
+            return True
+        except StorageError as exc:
+            try:
+                found = self._settle_object(path, content, exc)
+            except OutcomeUnknownError:
+                raise OutcomeUnknownError(
+                    f"segment {self.name!r}: the switch to {name} may or may not have happened ({exc}); "
+                    "refresh to see which layout holds") from exc
+            if found == "ours":
+                return True
+            if found == "theirs":
+                return False
+            self._delete_quietly_all([name])
+            if isinstance(exc, OutcomeUnknownError):
+                raise StorageError(f"segment {self.name!r}: the replacement did not happen ({exc})") from exc
+            raise
+
+    def _fence(self, gen: int) -> None:
+        """Take generation ``gen`` with an empty switch marker (it switches nothing): the replacer
+        holding it, if alive, then loses its switch and looks again. Losing this race is fine too."""
+        try:
+            self.storage.create(f"{self._dir}/{SWITCH_DIR}/{chunk_name(gen)}", b"")
+        except ChunkExistsError:
+            pass
+        except OutcomeUnknownError as exc:
+            _log.info("segment %r: fencing generation %d: %s (the next listing tells)", self.name, gen, exc)
+
+    def _offset_replaced(self, offset: int) -> bool:
+        """After creating the chunk at ``offset`` on an object store: whether a replacement in force
+        covers ``offset`` (the name was free because a switch deleted it: this view was stale).
+
+        One existence check when no switch happened since this view; switches are numbered one
+        after another, so a newer one exists iff the next generation's marker does.
+        """
+        try:
+            if not self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}"):
+                return False
+            self.refresh()
+        except StorageError as exc:
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: the chunk at {offset} was written but whether a replacement covers it "
+                f"could not be checked ({exc}); read the segment before appending again") from exc
+        if any(c.start == offset and c.name == chunk_name(offset) for c in self._chunks):
+            # Not replaced: keep the view up to our chunk, which the caller adds back.
+            self._chunks = [c for c in self._chunks if c.end <= offset]
+            return False
+        return True
+
+    def _confirm_switch(self, start: int, end: int, name: str) -> None:
+        """After the switch: a replacement of a higher generation that overlaps ours (a racer that
+        listed before us and switched after) wins; then take ours back and report the conflict."""
+        try:
+            self.refresh()
+        except StorageError as exc:
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: switched to {name} but could not list the segment after it ({exc}); "
+                "refresh to see whether the replacement holds") from exc
+        if name not in self._layout.accepted:
+            self._delete_quietly_all([name])  # its marker stays until a sweep: generations are never reused
+            raise LayoutConflictError(
+                f"segment {self.name!r}: another replacement of [{start}, {end}) switched at the same time and "
+                "won; nothing of this one is visible")
+
+    def _sweep_layout(self) -> None:
+        """Delete what no view can use any more: chunks shadowed by replacements, and replacements
+        that lost or were never switched to. Best effort: leftovers are harmless and the next
+        replacement or truncation deletes them. Switch markers stay (tiny; see docs/format.md):
+        "has anything switched since my view" is the existence of the next generation's marker."""
+        layout = self._layout
+        self._delete_quietly_all(layout.losers)  # first: with its winner gone a loser would look switched
+        retired = layout.retired
+        if self._defers_deletion():
+            # A plain chunk name freed now could be re-created by a stale appender (1 PUT, no
+            # LIST): it keeps its name for the deletion grace, like a truncated chunk.
+            now = time.monotonic()
+            for name in retired:
+                if _CHUNK_NAME.fullmatch(name):
+                    self._doomed.setdefault(name, now)
+            retired = tuple(n for n in retired if not _CHUNK_NAME.fullmatch(n))
+            try:
+                self._delete_doomed_objects()
+            except StorageError as exc:
+                _log.warning("segment %r: could not delete dead chunks (retried later): %s", self.name, exc)
+        self._delete_quietly_all(retired)
+
+    def _delete_quietly_all(self, names) -> None:
+        if names:
+            try:
+                self.storage.delete([f"{self._dir}/{n}" for n in names])
+            except StorageError as exc:
+                _log.warning("segment %r: could not delete %d replaced chunks or markers (retried later): %s",
+                             self.name, len(names), exc)
+
+    def compact_chunks(self, target_size: int | None = None) -> int:
+        """Merge runs of small sealed chunks into chunks of up to ``target_size`` bytes (default:
+        ``rolling_size``), each by one ``replace_range`` with the exact bytes; return how many
+        merged chunks were written. Bytes and offsets do not change; runs that another process
+        replaces meanwhile are skipped. Holds at most one merged chunk in memory."""
+        self._check_open()
+        target = self.rolling_size if target_size is None else target_size
+        if not isinstance(target, int) or isinstance(target, bool) or target <= 0:
+            raise InvalidInputError(f"target_size must be a positive int or None, got {target_size!r}")
+        written = 0
+        with self._mutex:
+            self.refresh()
+            for run in self.small_runs(target):
+                start, end = run[0].start, run[-1].end
+                try:
+                    data = self.read(start, run[-1].stored_end - start)
+                    self.replace_range(start, end, data)
+                except (LayoutConflictError, FileNotFoundError) as exc:
+                    _log.info("segment %r: consolidating [%d, %d) skipped: %s", self.name, start, end, exc)
+                    continue
+                written += 1
+        return written
+
+    def small_runs(self, target: int) -> list[list[ChunkInfo]]:
+        """Runs of two or more adjacent sealed chunks of this view whose stored bytes fit in
+        ``target``: what ``compact_chunks`` merges. A chunk with a hole may only end a run (the
+        merged chunk keeps its hole at the end)."""
+        runs: list[list[ChunkInfo]] = []
+        run: list[ChunkInfo] = []
+        size = 0
+        for chunk in self._chunks[:-1]:
+            if run and (size + chunk.stored > target or run[-1].stored < run[-1].length):
+                runs.append(run)
+                run, size = [], 0
+            if chunk.start >= self._start_offset and chunk.stored < target:
+                run.append(chunk)
+                size += chunk.stored
+            elif run:
+                runs.append(run)
+                run, size = [], 0
+        runs.append(run)
+        return [r for r in runs if len(r) > 1]
+
     def delete(self) -> None:
         """Delete the segment and all its chunks; the handle then sees an empty segment."""
         self._check_open()
         with self._mutex:
             self.storage.remove_directory(self._dir)
-            self._chunks, self._start_offset, self._markers = [], 0, []
+            self._chunks, self._start_offset, self._markers, self._layout = [], 0, [], _Layout()
             self._doomed.clear()
 
     def close(self) -> None:
@@ -638,3 +1049,17 @@ def _as_bytes(data: object) -> bytes:
     if isinstance(data, (bytearray, memoryview)):
         return bytes(data)
     raise InvalidInputError(f"data must be bytes-like, got {type(data).__name__}")
+
+
+def _parse_replacement(name: str) -> tuple[int, int, int]:
+    """``(start, end, generation)`` of a replacement chunk name."""
+    match = _REPLACEMENT_NAME.fullmatch(name)
+    return int(match[1]), int(match[2]), int(match[3])
+
+
+def _inside(position: int, ranges: list[tuple[int, int, int]]) -> bool:
+    return any(start <= position < end for start, end, _gen in ranges)
+
+
+def _overlaps(start: int, end: int, ranges: list[tuple[int, int, int]]) -> bool:
+    return any(start < other_end and other_start < end for other_start, other_end, _gen in ranges)

@@ -200,6 +200,8 @@ class S3ChunkStorage(ChunkStorage):
         read_timeout = _pop_seconds(options, "read_timeout", DEFAULT_READ_TIMEOUT)
         self.deletion_grace = _pop_seconds(options, "deletion_grace", DEFAULT_DELETION_GRACE)
         max_attempts = options.pop("max_attempts", DEFAULT_MAX_ATTEMPTS)
+        if isinstance(max_attempts, str) and max_attempts.strip().isdigit():  # from a command line's -o
+            max_attempts = int(max_attempts)
         if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
             raise InvalidInputError(f"S3 storage option 'max_attempts' must be a positive int, got {max_attempts!r}")
         # Explicit config_kwargs win over the options above (they name botocore's own settings).
@@ -358,6 +360,18 @@ class S3ChunkStorage(ChunkStorage):
         self._client()
         with s3_errors("delete", self._abs(directory), write=True), contextlib.suppress(FileNotFoundError):
             self.fs.rm(self._abs(directory), recursive=True)
+
+    def close(self) -> None:
+        """Close this storage's HTTP connections (its s3fs client is its own, not a shared one)."""
+        creator = getattr(self.fs, "_s3creator", None) if self._native else None
+        if creator is None:
+            return
+        import s3fs
+
+        with contextlib.suppress(Exception):  # closing is best effort; nothing durable depends on it
+            s3fs.S3FileSystem.close_session(self.fs.loop, creator)
+        self.fs._s3 = None  # a later call (the handle may be reused) connects again
+        self._hooked = None
 
     # -- the exclusive-create capability --------------------------------------------------------
     @property

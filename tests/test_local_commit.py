@@ -9,6 +9,7 @@ read and take appends.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import struct
@@ -122,6 +123,21 @@ def test_v2_writes_the_data_out_before_it_sets_the_record(tmp_path, monkeypatch)
     assert order == ["_write_all", "_write_out", "setxattr", "fsync"]
 
 
+def test_without_sync_file_range_the_data_is_fdatasynced_before_the_record(tmp_path, monkeypatch):
+    from storage_adapters import local
+
+    seg = _segment(tmp_path)
+    seg.append(b"first")
+    monkeypatch.setattr(local, "_SYNC_FILE_RANGE", lambda *args: (ctypes.set_errno(errno.ENOSYS), -1)[1])
+    syscalls = _Syscalls(monkeypatch)
+    seg.append(b"second")
+    assert syscalls.calls == ["fdatasync", "fsync"]
+    monkeypatch.setattr(local, "_SYNC_FILE_RANGE", None)  # not Linux
+    seg.append(b"third")
+    assert syscalls.calls == ["fdatasync", "fsync"] * 2
+    assert _segment(tmp_path).read(0, 16) == b"firstsecondthird"
+
+
 def test_a_durable_append_to_a_v1_chunk_still_costs_two(tmp_path, monkeypatch):
     seg = _segment(tmp_path, "sidecar")
     seg.append(b"first")
@@ -131,7 +147,7 @@ def test_a_durable_append_to_a_v1_chunk_still_costs_two(tmp_path, monkeypatch):
     assert read_commit_record(str(tmp_path / "s.seg" / CHUNK)) is None
 
 
-def test_sync_false_writes_the_record_without_any_sync(tmp_path, monkeypatch):
+def test_sync_false_writes_v1_records_without_any_sync(tmp_path, monkeypatch):
     storage = LocalChunkStorage(str(tmp_path), sync=False)
     seg = RollingSegment(storage, "s")
     seg.append(b"a")
@@ -139,6 +155,8 @@ def test_sync_false_writes_the_record_without_any_sync(tmp_path, monkeypatch):
     seg.append(b"bc")
     assert syscalls.calls == []
     assert RollingSegment(open_storage(str(tmp_path)), "s").read(0, 3) == b"abc"
+    # v1: a v2 record, committed by the journal within seconds, would run ahead of unsynced data.
+    assert os.path.isfile(tmp_path / "s.seg" / (CHUNK + COMMIT_SUFFIX))
 
 
 def test_a_failed_fsync_takes_the_record_back(tmp_path, monkeypatch):

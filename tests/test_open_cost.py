@@ -37,18 +37,16 @@ def _write(url, options, appends: int, name: str = "s") -> None:
 def test_opening_an_existing_segment_lists_once_and_reads_two_objects(s3_url, appends):
     url, options = s3_url
     _write(url, options, appends)
-    with SegmentStore.open(url, storage_options=options) as counter_store:
-        with counting(counter_store.storage) as log:
-            store = SegmentStore.open(url, storage_options=options)
-            opened = log.total
-            seg = store.segment("s")
-        assert opened == 1, log.lines  # the store marker: one HEAD
-        segment_open = log.counts - collections.Counter(HEAD=1)
-        # One LIST of the segment's directory (marker, log, index files, gaps, B+tree), then one GET
-        # of the B+tree's footer and one of the log's last chunk (the next offset is in it).
-        assert segment_open == {"LIST": 1, "GET": 2}, log.lines
-        assert seg.next_offset == appends and seg.get_attribute(appends - 1) == appends - 1
-        store.close()
+    store = SegmentStore.open(url, storage_options=options)
+    opened = store.storage.requests  # this store's own client: every request it sent
+    seg = store.segment("s")
+    segment_open = store.storage.requests - opened
+    assert opened.by_kind() == {"PUT": 0, "GET": 0, "LIST": 0, "HEAD": 1, "DELETE": 0}  # the store marker
+    # One LIST of the segment's directory (marker, log, index files, gaps, B+tree), then one GET
+    # of the B+tree's footer and one of the log's last chunk (the next offset is in it).
+    assert segment_open.by_kind() == {"PUT": 0, "GET": 2, "LIST": 1, "HEAD": 0, "DELETE": 0}
+    assert seg.next_offset == appends and seg.get_attribute(appends - 1) == appends - 1
+    store.close()
 
 
 def test_cold_reads_never_ask_for_chunk_index_files_s3_segments_do_not_have(s3_url):
@@ -155,3 +153,35 @@ def test_listed_storage_answers_each_directory_twice_at_most_then_lives(tmp_path
     again = ListedStorage(inner, "seg", listing)
     again.put_marker("seg/_gaps/x")
     assert again.expired and "_gaps/x" in again.list_files("seg")
+
+
+@pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)
+def test_a_stale_handle_reads_its_start_offset_after_retention_elsewhere(storage_url):
+    url, options = storage_url
+    with SegmentStore.open(url, storage_options=options, log_rolling_size=64) as writer_store, \
+            SegmentStore.open(url, storage_options=options, log_rolling_size=64) as stale_store:
+        writer = writer_store.segment("s", create=True)
+        for i in range(20):
+            writer.append([b"record %d" % i])
+        writer.flush()  # the B+tree covers the log: the stale handle opens at its end, never reading chunk 0
+        stale = stale_store.segment("s")  # opened before the retention below: its view starts at 0
+        writer.apply_retention(start_offset=12)
+        assert stale.start_offset in (0, 12)  # its view, or the new one after a look: not a raw TruncatedError
+        assert [r.value for r in stale.read(12, 100)] == [b"record %d" % i for i in range(12, 20)]
+        stale.refresh()
+        assert stale.start_offset == writer.start_offset == 12
+
+
+def test_a_segment_opened_from_one_listing_keeps_its_storage_s_nature_and_counters(s3_url):
+    url, options = s3_url
+    _write(url, options, 2)
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        storage = seg._log.bytes.storage
+        assert isinstance(storage, ListedStorage) and storage.expired  # live once the open is over
+        assert storage.deletion_grace == store.storage.deletion_grace  # not the base class's default
+        assert storage.exclusive_create_enforced == store.storage.exclusive_create_enforced
+        before = store.storage.requests
+        seg.append([b"one more"])
+        assert (store.storage.requests - before).by_kind() == {"PUT": 1, "GET": 0, "LIST": 0, "HEAD": 0, "DELETE": 0}
+        assert seg.stats().requests == store.storage.requests  # the store's counters, nothing counted twice

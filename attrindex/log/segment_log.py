@@ -9,8 +9,14 @@ derived data: a missing or corrupt one is rebuilt from the chunk.
 Byte layout of segment ``NAME`` (see docs/format.md)::
 
     NAME/_log.seg/<20-digit byte position>   chunks of record batches (RollingSegment)
-    NAME/_index/<20-digit byte position>     sparse index of a sealed chunk
+    NAME/_index/<chunk name>                 sparse index of a sealed chunk (named like the chunk)
     NAME/_gaps/<20-digit start>-<20-digit end>   damaged bytes cut off by an explicit repair
+
+Chunks may be replaced (``replace_range``: consolidation, key-based compaction): byte positions
+stay logical, a replacement chunk holds whole batches from its start and maybe a hole after them,
+which readers step over as they step over gaps (record offsets continue from the next batch's base
+offset). A handle whose position lies inside a chunk replaced under it moves to the first batch
+of the new chunk it has not consumed yet (``resyncs`` counts such moves).
 
 Committed means committed: the byte stream's length is its committed length (local disk: the
 newest valid commit record; objects are whole), so nothing below it is a torn tail. An invalid
@@ -35,7 +41,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
-from ..errors import ChunkExistsError, CorruptDataError, InvalidInputError, StorageError
+from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
 from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, read_header
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
@@ -43,10 +49,21 @@ _log = logging.getLogger("attrindex.log")
 LOG_DIR, INDEX_DIR, GAP_DIR = "_log", "_index", "_gaps"
 DEFAULT_LOG_ROLLING_SIZE = 16 << 20
 DEFAULT_INDEX_INTERVAL_BYTES = 4096
-_READ_WINDOW = 1 << 20
+#: Bytes one storage read fetches when scanning (object stores bill per request, so large: one
+#: GET per 8 MiB of a consolidated log). A read for at most ``max_bytes`` fetches that much plus
+#: ``_READ_SLACK`` so that the batch crossing the budget comes in the same request.
+_READ_WINDOW = 8 << 20
+_READ_SLACK = 256 << 10
+MAX_RESYNCS = 10  #: layout changes one catch-up or read follows before it gives up
 _GAP_NAME = re.compile(r"(\d{20})-(\d{20})")
 _NO_TIMESTAMP = -(1 << 63)
 _ERROR_PREFIX = re.compile(r"^(segment '.*?': )?record batch at offset \d+: ")
+
+class LayoutChangedError(StorageError):
+    """Chunks under a scan were replaced meanwhile (consolidation or compaction elsewhere): the
+    bytes read may belong to the new layout. Scans resync and go on; raised only when one keeps
+    happening (``MAX_RESYNCS``) or where no resync is possible."""
+
 
 #: The batches of one group-commit append share the high bits of their batch ids (``group_tag``):
 #: so a crash that leaves one whole group after the committed end is told from lost commit records.
@@ -73,6 +90,7 @@ class _Chunk:
 
     start: int
     end: int
+    name: str = ""  #: the chunk's object name (a replacement has its own)
     summary: ChunkSummary | None = None  #: complete summary of a sealed chunk, once loaded
     builder: ChunkIndexBuilder | None = None  #: summary being built as the chunk is scanned
 
@@ -95,10 +113,13 @@ class SegmentLog:
         #: whose file is not listed has none, and is rebuilt without asking storage for it
         self._index_names = set(self.storage.list_files(f"{segment}/{INDEX_DIR}"))
         self._index_listed_at = self.bytes.length
+        self._index_listed_chunks = {c.name for c in self.bytes.chunks()}  # a replacement made later may have one
         self.position = 0  #: bytes scanned and valid: the append position
         self.next_offset = 0  #: record offset after the last record scanned
         self.max_timestamp = _NO_TIMESTAMP
         self._start_cache: tuple[int, int] | None = None  #: (start position, its record offset)
+        self.resyncs = 0  #: times ``position`` moved because the bytes under it changed (replacement, truncation)
+        self._position_chunk = ""  #: name of the chunk in which ``position`` was reached
         self._prefetched: tuple[int, int, bytes] | None = None  #: (start, end, bytes) read by open_at
 
     # -- positions and chunks ------------------------------------------------------------------
@@ -107,17 +128,44 @@ class SegmentLog:
         return self.bytes.start_offset
 
     def _sync_chunks(self) -> None:
-        """Align the chunk list with the byte stream's (new chunks, grown last chunk, truncation)."""
+        """Align the chunk list with the byte stream's (new chunks, grown last chunk, truncation,
+        replacements); if the chunk holding ``position`` was replaced, resync inside it."""
         stored = self.bytes.chunks()
-        by_start = {c.start: c for c in self._chunks}
+        by_name = {c.name: c for c in self._chunks}
         chunks = []
         for info in stored:
-            known = by_start.get(info.start)
-            if known is None:
-                known = _Chunk(info.start, info.end)
+            known = by_name.get(info.name)
+            if known is None or known.start != info.start:
+                known = _Chunk(info.start, info.end, info.name)
             known.end = info.end
             chunks.append(known)
         self._chunks = chunks
+
+    def _replaced_under_position(self) -> _Chunk | None:
+        """The chunk holding ``position`` strictly inside it if ``position`` was reached in another
+        chunk (which a replacement took the place of): its bytes there need not be a batch start."""
+        if not self._chunks:
+            return None
+        chunk = self._chunks[self._chunk_index(self.position)]
+        if chunk.start < self.position < chunk.end and chunk.name != self._position_chunk:
+            return chunk
+        return None
+
+    def _resync(self, chunk: _Chunk) -> None:
+        """``position`` lies inside ``chunk``, which replaced the chunks it was scanned in: move to
+        the chunk's first batch holding offsets not consumed yet (or past it), visiting nothing."""
+        target, position = self.next_offset, chunk.end
+        for at, header, _buf, _pos in self.batches(chunk.start, chunk.end, names={chunk.name}):
+            if header.next_offset > target:  # record-less batches at ``target`` were seen, or cleaned
+                position = at
+                break
+        _log.info("segment %r: log chunk %s was replaced under this handle at byte %d; resuming at byte %d "
+                  "(next offset %d)", self.segment, chunk.name, self.position, position, target)
+        self.position, self._position_chunk = position, chunk.name
+        self.resyncs += 1
+        for c in self._chunks:  # builders that scanned the old bytes: summaries come from index files
+            if c is chunk or c.start == position:
+                c.builder = None
 
     def _chunk_index(self, position: int) -> int:
         """Index of the chunk holding ``position`` (the last chunk for the end position)."""
@@ -129,7 +177,11 @@ class SegmentLog:
 
     # -- gaps ----------------------------------------------------------------------------------
     def _gap_at(self, position: int) -> int | None:
-        """End of the recorded gap starting at ``position``, reloading markers if unknown."""
+        """End of the hole holding ``position`` or of the recorded gap starting there (reloading
+        gap markers if unknown)."""
+        hole = self.bytes.hole_at(position)
+        if hole is not None:
+            return hole[1]
         if position not in self._gaps:
             self._load_gaps()
         return self._gaps.get(position)
@@ -165,22 +217,34 @@ class SegmentLog:
         """
         if refresh:
             self.bytes.refresh()
-        self._sync_chunks()
-        if self.position < self.start_position:
-            self._restart_at_start()
         seen = 0
-        while self.position < self.bytes.length:
-            chunk = self._chunks[self._chunk_index(self.position)]
-            if chunk.builder is None and chunk.start == self.position:
-                chunk.builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
-            seen, stopped = self._scan_chunk(chunk, visit, seen)
-            if stopped:
-                break
-        return seen
+        for _attempt in range(MAX_RESYNCS):
+            try:
+                self._sync_chunks()
+                if self.position < self.start_position:
+                    self._restart_at_start()
+                replaced = self._replaced_under_position()
+                if replaced is not None:
+                    self._resync(replaced)
+                while self.position < self.bytes.length:
+                    chunk = self._chunks[self._chunk_index(self.position)]
+                    if chunk.builder is None and chunk.start == self.position:
+                        chunk.builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
+                    seen, stopped = self._scan_chunk(chunk, visit, seen)
+                    if stopped:
+                        break
+                return seen
+            except LayoutChangedError:
+                continue  # chunks were replaced under the scan: sync (and resync) and go on
+        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under a catch-up "
+                                 f"{MAX_RESYNCS} times in a row; try again")
 
     def _restart_at_start(self) -> None:
         """The bytes this handle stood at were truncated away (retention elsewhere): resync."""
         self.position = self.start_position
+        self.resyncs += 1
+        if self._chunks:
+            self._position_chunk = self._chunks[self._chunk_index(self.position)].name
         header = self._header_at(self.position)
         if header is not None:
             self.next_offset = header.base_offset
@@ -209,7 +273,7 @@ class SegmentLog:
         self.next_offset = header.next_offset  # a record-less batch's base is the next offset
         if header.record_count:
             self.max_timestamp = max(self.max_timestamp, header.max_timestamp)
-        self.position = at + header.size
+        self.position, self._position_chunk = at + header.size, chunk.name
 
     @staticmethod
     def _finish_summary(chunk: _Chunk) -> None:
@@ -217,15 +281,29 @@ class SegmentLog:
         if chunk.builder is not None and chunk.summary is None:
             chunk.summary, chunk.builder = chunk.builder.summary(), None
 
-    def _walk(self, start: int, end: int) -> Iterator[tuple[int, BatchHeader | None, bytes, int]]:
+    def _walk(self, start: int, end: int, names: set[str] | None = None, window: int = _READ_WINDOW
+              ) -> Iterator[tuple[int, BatchHeader | None, bytes, int]]:
         """Verified batches in ``[start, end)`` read in windows, as (position, header, buffer, pos).
 
-        Ends after yielding ``(position, None, reason, 0)`` at the first invalid or incomplete batch.
+        Ends after yielding ``(position, None, reason, 0)`` at the first invalid or incomplete batch
+        or at a hole. ``names``: the chunks the caller planned with (default: this handle's view);
+        bytes read from any other chunk (replaced meanwhile) raise ``LayoutChangedError``.
         """
-        position, window = start, _READ_WINDOW
+        if names is None:
+            names = {c.name for c in self._chunks[self._chunk_index(start):self._chunk_index(max(start, end - 1)) + 1]}
+        position, default_window = start, window
         while position < end:
-            window_end = min(end, position + window)
-            buf = self._take_prefetched(position, window_end) or self.bytes.read(position, window_end - position)
+            window_end = self.bytes.readable_end(position, min(end, position + window))
+            if window_end == position:
+                yield position, None, "a hole left by a chunk replacement", 0
+                return
+            try:
+                buf = self._take_prefetched(position, window_end) or self.bytes.read(position, window_end - position)
+            except HoleError as exc:  # a newer replacement than this view knew
+                raise LayoutChangedError(f"segment {self.segment!r}: {exc}") from exc
+            if any(c.name not in names for c in self.bytes.chunks_in(position, window_end)):
+                raise LayoutChangedError(f"segment {self.segment!r}: log chunks in [{position}, {window_end}) "
+                                         "were replaced during the read")
             pos = 0
             while pos < len(buf):
                 try:
@@ -240,12 +318,12 @@ class SegmentLog:
                 yield position + pos, header, buf, pos
                 pos += header.size
             if pos == 0:  # incomplete: a batch larger than the window, or a torn end
-                if window_end == end:
+                if window_end == end or window_end < min(end, position + window):
                     yield position, None, f"a batch runs past byte {end}, the end of its chunk", 0
                     return
                 window = end - position  # read the big batch whole
                 continue
-            position, window = position + pos, _READ_WINDOW
+            position, window = position + pos, default_window
 
     def _invalid_at(self, chunk: _Chunk, at: int, reason: str) -> None:
         """Step over the recorded gap at ``at``, or raise: invalid committed bytes are corruption."""
@@ -253,7 +331,7 @@ class SegmentLog:
         if gap_end is None:
             raise self.corruption(at, reason)
         self._feed_gap(chunk, at, min(gap_end, chunk.end))
-        self.position = gap_end
+        self.position, self._position_chunk = gap_end, chunk.name
         if gap_end >= chunk.end and not self._is_last(chunk):
             self._finish_summary(chunk)
 
@@ -261,7 +339,7 @@ class SegmentLog:
         """The error for an invalid batch at log byte ``at``, naming segment, chunk and byte."""
         reason = _ERROR_PREFIX.sub("", reason)
         chunk = self._chunks[self._chunk_index(at)] if self._chunks else None
-        where = f"chunk {chunk_name(chunk.start)}, byte {at - chunk.start} in it" if chunk else "no chunk"
+        where = f"chunk {chunk.name}, byte {at - chunk.start} in it" if chunk else "no chunk"
         return CorruptDataError(
             f"segment {self.segment!r}: invalid record batch at log byte {at} ({where}) below the committed "
             f"length {self.bytes.length}: {reason}. The segment refuses appends until repaired: see "
@@ -335,13 +413,13 @@ class SegmentLog:
         """A chunk stopped growing: keep its summary and store its index if it is worth a file."""
         self._finish_summary(chunk)
         if chunk.summary is not None and chunk.summary.batch_count > 1:
-            self._store_index(chunk.summary)
+            self._store_index(chunk.summary, chunk.name)
 
-    def _store_index(self, summary: ChunkSummary) -> None:
+    def _store_index(self, summary: ChunkSummary, name: str) -> None:
         # Derived data, written best effort: a reader without write access still works.
         with contextlib.suppress(ChunkExistsError, StorageError, OSError):
-            self.storage.create(f"{self.segment}/{INDEX_DIR}/{chunk_name(summary.chunk_start)}", encode_chunk_index(summary))
-            self._index_names.add(chunk_name(summary.chunk_start))
+            self.storage.create(f"{self.segment}/{INDEX_DIR}/{name}", encode_chunk_index(summary))
+            self._index_names.add(name)
 
     # -- summaries of sealed chunks ------------------------------------------------------------
     def summary(self, i: int) -> ChunkSummary:
@@ -351,9 +429,10 @@ class SegmentLog:
             return chunk.summary
         if chunk.builder is not None and (self._is_last(chunk) or self.position >= chunk.end):
             return chunk.builder.summary()
-        path = f"{self.segment}/{INDEX_DIR}/{chunk_name(chunk.start)}"
+        path = f"{self.segment}/{INDEX_DIR}/{chunk.name}"
         try:
-            if chunk_name(chunk.start) not in self._index_names and chunk.end < self._index_listed_at:
+            if (chunk.name not in self._index_names and chunk.end < self._index_listed_at
+                    and chunk.name in self._index_listed_chunks):
                 raise FileNotFoundError(path)  # sealed when the index files were listed, and had none
             data = self.storage.read(path, 0, 1 << 30)
             summary = decode_chunk_index(data, chunk_start=chunk.start, segment=self.segment)
@@ -364,7 +443,7 @@ class SegmentLog:
             summary = self._rebuild(i)
         except CorruptIndexError:
             self.storage.delete([path])
-            self._index_names.discard(chunk_name(chunk.start))
+            self._index_names.discard(chunk.name)
             summary = self._rebuild(i)
         if not self._is_last(chunk):
             chunk.summary = summary
@@ -384,7 +463,7 @@ class SegmentLog:
             _index_batch(builder, at, header)
         summary = builder.summary()
         if not self._is_last(chunk) and summary.batch_count > 1 and chunk.start >= self.start_position:
-            self._store_index(summary)
+            self._store_index(summary, chunk.name)
         return summary
 
     def open_at(self, position: int) -> None:
@@ -399,7 +478,7 @@ class SegmentLog:
         i = self._chunk_index(max(position, self.start_position))  # the end lies in the last chunk
         chunk = self._chunks[i]
         start = max(chunk.start, self.start_position)
-        self.position = start
+        self.position, self._position_chunk = start, chunk.name
         # The first window the scan will read, read now: its header gives the next offset, and
         # the scan takes the bytes from here (one request on an object store, not two).
         header = self._header_prefetching(start, min(chunk.end, start + _READ_WINDOW))
@@ -414,7 +493,11 @@ class SegmentLog:
     def _header_prefetching(self, start: int, end: int) -> BatchHeader | None:
         """The header of the batch at ``start``, read with the bytes up to ``end`` that the scan
         about to start there reads first: it takes them from here (one request, not two)."""
-        buf = self.bytes.read(start, end - start) if end > start else b""
+        end = self.bytes.readable_end(start, end)  # up to a hole, if one comes first
+        try:
+            buf = self.bytes.read(start, end - start) if end > start else b""
+        except HoleError:  # replaced meanwhile: the scan reads afresh
+            buf = b""
         self._prefetched = (start, end, buf) if buf else None
         return self._header_in(buf, start)
 
@@ -427,9 +510,13 @@ class SegmentLog:
 
     def _header_at(self, position: int) -> BatchHeader | None:
         """The header of the batch at ``position`` (one small read), or None if none is valid there."""
-        if position >= self.bytes.length:
+        end = self.bytes.readable_end(position, min(self.bytes.length, position + BATCH_HEADER_SIZE))
+        if position >= end:
+            return None  # at the end, or in a hole
+        try:
+            buf = self.bytes.read(position, end - position)
+        except HoleError:
             return None
-        buf = self.bytes.read(position, min(self.bytes.length, position + BATCH_HEADER_SIZE) - position)
         return self._header_in(buf, position)
 
     def _header_in(self, buf: bytes, position: int) -> BatchHeader | None:
@@ -443,14 +530,19 @@ class SegmentLog:
 
     # -- reading batches -----------------------------------------------------------------------
     def batches(self, start: int, end: int, builder: ChunkIndexBuilder | None = None,
-                 next_offset: int = 0) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
-        """Verified batches in ``[start, end)``, stepping over recorded gaps (else ``CorruptDataError``).
+                 next_offset: int = 0, *, names: set[str] | None = None,
+                 window: int = _READ_WINDOW) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
+        """Verified batches in ``[start, end)``, stepping over holes and recorded gaps (else
+        ``CorruptDataError``); ``LayoutChangedError`` if chunks other than ``names`` (default: this
+        handle's view) turn up, replaced meanwhile.
 
         ``builder``/``next_offset`` let a rebuild account for gaps as record-less bytes.
         """
+        if names is None:
+            names = {c.name for c in self._chunks[self._chunk_index(start):self._chunk_index(max(start, end - 1)) + 1]}
         position = start
         while position < end:
-            for at, header, buf, pos in self._walk(position, end):
+            for at, header, buf, pos in self._walk(position, end, names, window):
                 if header is None or at in self._gaps:
                     gap_end = self._gap_at(at)
                     if gap_end is None:
@@ -463,40 +555,61 @@ class SegmentLog:
                 next_offset = header.next_offset
                 position = at + header.size
 
-    def plan_read(self, offset: int) -> list[tuple[int, int]]:
-        """Byte ranges to scan for records from ``offset`` on: one per chunk, the first narrowed by
-        its sparse index. Cheap; the scan itself (``read_planned``) needs no lock."""
+    def plan_read(self, offset: int) -> list[tuple[int, int, str]]:
+        """Byte ranges to scan for records from ``offset`` on, ``(start, end, chunk name)``: one per
+        chunk, the first narrowed by its sparse index. Cheap; the scan itself (``read_planned``)
+        needs no lock."""
         if offset >= self.next_offset:
             return []
         i = self._chunk_for_offset(offset)
         chunk, summary = self._chunks[i], self.summary(i)
         first = chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start
-        ranges = [(max(first, self.start_position), min(chunk.end, self.position))]
-        ranges += [(c.start, min(c.end, self.position)) for c in self._chunks[i + 1:] if c.start < self.position]
+        ranges = [(max(first, self.start_position), min(chunk.end, self.position), chunk.name)]
+        ranges += [(c.start, min(c.end, self.position), c.name) for c in self._chunks[i + 1:] if c.start < self.position]
         return ranges
 
-    def read_planned(self, ranges: list[tuple[int, int]], offset: int, max_records: int,
+    def read_planned(self, ranges: list[tuple[int, int, str]], offset: int, max_records: int,
                      max_bytes: int, *, whole_batches: bool = False) -> list[Record]:
         """Records from ``offset`` on within ``ranges`` (at most ``max_records``, unless
         ``whole_batches`` asks for the last batch whole; whole batches up to about ``max_bytes``).
-        Safe to run while another thread appends."""
+        Safe to run while another thread appends; chunks replaced meanwhile are read anew from
+        their start (records already returned are skipped by offset)."""
         out: list[Record] = []
         budget = max_bytes
-        for start, end in ranges:
-            for at, header, buf, pos in self.batches(start, end):
-                if header.next_offset <= offset or not header.record_count:
-                    continue
-                # _batches verified the checksums already
-                records = decode_records(buf, pos, header, position=at - pos, segment=self.segment, verify=False)
-                if header.base_offset < offset:
-                    records = records[offset - header.base_offset:]
-                out.extend(records)
-                budget -= header.size
-                if len(out) >= max_records or budget <= 0:
-                    if not whole_batches:
-                        del out[max_records:]
-                    return out
-        return out
+        window = min(_READ_WINDOW, max_bytes) + _READ_SLACK
+        pending = list(ranges)
+        for _attempt in range(MAX_RESYNCS):
+            try:
+                while pending:
+                    start, end, name = pending[0]
+                    for at, header, buf, pos in self.batches(start, end, names={name}, window=window):
+                        wanted = out[-1].offset + 1 if out else offset
+                        if header.next_offset <= wanted or not header.record_count:
+                            continue
+                        # batches() verified the checksums already
+                        records = decode_records(buf, pos, header, position=at - pos, segment=self.segment,
+                                                 verify=False)
+                        if header.base_offset < wanted:
+                            records = records[wanted - header.base_offset:]
+                        out.extend(records)
+                        budget -= header.size
+                        if len(out) >= max_records or budget <= 0:
+                            if not whole_batches:
+                                del out[max_records:]
+                            return out
+                    pending.pop(0)
+                return out
+            except LayoutChangedError:
+                pending = self._replan(pending)
+        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under a read "
+                                 f"{MAX_RESYNCS} times in a row; read again")
+
+    def _replan(self, pending: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+        """The ranges left after a layout change, from the byte stream's new view: each chunk whole
+        from its start (a replaced chunk's positions mean nothing in its replacement)."""
+        limit = max(end for _start, end, _name in pending)
+        return [(max(c.start, self.bytes.start_offset), min(c.end, limit), c.name)
+                for c in self.bytes.chunks_in(pending[0][0], limit)]
 
     def read_records(self, offset: int, max_records: int, max_bytes: int) -> list[Record]:
         """Records from ``offset`` on (at most ``max_records``; whole batches up to about ``max_bytes``)."""
@@ -566,6 +679,57 @@ class SegmentLog:
                         return record.offset
         return None
 
+    # -- replacing chunks ----------------------------------------------------------------------
+    def replace_range(self, start: int, end: int, data: bytes) -> None:
+        """Replace the sealed log chunks covering exactly ``[start, end)`` (as this handle's view has
+        them) by one chunk holding ``data``: whole record batches from ``start`` on, keeping their
+        base offsets; the bytes after them up to ``end`` become a hole that readers step over.
+
+        ``data`` is checked first (whole valid batches, offsets rising, within the range); then
+        ``RollingSegment.replace_range`` switches atomically (``LayoutConflictError`` if another
+        handle replaced or truncated those chunks first). The new chunk's index file is written and
+        the old chunks' are deleted (best effort: index files are derived data).
+        """
+        data = bytes(data)
+        old = [c.name for c in self._chunks if start <= c.start < end]
+        summary = self._summarize(start, end, data)
+        self.bytes.replace_range(start, end, data)
+        self._sync_chunks()
+        new = self._chunks[self._chunk_index(start)]
+        new.summary = summary
+        if new.start == start and summary.batch_count > 1:
+            self._store_index(summary, new.name)
+        with contextlib.suppress(StorageError):
+            self.storage.delete([f"{self.segment}/{INDEX_DIR}/{name}" for name in old])
+
+    def _summarize(self, start: int, end: int, data: bytes) -> ChunkSummary:
+        """The summary of a replacement chunk holding ``data`` from ``start`` and a hole up to ``end``;
+        ``InvalidInputError`` unless ``data`` is whole valid batches with rising offsets."""
+        if not 0 <= start < end or len(data) > end - start:
+            raise InvalidInputError(f"segment {self.segment!r}: replace_range needs start < end and at most "
+                                    f"end - start bytes; got [{start}, {end}) with {len(data)} bytes")
+        i = self._chunk_index(start)
+        base = self.summary(i).base_offset if self._chunks and self._chunks[i].start == start else 0
+        builder = ChunkIndexBuilder(start, self.interval, next_offset=base)
+        pos, next_offset = 0, base
+        while pos < len(data):
+            try:
+                header = read_header(data, pos, position=start, segment=self.segment)
+                if header is not None:
+                    check_batch(data, pos, header, position=start, segment=self.segment)
+            except CorruptDataError as exc:
+                raise InvalidInputError(f"segment {self.segment!r}: replacement data is not valid record "
+                                        f"batches: {exc}") from None
+            if header is None or header.base_offset < next_offset:
+                raise InvalidInputError(f"segment {self.segment!r}: replacement data at byte {pos}: "
+                                        + ("an incomplete batch" if header is None else
+                                           f"base offset {header.base_offset} below {next_offset}"))
+            _index_batch(builder, start + pos, header)
+            pos, next_offset = pos + header.size, header.next_offset
+        if len(data) < end - start:
+            builder.add(len(data), end - start - len(data), next_offset, 0, _NO_TIMESTAMP)
+        return builder.summary()
+
     # -- retention -----------------------------------------------------------------------------
     def chunk_summaries(self) -> list[ChunkSummary]:
         """Summaries of the readable chunks, oldest first."""
@@ -575,9 +739,9 @@ class SegmentLog:
     def truncate_at(self, position: int) -> None:
         """Make bytes below ``position`` (a batch start) unreadable, deleting the chunks wholly
         below it with their index files and gap markers."""
-        doomed = [c.start for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
+        doomed = [c.name for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
         self.bytes.truncate(position)  # durable from here: what follows is housekeeping
-        index_files = [f"{self.segment}/{INDEX_DIR}/{chunk_name(s)}" for s in doomed]
+        index_files = [f"{self.segment}/{INDEX_DIR}/{name}" for name in doomed]
         gap_markers = [f"{self.segment}/{GAP_DIR}/{chunk_name(s)}-{chunk_name(e)}"
                        for s, e in self._gaps.items() if e <= position]
         try:

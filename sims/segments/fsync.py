@@ -1,6 +1,6 @@
 """Durable small appends on local disk: the v1 commit protocol (two fdatasyncs) against v2 (one fsync).
 
-    python -m sims.segments.fsync [--ops 1000] [--dir DIR]
+    python -m sims.segments.fsync [--ops 1000] [--payload 100] [--dir DIR]
 
 One process, one disk (a temp dir under --dir). Every variant is set up once and does --ops durable
 operations, interleaved one by one with the other variants and each timed alone, so a burst of load
@@ -37,7 +37,7 @@ from sims.bench.run import LMDB, SQLite
 from storage_adapters import RollingSegment, open_storage
 from storage_adapters.local import _write_out, encode_commit_record, encode_commit_xattr
 
-PAYLOAD = os.urandom(100)
+PAYLOAD = os.urandom(100)  # --payload replaces it
 
 
 class Variant:
@@ -133,8 +133,11 @@ def run(variants: list[Variant], ops: int, base: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", type=int, default=1000, help="durable operations per variant")
+    parser.add_argument("--payload", type=int, default=100, help="bytes per append (and per record)")
     parser.add_argument("--dir", default=None, help="where the data goes (default: a temp dir)")
     args = parser.parse_args(argv)
+    global PAYLOAD
+    PAYLOAD = os.urandom(args.payload)
     base = tempfile.mkdtemp(prefix="fsync-", dir=args.dir)
     variants = [
         Variant("raw v1 sidecar (2 fdatasync)", raw_v1),
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     median = {v.name: statistics.median(v.latencies) for v in variants}
-    print(f"\ndurable operations, {args.ops} of each, interleaved one by one; {os.cpu_count()} cores, "
+    print(f"\ndurable operations of {args.payload} bytes, {args.ops} of each, interleaved one by one; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"  {'variant':<42}{'ops/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'mean ops/s':>12}")
     for v in variants:
