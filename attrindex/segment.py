@@ -212,10 +212,12 @@ class Segment:
 
         If another handle truncated the log past what this one had replayed (retention, or
         ``truncate_merged_log`` after its merge), the updates cut are in the B+tree: refresh it
-        and rebuild tier 1 from its checkpoint."""
-        replayed = self._log.position
+        and rebuild tier 1 from its checkpoint. So too if chunks this handle had not replayed to the
+        end were replaced (log compaction drops the updates of the batches it rewrites: they are in
+        the B+tree), which moved the log's position (``SegmentLog.resyncs``)."""
+        replayed, resyncs = self._log.position, self._log.resyncs
         seen = self._log.catch_up(self._replayer(0))
-        if self._log.start_position > replayed:
+        if self._log.start_position > replayed or self._log.resyncs != resyncs:
             self._index.refresh()
             self._replay_from_tree()
         if seen:

@@ -45,8 +45,9 @@ import attrs
 
 from storage_adapters.rolling import chunk_name
 
-from ..errors import ChunkExistsError, InvalidInputError, StorageError
+from ..errors import ChunkExistsError, InvalidInputError, LayoutConflictError, StorageError, TruncatedError
 from .batch import BatchHeader, Record, decode_keys, decode_records, encode_batch, read_header
+from .segment_log import LayoutChangedError
 
 _log = logging.getLogger("attrindex.cleaner")
 
@@ -55,6 +56,7 @@ DEFAULT_MAX_MAP_KEYS = 1_000_000  #: keys per pass: about 100 MB of Python dict 
 _SHORT_KEY = 32  #: keys up to this length are map keys as they are; longer ones by a 128-bit digest
 _NO_TIMESTAMP = -(1 << 63)
 MAX_CLOCK_ENTRIES = 64  #: entries of the tombstone clock kept in the checkpoint
+MAX_LOST_RACES = 10  #: passes in a row that lose to another replacement or a truncation before giving up
 _GAP_WORTH = 72  #: bytes a gap between two surviving runs must hold to be worth a batch header (64)
 
 # ---------------------------------------------------------------------------------- pure logic
@@ -426,11 +428,26 @@ class LogCleaner:
     # -- passes --------------------------------------------------------------------------------
     def run(self, max_passes: int = 1_000_000) -> int:
         """Clean until the dirty section is done; return the checkpoint. Each pass moves the
-        checkpoint forward by at least one batch, so the loop is bounded by the batches there."""
+        checkpoint forward by at least one batch, so the loop is bounded by the batches there.
+
+        A pass that loses a race (another cleaner or a consolidation replaced the chunks first,
+        retention deleted them) leaves its checkpoint and starts again from a fresh view, at most
+        ``MAX_LOST_RACES`` times in a row; the groups it did replace are valid cleanings.
+        """
+        lost = 0
         for _ in range(max_passes):
             self._refresh()
             first_dirty, clock = self.load_checkpoint()
-            done, end = self._pass(first_dirty, clock)
+            try:
+                done, end = self._pass(first_dirty, clock)
+            except (LayoutConflictError, LayoutChangedError, TruncatedError) as exc:
+                lost += 1
+                if lost > MAX_LOST_RACES:
+                    raise StorageError(f"segment {self.log.segment!r}: compaction lost {lost} races in a row to "
+                                       f"other cleaners or retention; the segment is intact") from exc
+                _log.info("segment %r: a compaction pass lost a race (%s); starting it again", self.log.segment, exc)
+                continue
+            lost = 0
             if end > first_dirty:
                 self._store_checkpoint(end, clock.advanced(end, self.now_ms))
             if done:
