@@ -279,6 +279,10 @@ def everything(seg) -> list[Record]:
         offset = got[-1].offset + 1
 
 
+def seg_stored(seg) -> int:
+    return sum(c.stored for c in seg._log.bytes.chunks())
+
+
 def roll(seg, n=3, now=1):
     """Append keyless-free padding so that what came before lies in sealed chunks."""
     for i in range(n):
@@ -304,6 +308,9 @@ def test_a_key_rewritten_across_chunks_keeps_its_latest_record_and_offsets():
         reader = seg.reader(offset=0)
         assert [reader.read(1).offset for _ in range(len(after))] == [r.offset for r in after]
         assert seg.offset_for_timestamp(1) == 1
+        assert 0 < seg.dirty_ratio() < 1  # the active chunk is after the checkpoint
+        assert seg.dirty_ratio() == pytest.approx(
+            store.storage.list_files("s/_log.seg")[seg._log.bytes.chunks()[-1].name] / seg_stored(seg))
         again = seg.compact(min_lag_ms=0, now_ms=11)
         assert again.chunks_cleaned == 0 and everything(seg) == after  # clean chunks stay as they are
     with compact_store(store.storage.url) as reopened:

@@ -408,22 +408,24 @@ class LogCleaner:
         return out, partial
 
     def dirty_bytes(self) -> tuple[int, int]:
-        """``(clean bytes, dirty bytes)`` of the stored log, split at the cleaner checkpoint."""
+        """``(clean bytes, dirty bytes)`` stored in the log, split at the cleaner checkpoint: the
+        chunk holding it is found by binary search, so only a few chunk summaries are read."""
         self._refresh()
         log = self.log
         first_dirty, _clock = self.load_checkpoint()
-        clean = dirty = 0
-        chunks = log._chunks
-        for i, chunk in enumerate(chunks):
-            start = max(chunk.start, log.start_position)
-            end = chunks[i + 1].start if i + 1 < len(chunks) else log.bytes.length
-            if end <= start:
-                continue
-            if i + 1 < len(chunks) and log.summary(i).next_offset <= first_dirty:
-                clean += end - start
-            else:
-                dirty += end - start
-        return clean, dirty
+        start = log.start_position
+        sizes = [(c.start, getattr(c, "stored", c.length) - max(0, start - c.start))
+                 for c in log.bytes.chunks() if c.end > start]
+        total = sum(size for _start, size in sizes)
+        if not sizes or first_dirty == 0:
+            return 0, total
+        i = log._chunk_for_offset(first_dirty)
+        if log.summary(i).next_offset > first_dirty:
+            boundary = log._chunks[i].start
+        else:
+            boundary = log._chunks[i + 1].start if i + 1 < len(log._chunks) else log.bytes.length
+        clean = sum(size for chunk_start, size in sizes if chunk_start < boundary)
+        return clean, total - clean
 
     # -- passes --------------------------------------------------------------------------------
     def run(self, max_passes: int = 1_000_000) -> int:
