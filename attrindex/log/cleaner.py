@@ -1,8 +1,8 @@
 """Key-based log compaction: Kafka's log cleaner for a segment log.
 
 For records that share a key only the latest survives; a tombstone (a record whose value is
-``None``) deletes its key and is itself removed a retention time after the cleaner first rewrote
-it. Offsets never change: a cleaned batch keeps its records' offsets, and removed records are
+``None``) deletes its key and is itself removed a retention time after the pass that first
+cleaned it (the tombstone clock, kept in the cleaner checkpoint). Offsets never change: a cleaned batch keeps its records' offsets, and removed records are
 offset gaps that readers step over (a reader at X gets the first surviving record >= X).
 
 The module has two halves. The first does no I/O (h11-style): the bounded key map, the rule that
@@ -12,8 +12,8 @@ The second, ``LogCleaner``, reads chunks through a ``SegmentLog`` and swaps clea
 
 A pass (Kafka's ``LogCleaner.cleanSegments``):
 
-1. the *cleanable* chunks are the sealed ones (never the last, the one being appended to), wholly
-   at or above the log's start, below the attribute checkpoint (every attribute update they carry
+1. the *cleanable* chunks are the sealed ones (never the last, the one being appended to), at or
+   above the log's start (a chunk truncated mid-way is left alone and its keys pinned), below the attribute checkpoint (every attribute update they carry
    is already in the B+tree), and whose newest record is older than the minimum compaction lag;
 2. the *dirty* section starts at the cleaner checkpoint (``NAME/_cleaner/<20-digit offset>``, the
    first offset not yet deduplicated) and the key map is filled from there, batch by batch, until
@@ -21,14 +21,17 @@ A pass (Kafka's ``LogCleaner.cleanSegments``):
    batch, and the next pass goes on from it: memory stays bounded);
 3. every cleanable chunk from the start up to where the map stopped is rewritten: a record
    survives if it has no key, is past the map's end, or is the latest for its key; a surviving
-   tombstone is dropped once its batch was first cleaned ``tombstone_retention_ms`` ago;
+   tombstone is dropped once it was first cleaned ``tombstone_retention_ms`` ago, unless an
+   older value of its key had to stay (a *pinned* key: see ``KeepRule``). The batch that starts
+   the log keeps its base offset (a marker batch, or its first record), so the start offset of
+   the log never moves;
 4. consecutive rewritten chunks are grouped up to the rolling size and each group replaces its
    chunks by ONE chunk (``replace_range``); then the checkpoint moves to where the map stopped.
 
 A crash anywhere leaves each group either old or new (``replace_range`` is atomic) and the
 checkpoint behind or at the work done; a pass run again over cleaned chunks changes nothing but
 what became removable since. Two cleaners at once are safe too: each output is a valid cleaning of
-the same sealed bytes.
+the same sealed bytes, and a switch whose chunks changed meanwhile is refused (the pass restarts).
 """
 
 from __future__ import annotations
