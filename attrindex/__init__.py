@@ -14,6 +14,8 @@ from .btree.repair import IndexRepairReport
 from .damage import Damage
 from .conditional import AttributeUpdate, UpdateFailure, UpdateType
 from .log.batch import Codec, Record
+from .log.cleaner import CompactionStats
+from .log.cleanup_policy import CleanupPolicy
 from .reader import SegmentReader
 from .segment import AppendResult, Segment, SegmentStats
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport
@@ -25,7 +27,9 @@ __all__ = [
     "AppendResult",
     "AttributeIndex",
     "AttributeUpdate",
+    "CleanupPolicy",
     "Codec",
+    "CompactionStats",
     "Damage",
     "EventWriter",
     "IndexRepairReport",

@@ -292,11 +292,13 @@ output formats:
   text  one line per record: offset, timestamp (ms), key and value, separated by tabs. A key or
         value is shown as UTF-8 text when it decodes as UTF-8 and holds no control characters
         (tabs, newlines...) and does not start with "0x"; otherwise as 0x followed by its bytes
-        in hex. A record without a key has an empty key column. Headers are not shown.
+        in hex. A record without a key has an empty key column. A tombstone (a record that
+        deletes its key: value null) shows "(tombstone)" as its value, and a value that is
+        those very characters is shown in hex. Headers are not shown.
   json  one JSON object per line: {"offset", "timestamp", "key", "value", "headers"}. A key or
         value that is valid UTF-8 is a JSON string; one that is not is given base64-encoded
         under "key_base64" / "value_base64" instead (and "key" / "value" is then absent). A
-        record without a key has "key": null. "headers" is a list of {"name", "value"} objects,
+        record without a key has "key": null, a tombstone "value": null. "headers" is a list of {"name", "value"} objects,
         a header value that is not UTF-8 given as "value_base64" likewise.
 """
 
@@ -351,6 +353,16 @@ def _json_field(out: dict, name: str, data: bytes | None) -> None:
         out[f"{name}_base64"] = base64.b64encode(data).decode("ascii")
 
 
+_TOMBSTONE = "(tombstone)"
+
+
+def _shown_value(value: bytes | None) -> str:
+    if value is None:
+        return _TOMBSTONE
+    shown = _shown(value)
+    return "0x" + value.hex() if shown == _TOMBSTONE else shown
+
+
 def _format_record(record, fmt: str) -> str:
     if fmt == "json":
         out: dict = {"offset": record.offset, "timestamp": record.timestamp}
@@ -363,7 +375,7 @@ def _format_record(record, fmt: str) -> str:
             headers.append(header)
         out["headers"] = headers
         return json.dumps(out, ensure_ascii=False)
-    return f"{record.offset}\t{record.timestamp}\t{_shown(record.key)}\t{_shown(record.value)}"
+    return f"{record.offset}\t{record.timestamp}\t{_shown(record.key)}\t{_shown_value(record.value)}"
 
 
 def _check_count(value: int | None, option: str, minimum: int = 1) -> None:
@@ -551,9 +563,12 @@ _ATTRIBUTE_FIGURES = ("entry_count", "page_count", "height", "storage_bytes", "l
 
 def _segment_stats(args: argparse.Namespace) -> int:
     with _open_store(args, writes=False) as store:
-        stats = store.segment(args.name).stats()
+        segment = store.segment(args.name)
+        stats = segment.stats()
+        policy, dirty = segment.cleanup_policy(), segment.dirty_ratio()
     if args.json:
-        print(json.dumps(attrs.asdict(stats), indent=2))
+        print(json.dumps({**attrs.asdict(stats), "cleanup_policy": attrs.asdict(policy), "dirty_ratio": dirty},
+                         indent=2))
         return 0
     rows = [
         ("name", stats.name),
@@ -565,6 +580,8 @@ def _segment_stats(args: argparse.Namespace) -> int:
         ("max_timestamp", _shown_timestamp(stats.max_timestamp)),
         ("pending_attributes", f"{stats.pending_attributes:,}"),
         ("attribute_checkpoint", "-" if stats.attribute_checkpoint is None else f"{stats.attribute_checkpoint:,}"),
+        ("cleanup_policy", policy.cleanup_policy),
+        ("dirty_ratio", f"{dirty:.3f}"),
     ]
     rows += [(f"attributes.{field}", f"{getattr(stats.attributes, field):,}") for field in _ATTRIBUTE_FIGURES]
     for field, value in rows:
@@ -584,6 +601,19 @@ def _segment_retention(args: argparse.Namespace) -> int:
         deleted = segment.apply_retention(max_age_ms=max_age, max_bytes=max_bytes, start_offset=args.start_offset)
         after, end = segment.start_offset, segment.next_offset
     print(f"deleted {deleted} chunk(s); start offset {before} -> {after} ({end - after:,} records remain)")
+    return 0
+
+
+def _segment_compact(args: argparse.Namespace) -> int:
+    min_lag = None if args.min_lag is None else parse_duration(args.min_lag)
+    retention = None if args.tombstone_retention is None else parse_duration(args.tombstone_retention)
+    with _open_store(args, writes=True) as store:
+        segment = store.segment(args.name)
+        stats = segment.compact(min_lag_ms=min_lag, tombstone_retention_ms=retention)
+        dirty = segment.dirty_ratio()
+    print(f"compacted {stats.chunks_cleaned} chunk(s): {stats.records_before:,} -> {stats.records_after:,} records, "
+          f"{stats.bytes_before:,} -> {stats.bytes_after:,} bytes, {stats.tombstones_removed:,} tombstone(s) removed; "
+          f"cleaner checkpoint {stats.checkpoint:,}; dirty ratio now {dirty:.3f}")
     return 0
 
 
@@ -697,6 +727,14 @@ def _add_segment_commands(commands) -> None:
     retention.add_argument("--max-bytes", metavar="SIZE",
                            help="delete the oldest chunks while the log holds more: 10MB, 512KiB or plain bytes")
     retention.add_argument("--start-offset", type=int, metavar="N", help="delete the records below offset N")
+
+    compact = action("compact", _segment_compact,
+                     "key-based compaction of a segment whose cleanup policy compacts: keep only the latest "
+                     "record of each key in the sealed chunks (offsets never change)")
+    compact.add_argument("--min-lag", metavar="DURATION",
+                         help="leave records younger than this: 90s, 15m, 12h, 7d (default: the segment's policy)")
+    compact.add_argument("--tombstone-retention", metavar="DURATION",
+                         help="remove tombstones first cleaned longer ago than this (default: the segment's policy, 1d)")
 
     consolidate = action("consolidate", _segment_consolidate,
                          "merge runs of small log chunks (one object per append on S3) into large ones; "

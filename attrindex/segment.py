@@ -24,13 +24,15 @@ import attrs
 
 from .tree_index import TreeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
-from .errors import (BadOffsetError, ConditionalUpdateError, CorruptDataError, HoleError, InvalidInputError,
-                     LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
+from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
+                     InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
                         rebase_batch, record_list)
 from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError, SegmentLog, grouped_batch_id
 from .log.retention import plan_retention
+from .log import cleanup_policy as _policy
+from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
 from .overlay import AttributeOverlay, merge_scan
 from .poller import SegmentPoller
 from .reader import SegmentReader
@@ -207,10 +209,12 @@ class Segment(BackgroundMerge):
 
         If another handle truncated the log past what this one had replayed (retention, or
         ``truncate_merged_log`` after its merge), the updates cut are in the B+tree: refresh it
-        and rebuild tier 1 from its checkpoint."""
-        replayed = self._log.position
+        and rebuild tier 1 from its checkpoint. So too if chunks this handle had not replayed to the
+        end were replaced (log compaction drops the updates of the batches it rewrites: they are in
+        the B+tree), which moved the log's position (``SegmentLog.resyncs``)."""
+        replayed, resyncs = self._log.position, self._log.resyncs
         seen = self._log.catch_up(self._replayer(0))
-        if self._log.start_position > replayed:
+        if self._log.start_position > replayed or self._log.resyncs != resyncs:
             self._index.refresh()
             self._replay_from_tree()
         if seen:
@@ -249,6 +253,7 @@ class Segment(BackgroundMerge):
         is damaged: it refuses appends until ``SegmentStore.repair_segment``.
         """
         records = record_list(records)
+        self._check_compactable(records)
         updates, replacements = _split_updates(attribute_updates)
         if not records and not updates and not replacements[0]:
             raise InvalidInputError(f"segment {self.name!r}: nothing to append (no records and no attribute updates)")
@@ -620,6 +625,116 @@ class Segment(BackgroundMerge):
                 return self._log.append(data, read_header(data))
             except BadOffsetError:
                 self._catch_up()
+
+    # -- compaction (attrindex.log.cleaner; docs/segments.md, "Compaction") -----------------------
+    def cleanup_policy(self) -> _policy.CleanupPolicy:
+        """The segment's cleanup policy as stored (read afresh: another process may change it)."""
+        policy, _version = _policy.load_policy(self._log.storage, self.name)
+        self._policy_cache = policy
+        return policy
+
+    def configure(self, **options: Any) -> _policy.CleanupPolicy:
+        """Change the cleanup policy (``cleanup_policy``, ``min_compaction_lag_ms``,
+        ``tombstone_retention_ms``, ``retention_ms``, ``retention_bytes``); the others keep their
+        values. Stored as a new version (never overwriting one); returns the new policy.
+
+        Switching to a compacting policy does not touch records already stored: keyless ones are
+        kept by the cleaner; only appends from then on must carry keys.
+        """
+        if not options:
+            raise InvalidInputError(f"segment {self.name!r}: configure() needs at least one option")
+        storage = self._log.storage
+        for _attempt in range(_policy.MAX_CONFIGURE_RACES):
+            current, version = _policy.load_policy(storage, self.name)
+            changed = _policy.policy_from_options(options, current)
+            try:
+                _policy.store_policy(storage, self.name, changed, version + 1)
+            except ChunkExistsError:
+                continue  # another process configured meanwhile: apply ours over theirs
+            self._policy_cache = changed
+            return changed
+        raise StorageError(f"segment {self.name!r}: configure lost {_policy.MAX_CONFIGURE_RACES} races in a row "
+                           "to other processes changing the policy; nothing was written")
+
+    def _cached_policy(self) -> _policy.CleanupPolicy:
+        policy = getattr(self, "_policy_cache", None)
+        return self.cleanup_policy() if policy is None else policy
+
+    def _check_compactable(self, records: list) -> None:
+        """A compacting segment refuses keyless records (as Kafka does) and a keyless tombstone is
+        refused anywhere (by the encoder): both before anything is written."""
+        if records and self._cached_policy().compacts:
+            for i, record in enumerate(records):
+                if not isinstance(record, Record) or record.key is None:
+                    raise InvalidInputError(
+                        f"segment {self.name!r} has cleanup_policy {self._cached_policy().cleanup_policy!r}: "
+                        f"record {i} has no key (compaction keeps the latest record per key); nothing was appended")
+
+    def compact(self, min_lag_ms: int | None = None, tombstone_retention_ms: int | None = None, *,
+                now_ms: int | None = None, max_map_keys: int = DEFAULT_MAX_MAP_KEYS) -> CompactionStats:
+        """Key-based compaction (Kafka's log cleaner): for each key keep only its latest record.
+
+        Cleans the sealed chunks (never the one being appended to) whose records are all older
+        than ``min_lag_ms`` (default: the policy's ``min_compaction_lag_ms``); a tombstone (value
+        ``None``) is removed once it was first cleaned ``tombstone_retention_ms`` ago (default: the
+        policy's). Offsets never change: removed records become gaps that reads step over.
+        Attribute updates are merged into the B+tree first. On a ``delete,compact`` segment the
+        policy's ``retention_ms``/``retention_bytes`` are applied first. Incremental (a cleaner
+        checkpoint) with a key map of at most ``max_map_keys`` keys per pass. Requires a policy
+        that compacts (``InvalidInputError`` otherwise: see ``configure``).
+        """
+        for name, value in (("min_lag_ms", min_lag_ms), ("tombstone_retention_ms", tombstone_retention_ms),
+                            ("now_ms", now_ms)):
+            if value is not None and (type(value) is not int or value < 0):
+                raise InvalidInputError(f"{name} must be an int >= 0 or None, got {value!r:.60}")
+        if type(max_map_keys) is not int or max_map_keys < 1:
+            raise InvalidInputError(f"max_map_keys must be an int >= 1, got {max_map_keys!r:.60}")
+        started = time.monotonic()
+        self._check_open()
+        policy = self.cleanup_policy()
+        if not policy.compacts:
+            raise InvalidInputError(f"segment {self.name!r} has cleanup_policy {policy.cleanup_policy!r}: nothing to "
+                                    f"compact (configure(cleanup_policy='compact') first)")
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        deleted = 0
+        if policy.deletes and (policy.retention_ms is not None or policy.retention_bytes is not None):
+            deleted = self.apply_retention(policy.retention_ms, policy.retention_bytes, now_ms=now)
+        with self._merge_mutex, self._lock:  # as retention: no append lands between the merge and the limit
+            self._check_open()
+            self._catch_up()
+            self._drain(force=True)  # no attribute update may live only in a batch the cleaner rewrites
+            limit = self._index.checkpoint or 0
+        cleaner = LogCleaner(self._cleaner_log(), limit=limit, now_ms=now,
+                             min_lag_ms=policy.min_compaction_lag_ms if min_lag_ms is None else min_lag_ms,
+                             tombstone_retention_ms=(policy.tombstone_retention_ms if tombstone_retention_ms is None
+                                                     else tombstone_retention_ms),
+                             max_map_keys=max_map_keys)
+        try:
+            checkpoint = cleaner.run()
+        finally:
+            cleaner.log.close()
+            with self._lock:
+                if not self._closed:
+                    self._catch_up()  # this handle's view of the rewritten chunks is stale
+        _log.info("segment %r: compacted %d -> %d records in %d chunks", self.name, cleaner.records_before,
+                  cleaner.records_after, cleaner.chunks_cleaned)
+        return cleaner.stats(checkpoint, time.monotonic() - started, deleted)
+
+    def dirty_ratio(self) -> float:
+        """Kafka's dirty ratio: the share of the stored log bytes after the cleaner checkpoint
+        (not yet deduplicated); 0.0 for an empty log."""
+        self._check_open()
+        log = self._cleaner_log()
+        try:
+            clean, dirty = LogCleaner(log, limit=0, min_lag_ms=0, tombstone_retention_ms=0, now_ms=0).dirty_bytes()
+        finally:
+            log.close()
+        return dirty / (clean + dirty) if clean + dirty else 0.0
+
+    def _cleaner_log(self) -> SegmentLog:
+        """A log view of its own for the cleaner: it runs beside this handle's appends and reads."""
+        return SegmentLog(self._log.storage, self.name, rolling_size=self.options.log_rolling_size,
+                          index_interval_bytes=self.options.index_interval_bytes)
 
     # -- inspection and lifecycle --------------------------------------------------------------
     def stats(self) -> SegmentStats:

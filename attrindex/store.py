@@ -7,6 +7,7 @@ in names starting with ``_``, which segment names may not use, so no two segment
     NAME/_segment                 marker: the segment exists
     NAME/_log.seg/, NAME/_index/, NAME/_gaps/   the record log (attrindex.log)
     NAME/_attributes.seg/         the attributes' B+tree
+    NAME/_config/, NAME/_cleaner/ cleanup policy versions, cleaner checkpoints (attrindex.log.cleaner)
     _streams/STREAM/_count.N      marker: STREAM is a stream of N segments STREAM/0 ... STREAM/N-1
 
 (Stream markers live apart from the segments so finding one lists a few names, not every chunk.)
@@ -28,7 +29,9 @@ from storage_adapters.rolling import validate_segment_name
 
 from .tree_index import TreeIndex
 from .listing import ListedStorage
-from .errors import AttrIndexError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError, StreamNotFoundError
+from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError,
+                     StreamNotFoundError)
+from .log.cleanup_policy import load_policy, policy_from_options, store_policy
 from .locations import open_location
 from .segment import Segment, SegmentOptions
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
@@ -113,16 +116,23 @@ class SegmentStore:
         return store
 
     # -- segments ------------------------------------------------------------------------------
-    def segment(self, name: str, create: bool = False) -> Segment:
+    def segment(self, name: str, create: bool = False, **cleanup: Any) -> Segment:
         """The handle of segment ``name``; ``create=True`` creates it if missing.
 
-        A missing segment without ``create`` raises ``SegmentNotFoundError``.
+        A missing segment without ``create`` raises ``SegmentNotFoundError``. ``cleanup`` options
+        (``cleanup_policy="compact"``, ``min_compaction_lag_ms``, ``tombstone_retention_ms``,
+        ``retention_ms``, ``retention_bytes``: see ``CleanupPolicy``) set the policy of a segment
+        this call creates; for an existing segment they must match its stored policy
+        (``InvalidInputError`` otherwise: change it with ``Segment.configure``).
         """
         validate_name(name)
         _check_bool(create, "create")
+        wanted = policy_from_options(cleanup) if cleanup else None  # checked before anything is written
         with self._lock:
             segment = self._segments.get(name)
             if segment is not None and not segment.closed:
+                if cleanup:
+                    _check_policy(segment.cleanup_policy(), cleanup, name)
                 return segment
             if self.storage.appendable:
                 exists, storage = self.storage.exists(f"{name}/{SEGMENT_MARKER}"), self.storage
@@ -131,6 +141,8 @@ class SegmentStore:
                 exists, storage = SEGMENT_MARKER in listing, ListedStorage(self.storage, name, listing)
             if not exists and not create:
                 raise SegmentNotFoundError(f"segment {name!r} does not exist in {self.storage.url!r}")
+            if cleanup:
+                self._settle_policy(name, wanted, cleanup, exists)
             try:
                 segment = Segment(storage, name, self.options)  # only reads: bad options raise here
             finally:
@@ -140,6 +152,18 @@ class SegmentStore:
                 self.storage.put_marker(f"{name}/{SEGMENT_MARKER}")
             self._segments[name] = segment
             return segment
+
+    def _settle_policy(self, name: str, wanted, given: dict, exists: bool) -> None:
+        """Store the policy of a segment being created (before its marker, so a segment that
+        exists always has it), or check the given options against the stored policy."""
+        stored, version = load_policy(self.storage, name)
+        if not exists and version < 0:
+            try:
+                store_policy(self.storage, name, wanted, 0)
+                return
+            except ChunkExistsError:  # another process creates it at the same time: compare with its policy
+                stored, version = load_policy(self.storage, name)
+        _check_policy(stored, given, name)
 
     def verify_segment(self, name: str) -> SegmentVerifyReport:
         """Read every committed byte of segment ``name`` (log batches, chunk index files, gap
@@ -312,6 +336,15 @@ def _storage_options(options: object) -> dict:
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         raise InvalidInputError(f"storage_options must be a dict of str keys or None, got {options!r:.80}")
     return dict(options)
+
+
+def _check_policy(stored, given: dict, name: str) -> None:
+    """``InvalidInputError`` if a given cleanup option differs from the stored policy."""
+    wanted = policy_from_options(given, stored)
+    if wanted != stored:
+        raise InvalidInputError(f"segment {name!r} exists with cleanup policy {stored}; the options given differ "
+                                f"({', '.join(f'{k}={v!r}' for k, v in given.items())}): change it with "
+                                f"Segment.configure")
 
 
 def _check_bool(value: object, name: str) -> None:

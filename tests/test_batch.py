@@ -442,7 +442,8 @@ def test_attribute_reader_checks_record_columns():
     [
         (dict(version=3), "version"),
         (dict(magic=b"AIXb"), "magic"),
-        (dict(flags=0x40), "flags"),
+        (dict(flags=0x100), "flags"),
+        (dict(flags=0x40), "tombstones has no keys column"),
         (dict(flags=0x04), "flags"),  # codec 4 does not exist
         (dict(size=40), "smaller than"),
         (dict(count=5), "cannot hold"),  # 5 records need at least 5 payload bytes

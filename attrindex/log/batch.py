@@ -4,7 +4,8 @@ A batch is a fixed 64-byte header and a payload; docs/format.md has the layout b
 
     0   4s   magic b"AIXB"
     4   u16  format version (2)
-    6   u16  flags: bits 0-2 codec, bit 3 keys column, bit 4 timestamps column, bit 5 headers column
+    6   u16  flags: bits 0-2 codec, bit 3 keys column, bit 4 timestamps column, bit 5 headers column,
+              bit 6 tombstones column
     8   u32  size of the whole batch, header included
     12  u32  record count
     16  u32  attribute update count
@@ -19,8 +20,10 @@ A batch is a fixed 64-byte header and a payload; docs/format.md has the layout b
 The header has its own checksum, so a reader tells a torn tail (a valid header whose payload is not
 all there yet) from garbage (a header that fails its checksum). The payload is columnar so that
 both directions run on C-level bulk operations: value lengths (varints), all values as one blob,
-then the optional key, timestamp and header columns, then the attribute updates, whose size is
-fixed (25 bytes each) so they sit at a known place at the end of the payload.
+then the optional key, timestamp, header and tombstone columns, then the attribute updates, whose size is fixed (25 bytes each) so they sit at a known place at the
+end of the payload. A tombstone (``Record(value=None, key=...)``: the key is deleted, Kafka's null
+value) is a record whose byte in the tombstones column is 1; batches without tombstones have no
+such column, so they are byte for byte what they were before tombstones existed.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ __all__ = [
     "check_batch",
     "codec_for",
     "decode_attribute_updates",
+    "decode_keys",
     "decode_records",
     "encode_batch",
     "iter_batches",
@@ -70,7 +74,8 @@ _CODEC_MASK = 0x07
 FLAG_KEYS = 0x08
 FLAG_TIMESTAMPS = 0x10
 FLAG_HEADERS = 0x20
-_KNOWN_FLAGS = _CODEC_MASK | FLAG_KEYS | FLAG_TIMESTAMPS | FLAG_HEADERS
+FLAG_TOMBSTONES = 0x40  #: a column of one byte per record: 1 = tombstone (value None)
+_KNOWN_FLAGS = _CODEC_MASK | FLAG_KEYS | FLAG_TIMESTAMPS | FLAG_HEADERS | FLAG_TOMBSTONES
 
 MAX_RECORDS = (1 << 31) - 1
 _U32_MAX = (1 << 32) - 1
@@ -210,9 +215,12 @@ def _decompress(codec: Codec, data, expected: int, corrupt) -> bytes:
 
 
 class Record(typing.NamedTuple):
-    """One record: the input form of ``encode_batch`` and what ``decode_records`` returns."""
+    """One record: the input form of ``encode_batch`` and what ``decode_records`` returns.
 
-    value: bytes
+    ``value=None`` makes a tombstone (Kafka's null value: log compaction deletes the key); a
+    tombstone must have a key."""
+
+    value: bytes | None
     key: bytes | None = None
     timestamp: int | None = None  # ms since the epoch; None on input means the batch's timestamp
     headers: typing.Sequence[tuple[str, bytes]] = ()  # (name, value) pairs; records read back hold a tuple
@@ -280,7 +288,7 @@ def _normalize_columns(records, timestamp: int):
     if not all(type(r) is Record for r in records):
         return None
     values, keys, stamps, headers, _offsets = zip(*records)
-    if any(headers) or set(map(type, values)) != {bytes}:
+    if any(headers) or set(map(type, values)) != {bytes}:  # tombstones (None) take the per-record path
         return None
     key_types = set(map(type, keys))
     if not key_types <= {bytes, _NONE_TYPE}:
@@ -292,11 +300,12 @@ def _normalize_columns(records, timestamp: int):
         stamps = [timestamp if t is None else t for t in stamps]
     if min(stamps) < _I64_MIN or max(stamps) > _I64_MAX:
         return None
-    return list(values), list(keys) if bytes in key_types else None, list(stamps), None
+    return list(values), list(keys) if bytes in key_types else None, list(stamps), None, None
 
 
 def _normalize(records, timestamp: int):
-    """Per-record path: (values, keys or None, timestamps or None, headers or None)."""
+    """Per-record path: (values, keys or None, timestamps or None, headers or None, tombstone
+    flags or None). A tombstone's value is stored as ``b""`` and flagged."""
     fast = _normalize_columns(records, timestamp)
     if fast is not None:
         return fast
@@ -304,11 +313,18 @@ def _normalize(records, timestamp: int):
     keys: list[bytes | None] = []
     stamps: list[int] = []
     headers: list[tuple] = []
+    tombstones: list[int] = []
     any_key = any_headers = False
     for i, record in enumerate(records):
+        dead = 0
         if isinstance(record, Record):
             value, key, stamp, pairs, _offset = record
-            value = _as_bytes(value, f"record {i}: value")
+            if value is None:
+                if key is None:
+                    raise InvalidInputError(f"record {i}: a tombstone (value None) needs a key: it deletes that key")
+                value, dead = b"", 1
+            else:
+                value = _as_bytes(value, f"record {i}: value")
             if key is not None:
                 if isinstance(key, str):
                     raise InvalidInputError(f"record {i}: key must be bytes or None, got str")
@@ -331,7 +347,9 @@ def _normalize(records, timestamp: int):
         keys.append(key)
         stamps.append(stamp)
         headers.append(pairs)
-    return values, keys if any_key else None, stamps, headers if any_headers else None
+        tombstones.append(dead)
+    return (values, keys if any_key else None, stamps, headers if any_headers else None,
+            tombstones if any(tombstones) else None)
 
 
 def record_list(records) -> list:
@@ -433,9 +451,10 @@ def encode_batch(
     """One batch holding ``records`` (numbered from ``base_offset``) and ``attribute_updates``.
 
     ``records`` items are bytes-like values or ``Record``s; a record without a timestamp gets
-    ``timestamp``. ``attribute_updates`` is ``(keys, values)``: 16-byte keys and int64 values,
-    ``None`` meaning "remove". Either may be empty. ``batch_id`` (an unsigned 64-bit int; default
-    a fresh random one) identifies the append call: give every encoding of one call the same id.
+    ``timestamp``; a ``Record`` whose value is ``None`` is a tombstone and must have a key.
+    ``attribute_updates`` is ``(keys, values)``: 16-byte keys and int64 values, ``None`` meaning
+    "remove". Either may be empty. ``batch_id`` (an unsigned 64-bit int; default a fresh random
+    one) identifies the append call: give every encoding of one call the same id.
     """
     codec = codec_for(codec)
     batch_id = new_batch_id() if batch_id is None else _check_batch_id(batch_id)
@@ -459,7 +478,7 @@ def encode_batch(
         )
 
     flags = int(codec)
-    keys = stamps = headers = None
+    keys = stamps = headers = tombstones = None
     values = records
     crc = total = 0
     lengths_column = b""
@@ -475,7 +494,7 @@ def encode_batch(
         except (TypeError, BufferError):
             expected, total = 0, -1
         if total != expected:
-            values, keys, stamps, headers = _normalize(records, timestamp)
+            values, keys, stamps, headers, tombstones = _normalize(records, timestamp)
             lengths = list(map(len, values))
             lengths_column = encode_lengths(lengths)
             crc, total = _checksum_values(values, lengths_column, sum(lengths))
@@ -509,6 +528,9 @@ def encode_batch(
         parts.append(encode_lengths(list(map(len, header_values))))
         parts.append(b"".join(names))
         parts.append(b"".join(header_values))
+    if tombstones is not None:
+        flags |= FLAG_TOMBSTONES
+        parts.append(bytes(tombstones))
     update_count, update_parts = _encode_updates(attribute_updates)
     parts.extend(update_parts)
 
@@ -651,9 +673,12 @@ def _header_problem(version, flags, size, count, update_count, payload_size, bas
         return f"base offset {base_offset} with {count} records is out of range"
     if max_ts < first_ts:
         return f"max timestamp {max_ts} is below the first timestamp {first_ts}"
-    columns = bool(flags & FLAG_KEYS) + bool(flags & FLAG_TIMESTAMPS) + bool(flags & FLAG_HEADERS)
+    columns = (bool(flags & FLAG_KEYS) + bool(flags & FLAG_TIMESTAMPS) + bool(flags & FLAG_HEADERS)
+               + bool(flags & FLAG_TOMBSTONES))
     if count == 0 and columns:
         return "optional record columns are flagged in a batch without records"
+    if flags & FLAG_TOMBSTONES and not flags & FLAG_KEYS:
+        return "a batch with tombstones has no keys column (a tombstone needs a key)"
     if not flags & FLAG_TIMESTAMPS and max_ts != first_ts:
         return "timestamps differ but the batch has no timestamp column"
     smallest = count * (1 + columns) + _UPDATE_SIZE * update_count  # a varint per record and column
@@ -733,7 +758,7 @@ class _Layout:
 
     __slots__ = ("value_lengths", "value_bounds", "key_codes", "key_lengths", "key_bounds", "deltas",
                  "header_counts", "name_lengths", "name_bounds", "header_value_lengths",
-                 "header_value_bounds", "updates_at")
+                 "header_value_bounds", "tombstones", "updates_at")
 
 
 def _layout(data, start: int, end: int, header: BatchHeader, corrupt) -> _Layout:
@@ -743,7 +768,7 @@ def _layout(data, start: int, end: int, header: BatchHeader, corrupt) -> _Layout
     if updates_at < start:
         raise corrupt("payload is too short for its attribute updates")
     layout.updates_at = updates_at
-    layout.key_codes = layout.deltas = layout.header_counts = None
+    layout.key_codes = layout.deltas = layout.header_counts = layout.tombstones = None
     at = start
     lengths, at = _varints(data, at, count, updates_at, corrupt, "value lengths")
     layout.value_lengths = lengths
@@ -752,7 +777,9 @@ def _layout(data, start: int, end: int, header: BatchHeader, corrupt) -> _Layout
     if flags & FLAG_KEYS:
         codes, at = _varints(data, at, count, updates_at, corrupt, "key lengths")
         layout.key_codes = codes
-        layout.key_lengths = lengths = [c - 1 if c else 0 for c in codes]
+        # key length + 1 (0: no key); subtracted in C when every record has a key
+        layout.key_lengths = lengths = (list(map((1).__rsub__, codes)) if 0 not in codes
+                                        else [c - 1 if c else 0 for c in codes])
         layout.key_bounds = bounds = _bounds(lengths, at, updates_at, corrupt, "key lengths")
         at = bounds[-1]
     if flags & FLAG_TIMESTAMPS:
@@ -770,9 +797,26 @@ def _layout(data, start: int, end: int, header: BatchHeader, corrupt) -> _Layout
             layout.header_value_lengths, bounds[-1], updates_at, corrupt, "header value lengths"
         )
         at = bounds[-1]
+    if flags & FLAG_TOMBSTONES:
+        at = _tombstone_column(data, at, updates_at, layout, corrupt)
     if at != updates_at:
         raise corrupt(f"{updates_at - at} unexpected bytes after the record columns")
     return layout
+
+
+def _tombstone_column(data, at: int, limit: int, layout: _Layout, corrupt) -> int:
+    """Read the tombstone flags (one byte per record) at ``at``; return the position after them."""
+    count = len(layout.value_lengths)
+    flags = bytes(data[at : at + count])
+    if at + count > limit:
+        raise corrupt("the tombstones column runs past the end of the records section")
+    if flags.translate(None, b"\x00\x01"):
+        raise corrupt("a tombstone flag is neither 0 nor 1")
+    for i in itertools.compress(range(count), flags):
+        if layout.value_lengths[i] or not layout.key_codes[i]:
+            raise corrupt(f"tombstone {i} has a value or no key")
+    layout.tombstones = flags
+    return at + count
 
 
 _CUT_RUN = 1024  # pieces per precompiled struct when cutting equal-length pieces
@@ -832,9 +876,28 @@ def decode_records(
     headers = itertools.repeat(())
     if layout.header_counts is not None:
         headers = _headers(data, layout, corrupt)
+    if layout.tombstones is not None:
+        values = [None if dead else v for v, dead in zip(values, layout.tombstones)]
     base = header.base_offset
     rows = zip(values, keys, stamps, headers, range(base, base + count))
     return list(map(tuple.__new__, itertools.repeat(Record), rows))
+
+
+def decode_keys(
+    buf, pos: int, header: BatchHeader, *, position: int = 0, segment: str | None = None, verify: bool = True
+) -> tuple[list[bytes | None], bytes | None]:
+    """``(keys, tombstone flags)`` of the batch at ``buf[pos]``, without materializing values:
+    what the log cleaner needs to decide which records survive. ``keys`` has one entry per record
+    (``None`` for a keyless one); the flags are one byte per record (``None``: no tombstones)."""
+    corrupt = _corrupt_at(segment, position + pos)
+    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    layout = _layout(data, start, end, header, corrupt)
+    if layout.key_codes is None:
+        return [None] * header.record_count, None
+    pieces = _slices(data, layout.key_bounds, layout.key_lengths) if header.record_count else []
+    if 0 in layout.key_codes:
+        pieces = [k if c else None for k, c in zip(pieces, layout.key_codes)]
+    return pieces, layout.tombstones
 
 
 def _timestamps(deltas: list[int], header: BatchHeader, corrupt) -> list[int]:

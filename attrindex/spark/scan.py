@@ -109,6 +109,8 @@ def scan(store: SegmentStore, scan_range: ScanRange, bounds: ScanBounds) -> Iter
         if segment.next_offset < scan_range.end:
             segment.refresh()
         records = segment.read(offset, min(READ_CHUNK, scan_range.end - offset))
+        if records and records[-1].offset >= scan_range.end:  # offsets jump over gaps (compaction, repairs)
+            records = [r for r in records if r.offset < scan_range.end]
         if not records:
             return
         offset = records[-1].offset + 1
