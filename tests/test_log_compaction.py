@@ -706,6 +706,34 @@ def test_a_pass_that_loses_the_switch_to_another_cleaner_starts_again(tmp_path):
         assert {r.key: r for r in everything(seg)} == latest
 
 
+@pytest.mark.parametrize("fault", ["fail_before", "lost_ack", "torn", "enospc"])
+@pytest.mark.parametrize("target", ["_log.seg", "_cleaner"])  # the switch's writes, the checkpoint
+def test_a_storage_fault_during_compaction_leaves_a_valid_log(fault, target, tmp_path):
+    from storage_adapters import open_storage
+    from storage_adapters.errors import StorageError
+    from storage_adapters.faults import FaultyStorage
+
+    storage = FaultyStorage(open_storage(str(tmp_path / "store")), seed=3)
+    store = SegmentStore(storage, log_rolling_size=ROLL)
+    seg = store.segment("s", create=True, cleanup_policy="compact")
+    for i in range(30):
+        seg.append([Record(b"%d" % i + b"." * 40, b"k%d" % (i % 4))], timestamp=1)
+    before = {r.offset: r for r in everything(seg)}
+    latest = {r.key: r for r in before.values()}
+    storage.script(fault, op="create", path_contains=target)
+    try:
+        seg.compact(min_lag_ms=0)
+    except StorageError:
+        pass
+    assert storage.injected, "the fault was not injected"
+    for handle in (seg, SegmentStore(open_storage(str(tmp_path / "store")), log_rolling_size=ROLL).segment("s")):
+        survivors = everything(handle)
+        assert all(before[r.offset] == r for r in survivors) and {r.key: r for r in survivors} == latest
+    stats = seg.compact(min_lag_ms=0)  # and the next compaction finishes the work
+    below = [r.key for r in everything(seg) if r.offset < stats.checkpoint]
+    assert stats.checkpoint > 0 and len(below) == len(set(below))
+
+
 def _killed_compactions(url, options, rounds, per_round=40):
     """SIGKILL a process compacting a segment, ``rounds`` times at varying moments (more records
     appended before each, so that there is work); after each kill the segment must hold a valid
