@@ -347,7 +347,7 @@ _STEPS = ["_write_all", "_write_out", "setxattr", "fsync", "fsync!"]
 def test_a_writer_killed_at_any_step_loses_no_acknowledged_append(tmp_path, step):
     root = str(tmp_path / "store")
     stored: list[tuple[int, bytes]] = []  # what the segment held after the previous kill
-    for call in (1, 2, 3, 5, 8, 13):  # some kills land on a chunk's first append (rolling_size=64)
+    for call in (1, 2, 3, 5, 9):  # some kills land on a chunk's first append (rolling_size=64)
         child = subprocess.run([sys.executable, "-c", _CHILD, root, step, str(call)],
                                capture_output=True, text=True, timeout=60,
                                env={**os.environ, "PYTHONPATH": os.getcwd()})
