@@ -30,6 +30,7 @@ import errno
 import fcntl
 import os
 import re
+import secrets
 import shutil
 import stat
 import struct
@@ -43,6 +44,7 @@ from .errors import ChunkExistsError, CorruptDataError, InvalidInputError, Stora
 
 COMMIT_SUFFIX = ".commit"
 LOCK_NAME = ".lock"
+_TEMP_PREFIX = ".tmp-"  #: files being created; never listed (a crash may leave one behind)
 COMMIT_XATTR = "user.attrindex.commit"
 #: How new chunks record their commits: ``"xattr"`` (v2, one fsync per append, the default where
 #: the filesystem has user xattrs) or ``"sidecar"`` (v1, two fdatasyncs).
@@ -222,7 +224,7 @@ class LocalChunkStorage(ChunkStorage):
             dirnames[:] = [d for d in dirnames if not _FENCE.fullmatch(d)]  # v2 fences hold nothing
             rel_dir = os.path.relpath(dirpath, base)
             for name in filenames:
-                if name.endswith(COMMIT_SUFFIX) or name == LOCK_NAME:
+                if name.endswith(COMMIT_SUFFIX) or name == LOCK_NAME or name.startswith(_TEMP_PREFIX):
                     continue
                 rel = name if rel_dir == "." else f"{rel_dir}/{name}"
                 with contextlib.suppress(FileNotFoundError):
@@ -249,13 +251,22 @@ class LocalChunkStorage(ChunkStorage):
 
     # -- writing -------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:
+        """Create ``path`` holding ``data``, whole or not at all, even for readers in other processes.
+
+        The bytes go to a temporary file in the same directory first (synced), which is then
+        linked to the name: the link fails if the name exists (the exclusive create) and makes
+        the whole file appear at once, so no reader (a verify beside a writer) ever sees a
+        short file, and a crash leaves no partial file under the name, only a temporary one
+        that listings skip.
+        """
         target = self._abs(path)
+        directory = os.path.dirname(target)
         with os_errors("create", path):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            try:
-                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                raise ChunkExistsError(path) from None
+            os.makedirs(directory, exist_ok=True)
+            if os.path.lexists(target):
+                raise ChunkExistsError(path)
+            temporary = os.path.join(directory, f"{_TEMP_PREFIX}{os.path.basename(target)}.{secrets.token_hex(6)}")
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 try:
                     _write_all(fd, data, 0)
@@ -263,13 +274,15 @@ class LocalChunkStorage(ChunkStorage):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                if self.sync:
-                    _fsync_directory(os.path.dirname(target))
-            except OSError:
-                # A whole file or none: a partial one would read as a short or torn object.
+                try:
+                    os.link(temporary, target)
+                except FileExistsError:
+                    raise ChunkExistsError(path) from None
+            finally:
                 with contextlib.suppress(OSError):
-                    os.unlink(target)
-                raise
+                    os.unlink(temporary)
+            if self.sync:
+                _fsync_directory(directory)
 
     def put_marker(self, path: str) -> None:
         target = self._abs(path)

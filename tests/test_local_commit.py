@@ -22,7 +22,7 @@ import pytest
 from attrindex import SegmentStore
 from attrindex.errors import CorruptDataError
 from storage_adapters import RollingSegment, open_storage
-from storage_adapters.errors import InvalidInputError, StorageError, StorageFullError
+from storage_adapters.errors import ChunkExistsError, InvalidInputError, StorageError, StorageFullError
 from storage_adapters.local import (
     COMMIT_RECORD_SIZE,
     COMMIT_SUFFIX,
@@ -437,3 +437,38 @@ def test_only_fences_are_left_out_of_listings_not_directories_named_like_them(tm
     seg.append(b"abc")
     assert sorted(open_storage(str(tmp_path)).list_files("")) == [
         f"a.commit/s.seg/{CHUNK}"]
+
+
+def test_a_created_file_appears_whole_to_a_concurrent_reader(tmp_path, monkeypatch):
+    """``create`` of index files, markers and replacement chunks: while its bytes are being
+    written, the name is not visible to any reader (a short file would read as damage)."""
+    import storage_adapters.local as local
+
+    storage = open_storage(str(tmp_path))
+    data = os.urandom(1 << 16)
+    seen_while_writing = []
+    write_all = local._write_all
+
+    def watched(fd, payload, position):
+        seen_while_writing.append(storage.list_files("d"))
+        write_all(fd, payload, position)
+        seen_while_writing.append(storage.list_files("d"))
+
+    monkeypatch.setattr(local, "_write_all", watched)
+    storage.create("d/00000000000000000000", data)
+    assert seen_while_writing == [{}, {}], "the name was visible before its bytes were complete"
+    assert storage.list_files("d") == {"00000000000000000000": len(data)}
+    with pytest.raises(ChunkExistsError):
+        storage.create("d/00000000000000000000", b"other")
+    assert storage.read("d/00000000000000000000", 0, len(data)) == data
+
+
+def test_a_crash_mid_create_leaves_no_file_under_the_name(tmp_path):
+    """A writer killed while creating leaves only a temporary file, which listings skip and a
+    later create of the same name does not collide with."""
+    storage = open_storage(str(tmp_path))
+    os.makedirs(tmp_path / "d")
+    (tmp_path / "d" / ".tmp-00000000000000000007.abcdef").write_bytes(b"half")
+    assert storage.list_files("d") == {}
+    storage.create("d/00000000000000000007", b"whole")
+    assert storage.list_files("d") == {"00000000000000000007": 5}
