@@ -192,6 +192,7 @@ class EventWriter:
         self._flushers: list[threading.Thread] = []
         self._error: BaseException | None = None  #: a background append that failed: raised to callers
         self._urgent = 0  #: flush() calls waiting: every queue is due now
+        self._woken = False  #: a queue went from empty to not: flushers waiting idle must look again
         self._closing = False
 
     def segment_for(self, routing_key: object) -> int:
@@ -260,6 +261,7 @@ class EventWriter:
                 continue
             if not state.pending:
                 state.since = time.monotonic()
+                self._woken = True  # a queue that was empty: idle flushers must learn its linger deadline
             state.pending.append(record)
             state.pending_bytes += len(payload)
             if not lingering and (len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes):
@@ -394,7 +396,8 @@ class EventWriter:
         batches, and hold the caller back while a queue is far ahead of them (bounded slices)."""
         if not self._flushers:
             self._start_flushers()
-        if any(self._full(state) for state in touched):
+        if self._woken or any(self._full(state) for state in touched):
+            self._woken = False
             self._cond.notify_all()
         limit = QUEUE_BATCHES * self.batch_events
         while any(len(state.pending) >= limit for state in touched):

@@ -560,3 +560,22 @@ def test_linger_writes_from_many_threads_are_each_stored_once(store):
     writer.close()
     stored = [v for _, _, v in stream_events(store, "s")]
     assert sorted(stored) == sorted(b"%d-%d" % (t, i) for t in range(4) for i in range(300))
+
+
+@pytest.mark.parametrize("backend", ["memory"], indirect=True)
+def test_linger_the_first_event_after_idle_is_sent_after_the_linger_not_the_idle_wait(store):
+    """Flushers idle with nothing queued wait up to a second; a write into an empty queue wakes them
+    so that its own linger deadline counts (found by merge: up to 1 s instead of linger_ms)."""
+    import time
+
+    writer = EventWriter(store, "s", segments=2, linger_ms=20)
+    writer.write(b"warm")
+    writer.flush()
+    took = []
+    for i in range(3):
+        time.sleep(0.15)  # the flushers are back in their idle wait
+        started = time.monotonic()
+        assert writer.write(b"%d" % i).wait(timeout=10)
+        took.append(time.monotonic() - started)
+    writer.close()
+    assert min(took) < 0.5, took
