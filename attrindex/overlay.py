@@ -80,6 +80,10 @@ class AttributeOverlay:
             values.extend(map(get, keys[i:i + _STEP_KEYS]))
         return keys, values
 
+    def copy_values(self) -> dict[bytes, int | None]:
+        """The entries as a new dict (one C-level copy): a snapshot to work on without the lock."""
+        return dict(self._values)
+
     def __len__(self) -> int:
         return len(self._values)
 

@@ -179,3 +179,31 @@ def test_a_big_local_append_is_written_back_in_slices_and_reads_back(tmp_path, m
     assert storage.read("c/0", 0, len(first) + len(big)) == first + big
     reopened = open_storage(str(tmp_path / "s"))
     assert reopened.read("c/0", len(first), len(first) + len(big)) == big
+
+
+def test_an_update_does_not_wait_for_len_counting_the_pending_keys():
+    """``len`` looks the pending keys up in the tree on a snapshot, without the WAL's lock."""
+    index = AttributeIndex(open_storage(f"memory://len-{uuid.uuid4().hex}"), "idx", merge_keys=10**6)
+    index.bulk_load({key(i): i for i in range(100)})
+    index.update({key(i): (None if i % 2 else -i) for i in range(50)} | {key(500): 5})
+    tree = index._wal._index
+    gate, entered, real = threading.Event(), threading.Event(), tree.get_many
+
+    def held_lookup(keys):
+        entered.set()
+        assert gate.wait(60)
+        return real(keys)
+
+    tree.get_many = held_lookup  # the count's tree lookups block until the gate opens
+    box: dict = {}
+    counter = threading.Thread(target=lambda: box.setdefault("len", len(index)), daemon=True)
+    counter.start()
+    try:
+        assert entered.wait(20)
+        assert returns_promptly(lambda: index.update({key(600): 6, key(1): 1}))[0] is True
+    finally:
+        gate.set()
+    counter.join(20)
+    del tree.get_many
+    assert box["len"] == 100 - 25 + 1  # exact as of its snapshot, before the update beside it
+    assert len(index) == 100 - 25 + 1 + 2
