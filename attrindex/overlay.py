@@ -142,7 +142,9 @@ def _bucket_sort(keys: list[bytes], out: list[bytes]) -> None:
     if len(keys) <= _STEP_KEYS:
         out.extend(sorted(keys))
         return
-    low, high = min(keys), max(keys)  # linear C steps; ~250k comparisons at most
+    steps = range(0, len(keys), _STEP_KEYS)  # min and max a step at a time too
+    low = min([min(keys[i:i + _STEP_KEYS]) for i in steps])
+    high = max([max(keys[i:i + _STEP_KEYS]) for i in steps])
     at = next((i for i, (a, b) in enumerate(zip(low, high)) if a != b), None)
     if at is None:  # not distinct keys of one length (never in an overlay): no split byte
         out.extend(sorted(keys))
