@@ -40,6 +40,7 @@ class Probe:
     def __init__(self) -> None:
         self.local = threading.local()
         self.merges: list[tuple] = []  # (start, wall, thread cpu, keys, syncs)
+        self.truncations: list[float] = []  # seconds of each truncation of the merged log (holds the lock)
 
     def reset(self) -> dict:
         self.local.t = {"lock": 0.0, "room": 0.0, "append": 0.0, "sync": 0.0}
@@ -86,6 +87,15 @@ def instrument(probe: Probe) -> None:
     Segment._wait_for_room = timed("room", wait_for_room)
     SegmentLog.append_many = timed("append", append_many)
     Segment._merge_once = timed_merge
+    truncate = Segment._truncate_merged
+
+    def timed_truncate(self):
+        start = clock()
+        try:
+            return truncate(self)
+        finally:
+            probe.truncations.append(clock() - start)
+    Segment._truncate_merged = timed_truncate
 
 
 def watch_gc() -> list:
@@ -129,6 +139,8 @@ def run(args) -> int:
     try:
         index = AttributeIndex.open(url, merge_keys=args.merge_keys)
         index.bulk_load(pairs)
+        if args.gc_freeze:
+            gc.freeze()  # the data set and the loaded index out of the collector's sight (an application's choice)
         clock = time.perf_counter
         rows = []
         pauses = watch_gc()
@@ -162,6 +174,8 @@ def run(args) -> int:
         times = [p for g, p in pauses if g == generation]
         print(f"gc generation {generation}: {len(times)} collections, {sum(times) * 1e3:,.0f} ms, "
               f"longest {max(times, default=0) * 1e3:.1f} ms")
+    print("truncations of the merged log (segment lock held): "
+          + ", ".join(f"{t * 1e3:.0f} ms" for t in probe.truncations))
     for start, wall, cpu, n, sync in probe.merges:
         print(f"merge at {start - begin:7.2f} s: {n:,} keys, {wall * 1e3:,.0f} ms wall, {cpu * 1e3:,.0f} ms CPU, "
               f"{sync * 1e3:,.0f} ms in syncs")
@@ -176,6 +190,7 @@ def main(argv=None) -> int:
     parser.add_argument("--show", type=int, default=10, help="slowest calls listed")
     parser.add_argument("--dir", default=None, help="where the index goes (default: a temp dir)")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (ms) for the run")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the load (as an application may)")
     parser.add_argument("--memory", action="store_true", help="memory:// storage: no disk, CPU and GIL alone")
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
