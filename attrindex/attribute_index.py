@@ -33,6 +33,7 @@ from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError, Sto
 from .keys import KEY_SIZE, to_key
 from .locations import index_exists, mark_index_created, open_location
 from .log.segment_log import LOG_DIR
+from .overlay import AttributeOverlay, sort_keys
 from .segment import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES, Segment,
                       SegmentOptions)
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
@@ -222,22 +223,23 @@ class AttributeIndex:
         """The exact number of keys: the tree's count corrected for the WAL's pending updates.
 
         Costs one tree lookup per pending key (``get_many``, mostly cached pages) when the state
-        changed since the last call; bounded by ``merge_keys`` (twice, with a merge running)."""
+        changed since the last call; bounded by ``merge_keys`` (twice, with a merge running). The
+        lookups run on a snapshot of the pending updates without the WAL's lock: updates beside
+        a ``len`` wait for one copy of the active overlay, not for the count."""
         self._check_open()
         wal = self._wal
-        with wal._lock:
-            cached = self._len_cache
-            if cached is not None and cached[0] == self._len_state():
-                return cached[1]
-            for _attempt in range(MAX_REFRESH_ATTEMPTS):
-                # The background merge writes the tree without the handle's lock: count again if
-                # the tree moved while it was being read, so count and lookups share one version.
+        for _attempt in range(MAX_REFRESH_ATTEMPTS):
+            with wal._lock:
                 state = self._len_state()
-                count = self._count()
-                if self._len_state() == state:
-                    self._len_cache = (state, count)
-                    return count
-        with wal._merge_mutex, wal._lock:  # merges kept moving it: count with merges held off
+                cached = self._len_cache
+                if cached is not None and cached[0] == state:
+                    return cached[1]
+                frozen, active = wal._frozen, wal._overlay.copy_values()  # a frozen overlay never changes
+            count = self._count_snapshot(state[0], frozen, active)
+            if count is not None:
+                self._len_cache = (state, count)
+                return count
+        with wal._merge_mutex, wal._lock:  # merges kept moving the tree: count with merges held off
             return self._count()
 
     def _len_state(self) -> tuple:
@@ -247,6 +249,26 @@ class AttributeIndex:
         frozen = wal._frozen
         return (wal._log.position, wal._index._tree.state.footer_offset, id(wal._overlay), len(wal._overlay),
                 id(frozen), 0 if frozen is None else len(frozen))
+
+    def _count_snapshot(self, position: int, frozen: AttributeOverlay | None, active: dict) -> int | None:
+        """The count at WAL ``position`` from a snapshot of tier 1 (without the lock), or None if
+        the tree moved during the count or covers more than ``position`` (then count again).
+
+        Any tree version up to ``position`` overlaid with tier 1 as of ``position`` is the state at
+        ``position``: a merge landing meanwhile moves into the tree only what tier 1 overrides."""
+        tree = self._wal._index
+        version = tree._tree.state
+        if version.footer.checkpoint > position:
+            return None
+        pending = active
+        if frozen is not None and len(frozen):
+            pending = frozen.copy_values()
+            pending.update(active)
+        stored = tree.get_many(sort_keys(list(pending))) if pending else []
+        if tree._tree.state.footer_offset != version.footer_offset:
+            return None
+        present = sum(v is not None for v in pending.values())
+        return version.footer.entry_count + present - sum(v is not None for v in stored)
 
     def _count(self) -> int:
         """Tree entries + pending keys present now - pending keys the tree holds (under the lock)."""

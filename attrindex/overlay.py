@@ -14,13 +14,17 @@ from typing import Iterator
 
 from .value_cache import MISSING
 
-__all__ = ["AttributeOverlay", "merge_scan", "MISSING"]
+__all__ = ["AttributeOverlay", "merge_scan", "sort_keys", "MISSING"]
 
 # Estimated bytes per entry, for flush thresholds: the 16-byte key object (49), a boxed int value
 # (32; ``None`` and small ints are shared, so this is an upper bound), the dict's slot and index
 # share at a typical fill (~55) and the sorted list's pointer (8).
 _ENTRY_BYTES = 144
 _BASE_BYTES = 300  # the empty dict, list and object
+# The most keys one C-level step (a sort, a copy) handles. Such a step holds the GIL from start to
+# end, so a 250k-key overlay sorted in one call froze every other thread of the process (an
+# ``update`` beside the background merge) for 0.1-1 s; in steps this size each hold is ~2 ms.
+_STEP_KEYS = 16384
 
 
 class AttributeOverlay:
@@ -66,9 +70,19 @@ class AttributeOverlay:
         return _scan(keys, self._values, lo, hi)
 
     def sorted_items(self) -> tuple[list[bytes], list[int | None]]:
-        """Every entry as parallel lists ascending by key, removals included (to flush into the tree)."""
+        """Every entry as parallel lists ascending by key, removals included (to flush into the tree).
+
+        Built in steps of at most ``_STEP_KEYS`` keys: the background merge calls this on a full
+        overlay, and other threads must get the GIL between steps."""
         keys = list(self._sorted_keys())  # a copy: the caller may keep or change it
-        return keys, list(map(self._values.__getitem__, keys))
+        get, values = self._values.__getitem__, []
+        for i in range(0, len(keys), _STEP_KEYS):
+            values.extend(map(get, keys[i:i + _STEP_KEYS]))
+        return keys, values
+
+    def copy_values(self) -> dict[bytes, int | None]:
+        """The entries as a new dict (one C-level copy): a snapshot to work on without the lock."""
+        return dict(self._values)
 
     def __len__(self) -> int:
         return len(self._values)
@@ -97,7 +111,10 @@ class AttributeOverlay:
     def _sorted_keys(self) -> list[bytes]:
         keys, values = self._sorted, self._values
         missing = len(values) - len(keys)
-        if missing:
+        if missing > _STEP_KEYS:  # many new keys (a full overlay): sort in short steps
+            keys = sort_keys(list(values))
+            self._sorted = keys
+        elif missing:
             # Entries are never deleted one by one, so the dict's last `missing` keys (insertion
             # order) are exactly the new ones. Appending them and sorting lets timsort merge the
             # sorted run with the new run: O(n + k log k), not a full O(n log n) re-sort.
@@ -108,6 +125,37 @@ class AttributeOverlay:
 
     def __repr__(self) -> str:
         return f"AttributeOverlay({len(self)} entries)"
+
+
+def sort_keys(keys: list[bytes]) -> list[bytes]:
+    """``sorted(keys)`` for distinct keys of equal length, in steps that each hold the GIL briefly:
+    a bucket sort on the first byte where the keys differ (a Python loop, which gives the GIL
+    away every switch interval), recursing into buckets bigger than ``_STEP_KEYS``; small
+    buckets are sorted in C. Sequential integer keys (long shared prefixes) are split at the
+    first differing byte, so the depth stays small. About as fast as one ``sorted``."""
+    out: list[bytes] = []
+    _bucket_sort(keys, out)
+    return out
+
+
+def _bucket_sort(keys: list[bytes], out: list[bytes]) -> None:
+    if len(keys) <= _STEP_KEYS:
+        out.extend(sorted(keys))
+        return
+    steps = range(0, len(keys), _STEP_KEYS)  # min and max a step at a time too
+    low = min([min(keys[i:i + _STEP_KEYS]) for i in steps])
+    high = max([max(keys[i:i + _STEP_KEYS]) for i in steps])
+    at = next((i for i, (a, b) in enumerate(zip(low, high)) if a != b), None)
+    if at is None:  # not distinct keys of one length (never in an overlay): no split byte
+        out.extend(sorted(keys))
+        return
+    buckets: list[list[bytes]] = [[] for _ in range(256)]
+    put = [bucket.append for bucket in buckets]
+    for key in keys:
+        put[key[at]](key)
+    for bucket in buckets:
+        if bucket:
+            _bucket_sort(bucket, out)
 
 
 def _scan(

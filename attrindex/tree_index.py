@@ -314,7 +314,11 @@ class TreeIndex:
             if len(keys) <= _CACHE_UPDATES_UP_TO:
                 self._values.put_many(keys, values)
             else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
-                self._values.refresh_many(dict(zip(keys, values)))
+                # In steps: one dict of a 250k-key merge is a C call holding the GIL for 0.1-0.5 s
+                # (the background merge's), which an update in another thread would wait out.
+                for i in range(0, len(keys), _CACHE_UPDATES_UP_TO):
+                    self._values.refresh_many(dict(zip(keys[i:i + _CACHE_UPDATES_UP_TO],
+                                                       values[i:i + _CACHE_UPDATES_UP_TO])))
         return True
 
     def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
