@@ -30,6 +30,7 @@ from .btree.bulk import read_pairs
 from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
 from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError, StorageError
+from .handle import IndexHandle
 from .keys import KEY_SIZE, to_key
 from .locations import index_exists, mark_index_created, open_location
 from .log.segment_log import LOG_DIR
@@ -67,7 +68,7 @@ class WalIndexRepairReport(IndexRepairReport):
     merged_updates_lost: bool = False
 
 
-class AttributeIndex:
+class AttributeIndex(IndexHandle):
     """A durable map of 16-byte keys to signed 64-bit values: a write-ahead log over a B+tree.
 
     Keys may be given as 16 ``bytes``, a ``uuid.UUID`` or an ``int`` in ``[0, 2**128)``; they come
@@ -504,35 +505,8 @@ class AttributeIndex:
         self._closed = True
         self._wal.close()
 
-    @property
-    def closed(self) -> bool:
-        """Whether ``close`` was called."""
-        return self._closed
-
-    @property
-    def read_only(self) -> bool:
-        """Whether the handle was opened with ``mode="r"``: ``update`` raises."""
-        return self._read_only
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidInputError(f"index {self._name!r} at {self._storage.url!r}: the index handle is closed")
-
-    def _check_writable(self) -> None:
-        self._check_open()
-        if self._read_only:
-            raise InvalidInputError(f"index {self._name!r} at {self._storage.url!r} was opened read-only (mode='r')")
-
-    def __enter__(self) -> "AttributeIndex":
-        self._check_open()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"entries={len(self)}"
-        return f"AttributeIndex({self._storage.url!r}, {self._name!r}, {state})"
+    def _location(self) -> tuple[str, str]:
+        return self._name, self._storage.url
 
 
 def _advance_below_wal(storage: ChunkStorage, name: str, options: SegmentOptions) -> bool:

@@ -23,6 +23,7 @@ from .btree.repair import IndexRepairReport, repair_index
 from .btree.verify import VerifyReport, verify_index
 from .cache import ShardedLRUCache
 from .errors import IndexNotFoundError, InvalidInputError
+from .handle import IndexHandle
 from .keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
 from .locations import index_exists, mark_index_created, open_location
 from .value_cache import MISSING, ValueCache
@@ -138,7 +139,7 @@ class IndexStats:
     requests: Any = None
 
 
-class TreeIndex:
+class TreeIndex(IndexHandle):
     """A durable map of 16-byte keys to signed 64-bit values, stored as an append-only B+tree.
 
     Keys may be given as 16 ``bytes``, a ``uuid.UUID`` or an ``int`` in ``[0, 2**128)``; they come
@@ -434,32 +435,5 @@ class TreeIndex:
         self._closed = True
         self._segment.close()
 
-    @property
-    def closed(self) -> bool:
-        """Whether ``close`` was called."""
-        return self._closed
-
-    @property
-    def read_only(self) -> bool:
-        """Whether the handle was opened with ``mode="r"``: ``update`` raises."""
-        return self._read_only
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidInputError(f"index {self._segment.name!r} at {self._segment.storage.url!r}: the index handle is closed")
-
-    def _check_writable(self) -> None:
-        self._check_open()
-        if self._read_only:
-            raise InvalidInputError(f"index {self._segment.name!r} at {self._segment.storage.url!r} was opened read-only (mode='r')")
-
-    def __enter__(self) -> "TreeIndex":
-        self._check_open()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else f"entries={len(self)}"
-        return f"{type(self).__name__}({self._segment.storage.url!r}, {self._segment.name!r}, {state})"
+    def _location(self) -> tuple[str, str]:
+        return self._segment.name, self._segment.storage.url
