@@ -142,3 +142,23 @@ def test_single_writer_is_refused_at_save_and_load(spark, tmp_path):
     plain = _spark_options(url, {"single_writer": "false"}, stream="events", segments="2")
     _events_df(spark, 3).write.format("attrindex").options(**plain).mode("append").save()
     assert spark.read.format("attrindex").options(**plain).load().count() == 3
+
+
+def test_a_streaming_write_to_a_store_ignoring_conditional_writes_fails_before_its_tasks(
+        spark, s3_options, ignoring_options, tmp_path):
+    """start() returns (Spark creates the stream writer in the query's thread); the query then stops
+    with the error when it plans its first micro-batch, before any task, instead of retrying tasks."""
+    url = make_s3_url(s3_options)
+    with SegmentStore.open(url, storage_options=s3_options) as store:
+        store.create_stream("events", 2)
+    source = spark.readStream.format("rate").option("rowsPerSecond", "50").load().selectExpr(
+        "cast(value as string) as value")
+    started = time.monotonic()
+    with pytest.raises(Exception, match="ignores conditional writes"):
+        query = (source.writeStream.format("attrindex").options(**_spark_options(url, ignoring_options, stream="events"))
+                 .option("checkpointLocation", str(tmp_path / "checkpoint")).start())
+        try:
+            query.awaitTermination(30)
+        finally:
+            query.stop()
+    assert time.monotonic() - started < 10

@@ -2,7 +2,8 @@
 
 A problem found inside tasks reaches the user only after Spark has retried every failing task
 (about 28 s with four attempts), as a stack of task failures; the same problem found where the
-writer or reader is created fails ``save()``/``load()``/``start()`` at once, with one line.
+writer or reader is created fails ``save()``/``load()`` at once (a streaming query: as it plans
+its first micro-batch, before any task), with one line.
 
 - ``single_writer`` is refused: it promises that at most one process writes to each segment, and
   a Spark job writes from many tasks (processes, machines) at once, so the promise cannot be kept.
