@@ -380,6 +380,18 @@ class S3ChunkStorage(ChunkStorage):
         with _PROBED_GUARD:
             return _PROBED.get((self._endpoint, self.bucket), True)
 
+    @property
+    def endpoint(self) -> str:
+        """The S3 endpoint URL this storage talks to (``"aws"`` for AWS's own)."""
+        return self._endpoint
+
+    def ensure_exclusive_create(self) -> None:
+        """Check now, not at the first write, that the bucket refuses an exclusive create of an
+        existing object (the probe ``create`` runs, once per bucket per process):
+        ``ExclusiveCreateUnsupportedError`` if it does not and ``single_writer`` is off. For callers
+        that must fail before work starts elsewhere (a Spark write, before its tasks run)."""
+        self._ensure_exclusive_create()
+
     def _ensure_exclusive_create(self) -> None:
         key = (self._endpoint, self.bucket)
         with _PROBED_GUARD:

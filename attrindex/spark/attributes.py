@@ -18,6 +18,7 @@ from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, DataSource
 from pyspark.sql.types import BinaryType, ByteType, IntegerType, LongType, ShortType, StringType, StructField, StructType
 
 from ..errors import InvalidInputError
+from .checks import check_write_target, refuse_single_writer
 from .options import Options
 
 SOURCE = "attrindex.attributes"
@@ -78,6 +79,7 @@ class AttributesWriter(DataSourceArrowWriter):
         check_key_column(schema, target.key_column)
         _check(schema, target.value_column, (LongType, IntegerType, ShortType, ByteType), "an integer (long)", SOURCE)
         self.target = target
+        check_write_target(target.url, target.storage_options, SOURCE)  # here, not in every task
         with target.open_store() as store:
             store.segment(target.segment, create=True)
 
@@ -150,6 +152,8 @@ class AttributesDataSource(DataSource):
         return SOURCE
 
     def schema(self):
+        # Spark asks for the schema at load(), before any reader exists: refuse bad storage options here.
+        Options(self.options, SOURCE).storage_options()
         return ATTRIBUTES_DDL
 
     def reader(self, schema):
@@ -171,6 +175,7 @@ def lookup(df, key_col: str, url: str, segment: str, value_col: str = "value", s
     if value_col.lower() in (f.name.lower() for f in df.schema.fields):
         raise InvalidInputError(f"lookup: the DataFrame has a column {value_col!r} already; pick another value_col")
     options = dict(storage_options or {})
+    refuse_single_writer(options, "lookup")
     with SegmentStore.open(url, storage_options=options) as store:
         store.segment(segment)  # SegmentNotFoundError on the driver, not in every task
     schema = StructType([*df.schema.fields, StructField(value_col, LongType(), nullable=True)])  # df.schema stays as is

@@ -404,6 +404,8 @@ class EventsDataSource(DataSource):
         return SOURCE
 
     def schema(self):
+        # Spark asks for the schema at load(), before any reader exists: refuse bad storage options here.
+        Options(self.options, SOURCE).storage_options()
         return EVENTS_DDL
 
     def reader(self, schema):

@@ -37,6 +37,7 @@ import attrs
 from ..errors import AttrIndexError, ChunkExistsError, CorruptDataError
 from ..log.batch import Record, decode_records, encode_batch, iter_batches
 from ..store import STREAMS_DIR, SegmentStore
+from .checks import check_write_target
 from ..writer import EventWriter
 
 NAMESPACE = uuid.UUID("6f2b0e52-3c1d-5a4e-9b7f-a11d7e0c5e3a")
@@ -77,7 +78,9 @@ class StreamTarget:
         return SegmentStore.open(self.url, storage_options=dict(self.storage_options), **self.store_options)
 
     def prepare(self) -> int:
-        """Check the stream exists (creating it when ``segments`` is given); its segment count."""
+        """Check the store takes parallel writers (``checks``), then that the stream exists
+        (creating it when ``segments`` is given); its segment count. Runs on the driver."""
+        check_write_target(self.url, self.storage_options, "attrindex")
         with self.open_store() as store:
             if self.segments is not None:
                 return len(store.create_stream(self.stream, self.segments))

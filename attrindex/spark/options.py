@@ -71,9 +71,13 @@ class Options:
         return numbers
 
     def storage_options(self) -> dict[str, Any]:
-        """The ``storage.*`` options, prefix removed, for ``open_storage``."""
-        return {name[len(STORAGE_PREFIX):]: _storage_value(value)
-                for name, value in self.raw.items() if name.startswith(STORAGE_PREFIX)}
+        """The ``storage.*`` options, prefix removed, for ``open_storage`` (``single_writer`` refused)."""
+        from .checks import refuse_single_writer
+
+        options = {name[len(STORAGE_PREFIX):]: _storage_value(value)
+                   for name, value in self.raw.items() if name.startswith(STORAGE_PREFIX)}
+        refuse_single_writer(options, self.source)
+        return options
 
 
 def _storage_value(value: Any) -> Any:
