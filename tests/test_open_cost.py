@@ -372,3 +372,83 @@ def test_retention_elsewhere_between_the_tree_s_open_and_the_replay(s3_url, tree
         lazy.refresh()
         assert lazy.get_attributes(keys) == [model.get(k) for k in keys]
         assert (lazy.start_offset, lazy.next_offset) == (28, 30)
+
+
+def test_threads_needing_the_attributes_at_once_load_them_once(s3_url):
+    url, options = s3_url
+    _write(url, options, 6)
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        lists = collections.Counter()
+        inner = store.storage.list_files
+        store.storage.list_files = lambda d: (lists.update([d]), inner(d))[1]
+        barrier, results, errors = threading.Barrier(6), [], []
+
+        def work(i):
+            try:
+                barrier.wait(5)
+                if i % 3 == 0:
+                    results.append(seg.append([b"t%d" % i], [AttributeUpdate(77, UpdateType.ACCUMULATE, 1)]))
+                elif i % 3 == 1:
+                    results.append(seg.get_attributes(range(6)))
+                else:
+                    results.append(seg.read(0, 3))
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        del store.storage.list_files
+        assert errors == []
+        assert [r for r in results if isinstance(r, list) and r and isinstance(r[0], (int, type(None)))] == \
+            [list(range(6))] * 2
+        assert seg.get_attribute(77) == 2
+        assert sum(n for d, n in lists.items() if "_attributes" in d) == 1, lists  # one load
+
+
+def test_lazy_handles_agree_with_a_model_under_random_interleavings(s3_url):
+    """Several handles (each opened lazily at a random moment) append, update, flush, cut and read
+    in random order; after a refresh each one's attributes are the model's."""
+    import random
+
+    url, options = s3_url
+    rng = random.Random(1212)
+    model: dict[int, int] = {}
+    stores = [SegmentStore.open(url, storage_options=options) for _ in range(3)]
+    try:
+        handles = [stores[0].segment("s", create=True), None, None]
+        appended = 0
+        for _step in range(60):
+            i = rng.randrange(3)
+            if handles[i] is None:
+                handles[i] = stores[i].segment("s")  # lazily, at whatever the log holds now
+                continue
+            seg, op, key = handles[i], rng.random(), rng.randrange(8)
+            if op < 0.45:
+                seg.append([b"x"], [AttributeUpdate(key, UpdateType.ACCUMULATE, 1)])
+                model[key] = model.get(key, 0) + 1
+                appended += 1
+            elif op < 0.55:
+                seg.update_attributes({key: None})
+                model.pop(key, None)
+            elif op < 0.65:
+                seg.flush()
+            elif op < 0.72 and appended > 4:
+                seg.refresh()
+                seg.apply_retention(start_offset=seg.next_offset - 2)
+            elif op < 0.85:
+                seg.refresh()
+                assert seg.get_attributes(range(8)) == [model.get(k) for k in range(8)]
+            else:
+                seg.refresh()
+                seg.read(seg.start_offset, 5)  # records only: the attributes may still wait
+        for seg in handles:
+            if seg is not None:
+                seg.refresh()
+                assert dict((int.from_bytes(k, "big"), v) for k, v in seg.attributes()) == model
+    finally:
+        for store in stores:
+            store.close()
