@@ -244,6 +244,7 @@ class Segment(BackgroundMerge):
         with self._lock:
             if self._attributes_loaded:
                 return
+            self._check_open()  # a closed handle opens nothing
             tree = self._open_tree()
             try:
                 for attempt in range(MAX_OPEN_ATTEMPTS):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from attrindex import AttributeUpdate, SegmentStore, UpdateType
-from attrindex.errors import ConditionalUpdateError, CorruptDataError, RecordTruncatedError
+from attrindex.errors import ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
 from attrindex.segment import Segment
 from attrindex.listing import ListedStorage
 from tests.conftest import make_s3_url
@@ -288,6 +288,10 @@ def test_closing_a_read_only_lazy_handle_writes_nothing(s3_url, use):
         seg.close()
         spent = (store.storage.requests - before).by_kind()
         assert spent["PUT"] == spent["DELETE"] == 0, spent
+        if use != "attributes":
+            with pytest.raises(InvalidInputError):  # closed: the attributes are not loaded any more
+                seg.get_attribute(9)
+            assert seg._tree is None
 
 
 @pytest.mark.parametrize("read_first", [False, True])
