@@ -22,6 +22,8 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
 
+from storage_adapters.rolling import SEGMENT_SUFFIX
+
 from .tree_index import TreeIndex, _canonical_batch
 from .conditional import AttributeUpdate, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
@@ -33,6 +35,7 @@ from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_S
 from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
+from .listing import ListedStorage
 from .overlay import AttributeOverlay, merge_scan
 from .poller import SegmentPoller
 from .reader import SegmentReader
@@ -130,9 +133,13 @@ class Segment(BackgroundMerge):
     Reads see this handle's view, which moves with its own appends and with ``refresh()``.
     """
 
-    def __init__(self, storage, name: str, options: SegmentOptions, *, tree_name: str | None = None):
+    def __init__(self, storage, name: str, options: SegmentOptions, *, tree_name: str | None = None,
+                 lazy_attributes: bool = False):
         """``tree_name``: the segment name of the attributes' B+tree (default ``NAME/_attributes``;
-        the plain ``AttributeIndex`` keeps its tree at its own name and this log as its WAL)."""
+        the plain ``AttributeIndex`` keeps its tree at its own name and this log as its WAL).
+        ``lazy_attributes``: open only the log's tail now (its last chunk: the next offset) and load
+        the attribute state (the B+tree's footer, the log replayed after its checkpoint) when
+        first needed; ``SegmentStore`` asks for it on object stores, where each is a request."""
         self.name = name
         self.options = options
         self._lock = threading.RLock()
@@ -140,7 +147,8 @@ class Segment(BackgroundMerge):
         self._log = SegmentLog(storage, name, rolling_size=options.log_rolling_size,
                                index_interval_bytes=options.index_interval_bytes)
         self.tree_name = f"{name}/{ATTRIBUTES_NAME}" if tree_name is None else tree_name
-        self._index = TreeIndex(storage, self.tree_name, **options.attribute_options)
+        self._tree: TreeIndex | None = None  #: the attributes' B+tree once loaded (see ``_index``)
+        self._attributes_loaded = False  #: tree opened and tier 1 replayed (``_ensure_attributes``)
         # Tier 1 is two overlays (LevelDB's memtable and immutable memtable): appends go to the
         # active one; a full one is frozen and merged into the B+tree by a background thread while
         # a fresh active one takes new appends. Reads look in active, then frozen, then the tree.
@@ -161,6 +169,10 @@ class Segment(BackgroundMerge):
         self._closed = False
         self._poller: SegmentPoller | None = None  #: made by the first reader that waits
         with self._lock:
+            if lazy_attributes:
+                self._open_tail()
+                return
+            self._tree = TreeIndex(storage, self.tree_name, **options.attribute_options)
             for attempt in range(MAX_OPEN_ATTEMPTS):
                 try:
                     self._open()
@@ -169,17 +181,22 @@ class Segment(BackgroundMerge):
                     if attempt + 1 == MAX_OPEN_ATTEMPTS:
                         raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the "
                                            f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
-                    self._index.refresh()  # retention merged first: replay from its newer checkpoint
+                    self._tree.refresh()  # retention merged first: replay from its newer checkpoint
+            self._attributes_loaded = True
 
     # -- opening and catching up ---------------------------------------------------------------
+    @property
+    def _index(self) -> TreeIndex:
+        """The attributes' B+tree, loaded first if this handle opened lazily."""
+        if not self._attributes_loaded:
+            self._ensure_attributes()
+        return self._tree  # type: ignore[return-value]
+
     def _open(self) -> None:
         """Read the tree's checkpoint and replay the log after it into tier 1."""
-        checkpoint = self._index.checkpoint or 0
+        checkpoint = self._tree.checkpoint or 0  # type: ignore[union-attr]
         if checkpoint < self._log.start_position and self._log.bytes.length > self._log.start_position:
-            raise CorruptDataError(
-                f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, but the log "
-                f"starts at {self._log.start_position}: attribute updates in between are lost",
-                segment=self.name, offset=checkpoint)
+            raise self._lost_between_error(checkpoint)
         self._overlay.clear()
         self._log.open_at(checkpoint)
         replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
@@ -187,13 +204,108 @@ class Segment(BackgroundMerge):
         if lost is not None:
             raise self._log.lost_commits_error(*lost)
         if checkpoint > self._log.bytes.length:
-            raise CorruptDataError(
-                f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, beyond the "
-                f"log's committed length {self._log.bytes.length}: committed log data was lost. The segment "
-                f"refuses appends until repaired: see SegmentStore.verify_segment / repair_segment",
-                segment=self.name, offset=self._log.bytes.length)
+            raise self._beyond_log_error(checkpoint)
         _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
                    self.name, self._log.position, replayed, checkpoint)
+
+    def _lost_between_error(self, checkpoint: int) -> CorruptDataError:
+        return CorruptDataError(
+            f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, but the log "
+            f"starts at {self._log.start_position}: attribute updates in between are lost",
+            segment=self.name, offset=checkpoint)
+
+    def _beyond_log_error(self, checkpoint: int) -> CorruptDataError:
+        return CorruptDataError(
+            f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, beyond the "
+            f"log's committed length {self._log.bytes.length}: committed log data was lost. The segment "
+            f"refuses appends until repaired: see SegmentStore.verify_segment / repair_segment",
+            segment=self.name, offset=self._log.bytes.length)
+
+    # -- lazy opening (object stores: docs/segments.md, "Opening") -------------------------------
+    def _open_tail(self) -> None:
+        """Open only the log's last chunk (its first header gives the next offset; one request on an
+        object store), scanning it to the end; the attributes wait for ``_ensure_attributes``."""
+        for attempt in range(MAX_OPEN_ATTEMPTS):
+            try:
+                self._log.open_at(self._log.bytes.length)  # the end lies in the last chunk
+                self._log.catch_up(None, refresh=False)
+                return
+            except (TruncatedError, LayoutChangedError):  # retention or a chunk switch elsewhere: look again
+                if attempt + 1 == MAX_OPEN_ATTEMPTS:
+                    raise StorageError(f"segment {self.name!r}: other handles kept removing or replacing the log's "
+                                       f"last chunk while it was opened ({MAX_OPEN_ATTEMPTS} tries)") from None
+
+    def _ensure_attributes(self) -> None:
+        """Load the attribute state if this handle opened lazily: idempotent, thread-safe (takes
+        ``_lock``, so callers holding ``_merge_mutex`` keep the lock order). Its errors (a checkpoint
+        beyond the log, lost commits) go to the caller that needed attributes; the next one retries."""
+        if self._attributes_loaded:
+            return
+        with self._lock:
+            if self._attributes_loaded:
+                return
+            self._check_open()  # a closed handle opens nothing
+            tree = self._open_tree()
+            try:
+                for attempt in range(MAX_OPEN_ATTEMPTS):
+                    try:
+                        replayed = self._adopt_tree(tree)
+                        break
+                    except (TruncatedError, LayoutChangedError):  # retention or compaction elsewhere meanwhile
+                        if attempt + 1 == MAX_OPEN_ATTEMPTS:
+                            raise StorageError(f"segment {self.name!r}: retention in another handle kept removing "
+                                               f"the log being replayed ({MAX_OPEN_ATTEMPTS} tries)") from None
+                        tree.refresh()  # retention merged first: replay from its newer checkpoint
+                        self._log.catch_up(None)
+            except BaseException:
+                tree.close()
+                raise
+            self._tree, self._attributes_loaded = tree, True
+            _log.debug("segment %r: attributes loaded at log byte %d; replayed %d batches after the checkpoint %d",
+                       self.name, self._log.position, replayed, tree.checkpoint or 0)
+
+    def _open_tree(self) -> TreeIndex:
+        """The attributes' B+tree, opened from one live listing of its directory (it looks twice)."""
+        storage = self._log.storage
+        inner = storage.inner if isinstance(storage, ListedStorage) else storage  # (expired: the open is over)
+        directory = self.tree_name + SEGMENT_SUFFIX
+        listed = ListedStorage(inner, directory, inner.list_files(directory))
+        try:
+            return TreeIndex(listed, self.tree_name, **self.options.attribute_options)
+        finally:
+            listed.expire()  # later listings are live
+
+    def _adopt_tree(self, tree: TreeIndex) -> int:
+        """The checks of ``_open`` for a tree opened after the log, then tier 1 rebuilt from the log
+        between its checkpoint and this handle's CURRENT position (readers moved it since the
+        open); return the batches replayed."""
+        log = self._log
+        for _attempt in range(MAX_OPEN_ATTEMPTS):
+            checkpoint = tree.checkpoint or 0
+            if checkpoint > log.position:  # others merged past this handle's view: look at the log's tail
+                log.catch_up(None)
+            if not (checkpoint < log.start_position and log.bytes.length > log.start_position):
+                break
+            # The log's view is newer than the tree: retention elsewhere merged first, then cut.
+            tree.refresh()
+            if (tree.checkpoint or 0) == checkpoint:
+                raise self._lost_between_error(checkpoint)
+        else:
+            raise StorageError(f"segment {self.name!r}: retention in another handle kept moving the log's start "
+                               f"while the attributes were loaded ({MAX_OPEN_ATTEMPTS} tries)")
+        lost = log.lost_commits(covered=checkpoint)
+        if lost is not None:
+            raise log.lost_commits_error(*lost)
+        if checkpoint > log.bytes.length:
+            raise self._beyond_log_error(checkpoint)
+        rebuilt = AttributeOverlay()  # built aside: a failed replay leaves nothing half-loaded
+        replay, replayed = self._replayer(checkpoint, rebuilt), 0
+        for at, header, buf, pos in log.batches(max(checkpoint, log.start_position), log.position):
+            replay(at, header, buf, pos)
+            replayed += 1
+        self._overlay, self._frozen = rebuilt, None
+        self._dirty_since = time.monotonic()
+        return replayed
 
     def _replayer(self, since: int, overlay: AttributeOverlay | None = None):
         overlay, name = self._overlay if overlay is None else overlay, self.name
@@ -213,8 +325,9 @@ class Segment(BackgroundMerge):
         end were replaced (log compaction drops the updates of the batches it rewrites: they are in
         the B+tree), which moved the log's position (``SegmentLog.resyncs``)."""
         replayed, resyncs = self._log.position, self._log.resyncs
-        seen = self._log.catch_up(self._replayer(0))
-        if self._log.start_position > replayed or self._log.resyncs != resyncs:
+        loaded = self._attributes_loaded  # not yet: the lazy load replays from the tree up to the new position
+        seen = self._log.catch_up(self._replayer(0) if loaded else None)
+        if loaded and (self._log.start_position > replayed or self._log.resyncs != resyncs):
             self._index.refresh()
             self._replay_from_tree()
         if seen:
@@ -277,6 +390,7 @@ class Segment(BackgroundMerge):
         that pass as one durable append, settle each request with its result or its own error."""
         with self._lock:
             self._check_open()
+            self._ensure_attributes()  # conditions read the current values; tier 1 takes the updates
             self._wait_for_room()
             self._check_open()  # (closed while waiting?)
             fresh = False  # whether the view was just caught up with the log's tail
@@ -375,6 +489,7 @@ class Segment(BackgroundMerge):
         """True current values (under ``_lock``): the active overlay, the frozen one being merged,
         then the B+tree. A merge landing meanwhile changes nothing: the tree then holds what the
         frozen overlay held."""
+        self._ensure_attributes()
         found = self._overlay.get_many(keys)
         frozen = self._frozen
         if frozen is not None and MISSING in found:
@@ -389,6 +504,7 @@ class Segment(BackgroundMerge):
 
     def _current_value(self, key: bytes) -> int | None:
         """``_current_values`` for one canonical key (under ``_lock``; no lists on the hot path)."""
+        self._ensure_attributes()
         value = self._overlay.get(key)
         if value is MISSING and self._frozen is not None:
             value = self._frozen.get(key)
@@ -421,6 +537,7 @@ class Segment(BackgroundMerge):
         low = None if start is None else to_key(start)
         high = None if stop is None else to_key(stop)
         with self._lock:  # snapshots: appends and merges may follow
+            self._ensure_attributes()
             overlay = list(self._overlay.items(low, high))
             frozen = [] if self._frozen is None else list(self._frozen.items(low, high))
         # The tree's scan starts later, from whatever version is current then: a merge meanwhile
@@ -568,6 +685,7 @@ class Segment(BackgroundMerge):
         now = int(time.time() * 1000) if now_ms is None else now_ms
         with self._merging(), self._lock:  # rare: appends wait for the retention
             self._check_open()
+            self._ensure_attributes()
             self._catch_up()
             self._drain(force=True)  # with _lock held: no append lands between the merge and the cut
             if start_offset is not None and start_offset > self._log.next_offset:
@@ -701,6 +819,7 @@ class Segment(BackgroundMerge):
             deleted = self.apply_retention(policy.retention_ms, policy.retention_bytes, now_ms=now)
         with self._merge_mutex, self._lock:  # as retention: no append lands between the merge and the limit
             self._check_open()
+            self._ensure_attributes()
             self._catch_up()
             self._drain(force=True)  # no attribute update may live only in a batch the cleaner rewrites
             limit = self._index.checkpoint or 0
@@ -741,6 +860,7 @@ class Segment(BackgroundMerge):
         """Offsets, sizes and attribute state of this segment."""
         with self._lock:
             self._check_open()
+            self._ensure_attributes()
             log = self._log
             chunks = log.bytes.chunks()
             stored = sum(c.end - max(c.start, log.start_position) for c in chunks)
@@ -781,7 +901,8 @@ class Segment(BackgroundMerge):
                 self._appended.notify_all()
                 self._merged.notify_all()
                 self._log.close()
-                self._index.close()
+                if self._tree is not None:  # (a lazy handle that never needed attributes has none)
+                    self._tree.close()
 
     @property
     def closed(self) -> bool:

@@ -118,6 +118,7 @@ class BackgroundMerge:
     def _drain(self, *, force: bool = False) -> None:
         """Merge everything this handle has seen, in the calling thread (``_merge_mutex`` held):
         first what is frozen, then the active overlay. Raises a merge's error."""
+        self._ensure_attributes()  # a lazily opened handle: what it merges is the log after the tree
         for _lap in range(2):
             with self._lock:
                 if self._frozen is None:

@@ -144,7 +144,9 @@ class SegmentStore:
             if cleanup:
                 self._settle_policy(name, wanted, cleanup, exists)
             try:
-                segment = Segment(storage, name, self.options)  # only reads: bad options raise here
+                # Object stores open lazily: the attributes (the B+tree's footer, the log after its
+                # checkpoint) are read when first needed, not to read records (docs/segments.md).
+                segment = Segment(storage, name, self.options, lazy_attributes=not self.storage.appendable)
             finally:
                 if storage is not self.storage:
                     storage.expire()  # later listings are live

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from attrindex import SegmentStore
-from attrindex.errors import RecordTruncatedError
+from attrindex import AttributeUpdate, SegmentStore, UpdateType
+from attrindex.errors import ConditionalUpdateError, CorruptDataError, InvalidInputError, RecordTruncatedError
+from attrindex.segment import Segment
 from attrindex.listing import ListedStorage
 from tests.conftest import make_s3_url
 from tests.s3_requests import counting
@@ -43,9 +44,18 @@ def test_opening_an_existing_segment_lists_once_and_reads_two_objects(s3_url, ap
     segment_open = store.storage.requests - opened
     assert opened.by_kind() == {"PUT": 0, "GET": 0, "LIST": 0, "HEAD": 1, "DELETE": 0}  # the store marker
     # One LIST of the segment's directory (marker, log, index files, gaps, B+tree), then one GET
-    # of the B+tree's footer and one of the log's last chunk (the next offset is in it).
-    assert segment_open.by_kind() == {"PUT": 0, "GET": 2, "LIST": 1, "HEAD": 0, "DELETE": 0}
-    assert seg.next_offset == appends and seg.get_attribute(appends - 1) == appends - 1
+    # of the log's last chunk (the next offset is in it). The attributes wait until needed.
+    assert segment_open.by_kind() == {"PUT": 0, "GET": 1, "LIST": 1, "HEAD": 0, "DELETE": 0}
+    before = store.storage.requests
+    assert seg.next_offset == appends and [r.value for r in seg.read(appends - 1, 1)] == [b"r%d" % (appends - 1)]
+    assert (store.storage.requests - before).by_kind()["LIST"] == 0  # records never load the attributes
+    assert seg._tree is None
+    before = store.storage.requests
+    assert seg.get_attribute(appends - 1) == appends - 1
+    # The first attribute read opens the B+tree (a live look at its directory, its footer) and
+    # replays nothing: the tree covers the log. The next reads cost what they cost eagerly.
+    assert (store.storage.requests - before).by_kind() == {"PUT": 0, "GET": 2, "LIST": 1, "HEAD": 0, "DELETE": 0}
+    assert seg.get_attribute(0) == 0
     store.close()
 
 
@@ -181,7 +191,268 @@ def test_a_segment_opened_from_one_listing_keeps_its_storage_s_nature_and_counte
         assert isinstance(storage, ListedStorage) and storage.expired  # live once the open is over
         assert storage.deletion_grace == store.storage.deletion_grace  # not the base class's default
         assert storage.exclusive_create_enforced == store.storage.exclusive_create_enforced
+        seg.append([b"first"])  # loads what a first append reads: the attributes, the cleanup policy
         before = store.storage.requests
         seg.append([b"one more"])
         assert (store.storage.requests - before).by_kind() == {"PUT": 1, "GET": 0, "LIST": 0, "HEAD": 0, "DELETE": 0}
         assert seg.stats().requests == store.storage.requests  # the store's counters, nothing counted twice
+
+
+# -- lazily loaded attributes (object stores) ------------------------------------------------------
+def _eager(store: SegmentStore, name: str = "s") -> Segment:
+    """An eagerly opened handle on the same storage: the reference a lazy one must agree with."""
+    return Segment(store.storage, name, store.options)
+
+
+def _state(seg: Segment, keys) -> tuple:
+    return seg.next_offset, seg.get_attributes(keys), list(seg.attributes())
+
+
+@pytest.mark.parametrize("flush_elsewhere", [False, True])
+def test_a_lazy_handle_sees_updates_appended_by_another_handle_after_it_opened(s3_url, flush_elsewhere):
+    url, options = s3_url
+    _write(url, options, 5)
+    with SegmentStore.open(url, storage_options=options) as mine, \
+            SegmentStore.open(url, storage_options=options) as theirs:
+        lazy = mine.segment("s")
+        other = theirs.segment("s")
+        model = {i: i for i in range(5)}
+        for i in range(5, 30):
+            other.append([b"r%d" % i], [(i % 7, i)])
+            model[i % 7] = i
+            if i == 17:
+                other.update_attributes({3: None})
+                model.pop(3)
+        if flush_elsewhere:
+            other.flush()  # the tree now covers log bytes this handle has not seen
+        # A reader moves the log's position past the updates before anything loads them: the
+        # load must replay up to where the log is now, not where it was opened.
+        lazy.refresh()  # (what a waiting reader's poll does)
+        assert len(lazy.read(0, 100)) == 30 and lazy._tree is None
+        keys = list(range(40))
+        expected = [model.get(k) for k in keys]
+        assert lazy.get_attributes(keys) == expected
+        eager = _eager(mine)
+        try:
+            assert _state(lazy, keys) == _state(eager, keys)
+        finally:
+            eager.close()
+
+
+def test_a_conditional_append_right_after_a_lazy_open_checks_the_stored_values(s3_url):
+    url, options = s3_url
+    _write(url, options, 3)  # attributes i -> i, merged into the B+tree
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        with pytest.raises(ConditionalUpdateError):
+            seg.append([b"x"], [AttributeUpdate(1, UpdateType.REPLACE_IF_EQUALS, 5, compare=7)])
+        assert seg.next_offset == 3  # refused: nothing appended
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        with pytest.raises(ConditionalUpdateError):
+            seg.append([b"x"], [AttributeUpdate(2, UpdateType.NONE, 9)])  # present: create-only fails
+        seg.append([b"x"], [AttributeUpdate(1, UpdateType.REPLACE_IF_EQUALS, 5, compare=1)])
+        assert seg.get_attribute(1) == 5 and seg.next_offset == 4
+
+
+def test_accumulate_right_after_a_lazy_open_adds_to_the_stored_and_replayed_value(s3_url):
+    url, options = s3_url
+    _write(url, options, 3)
+    with SegmentStore.open(url, storage_options=options) as store:  # an update not merged: replayed on load
+        store.segment("s").append([b"y"], [AttributeUpdate(2, UpdateType.ACCUMULATE, 10)])
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        seg.append([b"z"], [AttributeUpdate(2, UpdateType.ACCUMULATE, 100)])
+        assert seg.get_attribute(2) == 112
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg, eager = store.segment("s"), _eager(store)
+        try:
+            assert _state(seg, range(5)) == _state(eager, range(5)) and seg.get_attribute(2) == 112
+        finally:
+            eager.close()
+
+
+@pytest.mark.parametrize("use", ["nothing", "records", "attributes"])
+def test_closing_a_read_only_lazy_handle_writes_nothing(s3_url, use):
+    url, options = s3_url
+    _write(url, options, 4)
+    with SegmentStore.open(url, storage_options=options) as store:
+        store.segment("s").append([b"unmerged"], [(9, 9)])  # a writer left an update in the log only
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        if use == "records":
+            seg.read(0, 10)
+        elif use == "attributes":
+            assert seg.get_attribute(9) == 9
+        before = store.storage.requests
+        seg.close()
+        spent = (store.storage.requests - before).by_kind()
+        assert spent["PUT"] == spent["DELETE"] == 0, spent
+        if use != "attributes":
+            with pytest.raises(InvalidInputError):  # closed: the attributes are not loaded any more
+                seg.get_attribute(9)
+            assert seg._tree is None
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_retention_in_another_handle_before_the_lazy_load(s3_url, read_first):
+    url, options = s3_url
+    _write(url, options, 10)
+    with SegmentStore.open(url, storage_options=options) as mine, \
+            SegmentStore.open(url, storage_options=options) as theirs:
+        lazy = mine.segment("s")
+        other = theirs.segment("s")
+        model = {i: i for i in range(10)}
+        for i in range(10, 20):
+            other.append([b"r%d" % i], [(i % 4, -i)])
+            model[i % 4] = -i
+        assert other.apply_retention(start_offset=15) > 0  # merges first, then deletes the log under 15
+        other.append([b"r20"], [(100, 1)])  # after the cut: only in the log
+        model[100] = 1
+        if read_first:  # the log's view moves past the cut and the updates before the load
+            lazy.refresh()
+            assert [r.offset for r in lazy.read(15, 100)] == list(range(15, 21))
+        keys = sorted(model) + [55]
+        assert lazy.get_attributes(keys) == [model.get(k) for k in keys]
+        assert lazy.start_offset == 15 and lazy.next_offset == 21
+        lazy.append([b"mine"], [AttributeUpdate(100, UpdateType.ACCUMULATE, 1)])
+        assert lazy.get_attribute(100) == 2
+
+
+def test_a_lazy_handle_raises_a_checkpoint_beyond_the_log_when_attributes_are_needed(s3_url):
+    url, options = s3_url
+    _write(url, options, 3)
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        eager = _eager(store)  # writes a tree claiming more log than there is, as damage would
+        eager._index.update_sorted([b"\x00" * 16], [1], checkpoint=10 ** 6)
+        eager.close()
+        assert [r.value for r in seg.read(0, 10)] == [b"r0", b"r1", b"r2"]  # records still read
+        for _ in range(2):  # raised to each caller that needs attributes, never half-loaded
+            with pytest.raises(CorruptDataError):
+                seg.get_attribute(1)
+        with pytest.raises(CorruptDataError):
+            seg.append([b"x"], [(1, 2)])
+        assert seg._tree is None
+
+
+@pytest.mark.parametrize("tree_ahead", [True, False])
+def test_retention_elsewhere_between_the_tree_s_open_and_the_replay(s3_url, tree_ahead):
+    """Another process merges and cuts the log just after the lazy load opened the B+tree: with the
+    tree ahead of this handle's view, the look at the log's tail finds the cut past the tree's
+    checkpoint (the tree is re-read); with the view ahead, the replay meets deleted chunks."""
+    url, options = s3_url
+    _write(url, options, 10)
+    with SegmentStore.open(url, storage_options=options) as mine, \
+            SegmentStore.open(url, storage_options=options) as theirs:
+        other = theirs.segment("s")
+        model = {i: i for i in range(10)}
+        if not tree_ahead:
+            for i in range(10, 20):  # in the log only: the lazy load replays them
+                other.append([b"r%d" % i], [(i % 4, -i)])
+                model[i % 4] = -i
+        lazy = mine.segment("s")
+        if tree_ahead:
+            for i in range(10, 20):
+                other.append([b"r%d" % i], [(i % 4, -i)])
+                model[i % 4] = -i
+            other.flush()  # the tree covers log bytes past this handle's view
+        opened = lazy._open_tree
+
+        def racing():
+            tree = opened()
+            for i in range(20, 30):
+                other.append([b"r%d" % i], [(50 + i % 3, i)])
+                model[50 + i % 3] = i
+            assert other.apply_retention(start_offset=28) > 0  # merges first, then cuts the log
+            return tree
+
+        lazy._open_tree = racing
+        seen = dict(model)  # as of the lazy handle's view (20 records)
+        keys = sorted(model) + [50, 51, 52, 99]
+        first = lazy.get_attributes(keys)
+        # Its view, or (where the cut forced a newer tree) the newer state: never a mix, never a loss.
+        assert first in ([seen.get(k) for k in keys], [model.get(k) for k in keys])
+        lazy.refresh()
+        assert lazy.get_attributes(keys) == [model.get(k) for k in keys]
+        assert (lazy.start_offset, lazy.next_offset) == (28, 30)
+
+
+def test_threads_needing_the_attributes_at_once_load_them_once(s3_url):
+    url, options = s3_url
+    _write(url, options, 6)
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        lists = collections.Counter()
+        inner = store.storage.list_files
+        store.storage.list_files = lambda d: (lists.update([d]), inner(d))[1]
+        barrier, results, errors = threading.Barrier(6), [], []
+
+        def work(i):
+            try:
+                barrier.wait(5)
+                if i % 3 == 0:
+                    results.append(seg.append([b"t%d" % i], [AttributeUpdate(77, UpdateType.ACCUMULATE, 1)]))
+                elif i % 3 == 1:
+                    results.append(seg.get_attributes(range(6)))
+                else:
+                    results.append(seg.read(0, 3))
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        del store.storage.list_files
+        assert errors == []
+        assert [r for r in results if isinstance(r, list) and r and isinstance(r[0], (int, type(None)))] == \
+            [list(range(6))] * 2
+        assert seg.get_attribute(77) == 2
+        assert sum(n for d, n in lists.items() if "_attributes" in d) == 1, lists  # one load
+
+
+def test_lazy_handles_agree_with_a_model_under_random_interleavings(s3_url):
+    """Several handles (each opened lazily at a random moment) append, update, flush, cut and read
+    in random order; after a refresh each one's attributes are the model's."""
+    import random
+
+    url, options = s3_url
+    rng = random.Random(1212)
+    model: dict[int, int] = {}
+    stores = [SegmentStore.open(url, storage_options=options) for _ in range(3)]
+    try:
+        handles = [stores[0].segment("s", create=True), None, None]
+        appended = 0
+        for _step in range(60):
+            i = rng.randrange(3)
+            if handles[i] is None:
+                handles[i] = stores[i].segment("s")  # lazily, at whatever the log holds now
+                continue
+            seg, op, key = handles[i], rng.random(), rng.randrange(8)
+            if op < 0.45:
+                seg.append([b"x"], [AttributeUpdate(key, UpdateType.ACCUMULATE, 1)])
+                model[key] = model.get(key, 0) + 1
+                appended += 1
+            elif op < 0.55:
+                seg.update_attributes({key: None})
+                model.pop(key, None)
+            elif op < 0.65:
+                seg.flush()
+            elif op < 0.72 and appended > 4:
+                seg.refresh()
+                seg.apply_retention(start_offset=seg.next_offset - 2)
+            elif op < 0.85:
+                seg.refresh()
+                assert seg.get_attributes(range(8)) == [model.get(k) for k in range(8)]
+            else:
+                seg.refresh()
+                seg.read(seg.start_offset, 5)  # records only: the attributes may still wait
+        for seg in handles:
+            if seg is not None:
+                seg.refresh()
+                assert dict((int.from_bytes(k, "big"), v) for k, v in seg.attributes()) == model
+    finally:
+        for store in stores:
+            store.close()
