@@ -456,3 +456,30 @@ def test_lazy_handles_agree_with_a_model_under_random_interleavings(s3_url):
     finally:
         for store in stores:
             store.close()
+
+
+@pytest.mark.parametrize("kind,op", [("fail_before", "read"), ("bitflip_read", "read"), ("fail_before", "list_files")])
+def test_a_fault_while_loading_the_attributes_fails_that_call_and_the_next_one_loads(s3_url, kind, op):
+    from storage_adapters import open_storage
+    from storage_adapters.errors import StorageError
+    from storage_adapters.faults import FaultyStorage
+
+    url, options = s3_url
+    _write(url, options, 4)
+    with SegmentStore.open(url, storage_options=options) as store:  # an update in the log only: replayed
+        store.segment("s").append([b"more"], [(2, 20)])
+    faulty = FaultyStorage(open_storage(url, **options), seed=12, rates={})
+    with SegmentStore(faulty) as store:
+        seg = store.segment("s")
+        faulty.script(kind, op=op, path_contains="_attributes")
+        try:  # the right values (a flipped bit found by a checksum, then read again) or a clear error
+            first = seg.get_attributes(range(4))
+        except (StorageError, CorruptDataError):
+            assert seg._tree is None  # nothing half-loaded: the next call loads
+            assert kind == "fail_before"
+        else:
+            assert first == [0, 1, 20, 3] and kind == "bitflip_read"
+        assert faulty.injected
+        assert seg.get_attributes(range(4)) == [0, 1, 20, 3]
+        seg.append([b"after"], [AttributeUpdate(2, UpdateType.ACCUMULATE, 1)])
+        assert seg.get_attribute(2) == 21
