@@ -31,7 +31,7 @@ from .tree_index import TreeIndex
 from .listing import ListedStorage
 from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError,
                      StreamNotFoundError)
-from .log.cleanup_policy import load_policy, policy_from_options, store_policy
+from .log.cleanup_policy import CONFIG_DIR, load_policy, policy_from_options, store_policy
 from .locations import open_location
 from .segment import Segment, SegmentOptions
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
@@ -147,6 +147,10 @@ class SegmentStore:
                 # Object stores open lazily: the attributes (the B+tree's footer, the log after its
                 # checkpoint) are read when first needed, not to read records (docs/segments.md).
                 segment = Segment(storage, name, self.options, lazy_attributes=not self.storage.appendable)
+                if storage is not self.storage and not any(p.startswith(CONFIG_DIR + "/") for p in listing):
+                    # No stored policy: the default, known from the listing for free (else the
+                    # first append of records would list _config/ to learn it).
+                    segment.cleanup_policy()
             finally:
                 if storage is not self.storage:
                     storage.expire()  # later listings are live

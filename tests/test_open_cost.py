@@ -483,3 +483,16 @@ def test_a_fault_while_loading_the_attributes_fails_that_call_and_the_next_one_l
         assert seg.get_attributes(range(4)) == [0, 1, 20, 3]
         seg.append([b"after"], [AttributeUpdate(2, UpdateType.ACCUMULATE, 1)])
         assert seg.get_attribute(2) == 21
+
+
+def test_the_first_append_after_open_needs_no_policy_lookup(s3_url):
+    """A segment with no stored cleanup policy: the open's listing says so, so once the
+    attributes are loaded the first append of records is one PUT (no LIST of ``_config/``)."""
+    url, options = s3_url
+    _write(url, options, 2)
+    with SegmentStore.open(url, storage_options=options) as store:
+        seg = store.segment("s")
+        seg.get_attribute(b"k" * 16)  # the lazy attribute load, on its own
+        before = store.storage.requests
+        seg.append([b"first"])
+        assert (store.storage.requests - before).by_kind() == {"PUT": 1, "GET": 0, "LIST": 0, "HEAD": 0, "DELETE": 0}
