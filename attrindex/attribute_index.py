@@ -29,10 +29,9 @@ from storage_adapters.rolling import validate_segment_name
 from .btree.bulk import read_pairs
 from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
-from .errors import CorruptDataError, IndexNotFoundError, InvalidInputError, StorageError
+from .errors import CorruptDataError, InvalidInputError, StorageError
 from .handle import IndexHandle
 from .keys import KEY_SIZE, to_key
-from .locations import index_exists, mark_index_created, open_location
 from .log.segment_log import LOG_DIR
 from .overlay import AttributeOverlay, sort_keys
 from .segment import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES, Segment,
@@ -169,23 +168,7 @@ class AttributeIndex(IndexHandle):
         ``merge_seconds`` (30); ``max_pending_bytes`` (256 MiB) bounds the pending updates'
         memory: beyond it ``update`` waits for the merge (back-pressure, bounded).
         """
-        if mode not in ("a", "r"):
-            raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")
-        validate_segment_name(name)
-        what = f"index {name!r}"
-        storage = open_location(url, storage_options, what=what, not_found=IndexNotFoundError)
-        try:
-            if not index_exists(storage, name):
-                if mode == "r":
-                    raise IndexNotFoundError(f"no {what} at URL {storage.url!r} (opened read-only, so nothing was created)")
-                cls(storage, name, **options).close()  # options checked before the marker is written
-                mark_index_created(storage, name)
-            index = cls(storage, name, **options)
-        except BaseException:
-            storage.close()
-            raise
-        index._read_only = mode == "r"
-        return index
+        return cls._open_at(url, name, mode, storage_options, options)
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: object) -> int | None:

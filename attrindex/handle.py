@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Any, Mapping, Self
 
-from .errors import InvalidInputError
+from storage_adapters.rolling import validate_segment_name
+
+from .errors import IndexNotFoundError, InvalidInputError
+from .locations import index_exists, mark_index_created, open_location
 
 
 class IndexHandle:
@@ -19,6 +22,29 @@ class IndexHandle:
 
     def _location(self) -> tuple[str, str]:
         raise NotImplementedError
+
+    @classmethod
+    def _open_at(cls, url: str, name: str, mode: str, storage_options: Mapping[str, Any] | None,
+                 options: dict[str, Any]) -> Self:
+        """``open``'s work for every index class: the storage at ``url``, the index ``name`` in it
+        (created in mode "a" after a handle built with ``options`` checked them), read-only in "r"."""
+        if mode not in ("a", "r"):
+            raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")
+        validate_segment_name(name)
+        what = f"index {name!r}"
+        storage = open_location(url, storage_options, what=what, not_found=IndexNotFoundError)
+        try:
+            if not index_exists(storage, name):
+                if mode == "r":
+                    raise IndexNotFoundError(f"no {what} at URL {storage.url!r} (opened read-only, so nothing was created)")
+                cls(storage, name, **options).close()  # type: ignore[call-arg]  # options checked before the marker
+                mark_index_created(storage, name)
+            index = cls(storage, name, **options)  # type: ignore[call-arg]
+        except BaseException:
+            storage.close()
+            raise
+        index._read_only = mode == "r"
+        return index
 
     @property
     def closed(self) -> bool:

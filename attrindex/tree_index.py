@@ -25,7 +25,7 @@ from .cache import ShardedLRUCache
 from .errors import IndexNotFoundError, InvalidInputError
 from .handle import IndexHandle
 from .keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
-from .locations import index_exists, mark_index_created, open_location
+from .locations import index_exists, open_location
 from .value_cache import MISSING, ValueCache
 
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -209,22 +209,7 @@ class TreeIndex(IndexHandle):
         decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
         the bounded policy; "pravega"; False).
         """
-        if mode not in ("a", "r"):
-            raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")
-        validate_segment_name(name)
-        what = f"index {name!r}"
-        storage = open_location(url, storage_options, what=what, not_found=IndexNotFoundError)
-        try:
-            if not index_exists(storage, name):
-                if mode == "r":
-                    raise IndexNotFoundError(f"no {what} at URL {storage.url!r} (opened read-only, so nothing was created)")
-                mark_index_created(storage, name)
-            index = cls(storage, name, **options)
-        except BaseException:
-            storage.close()
-            raise
-        index._read_only = mode == "r"
-        return index
+        return cls._open_at(url, name, mode, storage_options, options)
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: object) -> int | None:

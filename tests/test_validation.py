@@ -346,3 +346,17 @@ def test_index_opens_refuse_bad_options_and_names_before_touching_storage(tmp_pa
     with pytest.raises(InvalidInputError):
         call(root)
     assert not os.path.exists(root)
+
+
+@pytest.mark.parametrize("index_class", ["AttributeIndex", "TreeIndex"])
+def test_open_with_bad_options_creates_no_index(tmp_path, index_class):
+    """Both index classes share ``open``: options are checked by a handle built before the index's
+    marker is written, so a bad option leaves nothing behind (a later mode="r" open finds none)."""
+    from attrindex.errors import IndexNotFoundError
+    from attrindex.tree_index import TreeIndex
+
+    cls = AttributeIndex if index_class == "AttributeIndex" else TreeIndex
+    with pytest.raises(InvalidInputError, match="page_size"):
+        cls.open(str(tmp_path), page_size=-1)
+    with pytest.raises(IndexNotFoundError):
+        cls.open(str(tmp_path), mode="r")
