@@ -26,6 +26,7 @@ from storage_adapters.faults import FaultyStorage
 from storage_adapters.s3 import is_precondition_failed
 
 from .conftest import S3_KEY, S3_SECRET, _free_port, make_s3_url
+from .s3_proxy import S3Proxy
 
 
 def _cost(storage, action) -> RequestCounters:
@@ -269,65 +270,10 @@ def test_local_and_memory_count_the_operations_that_stand_for_requests(tmp_path)
         assert faulty.requests == storage.requests  # the wrapper reports the backend's requests
 
 
-class _FlakyProxy:
-    """An HTTP proxy in front of moto that, on request, forwards the next PUT and answers 503 in place
-    of S3's response (a server error after the write was applied), counting what it forwards."""
-
-    def __init__(self, upstream: str):
-        import http.client
-        import http.server
-        import threading
-
-        proxy = self
-        self.fail_next_put = False
-        self.forwarded: list[tuple[str, int]] = []
-        host, port = upstream.rsplit("/", 1)[-1].split(":")
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _forward(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                connection = http.client.HTTPConnection(host, int(port), timeout=10)
-                connection.request(self.command, self.path, body=body, headers=dict(self.headers))
-                answer = connection.getresponse()
-                payload = answer.read()
-                proxy.forwarded.append((self.command, answer.status))
-                if self.command == "PUT" and proxy.fail_next_put:
-                    proxy.fail_next_put = False
-                    error = b"<Error><Code>ServiceUnavailable</Code><Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
-                    self.send_header("Content-Length", str(len(error)))
-                    self.end_headers()
-                    self.wfile.write(error)
-                    return
-                self.send_response(answer.status)
-                for name, value in answer.getheaders():
-                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(name, value)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(payload)
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_a_503_after_the_put_landed_is_retried_and_settled_by_reading_back(s3_options):
     """botocore retries the 503; the retry's exclusive create gets 412 (the first PUT did land); the
     append reads the object back, recognises its bytes and succeeds: once, at its offset."""
-    proxy = _FlakyProxy(s3_options["endpoint_url"])
+    proxy = S3Proxy(s3_options["endpoint_url"])
     try:
         options = {**s3_options, "endpoint_url": proxy.endpoint}
         storage = open_storage(make_s3_url(s3_options), **options)

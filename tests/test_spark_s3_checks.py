@@ -7,9 +7,6 @@ Python workers reach it over the network like any store."""
 
 from __future__ import annotations
 
-import http.client
-import http.server
-import threading
 import time
 
 import pytest
@@ -21,52 +18,13 @@ from storage_adapters import open_storage
 from storage_adapters.s3 import probe_exclusive_create
 
 from .conftest import make_s3_url
-
-
-class _IgnoresIfNoneMatch:
-    """An HTTP proxy in front of moto that forwards every request without its ``If-None-Match``."""
-
-    def __init__(self, upstream: str):
-        host, port = upstream.rsplit("/", 1)[-1].split(":")
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _forward(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "if-none-match"}
-                connection = http.client.HTTPConnection(host, int(port), timeout=10)
-                connection.request(self.command, self.path, body=body, headers=headers)
-                answer = connection.getresponse()
-                payload = answer.read()
-                self.send_response(answer.status)
-                for name, value in answer.getheaders():
-                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(name, value)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(payload)
-                connection.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+from .s3_proxy import S3Proxy
 
 
 @pytest.fixture(scope="module")
 def ignoring_options(s3_options):
     """Storage options of moto seen through the proxy: a store that ignores conditional writes."""
-    proxy = _IgnoresIfNoneMatch(s3_options["endpoint_url"])
+    proxy = S3Proxy(s3_options["endpoint_url"], drop_if_none_match=True)
     yield {**s3_options, "endpoint_url": proxy.endpoint}
     proxy.close()
 
