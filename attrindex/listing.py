@@ -33,18 +33,6 @@ class ListedStorage(ChunkStorage):
 
     counts_own_requests = True  # the inner backend counts what is really sent
 
-    @property
-    def request_counter(self):  # type: ignore[override]
-        return self.inner.request_counter
-
-    @property
-    def exclusive_create_enforced(self) -> bool:  # type: ignore[override]
-        return self.inner.exclusive_create_enforced
-
-    @property
-    def deletion_grace(self) -> float:  # type: ignore[override]
-        return self.inner.deletion_grace
-
     def __init__(self, inner: ChunkStorage, root: str, listing: dict[str, int]):
         super().__init__(inner.url)
         self.inner = inner

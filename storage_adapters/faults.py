@@ -104,18 +104,6 @@ class FaultyStorage(ChunkStorage):
     # The requests are the inner backend's (an injected failure before the call sent none).
     counts_own_requests = True
 
-    @property
-    def request_counter(self):  # type: ignore[override]
-        return self.inner.request_counter
-
-    @property
-    def exclusive_create_enforced(self) -> bool:  # type: ignore[override]
-        return self.inner.exclusive_create_enforced
-
-    @property
-    def deletion_grace(self) -> float:  # type: ignore[override]
-        return self.inner.deletion_grace
-
     def script(self, kind: str, *, op: str | None = None, path_contains: str | None = None, times: int = 1) -> None:
         """Inject ``kind`` on the next ``times`` calls of ``op`` (any applicable one if None) on a
         path containing ``path_contains`` (any if None). Scripted faults go before random ones."""
