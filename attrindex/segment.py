@@ -498,7 +498,7 @@ class Segment(BackgroundMerge):
             found = [next(it) if v is MISSING else v for v in found]
         missing = [k for k, v in zip(keys, found) if v is MISSING]
         if missing:
-            stored = dict(zip(missing, self._index.get_many(missing)))
+            stored = dict(zip(missing, self._tree.get_many(missing)))  # type: ignore[union-attr]  # loaded above
             found = [stored[k] if v is MISSING else v for k, v in zip(keys, found)]
         return found  # type: ignore[return-value]
 
@@ -508,7 +508,7 @@ class Segment(BackgroundMerge):
         value = self._overlay.get(key)
         if value is MISSING and self._frozen is not None:
             value = self._frozen.get(key)
-        return self._index.get(key) if value is MISSING else value  # type: ignore[return-value]
+        return self._tree.get(key) if value is MISSING else value  # type: ignore[union-attr,return-value]  # loaded above
 
     def _pending_items(self) -> tuple[list[bytes], list[int | None]]:
         """Tier 1 (under ``_lock``): every pending key ascending with its newest value (``None``
