@@ -8,6 +8,7 @@ A value is a signed 64-bit int; ``None`` in an update means "remove".
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator, Mapping
 
 from .errors import InvalidInputError, InvalidKeyError, InvalidValueError
 
@@ -50,16 +51,26 @@ def to_update(value: object) -> int | None:
     return None if value is None else to_value(value)
 
 
-def pair_list(updates: object, what: str = "updates") -> list:
-    """Updates given as an iterable (of pairs or update objects) as a list, or ``InvalidInputError``
-    for ``None``, a single str/bytes value or a non-iterable."""
+def pair_iter(updates: object, what: str = "updates") -> Iterator:
+    """An iterator over updates given as a mapping's items or an iterable of pairs (streamed, not
+    listed), or ``InvalidInputError`` for ``None``, a single str/bytes value or a non-iterable."""
+    if isinstance(updates, Mapping):
+        return iter(updates.items())
     if updates is None or isinstance(updates, (str, bytes, bytearray, memoryview)):
         raise InvalidInputError(f"{what} must be a mapping or a list of (key, value) pairs, got {updates!r:.60}")
     try:
-        return list(updates)  # type: ignore[call-overload]
+        return iter(updates)  # type: ignore[call-overload]
     except TypeError:
         raise InvalidInputError(f"{what} must be a mapping or a list of (key, value) pairs, "
                                 f"got {type(updates).__name__}") from None
+
+
+def pair_list(updates: object, what: str = "updates") -> list:
+    """Updates given as an iterable (of pairs or update objects) as a list, or ``InvalidInputError``
+    for ``None``, a single str/bytes value or a non-iterable."""
+    if isinstance(updates, Mapping):  # a mapping here is not a list of pairs: iterating gives its keys
+        return list(updates)
+    return list(pair_iter(updates, what))
 
 
 def to_keys(keys: object) -> list[bytes]:

@@ -41,12 +41,11 @@ import operator
 import struct
 import sys
 from array import array
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from storage_adapters.errors import InvalidInputError
 
-from ..keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, to_key, to_update
+from ..keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_iter, to_key, to_update
 from .footer import FOOTER_SIZE, Footer
 from .page import FORMAT_VERSION, HEADER, LEAF, _checksum, _column, encode_index
 
@@ -130,18 +129,6 @@ class _KeyView:
 
 
 # -- phase 1: read and validate ----------------------------------------------------------------
-def _pair_iter(pairs: object) -> Iterator:
-    if isinstance(pairs, Mapping):
-        return iter(pairs.items())
-    if pairs is None or isinstance(pairs, (str, bytes, bytearray, memoryview)):
-        raise InvalidInputError(f"bulk_load takes a mapping or an iterable of (key, value) pairs, got {pairs!r:.60}")
-    try:
-        return iter(pairs)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidInputError(f"bulk_load takes a mapping or an iterable of (key, value) pairs, "
-                                f"got {type(pairs).__name__}") from None
-
-
 def _canonical_chunk(chunk: list, first: int) -> tuple[list[bytes], list[int | None], bool]:
     """Keys and values of ``chunk`` (pairs number ``first``...), validated, and whether the chunk's
     pairs are canonical already (tuples of 16-byte ``bytes`` and int64 or ``None``): those are
@@ -184,7 +171,7 @@ def read_pairs(pairs: object, progress: Progress | None = None) -> SortedRun:
 
 
 def _read_pairs(pairs: object, progress: Progress | None) -> SortedRun:
-    source = _pair_iter(pairs)
+    source = pair_iter(pairs, "bulk_load pairs")
     total = len(pairs) if hasattr(pairs, "__len__") else 0  # type: ignore[arg-type]
     run = SortedRun()
     collected: list[tuple[bytes, int | None]] | None = None  # once the input proved unsorted
