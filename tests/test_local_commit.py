@@ -472,3 +472,22 @@ def test_a_crash_mid_create_leaves_no_file_under_the_name(tmp_path):
     assert storage.list_files("d") == {}
     storage.create("d/00000000000000000007", b"whole")
     assert storage.list_files("d") == {"00000000000000000007": 5}
+
+
+@pytest.mark.parametrize("failing", ["_write_all", "fsync"])
+def test_a_create_that_fails_with_a_full_disk_leaves_nothing(tmp_path, monkeypatch, failing):
+    """ENOSPC while the bytes are written or synced: ``StorageFullError``, no file under the name,
+    no temporary file left, and the same name can be created afterwards."""
+    import storage_adapters.local as local
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    storage = open_storage(str(tmp_path))
+    with monkeypatch.context() as patch:
+        patch.setattr(local, "_write_all", full) if failing == "_write_all" else patch.setattr(local.os, "fsync", full)
+        with pytest.raises(StorageFullError):
+            storage.create("d/00000000000000000003", b"x" * 100)
+    assert storage.list_files("d") == {} and os.listdir(tmp_path / "d") == []
+    storage.create("d/00000000000000000003", b"y" * 10)
+    assert storage.read("d/00000000000000000003", 0, 10) == b"y" * 10
