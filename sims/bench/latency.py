@@ -73,11 +73,11 @@ def instrument(probe: Probe) -> None:
                 probe.add(name, clock() - t)
         return wrapper
 
-    def timed_merge(self):
+    def timed_merge(self, *args, **kwargs):
         start, cpu, t = clock(), time.thread_time(), probe.reset()
         keys = 0 if self._frozen is None else len(self._frozen)
         try:
-            return merge_once(self)
+            return merge_once(self, *args, **kwargs)
         finally:
             probe.merges.append((start, clock() - start, time.thread_time() - cpu, keys, t["sync"]))
 
@@ -137,7 +137,7 @@ def run(args) -> int:
     directory = tempfile.mkdtemp(prefix="attrindex-latency-", dir=args.dir)
     url = f"memory://{os.path.basename(directory)}" if args.memory else directory
     try:
-        index = AttributeIndex.open(url, merge_keys=args.merge_keys)
+        index = AttributeIndex.open(url, merge_keys=args.merge_keys, merge_process=not args.merge_thread)
         index.bulk_load(pairs)
         if args.gc_freeze:
             gc.freeze()  # the data set and the loaded index out of the collector's sight (an application's choice)
@@ -159,7 +159,8 @@ def run(args) -> int:
     walls = [r[1] for r in rows]
     print(f"{args.calls} calls of {BATCH} keys over {args.keys:,} keys, merge_keys {args.merge_keys:,}: "
           f"{args.calls * BATCH / elapsed:,.0f} keys/s; process CPU {process_cpu:.1f} s of {elapsed:.1f} s wall; "
-          f"switch interval {sys.getswitchinterval() * 1e3:.1f} ms")
+          f"switch interval {sys.getswitchinterval() * 1e3:.1f} ms; merges in "
+          f"{'a thread' if args.merge_thread or args.memory else 'a worker process (local disk)'}")
     print(f"all calls            {percentiles(walls)}")
     print(f"  merge running      {percentiles([r[1] for r in rows if r[3]])}")
     print(f"  no merge           {percentiles([r[1] for r in rows if not r[3]])}")
@@ -192,6 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (ms) for the run")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the load (as an application may)")
     parser.add_argument("--memory", action="store_true", help="memory:// storage: no disk, CPU and GIL alone")
+    parser.add_argument("--merge-thread", action="store_true",
+                        help="merge_process=False: merges in a thread of the writer's process (the A/B baseline)")
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval / 1e3)
