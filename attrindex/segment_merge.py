@@ -152,7 +152,9 @@ class BackgroundMerge:
 
     def _truncate_merged(self) -> None:
         """With ``truncate_merged_log``: delete the log below the chunk holding the tree's
-        checkpoint (never above it). Best effort: a failure leaves more log, which is harmless."""
+        checkpoint (never above it). Best effort: a failure leaves more log, which is harmless.
+        ``_lock`` is held only to plan and to update the view: the durable marker and the
+        deletions run beside appends (they write at the end, far above the cut)."""
         if not self.options.truncate_merged_log:
             return
         with self._lock:
@@ -162,13 +164,18 @@ class BackgroundMerge:
             cut = max((c.start for c in self._log.bytes.chunks() if c.start <= covered), default=0)
             if cut <= self._log.start_position or cut > self._log.position:
                 return
-            try:
-                self._log.truncate_at(cut)
-            except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
-                _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
-                             "next merge): %s", self.name, cut, exc)
-                return
-            _log.debug("segment %r: truncated the merged log below byte %d", self.name, cut)
+            derived = self._log.derived_below(cut)
+        try:
+            self._log.bytes.truncate(cut)
+        except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
+            _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
+                         "next merge): %s", self.name, cut, exc)
+            return
+        with self._lock:
+            if not self._closed:
+                self._log.forget_below(cut)
+        self._log.delete_derived(derived)
+        _log.debug("segment %r: truncated the merged log below byte %d", self.name, cut)
 
     def _drain(self, *, force: bool = False) -> None:
         """Merge everything this handle has seen, in the calling thread (``_merge_mutex`` held):

@@ -43,7 +43,7 @@ class Probe:
         self.truncations: list[float] = []  # seconds of each truncation of the merged log (holds the lock)
 
     def reset(self) -> dict:
-        self.local.t = {"lock": 0.0, "room": 0.0, "append": 0.0, "sync": 0.0}
+        self.local.t = {"lock": 0.0, "room": 0.0, "append": 0.0, "sync": 0.0, "gc": 0.0}
         return self.local.t
 
     def add(self, what: str, seconds: float) -> None:
@@ -98,16 +98,19 @@ def instrument(probe: Probe) -> None:
     Segment._truncate_merged = timed_truncate
 
 
-def watch_gc() -> list:
+def watch_gc(probe: Probe) -> list:
     """Collections of the cyclic GC during the run: (generation, seconds), whichever thread ran them
-    (a collection holds the GIL: every other thread waits for it)."""
+    (a collection holds the GIL: every other thread waits for it). A collection run by the
+    calling thread is added to its call's "gc" time."""
     pauses, started = [], {}
 
     def callback(phase, info):
         if phase == "start":
             started[threading.get_ident()] = time.perf_counter()
         else:
-            pauses.append((info["generation"], time.perf_counter() - started.pop(threading.get_ident(), 0.0)))
+            seconds = time.perf_counter() - started.pop(threading.get_ident(), 0.0)
+            pauses.append((info["generation"], seconds))
+            probe.add("gc", seconds)
     gc.callbacks.append(callback)
     return pauses
 
@@ -143,7 +146,7 @@ def run(args) -> int:
             gc.freeze()  # the data set and the loaded index out of the collector's sight (an application's choice)
         clock = time.perf_counter
         rows = []
-        pauses = watch_gc()
+        pauses = watch_gc(probe)
         begin, cpu_begin = clock(), time.process_time()
         for batch in batches:
             before = merging(index)
@@ -165,17 +168,18 @@ def run(args) -> int:
     print(f"  merge running      {percentiles([r[1] for r in rows if r[3]])}")
     print(f"  no merge           {percentiles([r[1] for r in rows if not r[3]])}")
     print(f"  caller CPU         {percentiles([r[2] for r in rows])}")
-    for what in ("lock", "room", "append", "sync"):
+    for what in ("lock", "room", "append", "sync", "gc"):
         print(f"  waited {what:<11} {percentiles([r[4][what] for r in rows])}")
-    print("slowest calls: at s, wall, caller cpu, merging, lock, back-pressure, log append, of it syncs (ms)")
+    print("slowest calls: at s, wall, caller cpu, merging, lock, back-pressure, log append, of it syncs, "
+          "gc in the caller (ms)")
     for at, wall, cpu, merge, t in sorted(rows, key=lambda r: -r[1])[:args.show]:
         print(f"  {at:7.2f} {wall * 1e3:8.2f} {cpu * 1e3:7.2f} {'M' if merge else '-'} {t['lock'] * 1e3:8.2f} "
-              f"{t['room'] * 1e3:8.2f} {t['append'] * 1e3:8.2f} {t['sync'] * 1e3:8.2f}")
+              f"{t['room'] * 1e3:8.2f} {t['append'] * 1e3:8.2f} {t['sync'] * 1e3:8.2f} {t['gc'] * 1e3:8.2f}")
     for generation in range(3):
         times = [p for g, p in pauses if g == generation]
         print(f"gc generation {generation}: {len(times)} collections, {sum(times) * 1e3:,.0f} ms, "
               f"longest {max(times, default=0) * 1e3:.1f} ms")
-    print("truncations of the merged log (segment lock held): "
+    print("truncations of the merged log (beside appends: lock held only to plan and to update the view): "
           + ", ".join(f"{t * 1e3:.0f} ms" for t in probe.truncations))
     for start, wall, cpu, n, sync in probe.merges:
         print(f"merge at {start - begin:7.2f} s: {n:,} keys, {wall * 1e3:,.0f} ms wall, {cpu * 1e3:,.0f} ms CPU, "
