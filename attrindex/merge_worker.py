@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import resource
 import select
 import struct
 import subprocess
@@ -86,6 +87,7 @@ class MergeWorker:
                           attribute_options=dict(options.attribute_options))
         self._process: subprocess.Popen | None = None
         self.starts = 0  #: worker processes started so far
+        self.peak_rss = 0  #: the largest peak resident set size a worker reported (bytes)
         self._failed_starts = 0  #: in a row
         self.fault: str | None = None  #: tests only: "exit_before_commit", "exit_after_commit" or "hang"
 
@@ -109,7 +111,9 @@ class MergeWorker:
                                    f"log byte {at}: {type(exc).__name__}: {exc}") from None
         if answer[0] != "ok":
             raise MergeWorkerError(f"the merge worker failed to merge up to log byte {at}: {answer[1]}")
-        return answer[1]
+        checkpoint, peak_rss = answer[1]
+        self.peak_rss = max(self.peak_rss, peak_rss)
+        return checkpoint
 
     def _running(self) -> subprocess.Popen:
         process = self._process
@@ -129,6 +133,8 @@ class MergeWorker:
 
     def _start(self) -> subprocess.Popen:
         """A new worker process, ready (it opened the index), or ``MergeWorkerError``."""
+        if not sys.executable:
+            raise MergeWorkerError("no Python executable to start the merge worker with (sys.executable is empty)")
         env = dict(os.environ)
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the directory holding attrindex
         env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -281,7 +287,8 @@ def main(argv: list[str]) -> int:
                 host = _Host(request[1])
                 _send(answers, ("ok", None))
             else:
-                _send(answers, ("ok", host.merge(request[1], request[2])))
+                checkpoint = host.merge(request[1], request[2])
+                _send(answers, ("ok", (checkpoint, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
             _send(answers, ("error", f"{type(exc).__name__}: {exc}"))
 

@@ -191,6 +191,45 @@ def test_readers_never_see_a_value_go_back_across_the_swap(tmp_path):
         index.close()
 
 
+def test_reads_through_pages_the_workers_compaction_deletes(tmp_path):
+    """Tiny tree chunks and no page cache: the worker's progressive compaction deletes the chunks
+    under the writer's old root while a reader walks it; the reader must restart from the newer
+    version and see the stable keys' values, never an error."""
+    index = open_index(tmp_path, merge_keys=150, rolling_size=8192, cache_bytes=0, value_cache_entries=0)
+    stable = {key(i): i for i in range(0, 3000, 3)}
+    index.update(stable)
+    index.flush()
+    rng, stop, problems = random.Random(8), threading.Event(), []
+
+    def reader():
+        keys = sorted(stable)
+        while not stop.is_set():
+            try:
+                if index.get_many(keys) != [stable[k] for k in keys]:
+                    problems.append("wrong values")
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                problems.append(repr(exc))
+            if problems:
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        start = index.stats().start_offset
+        for _round in range(12):
+            index.update({key(rng.randrange(3000) * 3 + 1): rng.randrange(100) for _ in range(200)})
+            wait_for(lambda: merged_up_to_position(index), "the merge")
+    finally:
+        stop.set()
+        thread.join(WAIT)
+    try:
+        assert not problems, problems
+        assert index.stats().start_offset > start  # chunks under old roots were deleted meanwhile
+        assert index._wal._worker.starts == 1
+    finally:
+        index.close()
+
+
 _KILLED_WRITER = """
 import sys, time
 from attrindex import segment_merge

@@ -20,6 +20,7 @@ import argparse
 import gc
 import os
 import random
+import resource
 import shutil
 import sys
 import tempfile
@@ -156,6 +157,8 @@ def run(args) -> int:
             wall, cpu = clock() - start, time.thread_time() - cpu
             rows.append((start - begin, wall, cpu, before or merging(index), t))
         elapsed, process_cpu = clock() - begin, time.process_time() - cpu_begin
+        worker = index._wal._worker
+        worker_rss = 0 if worker is None else worker.peak_rss
         index.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -181,6 +184,8 @@ def run(args) -> int:
               f"longest {max(times, default=0) * 1e3:.1f} ms")
     print("truncations of the merged log (beside appends: lock held only to plan and to update the view): "
           + ", ".join(f"{t * 1e3:.0f} ms" for t in probe.truncations))
+    print(f"peak RSS: writer {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB, merge worker "
+          f"{worker_rss / 2**20:,.0f} MiB")
     for start, wall, cpu, n, sync in probe.merges:
         print(f"merge at {start - begin:7.2f} s: {n:,} keys, {wall * 1e3:,.0f} ms wall, {cpu * 1e3:,.0f} ms CPU, "
               f"{sync * 1e3:,.0f} ms in syncs")
