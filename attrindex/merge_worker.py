@@ -51,6 +51,9 @@ from .errors import StorageError
 
 MERGE_WORKER_TIMEOUT = 600.0  #: the longest the parent waits for one merge's answer before killing the worker
 _START_TIMEOUT = 60.0  #: the longest a new worker may take to say it is ready
+#: The worker writes tree pages back in slices this big (local storage's ``PACED_WRITE_BYTES``, in
+#: the worker's process only): a WAL ``fsync`` of the writer waits behind at most one slice.
+WORKER_PACED_WRITE_BYTES = 256 << 10
 MAX_FAILED_STARTS = 3  #: workers in a row that failed to start before merges stay in the writer's process
 _PARENT_POLL_SECONDS = 0.1  #: how often a worker looks whether its parent still lives
 _FRAME = struct.Struct(">I")
@@ -216,8 +219,12 @@ class _Host:
     """The worker's side: the storage, its own tree handle and log view, opened once."""
 
     def __init__(self, spec: dict):
+        from storage_adapters import local
+
         from .log.segment_log import SegmentLog
         from .tree_index import TreeIndex
+
+        local.PACED_WRITE_BYTES = WORKER_PACED_WRITE_BYTES  # this process writes nothing but merges
 
         self.storage = LocalChunkStorage(spec["root"], sync=spec["sync"], commit_format=spec["commit_format"])
         options = dict(spec["attribute_options"], value_cache_entries=0)  # the parent serves the reads

@@ -762,30 +762,32 @@ class RollingSegment:
                     self._delete_dead()
                     self._sweep_layout()
                     return
-                doomed = self._take_dead()
+                chunks, markers = self._dead_below_start()
                 self._sweep_layout()
-            self._delete_taken(doomed)
+            self._delete_dead_unlocked(chunks, markers)
 
-    def _take_dead(self) -> list[str]:
-        """Under the mutex, after a truncation (storage that deletes at once): drop the chunks
-        before the last lying wholly below the start, and the older markers, from the view;
-        return their paths for ``_delete_taken`` to delete without the mutex."""
-        dead = [c for c in self._chunks[:-1] if c.end <= self._start_offset]
-        self._chunks = self._chunks[len(dead):]
-        old = [m for m in self._markers if m < self._start_offset]
-        self._markers = [m for m in self._markers if m >= self._start_offset]
-        return ([f"{self._dir}/{c.name}" for c in dead]
-                + [f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in old])
+    def _dead_below_start(self) -> tuple[list[ChunkInfo], list[int]]:
+        """Under the mutex: the chunks before the last lying wholly below the start, and the
+        markers older than it (storage that deletes at once)."""
+        return ([c for c in self._chunks[:-1] if c.end <= self._start_offset],
+                [m for m in self._markers if m < self._start_offset])
 
-    def _delete_taken(self, paths: list[str]) -> None:
-        """Delete what a truncation made dead (best effort: the truncation marker already holds;
-        a leftover below the start is never read, and a later listing shows it for deletion)."""
-        if not paths:
+    def _delete_dead_unlocked(self, chunks: list[ChunkInfo], markers: list[int]) -> None:
+        """Delete what a truncation made dead without the mutex (appends go on), then drop it from
+        the view. A failure is logged, not raised (the truncation holds), and the view keeps the
+        chunks: later appends and truncations retry (``_drop_truncated_predecessor``)."""
+        if not chunks and not markers:
             return
         try:
-            self.storage.delete(paths)
+            self.storage.delete([f"{self._dir}/{c.name}" for c in chunks]
+                                + [f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in markers])
         except StorageError as exc:
-            _log.warning("segment %r: could not delete truncated chunks or markers (left for later): %s", self.name, exc)
+            _log.warning("segment %r: could not delete truncated chunks or markers (retried later): %s", self.name, exc)
+            return
+        gone, dropped = {c.name for c in chunks}, set(markers)
+        with self._mutex:
+            self._chunks = [c for c in self._chunks if c.name not in gone or c is self._chunks[-1]]
+            self._markers = [m for m in self._markers if m not in dropped]
 
     def _put_marker(self, path: str) -> None:
         """Write a truncation marker; after an error, whether it exists decides the outcome."""
