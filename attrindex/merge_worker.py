@@ -88,6 +88,10 @@ class MergeWorker:
                           wal_name=wal_name, tree_name=tree_name, log_rolling_size=options.log_rolling_size,
                           index_interval_bytes=options.index_interval_bytes,
                           attribute_options=dict(options.attribute_options))
+        try:  # (a compaction policy object, say, may not cross to another process)
+            pickle.dumps(self._spec)
+        except Exception as exc:  # noqa: BLE001 - any reason is one: this index cannot use a worker
+            raise WorkerStartError(f"the index's options cannot be sent to a merge worker: {exc}") from exc
         self._process: subprocess.Popen | None = None
         self.starts = 0  #: worker processes started so far
         self.peak_rss = 0  #: the largest peak resident set size a worker reported (bytes)

@@ -119,7 +119,11 @@ class BackgroundMerge:
         if self._worker is None and self.options.merge_process and not self._worker_disabled:
             storage = worker_storage(self._log.storage)
             if storage is not None:
-                self._worker = MergeWorker(storage, self.name, self.tree_name, self.options)
+                try:
+                    self._worker = MergeWorker(storage, self.name, self.tree_name, self.options)
+                except WorkerStartError as exc:
+                    _log.warning("segment %r: merging in the writer's process: %s", self.name, exc)
+                    self._worker_disabled = True
         return None if self._worker_disabled else self._worker
 
     def _merge_in_worker(self, worker: MergeWorker, at: int) -> bool:

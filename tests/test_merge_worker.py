@@ -313,6 +313,21 @@ def test_workers_that_never_start_leave_the_merges_to_a_thread(tmp_path, monkeyp
     assert "merging in the writer's process from now on" in caplog.text
 
 
+def test_options_that_cannot_cross_to_a_process_keep_the_merge_in_a_thread(tmp_path):
+    from attrindex.btree.compaction import OnePagePolicy
+
+    class Unpicklable(OnePagePolicy):
+        def __reduce__(self):
+            raise TypeError("not picklable")
+
+    with open_index(tmp_path, compaction=Unpicklable()) as index:
+        model = {}
+        write(index, model, random.Random(9), 3)
+        wait_for(lambda: merged_up_to_position(index), "the merge")
+        assert index._wal._worker_disabled and index._wal._worker is None
+        check(index, model)
+
+
 def test_merge_process_option(tmp_path):
     with pytest.raises(InvalidInputError, match="merge_process"):
         AttributeIndex.open(str(tmp_path / "a"), merge_process="yes")
