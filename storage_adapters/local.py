@@ -34,6 +34,7 @@ import secrets
 import shutil
 import stat
 import struct
+import time
 import zlib
 from typing import Iterator
 
@@ -45,6 +46,13 @@ from .errors import ChunkExistsError, CorruptDataError, InvalidInputError, Stora
 COMMIT_SUFFIX = ".commit"
 LOCK_NAME = ".lock"
 _TEMP_PREFIX = ".tmp-"  #: files being created; never listed (a crash may leave one behind)
+#: A temporary older than this (by its mtime) is left by a crashed ``create`` and is deleted by a
+#: later ``create`` in its directory. A live create touches its file within one call; one stalled
+#: longer than this (a stopped process) fails at its link with a ``StorageError``: nothing appears.
+TEMP_MAX_AGE_SECONDS = 3600.0
+#: A handle sweeps one directory's stale temporaries at most this often (a scan per create is waste).
+TEMP_SWEEP_INTERVAL_SECONDS = 60.0
+_SWEPT_MEMORY = 1024  #: directories whose last sweep a handle remembers (then it forgets them all)
 COMMIT_XATTR = "user.attrindex.commit"
 #: A file in a v2 chunk's fence directory, made once the chunk's first commit record is durable: a
 #: chunk that has it but no record lost the record (a copy without xattrs: ``cp -r``, ``tar``
@@ -225,6 +233,7 @@ class LocalChunkStorage(ChunkStorage):
         # The format of chunks this handle creates; a chunk keeps its format for life. "xattr"
         # falls back to "sidecar" on a filesystem without user xattrs, and with sync=False.
         self.commit_format = commit_format
+        self._swept: dict[str, float] = {}  #: directory -> monotonic time of its last temporaries sweep
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, path)
@@ -280,7 +289,8 @@ class LocalChunkStorage(ChunkStorage):
         linked to the name: the link fails if the name exists (the exclusive create) and makes
         the whole file appear at once, so no reader (a verify beside a writer) ever sees a
         short file, and a crash leaves no partial file under the name, only a temporary one
-        that listings skip.
+        that listings skip and a later create in the directory deletes once it is older than
+        ``TEMP_MAX_AGE_SECONDS``.
         """
         target = self._abs(path)
         directory = os.path.dirname(target)
@@ -306,6 +316,25 @@ class LocalChunkStorage(ChunkStorage):
                     os.unlink(temporary)
             if self.sync:
                 _fsync_directory(directory)
+        self._sweep_temporaries(directory)
+
+    def _sweep_temporaries(self, directory: str) -> None:
+        """Delete temporaries of crashed creates in ``directory`` (older than ``TEMP_MAX_AGE_SECONDS``),
+        at most once per ``TEMP_SWEEP_INTERVAL_SECONDS`` per handle. Best effort: after the create."""
+        now = time.monotonic()
+        if now - self._swept.get(directory, -TEMP_SWEEP_INTERVAL_SECONDS) < TEMP_SWEEP_INTERVAL_SECONDS:
+            return
+        if len(self._swept) >= _SWEPT_MEMORY:
+            self._swept.clear()
+        self._swept[directory] = now
+        cutoff = time.time() - TEMP_MAX_AGE_SECONDS
+        with contextlib.suppress(OSError), os.scandir(directory) as entries:
+            for entry in entries:
+                if not entry.name.startswith(_TEMP_PREFIX):
+                    continue
+                with contextlib.suppress(OSError):
+                    if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
 
     def put_marker(self, path: str) -> None:
         target = self._abs(path)
