@@ -95,6 +95,11 @@ class SegmentOptions:
     truncate_merged_log: bool = False
     min_poll_interval: float = DEFAULT_MIN_POLL_INTERVAL
     max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL
+    #: Merge tier 1 into the B+tree in a worker process (local disk only; elsewhere in a thread):
+    #: the merge's CPU then never holds this process's GIL, so appends keep their latency. The
+    #: worker replays the log itself, which assumes no log compaction rewrites batches meanwhile
+    #: (so segments default to the thread; ``AttributeIndex`` turns it on).
+    merge_process: bool = False
 
     def poll_intervals(self) -> tuple[float, float]:
         """``(min, max)`` seconds between a waiting reader's polls for other handles' appends."""
@@ -164,6 +169,8 @@ class Segment(BackgroundMerge):
         self._stopping = False
         self._merges = 0
         self._merge_error: BaseException | None = None  #: the last failed merge (None after a success)
+        self._worker = None  #: the merge worker process host (``merge_process``), made by the first merge
+        self._worker_disabled = False  #: no worker process could be started: merges run in this process
         self._queue = WriteQueue(MAX_GROUP_BYTES, MAX_GROUP_REQUESTS)
         self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
@@ -909,6 +916,7 @@ class Segment(BackgroundMerge):
                 self._appended.notify_all()
                 self._merged.notify_all()
                 self._log.close()
+                self._close_worker()
                 if self._tree is not None:  # (a lazy handle that never needed attributes has none)
                     self._tree.close()
 
