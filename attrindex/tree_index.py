@@ -8,6 +8,7 @@ helpers (``_canonical_batch``, ``key_list``) and ``IndexStats`` live here too.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -331,6 +332,33 @@ class TreeIndex(IndexHandle):
             # acknowledgement may have loaded them): drop it, as when another writer's version
             # is adopted.
             self._external_change()
+
+    def adopt_merged(self, updates: Mapping[bytes, int | None], length: int) -> None:
+        """Adopt the newest version after another process merged ``updates`` straight into the
+        version this handle holds, making the version that ends at byte ``length`` (a merge
+        worker). If that is the version adopted, the recent-values cache is kept, refreshed with
+        ``updates`` in steps, so lookups stay warm; any other version (another writer as well)
+        drops it, as ``refresh`` does. Meanwhile lookups bypass the cache: the tree's versions
+        differ only in ``updates`` until it is refreshed."""
+        self._check_open()
+        with self._cache_lock:
+            kept, self._values = self._values, ValueCache(0)
+            self._cache_epoch += 1
+        try:
+            state = self._tree.reload()
+            if state.length == length:  # versions only move forward: the worker's, straight after ours
+                items = iter(updates.items())
+                while step := dict(itertools.islice(items, _CACHE_UPDATES_UP_TO)):
+                    kept.refresh_many(step)
+            else:
+                kept.clear()
+        except BaseException:
+            kept.clear()
+            raise
+        finally:
+            with self._cache_lock:
+                self._values = kept
+                self._cache_epoch += 1
 
     @property
     def checkpoint(self) -> int | None:
