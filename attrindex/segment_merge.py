@@ -59,6 +59,7 @@ class BackgroundMerge:
         this handle's position; a fresh overlay takes new appends."""
         self._frozen, self._frozen_at = self._overlay, self._log.position
         self._overlay = AttributeOverlay()
+        self._publish_view()  # before the lock is let go: no append lands in an unpublished overlay
         self._dirty_since = time.monotonic()
         self._wake.set()
 
@@ -80,7 +81,9 @@ class BackgroundMerge:
                 if not merged:  # another handle merged further: tier 1 restarts from its checkpoint
                     self._rebuild_overlay()
                 elif self._frozen is frozen:  # (a rebuild meanwhile replaced it: nothing to drop)
+                    # Dropped only now: the tree and its recent values hold its values already.
                     self._frozen = None
+                    self._publish_view()
                 self._merges += 1
                 if self._merge_error is not None:
                     _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
@@ -243,6 +246,7 @@ class BackgroundMerge:
         for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
         self._overlay, self._frozen = rebuilt, None
+        self._publish_view()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
         self._dirty_since = time.monotonic()
 
 
