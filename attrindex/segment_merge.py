@@ -29,6 +29,7 @@ MERGE_RETRY_SECONDS = 5.0  #: the longest pause between retries of a failing bac
 MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background merge (doubling up to the above)
 BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an append waits for a merge to make room in tier 1
 _IDLE_RECHECK_SECONDS = 1.0  #: an idle merge thread looks this often whether its handle still exists
+_MAX_TREE_REFRESHES = 10  #: tree refreshes before a rebuild of tier 1 when others keep truncating the log
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -236,7 +237,18 @@ class BackgroundMerge:
         self._replay_from_tree()
 
     def _replay_from_tree(self) -> None:
-        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position."""
+        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position.
+
+        If another handle truncated the log past the checkpoint (it merged further, then cut),
+        what it cut is in a newer version of the tree: adopt that first. Replaying from the log's
+        start over the older version would lose the updates in between (reads went back)."""
+        for _attempt in range(_MAX_TREE_REFRESHES):
+            checkpoint = self._index.checkpoint or 0
+            if checkpoint >= self._log.start_position:
+                break
+            self._index.refresh()
+            if (self._index.checkpoint or 0) == checkpoint:
+                break  # no newer version: the log cut held no updates (retention's empty batch)
         checkpoint = self._index.checkpoint or 0
         # Built aside and swapped in whole: a read that fails half-way (in the background merge,
         # which retries) must not leave tier 1 missing updates, which would let conditional

@@ -301,6 +301,33 @@ def test_a_value_read_from_a_version_that_was_replaced_meanwhile_is_not_cached(t
         index.close()
 
 
+def test_a_rebuild_of_tier1_adopts_the_tree_that_covers_another_handles_cut(tmp_path):
+    """Another handle merged past this one's tree and cut the WAL below its new checkpoint, and
+    this handle had already replayed past the cut: a rebuild of tier 1 (after a lost merge race,
+    in ``refresh``) must adopt the newer tree first. Replaying from the WAL's start over the older
+    tree lost the updates in between, and a lock-free read then went back."""
+    url = str(tmp_path / "idx")
+    options = dict(TINY, merge_keys=1 << 20, merge_seconds=3600, wal_rolling_size=256)  # merges only by flush; small WAL chunks
+    a = AttributeIndex.open(url, **options)
+    a.update({key(1): 1})
+    a.flush()
+    b = AttributeIndex.open(url, **options)
+    a.update({key(2): 2})  # in a's tier 1 only, and in the WAL
+    for i in range(20):
+        b.update({key(100 + i): i})  # rolls WAL chunks
+    wal = a._wal
+    with wal._lock:
+        wal._catch_up()  # a replays b's updates: its position is the WAL's end
+    b.flush()  # b's tree covers everything and b cuts the WAL below its checkpoint's chunk
+    with wal._lock:
+        wal._catch_up()
+        assert (wal._index.checkpoint or 0) < wal._log.start_position <= wal._log.position  # a's tree is stale
+        wal._rebuild_overlay()
+    assert a.get(key(2)) == 2 and a.get_many([key(1), key(2), key(119)]) == [1, 2, 19]
+    b.close()
+    a.close()
+
+
 def test_a_merge_does_not_cache_its_batch_over_a_newer_version_adopted_meanwhile(tmp_path):
     """A segment's merge writes its batch; before it caches the batch's values, another thread of
     the handle adopts a newer version written by another handle (a catch-up past a truncation).
