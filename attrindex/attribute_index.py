@@ -179,20 +179,15 @@ class AttributeIndex(IndexHandle):
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: object) -> int | None:
         """The value stored for ``key``, or ``None``."""
-        self._check_open()
-        k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
-        wal = self._wal
-        with wal._lock:  # the WAL's pending value, else the tree's (one key: no list on the hot path)
-            return wal._current_value(k)
+        # No lock and no closed check: the WAL's read view does both (a closed handle's raises).
+        return self._wal._current_value(key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key))
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
         """Values for ``keys`` in input order (``None`` where absent)."""
         self._check_open()
         keys = key_list(keys)
         canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
-        wal = self._wal
-        with wal._lock:
-            return wal._current_values(canonical)
+        return self._wal._current_values(canonical)  # lock-free, from one read view
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order: the WAL's

@@ -33,6 +33,7 @@ BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an append waits for a merge to 
 #: ``flush``, ``close`` and retention always merge in the calling thread (their caller waits anyway).
 MIN_WORKER_KEYS = 10_000
 _IDLE_RECHECK_SECONDS = 1.0  #: an idle merge thread looks this often whether its handle still exists
+_MAX_TREE_REFRESHES = 10  #: tree refreshes before a rebuild of tier 1 when others keep truncating the log
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -63,6 +64,7 @@ class BackgroundMerge:
         this handle's position; a fresh overlay takes new appends."""
         self._frozen, self._frozen_at = self._overlay, self._log.position
         self._overlay = AttributeOverlay()
+        self._publish_view()  # before the lock is let go: no append lands in an unpublished overlay
         self._dirty_since = time.monotonic()
         self._wake.set()
 
@@ -84,7 +86,9 @@ class BackgroundMerge:
                 if not merged:  # another handle merged further: tier 1 restarts from its checkpoint
                     self._rebuild_overlay()
                 elif self._frozen is frozen:  # (a rebuild meanwhile replaced it: nothing to drop)
+                    # Dropped only now: the tree and its recent values hold its values already.
                     self._frozen = None
+                    self._publish_view()
                 self._merges += 1
                 if self._merge_error is not None:
                     _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
@@ -307,7 +311,18 @@ class BackgroundMerge:
         self._replay_from_tree()
 
     def _replay_from_tree(self) -> None:
-        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position."""
+        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position.
+
+        If another handle truncated the log past the checkpoint (it merged further, then cut),
+        what it cut is in a newer version of the tree: adopt that first. Replaying from the log's
+        start over the older version would lose the updates in between (reads went back)."""
+        for _attempt in range(_MAX_TREE_REFRESHES):
+            checkpoint = self._index.checkpoint or 0
+            if checkpoint >= self._log.start_position:
+                break
+            self._index.refresh()
+            if (self._index.checkpoint or 0) == checkpoint:
+                break  # no newer version: the log cut held no updates (retention's empty batch)
         checkpoint = self._index.checkpoint or 0
         # Built aside and swapped in whole: a read that fails half-way (in the background merge,
         # which retries) must not leave tier 1 missing updates, which would let conditional
@@ -317,6 +332,7 @@ class BackgroundMerge:
         for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
         self._overlay, self._frozen = rebuilt, None
+        self._publish_view()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
         self._dirty_since = time.monotonic()
 
 
