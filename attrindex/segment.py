@@ -101,6 +101,11 @@ class SegmentOptions:
     truncate_merged_log: bool = False
     min_poll_interval: float = DEFAULT_MIN_POLL_INTERVAL
     max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL
+    #: Merge tier 1 into the B+tree in a worker process (local disk only; elsewhere in a thread):
+    #: the merge's CPU then never holds this process's GIL, so appends keep their latency. The
+    #: worker replays the log itself, which assumes no log compaction rewrites batches meanwhile
+    #: (so segments default to the thread; ``AttributeIndex`` turns it on).
+    merge_process: bool = False
 
     def poll_intervals(self) -> tuple[float, float]:
         """``(min, max)`` seconds between a waiting reader's polls for other handles' appends."""
@@ -170,6 +175,8 @@ class Segment(BackgroundMerge):
         self._stopping = False
         self._merges = 0
         self._merge_error: BaseException | None = None  #: the last failed merge (None after a success)
+        self._worker = None  #: the merge worker process host (``merge_process``), made by the first merge
+        self._worker_disabled = False  #: no worker process could be started: merges run in this process
         self._queue = WriteQueue(MAX_GROUP_BYTES, MAX_GROUP_REQUESTS)
         self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
@@ -204,10 +211,18 @@ class Segment(BackgroundMerge):
     def _open(self) -> None:
         """Read the tree's checkpoint and replay the log after it into tier 1."""
         checkpoint = self._tree.checkpoint or 0  # type: ignore[union-attr]
-        if checkpoint < self._log.start_position and self._log.bytes.length > self._log.start_position:
-            raise self._lost_between_error(checkpoint)
         self._overlay.clear()
         self._log.open_at(checkpoint)
+        # Checked on the view open_at just listed, not an older one: another handle may have merged
+        # past this tree version and truncated the log below its new checkpoint since the tree was
+        # read, and open_at would then start at the log's new start, silently skipping the updates
+        # in between (they are in the newer tree version only).
+        if checkpoint < self._log.start_position:
+            self._tree.refresh()  # type: ignore[union-attr]
+            if (self._tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
+                raise TruncatedError(self.name, checkpoint, 0, self._log.start_position, self._log.bytes.length)
+            if self._log.bytes.length > self._log.start_position:
+                raise self._lost_between_error(checkpoint)
         replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
         lost = self._log.lost_commits(covered=checkpoint)
         if lost is not None:
@@ -949,6 +964,7 @@ class Segment(BackgroundMerge):
                 self._appended.notify_all()
                 self._merged.notify_all()
                 self._log.close()
+                self._close_worker()
                 if self._tree is not None:  # (a lazy handle that never needed attributes has none)
                     self._tree.close()
 

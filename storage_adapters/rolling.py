@@ -141,6 +141,7 @@ class RollingSegment:
         self.rolling_size = rolling_size
         self._dir = name + SEGMENT_SUFFIX
         self._mutex = threading.RLock()
+        self._truncating = threading.Lock()  #: one truncation of this handle at a time (its I/O runs without _mutex)
         self._chunks: list[ChunkInfo] = []
         self._start_offset = 0
         self._markers: list[int] = []
@@ -743,17 +744,48 @@ class RollingSegment:
         self._check_open()
         if not isinstance(offset, int) or offset < 0:
             raise InvalidInputError(f"truncation offset must be a non-negative int, got {offset!r}")
-        with self._mutex:
-            self.refresh()  # rare, and only the true chunk list tells which chunk is the last
-            if offset > self.length:
-                raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
-            if offset <= self._start_offset:
-                return
+        with self._truncating:
+            with self._mutex:
+                self.refresh()  # rare, and only the true chunk list tells which chunk is the last
+                if offset > self.length:
+                    raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
+                if offset <= self._start_offset:
+                    return
             # The marker goes first: a crash before the deletions leaves only unreachable chunks.
+            # It is written without the mutex, so appends through this handle go on meanwhile
+            # (they land at the end, past ``offset``; only a truncation takes the start forward).
             self._put_marker(f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(offset)}")
-            self._start_offset, self._markers = offset, [*self._markers, offset]
-            self._delete_dead()
-            self._sweep_layout()
+            with self._mutex:
+                self._start_offset = max(self._start_offset, offset)
+                self._markers = sorted({*self._markers, offset})
+                if self._defers_deletion() or not self.storage.appendable:
+                    self._delete_dead()
+                    self._sweep_layout()
+                    return
+                doomed = self._take_dead()
+                self._sweep_layout()
+            self._delete_taken(doomed)
+
+    def _take_dead(self) -> list[str]:
+        """Under the mutex, after a truncation (storage that deletes at once): drop the chunks
+        before the last lying wholly below the start, and the older markers, from the view;
+        return their paths for ``_delete_taken`` to delete without the mutex."""
+        dead = [c for c in self._chunks[:-1] if c.end <= self._start_offset]
+        self._chunks = self._chunks[len(dead):]
+        old = [m for m in self._markers if m < self._start_offset]
+        self._markers = [m for m in self._markers if m >= self._start_offset]
+        return ([f"{self._dir}/{c.name}" for c in dead]
+                + [f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in old])
+
+    def _delete_taken(self, paths: list[str]) -> None:
+        """Delete what a truncation made dead (best effort: the truncation marker already holds;
+        a leftover below the start is never read, and a later listing shows it for deletion)."""
+        if not paths:
+            return
+        try:
+            self.storage.delete(paths)
+        except StorageError as exc:
+            _log.warning("segment %r: could not delete truncated chunks or markers (left for later): %s", self.name, exc)
 
     def _put_marker(self, path: str) -> None:
         """Write a truncation marker; after an error, whether it exists decides the outcome."""
