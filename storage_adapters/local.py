@@ -34,6 +34,8 @@ import secrets
 import shutil
 import stat
 import struct
+import threading
+import weakref
 import zlib
 from typing import Iterator
 
@@ -204,6 +206,86 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
+#: Lock files a storage keeps open (one per directory appended to); beyond it idle ones are closed.
+MAX_OPEN_LOCKS = 64
+#: Times a lock is retried when its lock file was replaced under it (the directory removed and made again).
+MAX_LOCK_REOPENS = 10
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+class _DirectoryLock:
+    """A directory's lock file kept open, and the descriptor of the chunk last appended to in it.
+
+    ``mutex`` orders this process's threads (they share ``fd``, whose ``flock`` would not exclude
+    them from each other); ``owner`` is the thread holding both; the chunk descriptor is used only
+    by that thread. ``fd is None``: closed (evicted, or its file replaced): take a fresh one."""
+
+    __slots__ = ("path", "fd", "identity", "mutex", "owner", "chunk_path", "chunk_fd", "chunk_identity")
+
+    def __init__(self, path: str, fd: int, identity: tuple[int, int]):
+        self.path, self.fd, self.identity = path, fd, identity
+        self.mutex = threading.Lock()
+        self.owner: int | None = None
+        self.chunk_path: str | None = None
+        self.chunk_fd: int | None = None
+        self.chunk_identity: tuple[int, int] | None = None
+
+    def close_chunk(self) -> None:
+        fd, self.chunk_fd, self.chunk_path, self.chunk_identity = self.chunk_fd, None, None, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def close(self) -> None:
+        self.close_chunk()
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _lock_file(entry: _DirectoryLock, directory: str) -> bool:
+    """``flock`` the entry's file (its mutex held); False, and unlocked again, if its name no
+    longer leads to that file."""
+    with os_errors("lock", directory):
+        fcntl.flock(entry.fd, fcntl.LOCK_EX)  # type: ignore[arg-type]
+        try:
+            same = _identity(os.stat(entry.path)) == entry.identity
+        except FileNotFoundError:
+            same = False
+        except BaseException:
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
+            raise
+        if not same:
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
+        return same
+
+
+class _Held:
+    """``with storage.lock(directory):`` (a class, not a generator: it is on every append's path)."""
+
+    __slots__ = ("storage", "directory", "entry")
+
+    def __init__(self, storage: "LocalChunkStorage", directory: str):
+        self.storage, self.directory, self.entry = storage, directory, None
+
+    def __enter__(self) -> None:
+        self.entry = self.storage._acquire(self.directory)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.storage._release(self.entry)
+
+
+def _close_locks(locks: dict[str, _DirectoryLock]) -> None:
+    """A storage was collected: close what it kept open (nothing can hold its locks any more)."""
+    for entry in locks.values():
+        entry.close()
+    locks.clear()
+
+
 class LocalChunkStorage(ChunkStorage):
     """Chunk files in a local directory tree; reads go through fsspec's local filesystem."""
 
@@ -221,9 +303,16 @@ class LocalChunkStorage(ChunkStorage):
         # The format of chunks this handle creates; a chunk keeps its format for life. "xattr"
         # falls back to "sidecar" on a filesystem without user xattrs, and with sync=False.
         self.commit_format = commit_format
+        # Open lock files (and the chunk each last appended to), by directory: see ``lock``.
+        self._locks: dict[str, _DirectoryLock] = {}
+        self._locks_guard = threading.Lock()
+        self._locks_pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _close_locks, self._locks)
 
     def _abs(self, path: str) -> str:
-        return os.path.join(self.root, path)
+        if path[:1] == "/":
+            return os.path.join(self.root, path)
+        return f"{self.root}/{path}"  # os.path.join's result for a relative path, without its checks
 
     # -- reading -------------------------------------------------------------------------------
     def list_files(self, directory: str) -> dict[str, int]:
@@ -262,8 +351,16 @@ class LocalChunkStorage(ChunkStorage):
 
     def committed_size(self, path: str) -> int:
         target = self._abs(path)
-        with os_errors("committed size", path, missing=True):
-            record = _get_record(target)  # a missing chunk raises FileNotFoundError here
+        try:  # on every append's path: the common case without a context manager
+            record = os.getxattr(target, COMMIT_XATTR) if _HAS_XATTR else None  # a missing chunk: FileNotFoundError
+        except FileNotFoundError:
+            raise
+        except OSError:
+            record = None  # no record (v1), or an error the slow path below reports
+        if record is not None:
+            return _xattr_committed(record)[0]
+        with os_errors("committed size", path, missing=True):  # read again: errors are reported here
+            record = _get_record(target)
             if record is not None:
                 return _xattr_committed(record)[0]
             return _sidecar_committed(target)
@@ -313,6 +410,7 @@ class LocalChunkStorage(ChunkStorage):
 
     def delete(self, paths: list[str]) -> None:
         for path in paths:
+            self._let_go(path)
             for victim in (self._abs(path), self._abs(path) + COMMIT_SUFFIX):
                 with os_errors("delete", path), contextlib.suppress(FileNotFoundError):
                     try:
@@ -321,24 +419,181 @@ class LocalChunkStorage(ChunkStorage):
                         os.rmdir(victim)  # the fence of a v2 chunk
 
     def remove_directory(self, directory: str) -> None:
+        with self._locks_guard:  # its lock files go: close the ones kept open that nobody holds
+            prefix = directory.rstrip("/") + "/"
+            for name, entry in list(self._locks.items()):
+                if (name == directory or name.startswith(prefix)) and entry.mutex.acquire(blocking=False):
+                    try:
+                        entry.close()
+                        del self._locks[name]
+                    finally:
+                        entry.mutex.release()
         shutil.rmtree(self._abs(directory), ignore_errors=True)
 
-    @contextlib.contextmanager
-    def lock(self, directory: str) -> Iterator[None]:
+    def _let_go(self, path: str) -> None:
+        """Close the descriptor kept open on chunk ``path`` (being deleted), so that its space comes
+        back now; unless another thread is appending through it (its next append notices)."""
+        entry = self._locks.get(path.rpartition("/")[0])
+        if entry is None or entry.chunk_path != path:
+            return
+        if entry.owner == threading.get_ident():
+            entry.close_chunk()
+        elif entry.mutex.acquire(blocking=False):
+            try:
+                entry.close_chunk()
+            finally:
+                entry.mutex.release()
+
+    def lock(self, directory: str) -> contextlib.AbstractContextManager[None]:
+        """Exclusive lock over the writers of ``directory``: an ``flock`` on its ``.lock`` file.
+
+        The lock file stays open between appends (one descriptor per directory, at most
+        ``MAX_OPEN_LOCKS`` of them), so a lock costs ``flock`` twice and one ``stat`` that checks
+        the name still leads to the file locked. Threads of this process share that descriptor,
+        and ``flock`` does not exclude holders of one descriptor from each other: a mutex
+        orders them first."""
+        return _Held(self, directory)
+
+    def _acquire(self, directory: str) -> _DirectoryLock:
+        """The directory's lock, held by this thread (``lock``)."""
+        for _attempt in range(MAX_LOCK_REOPENS):
+            entry = self._lock_entry(directory)
+            entry.mutex.acquire()
+            try:
+                if entry.fd is not None and _lock_file(entry, directory):
+                    entry.owner = threading.get_ident()
+                    return entry
+            except BaseException:
+                entry.mutex.release()
+                raise
+            # Closed meanwhile, or the directory was removed (and maybe made again) since the file
+            # was opened: a lock on the old file excludes nobody who opens the new one.
+            self._forget(directory, entry)
+            entry.mutex.release()
+        raise StorageError(f"local storage: lock of {directory!r}: its lock file kept being replaced "
+                           f"({MAX_LOCK_REOPENS} tries)")
+
+    @staticmethod
+    def _release(entry: _DirectoryLock) -> None:
+        entry.owner = None
+        try:
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)
+        except OSError:
+            entry.close()  # closing the only descriptor releases the lock too
+        finally:
+            entry.mutex.release()
+
+    def _lock_entry(self, directory: str) -> _DirectoryLock:
+        """The cached lock of ``directory``, opened (and the directory made) if need be."""
+        locks = self._locks
+        if self._locks_pid != os.getpid():  # a forked child: its inherited descriptors share the
+            locks = self._reset_locks()  # parent's locks, so they exclude nothing between the two
+        entry = locks.get(directory)
+        if entry is not None and entry.fd is not None:
+            return entry
         base = self._abs(directory)
+        path = os.path.join(base, LOCK_NAME)
         with os_errors("lock", directory):
             os.makedirs(base, exist_ok=True)
-            fd = os.open(os.path.join(base, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            with os_errors("lock", directory):
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        with self._locks_guard:
+            entry = locks.get(directory)
+            if entry is not None and entry.fd is not None:  # another thread opened it meanwhile
+                os.close(fd)
+                return entry
+            entry = locks[directory] = _DirectoryLock(path, fd, _identity(os.fstat(fd)))
+            if len(locks) > MAX_OPEN_LOCKS:
+                self._evict_locks()
+        return entry
+
+    def _forget(self, directory: str, entry: _DirectoryLock) -> None:
+        """Close a lock (held by the caller's mutex) and drop it from the cache."""
+        entry.close()
+        with self._locks_guard:
+            if self._locks.get(directory) is entry:
+                del self._locks[directory]
+
+    def _evict_locks(self) -> None:
+        """Close cached locks nobody holds until the cache is back to its bound (under the guard)."""
+        for directory, entry in list(self._locks.items()):
+            if len(self._locks) <= MAX_OPEN_LOCKS // 2:
+                break
+            if entry.mutex.acquire(blocking=False):
+                try:
+                    entry.close()
+                    del self._locks[directory]
+                finally:
+                    entry.mutex.release()
+
+    def _reset_locks(self) -> dict[str, _DirectoryLock]:
+        with self._locks_guard:
+            for entry in self._locks.values():  # inherited: closing our copies releases nothing of the parent's
+                entry.close()
+            self._locks = {}
+            self._locks_pid = os.getpid()
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close_locks, self._locks)
+            return self._locks
+
+    def close(self) -> None:
+        """Close the cached lock files and chunk descriptors (locks held now are left alone)."""
+        with self._locks_guard:
+            self._evict_all()
+
+    def _evict_all(self) -> None:
+        for directory, entry in list(self._locks.items()):
+            if entry.mutex.acquire(blocking=False):
+                try:
+                    entry.close()
+                    del self._locks[directory]
+                finally:
+                    entry.mutex.release()
 
     def append(self, path: str, position: int, data: bytes) -> None:
         with os_errors("append", path):
+            directory, _, _name = path.rpartition("/")
+            entry = self._locks.get(directory)
+            if (entry is not None and entry.owner == threading.get_ident() and self._locks_pid == os.getpid()
+                    and self._append_open(entry, path, position, data)):
+                return
             self._append(path, position, data)
+
+    def _append_open(self, entry: _DirectoryLock, path: str, position: int, data: bytes) -> bool:
+        """``append`` to an existing v2 chunk through the descriptor kept open with its
+        directory's lock (held by this thread); False (nothing done) for anything else: a new
+        chunk, a v1 one, one without a record yet. The name is checked to lead to the file
+        that descriptor holds (one ``stat``, which also gives the size): a chunk deleted and
+        made again is another file."""
+        target = f"{self.root}/{path}"
+        try:
+            st = os.stat(target)
+        except FileNotFoundError:
+            return False
+        fd = entry.chunk_fd
+        if fd is None or entry.chunk_path != path or entry.chunk_identity != _identity(st):
+            entry.close_chunk()
+            fd = os.open(target, os.O_RDWR | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            entry.chunk_fd, entry.chunk_path, entry.chunk_identity = fd, path, _identity(st)
+        try:
+            record = _get_record(fd)
+            if record is None:
+                return False
+            sizes = _xattr_committed(record)
+            _check_committed(path, sizes[0], position)
+            if st.st_size < position:
+                raise CorruptDataError(f"chunk {path!r} holds {st.st_size} bytes but {position} were committed")
+            if st.st_size > position:
+                os.ftruncate(fd, position)  # bytes of a torn append, never committed
+            if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
+                _write_paced(fd, data, position)
+            else:
+                _write_all(fd, data, position)
+            self._commit_xattr(fd, record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
+        except BaseException:
+            entry.close_chunk()  # whatever state it is in, the next append opens the file afresh
+            raise
+        return True
 
     def _append(self, path: str, position: int, data: bytes) -> None:
         target = self._abs(path)
