@@ -29,7 +29,8 @@ from .conditional import AttributeUpdate, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
                      InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import pair_list, to_key, to_keys
-from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
+from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, encode_batch_with_header,
+                         new_batch_id, read_header,
                         rebase_batch, record_list)
 from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, GROUP_TAG_SHIFT, LayoutChangedError,
                               SegmentLog, group_tag, grouped_batch_id)
@@ -379,9 +380,10 @@ class Segment(BackgroundMerge):
         pending = _PendingAppend(records, updates, replacements, expected_offset, stamp, chosen, new_batch_id())
         if updates is None:  # no conditions: encode here, outside the lock (bad records raise here too)
             # At the offset this handle last saw: for a lone writer the leader writes it unchanged.
-            data = encode_batch(self._log.next_offset, records, timestamp=stamp, attribute_updates=replacements,
-                                codec=chosen, batch_id=pending.batch_id)
-            pending.encoded, size = (*replacements, data, read_header(data)), len(data)
+            data, header = encode_batch_with_header(self._log.next_offset, records, timestamp=stamp,
+                                                    attribute_updates=replacements, codec=chosen,
+                                                    batch_id=pending.batch_id)
+            pending.encoded, size = (*replacements, data, header), len(data)
         else:
             size = sum(len(r) if isinstance(r, bytes) else 64 for r in records) + 40 * len(updates)
         self._check_open()
@@ -391,10 +393,11 @@ class Segment(BackgroundMerge):
         """``append((), (keys, values))`` for input already checked (``AttributeIndex.update``):
         ``keys`` sorted, unique 16-byte ``bytes``, ``values`` int64 or ``None``; REPLACE semantics."""
         stamp, batch_id = int(time.time() * 1000), new_batch_id()
-        data = encode_batch(self._log.next_offset, (), timestamp=stamp, attribute_updates=(keys, values),
-                            codec=self.options.codec, batch_id=batch_id)
+        data, header = encode_batch_with_header(self._log.next_offset, (), timestamp=stamp,
+                                                attribute_updates=(keys, values), codec=self.options.codec,
+                                                batch_id=batch_id)
         pending = _PendingAppend([], None, (keys, values), None, stamp, self.options.codec, batch_id,
-                                 (keys, values, data, read_header(data)))
+                                 (keys, values, data, header))
         self._check_open()
         return self._queue.submit(WriteRequest(pending, len(data)), self._write_group)
 
@@ -475,12 +478,12 @@ class Segment(BackgroundMerge):
                     data = encoded[2]  # as encoded (a lone attribute batch, the WAL's usual case)
             else:
                 try:
-                    data = encode_batch(next_offset, a.records, timestamp=a.stamp, attribute_updates=(keys, values),
-                                        codec=a.codec, batch_id=batch_id)
+                    data, header = encode_batch_with_header(next_offset, a.records, timestamp=a.stamp,
+                                                            attribute_updates=(keys, values), codec=a.codec,
+                                                            batch_id=batch_id)
                 except Exception as exc:  # noqa: BLE001 - bad records fail their own append only
                     failures.append((request, exc))
                     continue
-                header = read_header(data)
                 a.encoded = (keys, values, data, header)
             planned.append((request, keys, values, data, header))
             next_offset = header.next_offset

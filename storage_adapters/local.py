@@ -37,7 +37,7 @@ import struct
 import threading
 import weakref
 import zlib
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -188,14 +188,19 @@ def os_errors(operation: str, path: str, *, missing: bool = False) -> Iterator[N
     and quotas); with ``missing=True`` a ``FileNotFoundError`` passes through, as the interface says."""
     try:
         yield
-    except FileNotFoundError:
-        if missing:
-            raise
-        raise StorageError(f"local storage: {operation} of {path!r}: no such file or directory") from None
     except OSError as exc:
-        if exc.errno in _FULL:
-            raise StorageFullError(f"local storage: {operation} of {path!r}: {exc.strerror}") from exc
-        raise StorageError(f"local storage: {operation} of {path!r} failed: {exc}") from exc
+        raise _storage_error(exc, operation, path, missing) from (None if isinstance(exc, FileNotFoundError) else exc)
+
+
+def _storage_error(exc: OSError, operation: str, path: str, missing: bool = False) -> BaseException:
+    """What ``os_errors`` raises for ``exc`` (for hot paths that catch it without a context manager)."""
+    if isinstance(exc, FileNotFoundError):
+        if missing:
+            return exc
+        return StorageError(f"local storage: {operation} of {path!r}: no such file or directory")
+    if exc.errno in _FULL:
+        return StorageFullError(f"local storage: {operation} of {path!r}: {exc.strerror}")
+    return StorageError(f"local storage: {operation} of {path!r} failed: {exc}")
 
 
 def _fsync_directory(directory: str) -> None:
@@ -205,6 +210,12 @@ def _fsync_directory(directory: str) -> None:
     finally:
         os.close(fd)
 
+
+# Bumped in a forked child: its inherited descriptors share the parent's open files, and so its
+# locks (``flock`` does not exclude holders of one open file from each other); it opens its own.
+_forks = [0]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 #: Lock files a storage keeps open (one per directory appended to); beyond it idle ones are closed.
 MAX_OPEN_LOCKS = 64
@@ -216,6 +227,12 @@ def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+class _Seen(NamedTuple):
+    size: int  #: bytes in the file
+    record: bytes  #: its raw v2 record
+    sizes: list[int]  #: the committed sizes in it, newest first
+
+
 class _DirectoryLock:
     """A directory's lock file kept open, and the descriptor of the chunk last appended to in it.
 
@@ -223,7 +240,7 @@ class _DirectoryLock:
     them from each other); ``owner`` is the thread holding both; the chunk descriptor is used only
     by that thread. ``fd is None``: closed (evicted, or its file replaced): take a fresh one."""
 
-    __slots__ = ("path", "fd", "identity", "mutex", "owner", "chunk_path", "chunk_fd", "chunk_identity")
+    __slots__ = ("path", "fd", "identity", "mutex", "owner", "chunk_path", "chunk_fd", "chunk_identity", "seen")
 
     def __init__(self, path: str, fd: int, identity: tuple[int, int]):
         self.path, self.fd, self.identity = path, fd, identity
@@ -232,9 +249,11 @@ class _DirectoryLock:
         self.chunk_path: str | None = None
         self.chunk_fd: int | None = None
         self.chunk_identity: tuple[int, int] | None = None
+        self.seen: _Seen | None = None  #: the chunk as the holder last looked at it (this hold only)
 
     def close_chunk(self) -> None:
         fd, self.chunk_fd, self.chunk_path, self.chunk_identity = self.chunk_fd, None, None, None
+        self.seen = None
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -250,7 +269,7 @@ class _DirectoryLock:
 def _lock_file(entry: _DirectoryLock, directory: str) -> bool:
     """``flock`` the entry's file (its mutex held); False, and unlocked again, if its name no
     longer leads to that file."""
-    with os_errors("lock", directory):
+    try:  # (no context manager: this is on every append's path)
         fcntl.flock(entry.fd, fcntl.LOCK_EX)  # type: ignore[arg-type]
         try:
             same = _identity(os.stat(entry.path)) == entry.identity
@@ -262,6 +281,8 @@ def _lock_file(entry: _DirectoryLock, directory: str) -> bool:
         if not same:
             fcntl.flock(entry.fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
         return same
+    except OSError as exc:
+        raise _storage_error(exc, "lock", directory) from exc
 
 
 class _Held:
@@ -306,7 +327,7 @@ class LocalChunkStorage(ChunkStorage):
         # Open lock files (and the chunk each last appended to), by directory: see ``lock``.
         self._locks: dict[str, _DirectoryLock] = {}
         self._locks_guard = threading.Lock()
-        self._locks_pid = os.getpid()
+        self._locks_fork = _forks[0]
         self._finalizer = weakref.finalize(self, _close_locks, self._locks)
 
     def _abs(self, path: str) -> str:
@@ -350,6 +371,16 @@ class LocalChunkStorage(ChunkStorage):
         return os.path.exists(self._abs(path))
 
     def committed_size(self, path: str) -> int:
+        entry = self._held(path)
+        if entry is not None:  # a writer's catch-up: the look its append then uses
+            try:
+                seen = self._open_chunk(entry, path)
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                raise _storage_error(exc, "committed size", path) from exc
+            if seen is not None:
+                return seen.sizes[0]
         target = self._abs(path)
         try:  # on every append's path: the common case without a context manager
             record = os.getxattr(target, COMMIT_XATTR) if _HAS_XATTR else None  # a missing chunk: FileNotFoundError
@@ -461,7 +492,7 @@ class LocalChunkStorage(ChunkStorage):
             entry.mutex.acquire()
             try:
                 if entry.fd is not None and _lock_file(entry, directory):
-                    entry.owner = threading.get_ident()
+                    entry.owner, entry.seen = threading.get_ident(), None
                     return entry
             except BaseException:
                 entry.mutex.release()
@@ -475,7 +506,7 @@ class LocalChunkStorage(ChunkStorage):
 
     @staticmethod
     def _release(entry: _DirectoryLock) -> None:
-        entry.owner = None
+        entry.owner = entry.seen = None  # other writers may change the chunk once the lock is let go
         try:
             fcntl.flock(entry.fd, fcntl.LOCK_UN)
         except OSError:
@@ -486,7 +517,7 @@ class LocalChunkStorage(ChunkStorage):
     def _lock_entry(self, directory: str) -> _DirectoryLock:
         """The cached lock of ``directory``, opened (and the directory made) if need be."""
         locks = self._locks
-        if self._locks_pid != os.getpid():  # a forked child: its inherited descriptors share the
+        if self._locks_fork != _forks[0]:  # a forked child: its inherited descriptors share the
             locks = self._reset_locks()  # parent's locks, so they exclude nothing between the two
         entry = locks.get(directory)
         if entry is not None and entry.fd is not None:
@@ -530,7 +561,7 @@ class LocalChunkStorage(ChunkStorage):
             for entry in self._locks.values():  # inherited: closing our copies releases nothing of the parent's
                 entry.close()
             self._locks = {}
-            self._locks_pid = os.getpid()
+            self._locks_fork = _forks[0]
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close_locks, self._locks)
             return self._locks
@@ -550,46 +581,65 @@ class LocalChunkStorage(ChunkStorage):
                     entry.mutex.release()
 
     def append(self, path: str, position: int, data: bytes) -> None:
-        with os_errors("append", path):
-            directory, _, _name = path.rpartition("/")
-            entry = self._locks.get(directory)
-            if (entry is not None and entry.owner == threading.get_ident() and self._locks_pid == os.getpid()
-                    and self._append_open(entry, path, position, data)):
-                return
-            self._append(path, position, data)
+        try:  # (no context manager: this is on every append's path)
+            entry = self._held(path)
+            if entry is None or not self._append_open(entry, path, position, data):
+                self._append(path, position, data)
+        except OSError as exc:
+            raise _storage_error(exc, "append", path) from exc
+
+    def _held(self, path: str) -> _DirectoryLock | None:
+        """The lock of ``path``'s directory if this thread holds it through this storage."""
+        entry = self._locks.get(path.rpartition("/")[0])
+        if entry is not None and entry.owner == threading.get_ident() and self._locks_fork == _forks[0]:
+            return entry
+        return None
+
+    def _open_chunk(self, entry: _DirectoryLock, path: str) -> _Seen | None:
+        """What the held lock's descriptor sees of the chunk ``path``: its ``stat`` and v2 record
+        (None for a chunk without one: v1, or new). Opened, or checked to be the file the name
+        leads to now (one ``stat``, which also gives the size: a chunk deleted and made again is
+        another file). Kept until the lock is released or the chunk is written: no writer but the
+        holder changes it meanwhile, so the catch-up's look and the append share one.
+        ``FileNotFoundError`` for a missing chunk."""
+        seen = entry.seen
+        if seen is not None and entry.chunk_path == path:
+            return seen
+        st = os.stat(f"{self.root}/{path}")
+        fd = entry.chunk_fd
+        if fd is None or entry.chunk_path != path or entry.chunk_identity != _identity(st):
+            entry.close_chunk()
+            fd = os.open(f"{self.root}/{path}", os.O_RDWR | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            entry.chunk_fd, entry.chunk_path, entry.chunk_identity = fd, path, _identity(st)
+        record = _get_record(fd)
+        if record is None:
+            return None
+        entry.seen = seen = _Seen(st.st_size, record, _xattr_committed(record))
+        return seen
 
     def _append_open(self, entry: _DirectoryLock, path: str, position: int, data: bytes) -> bool:
         """``append`` to an existing v2 chunk through the descriptor kept open with its
         directory's lock (held by this thread); False (nothing done) for anything else: a new
-        chunk, a v1 one, one without a record yet. The name is checked to lead to the file
-        that descriptor holds (one ``stat``, which also gives the size): a chunk deleted and
-        made again is another file."""
-        target = f"{self.root}/{path}"
+        chunk, a v1 one, one without a record yet."""
         try:
-            st = os.stat(target)
-        except FileNotFoundError:
-            return False
-        fd = entry.chunk_fd
-        if fd is None or entry.chunk_path != path or entry.chunk_identity != _identity(st):
-            entry.close_chunk()
-            fd = os.open(target, os.O_RDWR | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            entry.chunk_fd, entry.chunk_path, entry.chunk_identity = fd, path, _identity(st)
-        try:
-            record = _get_record(fd)
-            if record is None:
+            seen = self._open_chunk(entry, path)
+            if seen is None:
                 return False
-            sizes = _xattr_committed(record)
+            fd, size, sizes = entry.chunk_fd, seen.size, seen.sizes
+            entry.seen = None  # written from here on: look again next time
             _check_committed(path, sizes[0], position)
-            if st.st_size < position:
-                raise CorruptDataError(f"chunk {path!r} holds {st.st_size} bytes but {position} were committed")
-            if st.st_size > position:
+            if size < position:
+                raise CorruptDataError(f"chunk {path!r} holds {size} bytes but {position} were committed")
+            if size > position:
                 os.ftruncate(fd, position)  # bytes of a torn append, never committed
             if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
                 _write_paced(fd, data, position)
             else:
                 _write_all(fd, data, position)
-            self._commit_xattr(fd, record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
+            self._commit_xattr(fd, seen.record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
+        except FileNotFoundError:
+            return False  # a new chunk
         except BaseException:
             entry.close_chunk()  # whatever state it is in, the next append opens the file afresh
             raise

@@ -39,12 +39,11 @@ def test_a_lone_batch_is_written_as_encoded(tmp_path, monkeypatch):
     index = AttributeIndex.open(str(tmp_path), "i")
     index.update({b"a" * 16: 1})
     calls: list[str] = []
-    for module, name in ((segment_module, "rebase_batch"), (segment_module, "encode_batch"),
-                         (segment_module, "read_header"), (segment_module, "new_batch_id")):
-        _spy(monkeypatch, module, name, calls)
+    for name in ("rebase_batch", "encode_batch", "encode_batch_with_header", "read_header", "new_batch_id"):
+        _spy(monkeypatch, segment_module, name, calls)
     index.update({b"b" * 16: 2})
     monkeypatch.undo()
-    assert sorted(calls) == ["encode_batch", "new_batch_id", "read_header"]  # once each, before the queue
+    assert sorted(calls) == ["encode_batch_with_header", "new_batch_id"]  # once each, before the queue
     index.close()
     with AttributeIndex.open(str(tmp_path), "i") as again:
         assert again.get_many([b"a" * 16, b"b" * 16]) == [1, 2]
@@ -62,3 +61,41 @@ def test_a_lone_append_behind_another_handle_is_rebased_to_the_true_tail(tmp_pat
     assert result.first_offset == 3
     assert [r.value for r in first.read(0, 10)] == [b"one", b"two", b"three", b"four"]
     store.close()
+
+
+def test_batch_ids_differ_across_forked_children_and_ignore_the_random_module():
+    """Ids no longer come from a system call each: a forked child must still draw its own, and
+    a caller seeding ``random`` (hypothesis does) must not make them repeat."""
+    import multiprocessing
+    import random
+
+    from attrindex.log.batch import new_batch_id
+
+    context = multiprocessing.get_context("fork")
+    with context.Pool(2) as pool:
+        children = pool.map(_draw_ids, range(2))
+    mine = _draw_ids(0)
+    assert len({*children[0], *children[1], *mine}) == 3 * len(mine)
+    random.seed(7)
+    first = new_batch_id()
+    random.seed(7)
+    assert new_batch_id() != first
+
+
+def _draw_ids(_n: int) -> list[int]:
+    from attrindex.log.batch import new_batch_id
+
+    return [new_batch_id() for _ in range(100)]
+
+
+def test_the_header_given_with_a_batch_is_the_one_read_back():
+    from attrindex.log.batch import Codec, Record, available_codecs, encode_batch_with_header, read_header
+
+    key = b"k" * 16
+    cases = [((), ([key], [5])), ([b"a", b"bc"], ([], [])), ([Record(b"v", key=b"x", timestamp=9)], ([key], [None])),
+             ([b"x" * 300] * 3, ([key, b"l" * 16], [-1, 2**63 - 1]))]
+    for codec in [Codec.NONE, *available_codecs()]:
+        for records, updates in cases:
+            data, header = encode_batch_with_header(7, records, timestamp=1234, attribute_updates=updates,
+                                                    codec=codec, batch_id=99)
+            assert header == read_header(data)
