@@ -197,10 +197,18 @@ class Segment(BackgroundMerge):
     def _open(self) -> None:
         """Read the tree's checkpoint and replay the log after it into tier 1."""
         checkpoint = self._tree.checkpoint or 0  # type: ignore[union-attr]
-        if checkpoint < self._log.start_position and self._log.bytes.length > self._log.start_position:
-            raise self._lost_between_error(checkpoint)
         self._overlay.clear()
         self._log.open_at(checkpoint)
+        # Checked on the view open_at just listed, not an older one: another handle may have merged
+        # past this tree version and truncated the log below its new checkpoint since the tree was
+        # read, and open_at would then start at the log's new start, silently skipping the updates
+        # in between (they are in the newer tree version only).
+        if checkpoint < self._log.start_position:
+            self._tree.refresh()  # type: ignore[union-attr]
+            if (self._tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
+                raise TruncatedError(self.name, checkpoint, 0, self._log.start_position, self._log.bytes.length)
+            if self._log.bytes.length > self._log.start_position:
+                raise self._lost_between_error(checkpoint)
         replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
         lost = self._log.lost_commits(covered=checkpoint)
         if lost is not None:

@@ -35,6 +35,7 @@ import shutil
 import stat
 import struct
 import threading
+import time
 import weakref
 import zlib
 from typing import Iterator, NamedTuple
@@ -47,7 +48,18 @@ from .errors import ChunkExistsError, CorruptDataError, InvalidInputError, Stora
 COMMIT_SUFFIX = ".commit"
 LOCK_NAME = ".lock"
 _TEMP_PREFIX = ".tmp-"  #: files being created; never listed (a crash may leave one behind)
+#: A temporary older than this (by its mtime) is left by a crashed ``create`` and is deleted by a
+#: later ``create`` in its directory. A live create touches its file within one call; one stalled
+#: longer than this (a stopped process) fails at its link with a ``StorageError``: nothing appears.
+TEMP_MAX_AGE_SECONDS = 3600.0
+#: A handle sweeps one directory's stale temporaries at most this often (a scan per create is waste).
+TEMP_SWEEP_INTERVAL_SECONDS = 60.0
+_SWEPT_MEMORY = 1024  #: directories whose last sweep a handle remembers (then it forgets them all)
 COMMIT_XATTR = "user.attrindex.commit"
+#: A file in a v2 chunk's fence directory, made once the chunk's first commit record is durable: a
+#: chunk that has it but no record lost the record (a copy without xattrs: ``cp -r``, ``tar``
+#: without ``--xattrs``), which must not pass for a chunk whose first writer died before committing.
+COMMITTED_MARK = "committed"
 #: How new chunks record their commits: ``"xattr"`` (v2, one fsync per append, the default where
 #: the filesystem has user xattrs) or ``"sidecar"`` (v1, two fdatasyncs).
 COMMIT_FORMATS = ("xattr", "sidecar")
@@ -324,6 +336,7 @@ class LocalChunkStorage(ChunkStorage):
         # The format of chunks this handle creates; a chunk keeps its format for life. "xattr"
         # falls back to "sidecar" on a filesystem without user xattrs, and with sync=False.
         self.commit_format = commit_format
+        self._swept: dict[str, float] = {}  #: directory -> monotonic time of its last temporaries sweep
         # Open lock files (and the chunk each last appended to), by directory: see ``lock``.
         self._locks: dict[str, _DirectoryLock] = {}
         self._locks_guard = threading.Lock()
@@ -404,7 +417,8 @@ class LocalChunkStorage(ChunkStorage):
         linked to the name: the link fails if the name exists (the exclusive create) and makes
         the whole file appear at once, so no reader (a verify beside a writer) ever sees a
         short file, and a crash leaves no partial file under the name, only a temporary one
-        that listings skip.
+        that listings skip and a later create in the directory deletes once it is older than
+        ``TEMP_MAX_AGE_SECONDS``.
         """
         target = self._abs(path)
         directory = os.path.dirname(target)
@@ -430,6 +444,25 @@ class LocalChunkStorage(ChunkStorage):
                     os.unlink(temporary)
             if self.sync:
                 _fsync_directory(directory)
+        self._sweep_temporaries(directory)
+
+    def _sweep_temporaries(self, directory: str) -> None:
+        """Delete temporaries of crashed creates in ``directory`` (older than ``TEMP_MAX_AGE_SECONDS``),
+        at most once per ``TEMP_SWEEP_INTERVAL_SECONDS`` per handle. Best effort: after the create."""
+        now = time.monotonic()
+        if now - self._swept.get(directory, -TEMP_SWEEP_INTERVAL_SECONDS) < TEMP_SWEEP_INTERVAL_SECONDS:
+            return
+        if len(self._swept) >= _SWEPT_MEMORY:
+            self._swept.clear()
+        self._swept[directory] = now
+        cutoff = time.time() - TEMP_MAX_AGE_SECONDS
+        with contextlib.suppress(OSError), os.scandir(directory) as entries:
+            for entry in entries:
+                if not entry.name.startswith(_TEMP_PREFIX):
+                    continue
+                with contextlib.suppress(OSError):
+                    if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
 
     def put_marker(self, path: str) -> None:
         target = self._abs(path)
@@ -446,8 +479,10 @@ class LocalChunkStorage(ChunkStorage):
                 with os_errors("delete", path), contextlib.suppress(FileNotFoundError):
                     try:
                         os.unlink(victim)
-                    except IsADirectoryError:
-                        os.rmdir(victim)  # the fence of a v2 chunk
+                    except IsADirectoryError:  # the fence of a v2 chunk
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(victim, COMMITTED_MARK))
+                        os.rmdir(victim)
 
     def remove_directory(self, directory: str) -> None:
         with self._locks_guard:  # its lock files go: close the ones kept open that nobody holds
@@ -667,6 +702,8 @@ class LocalChunkStorage(ChunkStorage):
                 _write_all(fd, data, position)
             if xattr:
                 self._commit_xattr(fd, record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
+                if record is None and self.sync:
+                    _mark_committed(target)
             elif self.sync:
                 os.fdatasync(fd)
         finally:
@@ -692,6 +729,8 @@ class LocalChunkStorage(ChunkStorage):
         except FileNotFoundError:
             mode = None
         if mode is not None:
+            if stat.S_ISDIR(mode):
+                _refuse_lost_record(target)  # never overwrite a committed chunk that lost its record
             return None, stat.S_ISDIR(mode)  # a v1 sidecar file, or the fence of a v2 chunk
         if self.commit_format != "xattr" or not supported or not self.sync:
             # Without syncs v2 saves nothing, and its record (metadata, committed by the journal
@@ -750,6 +789,25 @@ def _check_committed(path: str, committed: int, expected: int) -> None:
         )
 
 
+def _refuse_lost_record(target: str) -> None:
+    """Raise if the v2 chunk ``target`` (no record) was committed once: its record was lost."""
+    if os.path.exists(os.path.join(target + COMMIT_SUFFIX, COMMITTED_MARK)):
+        raise CorruptDataError(
+            f"chunk {target!r} was committed but has no commit record (extended attribute {COMMIT_XATTR}): "
+            f"it was copied or restored without extended attributes (cp -r, tar without --xattrs). Its "
+            f"committed length is unknown, so it is refused rather than read as empty; copy the store again "
+            f"from the original with xattrs (cp -a, rsync -aX, tar --xattrs), or, with no original left, "
+            f"run storage_adapters.local.restore_commit_records on the copy, then verify and repair "
+            f"(docs/storage.md, 'Copying a store')")
+
+
+def _mark_committed(target: str) -> None:
+    """After a v2 chunk's first durable commit: leave ``COMMITTED_MARK`` in its fence (best effort,
+    after the append is durable; a crash before it leaves the chunk as ambiguous as before)."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(os.path.join(target + COMMIT_SUFFIX, COMMITTED_MARK), os.O_WRONLY | os.O_CREAT, 0o644))
+
+
 def _sidecar_committed(target: str) -> int:
     """Committed size of a chunk without a v2 record: its v1 sidecar's newest record, else 0."""
     try:
@@ -760,10 +818,35 @@ def _sidecar_committed(target: str) -> int:
         return 0  # created by a writer that died before its first commit
     try:
         if stat.S_ISDIR(os.fstat(fd).st_mode):
+            _refuse_lost_record(target)
             return 0  # the fence of a v2 chunk whose first writer died before committing
         return _last_commit(fd)[1]
     finally:
         os.close(fd)
+
+
+def restore_commit_records(root: str) -> list[str]:
+    """Recovery for a store copied without extended attributes, when the original is gone: give
+    every committed v2 chunk under ``root`` that lost its record one saying its whole file is
+    committed; return their paths. Whatever the file holds past its true committed end (a torn
+    append of a crashed writer) then counts as committed, and the layers above check it: run
+    ``verify`` and ``repair`` on each segment and index after this (they cut a damaged tail).
+    Stop every writer first."""
+    restored = []
+    for dirpath, dirnames, _files in os.walk(os.path.abspath(root)):
+        for fence in [d for d in dirnames if _FENCE.fullmatch(d)]:
+            chunk = os.path.join(dirpath, fence[:-len(COMMIT_SUFFIX)])
+            if os.path.isfile(chunk) and _get_record(chunk) is None and \
+                    os.path.exists(os.path.join(dirpath, fence, COMMITTED_MARK)):
+                fd = os.open(chunk, os.O_RDONLY)
+                try:
+                    os.setxattr(fd, COMMIT_XATTR, encode_commit_xattr([os.fstat(fd).st_size]))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                restored.append(chunk)
+        dirnames[:] = [d for d in dirnames if not _FENCE.fullmatch(d)]
+    return sorted(restored)
 
 
 # -- fault tools: damage commit records the way a lost or garbled record would ------------------
