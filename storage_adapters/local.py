@@ -166,7 +166,11 @@ def _last_commit(fd: int) -> tuple[int, int]:
 
 
 def _write_all(fd: int, data: bytes, position: int) -> None:
-    view = memoryview(data)
+    written = os.pwrite(fd, data, position)
+    if written == len(data):  # the usual case: one call, no view
+        return
+    view = memoryview(data)[written:]
+    position += written
     while view:
         written = os.pwrite(fd, view, position)
         view, position = view[written:], position + written
@@ -252,7 +256,8 @@ class _DirectoryLock:
     them from each other); ``owner`` is the thread holding both; the chunk descriptor is used only
     by that thread. ``fd is None``: closed (evicted, or its file replaced): take a fresh one."""
 
-    __slots__ = ("path", "fd", "identity", "mutex", "owner", "chunk_path", "chunk_fd", "chunk_identity", "seen")
+    __slots__ = ("path", "fd", "identity", "mutex", "owner", "chunk_path", "chunk_fd", "chunk_identity", "seen",
+                 "last_record")
 
     def __init__(self, path: str, fd: int, identity: tuple[int, int]):
         self.path, self.fd, self.identity = path, fd, identity
@@ -262,10 +267,13 @@ class _DirectoryLock:
         self.chunk_fd: int | None = None
         self.chunk_identity: tuple[int, int] | None = None
         self.seen: _Seen | None = None  #: the chunk as the holder last looked at it (this hold only)
+        #: (record, its sizes) this storage last wrote to the chunk: a record read back equal to it
+        #: (compared byte for byte) needs no decoding
+        self.last_record: tuple[bytes, list[int]] | None = None
 
     def close_chunk(self) -> None:
         fd, self.chunk_fd, self.chunk_path, self.chunk_identity = self.chunk_fd, None, None, None
-        self.seen = None
+        self.seen = self.last_record = None
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -650,7 +658,9 @@ class LocalChunkStorage(ChunkStorage):
         record = _get_record(fd)
         if record is None:
             return None
-        entry.seen = seen = _Seen(st.st_size, record, _xattr_committed(record))
+        last = entry.last_record  # the record this storage wrote last: already decoded
+        sizes = last[1] if last is not None and last[0] == record else _xattr_committed(record)
+        entry.seen = seen = _Seen(st.st_size, record, sizes)
         return seen
 
     def _append_open(self, entry: _DirectoryLock, path: str, position: int, data: bytes) -> bool:
@@ -672,7 +682,10 @@ class LocalChunkStorage(ChunkStorage):
                 _write_paced(fd, data, position)
             else:
                 _write_all(fd, data, position)
-            self._commit_xattr(fd, seen.record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
+            sizes = [position + len(data), *sizes][:XATTR_HISTORY]
+            entry.last_record = None
+            record = self._commit_xattr(fd, seen.record, sizes, position, len(data))
+            entry.last_record = (record, sizes)
         except FileNotFoundError:
             return False  # a new chunk
         except BaseException:
@@ -742,13 +755,15 @@ class LocalChunkStorage(ChunkStorage):
             os.mkdir(target + COMMIT_SUFFIX)
         return None, True
 
-    def _commit_xattr(self, fd: int, old: bytes | None, sizes: list[int], position: int, length: int) -> None:
-        """Make the data durable and then the v2 record saying so, with one fsync (see the module doc)."""
+    def _commit_xattr(self, fd: int, old: bytes | None, sizes: list[int], position: int, length: int) -> bytes:
+        """Make the data durable and then the v2 record saying so, with one fsync (see the module doc);
+        return the record."""
         if self.sync:
             _write_out(fd, position, length)  # before the record: any journal commit carrying it flushes the data
-        os.setxattr(fd, COMMIT_XATTR, encode_commit_xattr(sizes))
+        record = encode_commit_xattr(sizes)
+        os.setxattr(fd, COMMIT_XATTR, record)
         if not self.sync:
-            return
+            return record
         try:
             os.fsync(fd)  # fsync, not fdatasync: an xattr is not needed to read the data, fdatasync may skip it
         except OSError:
@@ -759,6 +774,7 @@ class LocalChunkStorage(ChunkStorage):
                 else:
                     os.setxattr(fd, COMMIT_XATTR, old)
             raise
+        return record
 
     def _commit(self, path: str, previous: int, size: int) -> None:
         fd = os.open(self._abs(path) + COMMIT_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
