@@ -30,8 +30,7 @@ from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, C
                      InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, encode_batch_with_header,
-                         new_batch_id, read_header,
-                        rebase_batch, record_list)
+                        new_batch_id, read_header, rebase_batch, record_list)
 from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, GROUP_TAG_SHIFT, LayoutChangedError,
                               SegmentLog, group_tag, grouped_batch_id)
 from .log.retention import plan_retention
