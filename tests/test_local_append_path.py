@@ -172,3 +172,45 @@ def test_lock_files_kept_open_are_bounded_and_closed_with_the_storage(tmp_path):
     assert not any(name.startswith(str(tmp_path)) for name in _open_files())
     with storage.lock("d1"):  # and after close
         pass
+
+
+def test_a_torn_append_beside_the_kept_descriptor_is_cut_by_the_next_one(tmp_path):
+    """The torn bytes are written by another file handle (as a killed writer's would be) while
+    this storage keeps the chunk open and has looked at it in the same lock hold: the settle
+    must see the old commit, and the next append must cut the torn tail."""
+    from storage_adapters.errors import StorageError
+    from storage_adapters.faults import FaultyStorage
+
+    faulty = FaultyStorage(LocalChunkStorage(str(tmp_path)), seed=3)
+    seg = RollingSegment(faulty, "s")
+    seg.append(b"one;")
+    seg.append(b"two;")
+    faulty.script("torn", op="append")
+    with pytest.raises(StorageError, match="torn"):
+        seg.append(b"a-long-torn-append;" * 3)
+    assert seg.append(b"three;") == 8
+    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
+    assert fresh.read(0, fresh.length) == b"one;two;three;"
+    assert os.path.getsize(tmp_path / "s.seg" / CHUNK) == 14  # the torn tail is gone
+
+
+def test_a_full_disk_through_the_kept_descriptor_commits_nothing_and_the_next_append_works(tmp_path, monkeypatch):
+    import errno
+
+    from storage_adapters.errors import StorageFullError
+
+    seg = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
+    seg.append(b"one;")
+    seg.append(b"two;")
+    real = os.pwrite
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(StorageFullError):
+        seg.append(b"lost;")
+    monkeypatch.setattr(os, "pwrite", real)
+    assert seg.append(b"three;") == 8
+    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
+    assert fresh.read(0, fresh.length) == b"one;two;three;"
