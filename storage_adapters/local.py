@@ -537,7 +537,10 @@ class LocalChunkStorage(ChunkStorage):
                 if entry.fd is not None and _lock_file(entry, directory):
                     entry.owner, entry.seen = threading.get_ident(), None
                     return entry
-            except BaseException:
+            except BaseException:  # (an interrupt between the flock and the return: let go of it too)
+                if entry.fd is not None:
+                    with contextlib.suppress(OSError):
+                        fcntl.flock(entry.fd, fcntl.LOCK_UN)
                 entry.mutex.release()
                 raise
             # Closed meanwhile, or the directory was removed (and maybe made again) since the file
