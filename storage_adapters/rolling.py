@@ -461,7 +461,8 @@ class RollingSegment:
             # switches one after another here): chunks after the view's last may have new names.
             self.refresh()
             return
-        self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
+        if length != last.length:
+            self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
         # A new chunk starts only where a non-empty one ends (an empty one ends at its own name).
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
             start = last.end
