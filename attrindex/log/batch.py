@@ -62,6 +62,7 @@ __all__ = [
     "new_batch_id",
     "read_header",
     "rebase_batch",
+    "uniform_keys",
 ]
 
 BATCH_MAGIC = b"AIXB"
@@ -898,6 +899,62 @@ def decode_keys(
     if 0 in layout.key_codes:
         pieces = [k if c else None for k, c in zip(pieces, layout.key_codes)]
     return pieces, layout.tombstones
+
+
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+
+
+def uniform_keys(
+    buf, pos: int, header: BatchHeader, *, position: int = 0, segment: str | None = None, verify: bool = True
+) -> tuple[list[bytes], bytes | None] | None:
+    """``decode_keys`` for the common shape, in a few C-level calls: every record has a key and
+    every key has the same length (the key-lengths column is one repeated byte), and there is no
+    headers column. Returns what ``decode_keys`` would, or ``None`` for any other shape (mixed key
+    widths, keyless records, headers, or bytes the strict decoder must judge): the caller then
+    uses ``decode_keys``, which decodes every column and names any inconsistency.
+
+    Checked here, in bulk: the value-lengths column (one repeated byte: its total is ``n * len``;
+    else decoded and summed), the key-lengths column, the timestamp column's varints, the
+    tombstone column's flags, and that the columns end exactly where the attribute updates start.
+    """
+    n, flags = header.record_count, header.flags
+    if not n or not flags & FLAG_KEYS or flags & FLAG_HEADERS:
+        return None
+    corrupt = _corrupt_at(segment, position + pos)
+    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    updates_at = end - _UPDATE_SIZE * header.attribute_count
+    if start + 2 * n > updates_at:
+        return None
+    first = data[start]
+    if first < 0x80 and data.count(_ONE_BYTE[first], start, start + n) == n:
+        lengths = None
+        at = start + n + n * first  # every value length is ``first``: no varint decoding
+    else:
+        lengths, at = _varints(data, start, n, updates_at, corrupt, "value lengths")
+        at += sum(lengths)
+    if at + n > updates_at:
+        return None
+    code = data[at]  # key length + 1 (0: no key)
+    if not 0 < code < 0x80 or data.count(_ONE_BYTE[code], at, at + n) != n:
+        return None  # keyless records or mixed widths: the general path
+    width = code - 1
+    keys_at, at = at + n, at + n + n * width
+    if flags & FLAG_TIMESTAMPS:
+        if at > updates_at:
+            return None
+        _deltas, at = _varints(data, at, n, updates_at, corrupt, "timestamp deltas")
+    tombstones = None
+    if flags & FLAG_TOMBSTONES:
+        tombstones = bytes(data[at:at + n])
+        at += n
+        if tombstones.translate(None, b"\x00\x01"):
+            return None  # a flag that is neither 0 nor 1
+        if 1 in tombstones and (first if lengths is None else any(itertools.compress(lengths, tombstones))):
+            return None  # a tombstone with a value
+    if at != updates_at:
+        return None
+    keys = _cut(data, keys_at, width, n) if width else [b""] * n
+    return keys, tombstones
 
 
 def _timestamps(deltas: list[int], header: BatchHeader, corrupt) -> list[int]:
