@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from attrindex import Record, SegmentStore
 from attrindex.errors import CorruptDataError
 from attrindex.log import cleaner as cleaner_module
-from attrindex.log.batch import Codec, available_codecs, decode_keys, encode_batch, read_header, uniform_keys
+from attrindex.log.batch import (Codec, available_codecs, batch_columns, decode_keys, decode_records, encode_batch,
+                                 read_header, uniform_keys)
 
 CODECS = sorted(available_codecs())
 WIDTHS = [0, 1, 2, 13, 16, 32, 33, 126, 127, 200]  # 127 and up: a two-byte length code, the general path
@@ -78,6 +79,24 @@ def test_uniform_keys_agree_with_decode_keys_or_decline(records, codec, updates)
     widths = {None if r.key is None else len(r.key) for r in records}
     if len(widths) == 1 and None not in widths and widths.pop() < 127 and not any(r.headers for r in records):
         assert fast is not None, "a one-width batch without headers must take the fast path"
+
+
+@settings(max_examples=200, deadline=None)
+@given(records=batch_specs(), codec=st.sampled_from(CODECS), updates=st.integers(0, 2), data=st.data())
+def test_runs_cut_from_columns_are_the_batches_encode_batch_makes(records, codec, updates, data):
+    batch = _encoded(records, codec, updates)
+    header = read_header(batch)
+    n = len(records)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, n), max_size=4)) + [0, n]))
+    runs = [(a, b) for a, b in zip(cuts, cuts[1:]) if data.draw(st.booleans()) or a == 0]
+    columns = batch_columns(batch, 0, header)
+    if columns.has_headers:
+        return  # the cleaner re-encodes those through Records
+    decoded = decode_records(batch, 0, header)
+    expected = [encode_batch(a + 7, [Record(r.value, r.key, r.timestamp, r.headers) for r in decoded[a:b]],
+                             timestamp=decoded[a].timestamp, codec=codec, batch_id=header.batch_id) for a, b in runs]
+    assert columns.encode_runs(runs) == expected
+    assert [columns.record_size(i) for i in range(n)] == [len(r.value or b"") + len(r.key or b"") for r in decoded]
 
 
 def _refresh_payload_crc(batch: bytes) -> bytes:
@@ -177,7 +196,7 @@ def _compact_twice(seg, capacity, retention):
     return out, _everything(seg)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(batches=st.lists(batch_specs(max_records=8, pooled=True), min_size=1, max_size=25),
        codecs=st.lists(st.sampled_from(CODECS), min_size=25, max_size=25),
        capacity=st.sampled_from([2, 5, 1000]), retention=st.sampled_from([0, 5, 1000]))

@@ -50,7 +50,8 @@ import attrs
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, InvalidInputError, LayoutConflictError, StorageError, TruncatedError
-from .batch import BatchHeader, Record, decode_keys, decode_records, encode_batch, read_header, uniform_keys
+from .batch import (BatchHeader, Record, batch_columns, decode_keys, decode_records, encode_batch, read_header,
+                    uniform_keys)
 from .segment_log import LayoutChangedError
 
 _log = logging.getLogger("attrindex.cleaner")
@@ -235,28 +236,34 @@ def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *, segment
         return [original], n, 0
     if not kept:
         return [], 0, len(expired)
-    records = decode_records(buf, pos, header, position=position, segment=segment, verify=False)
-    kept = _join_small_gaps(kept, records, keys, tombstones, rule, expired)
-    pieces = []
-    for run in _runs(kept):
-        chosen = [records[i] for i in run]
-        pieces.append(encode_batch(chosen[0].offset, [Record(r.value, r.key, r.timestamp, r.headers) for r in chosen],
-                                   timestamp=chosen[0].timestamp, codec=header.codec, batch_id=header.batch_id))
+    columns = batch_columns(buf, pos, header, position=position, segment=segment, verify=False)
+    kept = _join_small_gaps(kept, columns.record_size, keys, tombstones, rule, expired)
+    if columns.has_headers:
+        records = decode_records(buf, pos, header, position=position, segment=segment, verify=False)
+        pieces = []
+        for run in _runs(kept):
+            chosen = [records[i] for i in run]
+            pieces.append(encode_batch(chosen[0].offset, [Record(r.value, r.key, r.timestamp, r.headers)
+                                                          for r in chosen],
+                                       timestamp=chosen[0].timestamp, codec=header.codec, batch_id=header.batch_id))
+    else:  # the same bytes, cut from the columns without a Record per record
+        pieces = columns.encode_runs([(run[0], run[-1] + 1) for run in _runs(kept)])
     if sum(map(len, pieces)) > header.size:  # timestamps or compression of the runs took more
         rule.keep_anyway(keys, tombstones, [i for i in range(n) if i not in set(kept)])
         return [original], n, 0
     return pieces, len(kept), len(expired)
 
 
-def _join_small_gaps(kept: list[int], records: list, keys: list, tombstones: bytes | None, rule: KeepRule,
+def _join_small_gaps(kept: list[int], record_size, keys: list, tombstones: bytes | None, rule: KeepRule,
                      expired: set[int]) -> list[int]:
     """``kept`` with the records between two runs kept too where removing them would save fewer
-    bytes than the header of the extra batch it costs (so a cleaned batch never grows)."""
+    bytes than the header of the extra batch it costs (so a cleaned batch never grows).
+    ``record_size(i)``: the bytes of record ``i``'s value and key."""
     joined: list[int] = []
     for i in kept:
         if joined and i > joined[-1] + 1:
             gap = range(joined[-1] + 1, i)
-            saved = sum(len(records[j].value or b"") + len(records[j].key or b"") + 3 for j in gap)
+            saved = sum(record_size(j) + 3 for j in gap)
             if saved < _GAP_WORTH:
                 joined.extend(gap)
                 rule.keep_anyway(keys, tombstones, gap)
