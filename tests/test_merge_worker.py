@@ -409,3 +409,25 @@ def test_adopt_merged_drops_the_kept_cache_if_another_version_lands_in_its_windo
     mine.adopt_merged({key(1): 10}, merged)
     monkeypatch.setattr(ValueCache, "refresh_many", refresh)
     assert mine.get_many([key(1), key(2)]) == [10, 20]
+
+
+def test_a_segment_with_records_merges_in_the_worker_when_asked(tmp_path):
+    """``SegmentOptions.merge_process``: the worker replays the record batches' attribute updates
+    (records untouched); attributes and records read back, live and after reopening."""
+    from attrindex import SegmentStore
+
+    model, records = {}, []
+    with SegmentStore.open(str(tmp_path), merge_process=True, flush_keys=50) as store:
+        segment = store.segment("s", create=True)
+        for i in range(6):
+            updates = {key(i * 100 + j): i for j in range(60)}
+            segment.append([f"r{i}".encode()], list(updates.items()))
+            model.update(updates)
+            records.append(f"r{i}".encode())
+        wait_for(lambda: segment.stats().merges >= 1 and segment._frozen is None, "the merge")
+        assert segment._worker is not None and segment._worker.starts == 1
+        assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
+    with SegmentStore.open(str(tmp_path)) as store:
+        segment = store.segment("s")
+        assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
+        assert [r.value for r in segment.read(0)] == records
