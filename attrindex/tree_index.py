@@ -384,7 +384,7 @@ class TreeIndex(IndexHandle):
             self._cache_epoch += 1
         try:
             state = self._tree.reload()
-            if state.length == length:  # versions only move forward: the worker's, straight after ours
+            if state.length == length and (kept.young or kept.old):  # the worker's, straight after ours
                 items = iter(updates.items())
                 while step := dict(itertools.islice(items, _CACHE_UPDATES_UP_TO)):
                     kept.refresh_many(step)
