@@ -112,8 +112,9 @@ class MergeWorker:
         return None if self._process is None else self._process.pid
 
     def merge(self, at: int, timeout: float | None = None) -> "MergeAnswer":
-        """Have the worker merge the log up to byte ``at`` into the tree; return what it reports. ``MergeWorkerError`` if it fails, dies or does not answer in
-        ``timeout`` seconds (default ``MERGE_WORKER_TIMEOUT``; then it is killed)."""
+        """Have the worker merge the log up to byte ``at`` into the tree; return what it reports.
+        ``MergeWorkerError`` if it fails, dies or does not answer in ``timeout`` seconds (default
+        ``MERGE_WORKER_TIMEOUT``; then it is killed)."""
         timeout = MERGE_WORKER_TIMEOUT if timeout is None else timeout
         process = self._running()
         try:

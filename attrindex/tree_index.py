@@ -170,6 +170,7 @@ class TreeIndex(IndexHandle):
         # a value read from the old tree is cached only if no update landed meanwhile.
         self._cache_lock = threading.Lock()
         self._cache_epoch = 0  #: updates and adopted versions so far
+        self._adopting: tuple[ValueCache, int] | None = None  #: (kept cache, expected length) in adopt_merged
         self._versions_adopted = 0  # versions written by others that the tree adopted
         self._closed = False
         self._read_only = False  # set by open(mode="r")
@@ -182,6 +183,9 @@ class TreeIndex(IndexHandle):
             self._cache_epoch += 1
             self._versions_adopted += 1
             self._values.clear()
+            adopting = self._adopting
+            if adopting is not None and self._tree.state.length != adopting[1]:
+                adopting[0].clear()  # (adopt_merged's kept cache: a version other than the merged one)
 
     def _cache_found(self, epoch: int, state: object, keys, values) -> None:
         """Cache values read from the tree (or promote ones found in the old generation), unless
@@ -376,10 +380,11 @@ class TreeIndex(IndexHandle):
         self._check_open()
         with self._cache_lock:
             kept, self._values = self._values, ValueCache(0)
+            self._adopting = (kept, length)  # any other version adopted meanwhile clears it
             self._cache_epoch += 1
         try:
             state = self._tree.reload()
-            if state.length == length:  # versions only move forward: the worker's, straight after ours
+            if state.length == length and (kept.young or kept.old):  # the worker's, straight after ours
                 items = iter(updates.items())
                 while step := dict(itertools.islice(items, _CACHE_UPDATES_UP_TO)):
                     kept.refresh_many(step)
@@ -390,7 +395,7 @@ class TreeIndex(IndexHandle):
             raise
         finally:
             with self._cache_lock:
-                self._values = kept
+                self._values, self._adopting = kept, None
                 self._cache_epoch += 1
 
     @property
