@@ -398,15 +398,23 @@ class RollingSegment:
     def _append_in_place(self, data: bytes, expected_offset: int | None) -> int:
         with self.storage.lock(self._dir):
             self._catch_up()
+            stored_start = self._stored_start_offset() if self._rolls() else None
+            if stored_start is not None and stored_start > self.length:
+                # Another handle truncated past the end of this view: the chunk this view would
+                # roll into lay below its truncation and was deleted (the walk from the view's last
+                # chunk found no successor, as it raced the deletions or met a leftover chunk).
+                # Creating it would fork the log at a reused offset; the true tail is elsewhere.
+                self.refresh()
+                stored_start = self._start_offset
             offset = self.length
             if expected_offset is not None and expected_offset != offset:
                 raise BadOffsetError(self.name, expected_offset, offset)
             last = self._chunks[-1] if self._chunks else None
-            if last is None or last.length >= self.rolling_size:
+            if self._rolls():
                 last = ChunkInfo(offset, 0, chunk_name(offset))
                 self._chunks.append(last)
                 # Rolling is rare: learn of truncations elsewhere so the old chunk can go if dead.
-                self._start_offset = max(self._start_offset, self._stored_start_offset())
+                self._start_offset = max(self._start_offset, stored_start or 0)
             path = f"{self._dir}/{last.name}"
             try:
                 self.storage.append(path, last.length, data)
@@ -415,6 +423,10 @@ class RollingSegment:
             self._chunks[-1] = ChunkInfo(last.start, last.length + len(data), last.name)
         self._after_durable_append()
         return offset
+
+    def _rolls(self) -> bool:
+        """Whether the next in-place append starts a new chunk (none yet, or the last is full)."""
+        return not self._chunks or self._chunks[-1].length >= self.rolling_size
 
     def _settle_in_place(self, path: str, position: int, data: bytes, error: StorageError) -> None:
         """Under the writers' lock, after ``append`` raised: decide by reading whether it happened.
