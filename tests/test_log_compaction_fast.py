@@ -96,7 +96,7 @@ def test_runs_cut_from_columns_are_the_batches_encode_batch_makes(records, codec
     expected = [encode_batch(a + 7, [Record(r.value, r.key, r.timestamp, r.headers) for r in decoded[a:b]],
                              timestamp=decoded[a].timestamp, codec=codec, batch_id=header.batch_id) for a, b in runs]
     assert columns.encode_runs(runs) == expected
-    assert [columns.record_size(i) for i in range(n)] == [len(r.value or b"") + len(r.key or b"") for r in decoded]
+    assert columns.record_sizes() == [len(r.value or b"") + len(r.key or b"") for r in decoded]
 
 
 def _refresh_payload_crc(batch: bytes) -> bytes:

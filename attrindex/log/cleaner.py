@@ -237,7 +237,7 @@ def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *, segment
     if not kept:
         return [], 0, len(expired)
     columns = batch_columns(buf, pos, header, position=position, segment=segment, verify=False)
-    kept = _join_small_gaps(kept, columns.record_size, keys, tombstones, rule, expired)
+    kept = _join_small_gaps(kept, columns.record_sizes(), keys, tombstones, rule, expired)
     if columns.has_headers:
         records = decode_records(buf, pos, header, position=position, segment=segment, verify=False)
         pieces = []
@@ -254,16 +254,16 @@ def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *, segment
     return pieces, len(kept), len(expired)
 
 
-def _join_small_gaps(kept: list[int], record_size, keys: list, tombstones: bytes | None, rule: KeepRule,
+def _join_small_gaps(kept: list[int], sizes: list[int], keys: list, tombstones: bytes | None, rule: KeepRule,
                      expired: set[int]) -> list[int]:
     """``kept`` with the records between two runs kept too where removing them would save fewer
     bytes than the header of the extra batch it costs (so a cleaned batch never grows).
-    ``record_size(i)``: the bytes of record ``i``'s value and key."""
+    ``sizes[i]``: the bytes of record ``i``'s value and key."""
     joined: list[int] = []
     for i in kept:
         if joined and i > joined[-1] + 1:
             gap = range(joined[-1] + 1, i)
-            saved = sum(record_size(j) + 3 for j in gap)
+            saved = sum(sizes[gap.start:gap.stop]) + 3 * len(gap)
             if saved < _GAP_WORTH:
                 joined.extend(gap)
                 rule.keep_anyway(keys, tombstones, gap)
