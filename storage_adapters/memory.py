@@ -17,6 +17,15 @@ from .base import ChunkStorage, relative_paths
 from .errors import ChunkExistsError, StorageError
 
 _LOCKS_GUARD = threading.Lock()
+#: Reads (and ``MemoryFile.size``) export a file's buffer and appends grow it: a read that
+#: overlapped an append made the append raise ``BufferError`` (a buffer cannot grow while
+#: exported), so both take this lock (short; no I/O under it).
+_BYTES_GUARD = threading.Lock()
+
+
+def _size(chunk) -> int:
+    with _BYTES_GUARD:
+        return chunk.size
 _LOCKS: dict[str, threading.RLock] = {}
 
 
@@ -42,19 +51,27 @@ class MemoryChunkStorage(ChunkStorage):
     # backing dict, so direct look-ups keep per-append costs constant.
     def list_files(self, directory: str) -> dict[str, int]:
         base = self._abs(directory)
-        store = self.fs.store
-        found = ((path, store[path].size) for path in list(store) if path.startswith(base + "/"))
-        return relative_paths(base, found)
+        # Names and file objects taken in one step (``list`` of the items is one C call): the
+        # listing is the store at one moment, as an object store's is. Looking each size up by
+        # name afterwards met files that a truncation beside it had deleted (``KeyError``), and
+        # skipping those could list neither the old chunks nor the new ones.
+        files = [(path, f) for path, f in list(self.fs.store.items()) if path.startswith(base + "/")]
+        return relative_paths(base, ((path, _size(f)) for path, f in files))
 
     def read(self, path: str, start: int, end: int) -> bytes:
-        return self.fs.cat_file(self._abs(path), start=start, end=end)
+        try:
+            chunk = self.fs.store[self._abs(path)]
+        except KeyError:
+            raise FileNotFoundError(path) from None
+        with _BYTES_GUARD:
+            return bytes(chunk.getbuffer()[start:end])
 
     def exists(self, path: str) -> bool:
         return self._abs(path) in self.fs.store
 
     def committed_size(self, path: str) -> int:
         try:
-            return self.fs.store[self._abs(path)].size
+            return _size(self.fs.store[self._abs(path)])
         except KeyError:
             raise FileNotFoundError(path) from None
 
@@ -86,8 +103,8 @@ class MemoryChunkStorage(ChunkStorage):
 
     def append(self, path: str, position: int, data: bytes) -> None:
         target = self._abs(path)
-        size = self.fs.store[target].size if target in self.fs.store else 0
+        size = _size(self.fs.store[target]) if target in self.fs.store else 0
         if size != position:
             raise StorageError(f"chunk {path!r} holds {size} bytes; cannot append at position {position}")
-        with self.fs.open(target, "ab") as chunk:
+        with self.fs.open(target, "ab") as chunk, _BYTES_GUARD:
             chunk.write(data)

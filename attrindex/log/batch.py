@@ -34,6 +34,7 @@ import functools
 import itertools
 import operator
 import os
+import random
 import struct
 import sys
 import typing
@@ -60,6 +61,7 @@ __all__ = [
     "decode_attribute_updates",
     "decode_keys",
     "decode_records",
+    "encode_batch_with_header",
     "encode_batch",
     "iter_batches",
     "new_batch_id",
@@ -452,7 +454,24 @@ def encode_batch(
     codec: Codec | str | int | None = Codec.NONE,
     batch_id: int | None = None,
 ) -> bytes:
-    """One batch holding ``records`` (numbered from ``base_offset``) and ``attribute_updates``.
+    """One batch holding ``records`` and ``attribute_updates`` (see ``encode_batch_with_header``)."""
+    return encode_batch_with_header(base_offset, records, timestamp=timestamp, attribute_updates=attribute_updates,
+                                    codec=codec, batch_id=batch_id)[0]
+
+
+def encode_batch_with_header(
+    base_offset: int,
+    records,
+    *,
+    timestamp: int,
+    attribute_updates=((), ()),
+    codec: Codec | str | int | None = Codec.NONE,
+    batch_id: int | None = None,
+) -> tuple[bytes, BatchHeader]:
+    """``(batch, its header)``: the header as ``read_header`` would decode it, without decoding it
+    (a writer needs both, on every append's path).
+
+    The batch holds ``records`` (numbered from ``base_offset``) and ``attribute_updates``.
 
     ``records`` items are bytes-like values or ``Record``s; a record without a timestamp gets
     ``timestamp``; a ``Record`` whose value is ``None`` is a tombstone and must have a key.
@@ -558,12 +577,23 @@ def encode_batch(
         BATCH_MAGIC, BATCH_VERSION, flags, size, count, update_count, payload_size,
         base_offset, first_ts, max_ts, batch_id, crc, 0,
     )[:_CHECKED_HEADER]
-    return b"".join([header, zlib.crc32(header).to_bytes(4, "little"), *pieces])
+    data = b"".join([header, zlib.crc32(header).to_bytes(4, "little"), *pieces])
+    return data, BatchHeader(size, base_offset, count, update_count, first_ts, max_ts, codec, payload_size, crc, flags,
+                             batch_id)
+
+
+# Batch ids come from a generator of this module's own (a caller seeding ``random`` cannot make
+# them repeat), seeded from the OS and seeded afresh in every forked child, so that processes
+# never share a sequence; drawing one is no system call (it is on every append's path).
+_batch_ids = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_batch_ids.seed)
 
 
 def new_batch_id() -> int:
-    """A random unsigned 64-bit batch id (from the OS, so forked processes never share one)."""
-    return int.from_bytes(os.urandom(8), "little")
+    """A random unsigned 64-bit batch id (the generator is seeded from the OS in every process,
+    forked ones included, so processes never share one)."""
+    return _batch_ids.getrandbits(64)
 
 
 def _check_batch_id(batch_id) -> int:

@@ -1,0 +1,113 @@
+"""Fault hunt: opening a plain index beside a writer whose merge truncates the WAL.
+
+``Segment._open`` read the tree's checkpoint, then listed the WAL again (``open_at``) and started
+replaying at ``max(checkpoint, the log's start)``. When another handle merged past that tree
+version and truncated the WAL in between, the replay silently began above the checkpoint and
+the open missed acknowledged updates (a stale read: "got 152, acknowledged 202" in a writer +
+opener race, 8 wrong opens in 3,500). It now sees the truncation, re-reads the tree, and retries.
+
+Also the memory backend under the same race: a listing looked sizes up by name after taking the
+names (``KeyError`` when a truncation deleted one meanwhile), and a read's buffer export made a
+concurrent append raise ``BufferError``.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from attrindex import AttributeIndex
+from attrindex.log import segment_log
+from storage_adapters import memory, open_storage
+
+N = 60
+
+
+def _url(backend, tmp_path) -> str:
+    return f"memory://hunt-open-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_an_open_racing_a_merge_and_wal_truncation_sees_every_acknowledged_update(backend, tmp_path, monkeypatch):
+    url = _url(backend, tmp_path)
+    writer = AttributeIndex(open_storage(url), page_size=256, wal_rolling_size=200, merge_keys=10**6,
+                            merge_seconds=10**6)
+    for i in range(N):
+        writer.update({i: i})
+    writer.flush()  # tree checkpoint C0; the WAL below its chunk is cut
+    for i in range(N):
+        writer.update({i: 1000 + i})  # acknowledged; in the WAL after C0, over several chunks
+    real = segment_log.SegmentLog.open_at
+    raced = []
+
+    def open_at(self, position):
+        if not raced and self.segment.endswith("_wal"):
+            raced.append(position)
+            writer.flush()  # another handle merges past the reader's tree version and cuts the WAL
+        return real(self, position)
+
+    monkeypatch.setattr(segment_log.SegmentLog, "open_at", open_at)
+    reader = AttributeIndex(open_storage(url), page_size=256)
+    assert raced and writer.checkpoint > raced[0]  # the race happened
+    assert reader.get_many(range(N)) == [1000 + i for i in range(N)]
+    assert len(reader) == N
+    reader.close()
+    writer.close()
+
+
+def test_a_memory_listing_is_one_moment_of_the_store(monkeypatch):
+    """A truncation deleting files while a listing reads their sizes: the listing still shows the
+    store as it was when it was taken (never a KeyError, never an empty log)."""
+    storage = open_storage(f"memory://hunt-list-{uuid.uuid4().hex}")
+    for name in ("d/a", "d/b", "d/truncation/b"):
+        storage.create(name, b"12345")
+    real = memory._size
+    deleted = []
+
+    def size(chunk):
+        if not deleted:
+            deleted.append(True)
+            storage.delete(["d/a", "d/b", "d/truncation/b"])  # lands between the names and the sizes
+        return real(chunk)
+
+    monkeypatch.setattr(memory, "_size", size)
+    assert storage.list_files("d") == {"a": 5, "b": 5, "truncation/b": 5}
+
+
+def test_an_append_beside_a_read_of_the_same_memory_chunk_waits_instead_of_failing():
+    """A read exports the chunk's buffer while it copies; an append growing the buffer meanwhile
+    raised ``BufferError`` (a writer thread died of it in a writer + opener race)."""
+    storage = open_storage(f"memory://hunt-buf-{uuid.uuid4().hex}")
+    storage.append("c", 0, b"x" * 100)
+    chunk = storage.fs.store[storage._abs("c")]
+    exported, release = threading.Event(), threading.Event()
+
+    def slow_getbuffer():  # a read stopped by the scheduler in the middle of its copy
+        buffer = type(chunk).getbuffer(chunk)
+        exported.set()
+        release.wait(10)
+        return buffer
+
+    chunk.getbuffer = slow_getbuffer
+    got, errors = [], []
+    reader = threading.Thread(target=lambda: got.append(storage.read("c", 0, 100)))
+    reader.start()
+    assert exported.wait(10)
+    del chunk.getbuffer  # the append and later reads use the real one
+
+    def append():
+        try:
+            storage.append("c", 100, b"y" * 10)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    appender = threading.Thread(target=append)
+    appender.start()
+    appender.join(1.0)  # without the guard the append fails at once, while the export is held
+    release.set()
+    reader.join(10)
+    appender.join(10)
+    assert errors == [] and got == [b"x" * 100]
+    assert storage.read("c", 0, 200) == b"x" * 100 + b"y" * 10
