@@ -362,7 +362,8 @@ class AttributeIndex(IndexHandle):
         return len(self)
 
     def _append(self, batch: dict[bytes, int | None]) -> None:
-        self._wal.append((), batch)  # durable when it returns: the merge after it never raises
+        keys = sorted(batch) if len(batch) > 1 else list(batch)
+        self._wal._append_replacements(keys, list(map(batch.__getitem__, keys)))  # durable when it returns
         self._updates_written += 1
 
     def flush(self) -> None:

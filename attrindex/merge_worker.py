@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from storage_adapters.local import LocalChunkStorage
 
@@ -51,6 +51,9 @@ from .errors import StorageError
 
 MERGE_WORKER_TIMEOUT = 600.0  #: the longest the parent waits for one merge's answer before killing the worker
 _START_TIMEOUT = 60.0  #: the longest a new worker may take to say it is ready
+#: The worker writes tree pages back in slices this big (local storage's ``PACED_WRITE_BYTES``, in
+#: the worker's process only): a WAL ``fsync`` of the writer waits behind at most one slice.
+WORKER_PACED_WRITE_BYTES = 256 << 10
 MAX_FAILED_STARTS = 3  #: workers in a row that failed to start before merges stay in the writer's process
 _PARENT_POLL_SECONDS = 0.1  #: how often a worker looks whether its parent still lives
 _FRAME = struct.Struct(">I")
@@ -63,6 +66,14 @@ _log = logging.getLogger("attrindex.segment")
 class MergeWorkerError(StorageError):
     """A merge in the worker process failed, or the worker died or hung (it is restarted for the
     next merge). The updates stay in tier 1 and in the log; the background merge retries."""
+
+
+class MergeAnswer(NamedTuple):
+    """A worker's report of one merge."""
+
+    checkpoint: int  #: the tree's checkpoint after it
+    base_length: int  #: the tree's length (its version) the merge was applied to; -1: none (nothing merged)
+    length: int  #: the length of the version it wrote, if that is the base plus this merge alone; else -1
 
 
 class WorkerStartError(MergeWorkerError):
@@ -85,6 +96,10 @@ class MergeWorker:
                           wal_name=wal_name, tree_name=tree_name, log_rolling_size=options.log_rolling_size,
                           index_interval_bytes=options.index_interval_bytes,
                           attribute_options=dict(options.attribute_options))
+        try:  # (a compaction policy object, say, may not cross to another process)
+            pickle.dumps(self._spec)
+        except Exception as exc:  # noqa: BLE001 - any reason is one: this index cannot use a worker
+            raise WorkerStartError(f"the index's options cannot be sent to a merge worker: {exc}") from exc
         self._process: subprocess.Popen | None = None
         self.starts = 0  #: worker processes started so far
         self.peak_rss = 0  #: the largest peak resident set size a worker reported (bytes)
@@ -96,10 +111,10 @@ class MergeWorker:
         """The running worker's process id (None when none runs)."""
         return None if self._process is None else self._process.pid
 
-    def merge(self, at: int, timeout: float | None = None) -> int:
-        """Have the worker merge the log up to byte ``at`` into the tree; return the tree's
-        checkpoint it reports. ``MergeWorkerError`` if it fails, dies or does not answer in
-        ``timeout`` seconds (default ``MERGE_WORKER_TIMEOUT``; then it is killed)."""
+    def merge(self, at: int, timeout: float | None = None) -> "MergeAnswer":
+        """Have the worker merge the log up to byte ``at`` into the tree; return what it reports.
+        ``MergeWorkerError`` if it fails, dies or does not answer in ``timeout`` seconds (default
+        ``MERGE_WORKER_TIMEOUT``; then it is killed)."""
         timeout = MERGE_WORKER_TIMEOUT if timeout is None else timeout
         process = self._running()
         try:
@@ -111,9 +126,9 @@ class MergeWorker:
                                    f"log byte {at}: {type(exc).__name__}: {exc}") from None
         if answer[0] != "ok":
             raise MergeWorkerError(f"the merge worker failed to merge up to log byte {at}: {answer[1]}")
-        checkpoint, peak_rss = answer[1]
+        (checkpoint, base, length), peak_rss = answer[1]
         self.peak_rss = max(self.peak_rss, peak_rss)
-        return checkpoint
+        return MergeAnswer(checkpoint, base, length)
 
     def _running(self) -> subprocess.Popen:
         process = self._process
@@ -216,8 +231,12 @@ class _Host:
     """The worker's side: the storage, its own tree handle and log view, opened once."""
 
     def __init__(self, spec: dict):
+        from storage_adapters import local
+
         from .log.segment_log import SegmentLog
         from .tree_index import TreeIndex
+
+        local.PACED_WRITE_BYTES = WORKER_PACED_WRITE_BYTES  # this process writes nothing but merges
 
         self.storage = LocalChunkStorage(spec["root"], sync=spec["sync"], commit_format=spec["commit_format"])
         options = dict(spec["attribute_options"], value_cache_entries=0)  # the parent serves the reads
@@ -231,16 +250,21 @@ class _Host:
         self.tree.refresh()
         covered = self.tree.checkpoint or 0
         if covered >= at:
-            return covered  # merged already (a retry after a lost answer, or another handle)
+            return covered, -1, -1  # merged already (a retry after a lost answer, or another handle)
         overlay = replay_log(self.log, covered, at)
         if fault == "exit_before_commit":
             os._exit(17)
         if fault == "hang":
             time.sleep(3600)
+        base = self.tree._tree.state
         merge_overlay(self.tree, overlay, at)
         if fault == "exit_after_commit":
             os._exit(18)
-        return self.tree.checkpoint or 0
+        state = self.tree._tree.state
+        # Whether the new version is the base plus this merge alone (no other writer between):
+        # then the parent, if it holds the base, may keep its value cache.
+        straight = state.length - state.footer.update_length == base.length
+        return self.tree.checkpoint or 0, base.length, state.length if straight else -1
 
 
 def replay_log(log, since: int, at: int):

@@ -31,9 +31,10 @@ from .conditional import AttributeUpdate, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
                      InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import pair_list, to_key, to_keys
-from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, new_batch_id, read_header,
-                        rebase_batch, record_list)
-from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError, SegmentLog, grouped_batch_id
+from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, encode_batch_with_header,
+                        new_batch_id, read_header, rebase_batch, record_list)
+from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, GROUP_TAG_SHIFT, LayoutChangedError,
+                              SegmentLog, group_tag, grouped_batch_id)
 from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
@@ -403,13 +404,27 @@ class Segment(BackgroundMerge):
         # One batch id per call: identical bytes at an offset then mean this call.
         pending = _PendingAppend(records, updates, replacements, expected_offset, stamp, chosen, new_batch_id())
         if updates is None:  # no conditions: encode here, outside the lock (bad records raise here too)
-            data = encode_batch(0, records, timestamp=stamp, attribute_updates=replacements, codec=chosen,
-                                batch_id=pending.batch_id)
-            pending.encoded, size = (*replacements, data), len(data)
+            # At the offset this handle last saw: for a lone writer the leader writes it unchanged.
+            data, header = encode_batch_with_header(self._log.next_offset, records, timestamp=stamp,
+                                                    attribute_updates=replacements, codec=chosen,
+                                                    batch_id=pending.batch_id)
+            pending.encoded, size = (*replacements, data, header), len(data)
         else:
             size = sum(len(r) if isinstance(r, bytes) else 64 for r in records) + 40 * len(updates)
         self._check_open()
         return self._queue.submit(WriteRequest(pending, size), self._write_group)
+
+    def _append_replacements(self, keys: list[bytes], values: list[int | None]) -> AppendResult:
+        """``append((), (keys, values))`` for input already checked (``AttributeIndex.update``):
+        ``keys`` sorted, unique 16-byte ``bytes``, ``values`` int64 or ``None``; REPLACE semantics."""
+        stamp, batch_id = int(time.time() * 1000), new_batch_id()
+        data, header = encode_batch_with_header(self._log.next_offset, (), timestamp=stamp,
+                                                attribute_updates=(keys, values), codec=self.options.codec,
+                                                batch_id=batch_id)
+        pending = _PendingAppend([], None, (keys, values), None, stamp, self.options.codec, batch_id,
+                                 (keys, values, data, header))
+        self._check_open()
+        return self._queue.submit(WriteRequest(pending, len(data)), self._write_group)
 
     def _write_group(self, group: list[WriteRequest]) -> None:
         """The leader's part of group commit: validate the group's appends in order, write those
@@ -420,7 +435,9 @@ class Segment(BackgroundMerge):
             self._wait_for_room()
             self._check_open()  # (closed while waiting?)
             fresh = False  # whether the view was just caught up with the log's tail
-            tag = new_batch_id() >> 32  # the group's batches carry it: see SegmentLog.lost_commits
+            # The group's batches carry one tag (SegmentLog.lost_commits); a lone batch's own id
+            # is random and so already carries one: it is written as encoded, no rebase.
+            tag = group_tag(group[0].payload.batch_id) if len(group) == 1 else new_batch_id() >> GROUP_TAG_SHIFT
             for _lap in _bounded_races(self.name):
                 outcome = self._plan_group(group, fresh, tag)
                 if outcome is None:  # a failure on a stale view: only the true tail can fail an append
@@ -475,17 +492,24 @@ class Segment(BackgroundMerge):
                 failures.append((request, exc))
                 continue
             batch_id = grouped_batch_id(tag, a.batch_id)
-            if a.encoded is not None and a.encoded[0] == keys and a.encoded[1] == values:
-                data = rebase_batch(a.encoded[2], next_offset, batch_id)  # encoded before, or a lost race
+            encoded = a.encoded
+            if encoded is not None and encoded[0] == keys and encoded[1] == values:
+                header = encoded[3]
+                if header is None or header.base_offset != next_offset or header.batch_id != batch_id:
+                    data = rebase_batch(encoded[2], next_offset, batch_id)  # encoded before, or a lost race
+                    header = read_header(data)
+                    a.encoded = (keys, values, data, header)
+                else:
+                    data = encoded[2]  # as encoded (a lone attribute batch, the WAL's usual case)
             else:
                 try:
-                    data = encode_batch(next_offset, a.records, timestamp=a.stamp, attribute_updates=(keys, values),
-                                        codec=a.codec, batch_id=batch_id)
+                    data, header = encode_batch_with_header(next_offset, a.records, timestamp=a.stamp,
+                                                            attribute_updates=(keys, values), codec=a.codec,
+                                                            batch_id=batch_id)
                 except Exception as exc:  # noqa: BLE001 - bad records fail their own append only
                     failures.append((request, exc))
                     continue
-                a.encoded = (keys, values, data)
-            header = read_header(data)
+                a.encoded = (keys, values, data, header)
             planned.append((request, keys, values, data, header))
             next_offset = header.next_offset
             if keys:
@@ -527,7 +551,7 @@ class Segment(BackgroundMerge):
             view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
         else:
             tree, frozen = self._tree, self._frozen
-            view = (self._overlay.lookup, None if frozen is None else frozen.lookup, tree._values,  # type: ignore[union-attr]
+            view = (self._overlay.lookup, None if frozen is None else frozen.lookup, tree._recent_values(),  # type: ignore[union-attr]
                     tree._get_uncached, tree._get_many_canonical)  # type: ignore[union-attr]
         self._view = view
 
@@ -1005,7 +1029,8 @@ class _PendingAppend:
     stamp: int
     codec: Codec
     batch_id: int
-    encoded: tuple | None = None  #: (keys, values, batch) of the last try: a lost race needs only a rebase
+    #: (keys, values, batch, its header or None) of the last try: a lost race needs only a rebase
+    encoded: tuple | None = None
 
 
 def _bounded_races(name: str) -> Iterator[int]:

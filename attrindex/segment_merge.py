@@ -111,7 +111,7 @@ class BackgroundMerge:
         worker = self._merge_worker() if background and len(frozen) >= MIN_WORKER_KEYS else None
         if worker is not None:
             try:
-                return self._merge_in_worker(worker, at)
+                return self._merge_in_worker(worker, frozen, at)
             except WorkerStartError as exc:  # no process can be started here: merge in this thread for good
                 _log.warning("segment %r: the merge worker process could not be started (merging in the writer's "
                              "process from now on): %s", self.name, exc)
@@ -123,26 +123,38 @@ class BackgroundMerge:
         if self._worker is None and self.options.merge_process and not self._worker_disabled:
             storage = worker_storage(self._log.storage)
             if storage is not None:
-                self._worker = MergeWorker(storage, self.name, self.tree_name, self.options)
+                try:
+                    self._worker = MergeWorker(storage, self.name, self.tree_name, self.options)
+                except WorkerStartError as exc:
+                    _log.warning("segment %r: merging in the writer's process: %s", self.name, exc)
+                    self._worker_disabled = True
         return None if self._worker_disabled else self._worker
 
-    def _merge_in_worker(self, worker: MergeWorker, at: int) -> bool:
+    def _merge_in_worker(self, worker: MergeWorker, frozen: AttributeOverlay, at: int) -> bool:
         """The worker merges the log up to ``at``; then this handle adopts the tree it wrote (a
-        new footer: the page cache stays valid, the value cache is dropped) and checks that it
-        covers ``at``. A worker that died after committing (its answer lost) is no failure."""
+        new footer: the page cache stays valid) and checks that it covers ``at``. The value cache
+        stays warm (refreshed with ``frozen``) if the worker merged straight into the version this
+        handle held; otherwise it is dropped. A worker that died after committing (its answer
+        lost) is no failure."""
+        tree = self._index
+        held = tree._tree.state.length
         try:
-            worker.merge(at)
+            answer = worker.merge(at)
         except WorkerStartError:
             raise
         except MergeWorkerError as exc:
-            self._index.refresh()
-            if (self._index.checkpoint or 0) < at:
+            tree.refresh()
+            if (tree.checkpoint or 0) < at:
                 raise
             _log.info("segment %r: the merge worker's answer was lost, but the tree covers log byte %d: merged (%s)",
                       self.name, at, exc)
         else:
-            self._index.refresh()
-        covered = self._index.checkpoint or 0
+            if answer.base_length == held and answer.length >= 0:
+                # (frozen's dict, read in steps: a frozen overlay never changes)
+                tree.adopt_merged(frozen._values, answer.length)  # noqa: SLF001
+            else:
+                tree.refresh()
+        covered = tree.checkpoint or 0
         if covered < at:
             raise MergeWorkerError(f"segment {self.name!r}: the merge worker reported the merge up to log byte {at}, "
                                    f"but the tree covers only {covered}")

@@ -398,15 +398,23 @@ class RollingSegment:
     def _append_in_place(self, data: bytes, expected_offset: int | None) -> int:
         with self.storage.lock(self._dir):
             self._catch_up()
+            stored_start = self._stored_start_offset() if self._rolls() else None
+            if stored_start is not None and stored_start > self.length:
+                # Another handle truncated past the end of this view: the chunk this view would
+                # roll into lay below its truncation and was deleted (the walk from the view's last
+                # chunk found no successor, as it raced the deletions or met a leftover chunk).
+                # Creating it would fork the log at a reused offset; the true tail is elsewhere.
+                self.refresh()
+                stored_start = self._start_offset
             offset = self.length
             if expected_offset is not None and expected_offset != offset:
                 raise BadOffsetError(self.name, expected_offset, offset)
             last = self._chunks[-1] if self._chunks else None
-            if last is None or last.length >= self.rolling_size:
+            if self._rolls():
                 last = ChunkInfo(offset, 0, chunk_name(offset))
                 self._chunks.append(last)
                 # Rolling is rare: learn of truncations elsewhere so the old chunk can go if dead.
-                self._start_offset = max(self._start_offset, self._stored_start_offset())
+                self._start_offset = max(self._start_offset, stored_start or 0)
             path = f"{self._dir}/{last.name}"
             try:
                 self.storage.append(path, last.length, data)
@@ -415,6 +423,10 @@ class RollingSegment:
             self._chunks[-1] = ChunkInfo(last.start, last.length + len(data), last.name)
         self._after_durable_append()
         return offset
+
+    def _rolls(self) -> bool:
+        """Whether the next in-place append starts a new chunk (none yet, or the last is full)."""
+        return not self._chunks or self._chunks[-1].length >= self.rolling_size
 
     def _settle_in_place(self, path: str, position: int, data: bytes, error: StorageError) -> None:
         """Under the writers' lock, after ``append`` raised: decide by reading whether it happened.
@@ -461,7 +473,8 @@ class RollingSegment:
             # switches one after another here): chunks after the view's last may have new names.
             self.refresh()
             return
-        self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
+        if length != last.length:
+            self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
         # A new chunk starts only where a non-empty one ends (an empty one ends at its own name).
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
             start = last.end
@@ -762,30 +775,32 @@ class RollingSegment:
                     self._delete_dead()
                     self._sweep_layout()
                     return
-                doomed = self._take_dead()
+                chunks, markers = self._dead_below_start()
                 self._sweep_layout()
-            self._delete_taken(doomed)
+            self._delete_dead_unlocked(chunks, markers)
 
-    def _take_dead(self) -> list[str]:
-        """Under the mutex, after a truncation (storage that deletes at once): drop the chunks
-        before the last lying wholly below the start, and the older markers, from the view;
-        return their paths for ``_delete_taken`` to delete without the mutex."""
-        dead = [c for c in self._chunks[:-1] if c.end <= self._start_offset]
-        self._chunks = self._chunks[len(dead):]
-        old = [m for m in self._markers if m < self._start_offset]
-        self._markers = [m for m in self._markers if m >= self._start_offset]
-        return ([f"{self._dir}/{c.name}" for c in dead]
-                + [f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in old])
+    def _dead_below_start(self) -> tuple[list[ChunkInfo], list[int]]:
+        """Under the mutex: the chunks before the last lying wholly below the start, and the
+        markers older than it (storage that deletes at once)."""
+        return ([c for c in self._chunks[:-1] if c.end <= self._start_offset],
+                [m for m in self._markers if m < self._start_offset])
 
-    def _delete_taken(self, paths: list[str]) -> None:
-        """Delete what a truncation made dead (best effort: the truncation marker already holds;
-        a leftover below the start is never read, and a later listing shows it for deletion)."""
-        if not paths:
+    def _delete_dead_unlocked(self, chunks: list[ChunkInfo], markers: list[int]) -> None:
+        """Delete what a truncation made dead without the mutex (appends go on), then drop it from
+        the view. A failure is logged, not raised (the truncation holds), and the view keeps the
+        chunks: later appends and truncations retry (``_drop_truncated_predecessor``)."""
+        if not chunks and not markers:
             return
         try:
-            self.storage.delete(paths)
+            self.storage.delete([f"{self._dir}/{c.name}" for c in chunks]
+                                + [f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in markers])
         except StorageError as exc:
-            _log.warning("segment %r: could not delete truncated chunks or markers (left for later): %s", self.name, exc)
+            _log.warning("segment %r: could not delete truncated chunks or markers (retried later): %s", self.name, exc)
+            return
+        gone, dropped = {c.name for c in chunks}, set(markers)
+        with self._mutex:
+            self._chunks = [c for c in self._chunks if c.name not in gone or c is self._chunks[-1]]
+            self._markers = [m for m in self._markers if m not in dropped]
 
     def _put_marker(self, path: str) -> None:
         """Write a truncation marker; after an error, whether it exists decides the outcome."""

@@ -179,6 +179,8 @@ def test_readers_never_see_a_value_go_back_across_the_swap(tmp_path):
             index.update({**noise, **{k: generation for k in hot}})
             wait_for(lambda: merged_up_to_position(index), "the merge")
             assert not len(index._wal._overlay)  # so the reads below come from the tree
+            if generation > 1:  # read (cached) last round: the worker's merge refreshed, not dropped, them
+                assert index._wal._tree._values.get(hot[0]) == generation
             assert index.get_many(hot) == [generation] * len(hot)
             assert index.get(hot[0]) == generation
     finally:
@@ -313,6 +315,21 @@ def test_workers_that_never_start_leave_the_merges_to_a_thread(tmp_path, monkeyp
     assert "merging in the writer's process from now on" in caplog.text
 
 
+def test_options_that_cannot_cross_to_a_process_keep_the_merge_in_a_thread(tmp_path):
+    from attrindex.btree.compaction import OnePagePolicy
+
+    class Unpicklable(OnePagePolicy):
+        def __reduce__(self):
+            raise TypeError("not picklable")
+
+    with open_index(tmp_path, compaction=Unpicklable()) as index:
+        model = {}
+        write(index, model, random.Random(9), 3)
+        wait_for(lambda: merged_up_to_position(index), "the merge")
+        assert index._wal._worker_disabled and index._wal._worker is None
+        check(index, model)
+
+
 def test_merge_process_option(tmp_path):
     with pytest.raises(InvalidInputError, match="merge_process"):
         AttributeIndex.open(str(tmp_path / "a"), merge_process="yes")
@@ -335,3 +352,82 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
+
+
+def _trees(tmp_path):
+    """Three handles of one tree: ``mine`` (the writer's), ``worker`` and ``other`` (another writer)."""
+    from attrindex.tree_index import TreeIndex
+    from storage_adapters import open_storage
+
+    storage = open_storage(str(tmp_path))
+    return [TreeIndex(storage, "t", page_size=1024) for _ in range(3)]
+
+
+def test_adopt_merged_keeps_the_value_cache_warm_for_the_merged_version(tmp_path):
+    mine, worker, _other = _trees(tmp_path)
+    mine.update({key(1): 1, key(2): 2})
+    assert mine.get_many([key(1), key(2)]) == [1, 2]  # cached
+    worker.refresh()
+    worker.update({key(1): 10})
+    mine.adopt_merged({key(1): 10}, worker._tree.state.length)
+    hits = mine.stats().value_cache_hits
+    assert mine.get_many([key(1), key(2)]) == [10, 2]
+    assert mine.stats().value_cache_hits == hits + 2  # both still cached, key 1 refreshed
+
+
+def test_adopt_merged_drops_the_value_cache_for_any_other_version(tmp_path):
+    mine, worker, other = _trees(tmp_path)
+    mine.update({key(1): 1, key(2): 2})
+    assert mine.get_many([key(1), key(2)]) == [1, 2]
+    worker.refresh()
+    worker.update({key(1): 10})
+    merged = worker._tree.state.length
+    other.refresh()
+    other.update({key(2): 20})  # another writer after the worker
+    mine.adopt_merged({key(1): 10}, merged)
+    assert mine.get_many([key(1), key(2)]) == [10, 20]
+
+
+def test_adopt_merged_drops_the_kept_cache_if_another_version_lands_in_its_window(tmp_path, monkeypatch):
+    mine, worker, other = _trees(tmp_path)
+    mine.update({key(1): 1, key(2): 2})
+    assert mine.get_many([key(1), key(2)]) == [1, 2]
+    worker.refresh()
+    worker.update({key(1): 10})
+    merged = worker._tree.state.length
+    from attrindex.value_cache import ValueCache
+
+    refresh = ValueCache.refresh_many
+
+    def meanwhile(self, updates):  # while the kept cache is refreshed: another writer, a reader's reload
+        other.refresh()
+        other.update({key(2): 20})
+        mine._tree.reload()
+        refresh(self, updates)
+
+    monkeypatch.setattr(ValueCache, "refresh_many", meanwhile)
+    mine.adopt_merged({key(1): 10}, merged)
+    monkeypatch.setattr(ValueCache, "refresh_many", refresh)
+    assert mine.get_many([key(1), key(2)]) == [10, 20]
+
+
+def test_a_segment_with_records_merges_in_the_worker_when_asked(tmp_path):
+    """``SegmentOptions.merge_process``: the worker replays the record batches' attribute updates
+    (records untouched); attributes and records read back, live and after reopening."""
+    from attrindex import SegmentStore
+
+    model, records = {}, []
+    with SegmentStore.open(str(tmp_path), merge_process=True, flush_keys=50) as store:
+        segment = store.segment("s", create=True)
+        for i in range(6):
+            updates = {key(i * 100 + j): i for j in range(60)}
+            segment.append([f"r{i}".encode()], list(updates.items()))
+            model.update(updates)
+            records.append(f"r{i}".encode())
+        wait_for(lambda: segment.stats().merges >= 1 and segment._frozen is None, "the merge")
+        assert segment._worker is not None and segment._worker.starts == 1
+        assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
+    with SegmentStore.open(str(tmp_path)) as store:
+        segment = store.segment("s")
+        assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
+        assert [r.value for r in segment.read(0)] == records
