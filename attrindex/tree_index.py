@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from itertools import compress, repeat
+from operator import is_
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import uuid
@@ -232,6 +234,15 @@ class TreeIndex(IndexHandle):
         keys = key_list(keys)
         return self._get_many_canonical(keys if _all_canonical_keys(keys) else [to_key(k) for k in keys])
 
+    def _recent_values(self) -> ValueCache:
+        """The recent-values cache for a segment's read view to hold: the real one, also while
+        ``adopt_merged`` has set it aside (lookups through ``_values`` bypass it then; the view's
+        probes may use it, since every key the adopted version changed is still in the frozen
+        overlay the view probes first, and another writer's version clears it at once)."""
+        with self._cache_lock:  # (adopt_merged sets both under it)
+            adopting = self._adopting
+            return self._values if adopting is None else adopting[0]
+
     # Lock-free: a segment's read view calls these for keys its overlays do not hold, beside the
     # background merge's updates. Only ``_cache_found`` writes the cache (under its lock).
     def _cached_get(self, key: bytes) -> int | None:
@@ -268,7 +279,7 @@ class TreeIndex(IndexHandle):
         cached, from_old = self._values.peek_many(canonical)
         if from_old:
             self._cache_found(epoch, state, [canonical[i] for i in from_old], [cached[i] for i in from_old])
-        missing = [k for k, v in zip(canonical, cached) if v is MISSING]
+        missing = list(compress(canonical, map(is_, cached, repeat(MISSING))))
         if not missing:
             return cached  # type: ignore[return-value]
         found = dict(zip(missing, self._tree.get_many(missing)))
@@ -277,7 +288,7 @@ class TreeIndex(IndexHandle):
             # cached values are of the old one. Answer every key from one version.
             return self._tree.get_many(canonical)
         self._cache_found(epoch, state, found.keys(), found.values())
-        return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
+        return list(map(found.get, canonical, cached))  # (found holds exactly the keys not cached)
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order."""
