@@ -196,6 +196,7 @@ class Segment(BackgroundMerge):
         """Read the tree's checkpoint and replay the log after it into tier 1."""
         checkpoint = self._tree.checkpoint or 0  # type: ignore[union-attr]
         self._overlay.clear()
+        resyncs = self._log.resyncs
         self._log.open_at(checkpoint)
         # Checked on the view open_at just listed, not an older one: another handle may have merged
         # past this tree version and truncated the log below its new checkpoint since the tree was
@@ -208,6 +209,13 @@ class Segment(BackgroundMerge):
             if self._log.bytes.length > self._log.start_position:
                 raise self._lost_between_error(checkpoint)
         replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
+        if self._log.resyncs != resyncs or any(c.generation and c.end > checkpoint for c in self._log.bytes.chunks()):
+            # Chunks above this tree version's checkpoint were rewritten (log compaction drops the
+            # attribute updates of batches below its limit, a newer tree checkpoint) since the tree
+            # was read: the replay may have missed updates only a newer tree version holds.
+            self._tree.refresh()  # type: ignore[union-attr]
+            if (self._tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
+                raise TruncatedError(self.name, checkpoint, 0, self._log.start_position, self._log.bytes.length)
         lost = self._log.lost_commits(covered=checkpoint)
         if lost is not None:
             raise self._log.lost_commits_error(*lost)

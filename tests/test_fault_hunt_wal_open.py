@@ -111,3 +111,36 @@ def test_an_append_beside_a_read_of_the_same_memory_chunk_waits_instead_of_faili
     appender.join(10)
     assert errors == [] and got == [b"x" * 100]
     assert storage.read("c", 0, 200) == b"x" * 100 + b"y" * 10
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_an_open_racing_log_compaction_sees_every_attribute_update(backend, tmp_path, monkeypatch):
+    """The same race with log compaction instead of truncation: the cleaner drops the attribute
+    updates of the batches it rewrites below its limit (a newer tree version holds them); an open
+    that read the older tree version replayed the rewritten batches and missed them."""
+    from attrindex import SegmentStore
+    from attrindex.log.batch import Record
+
+    url = _url(backend, tmp_path)
+    store = SegmentStore.open(url, log_rolling_size=200, flush_keys=10**6, flush_seconds=10**6)
+    writer = store.segment("s", create=True, cleanup_policy="compact")
+    writer.configure(min_compaction_lag_ms=0)
+    writer.append([Record(b"first", key=b"k")], [(0, 0)])
+    writer.flush()  # tree checkpoint C0
+    for i in range(1, 30):  # each batch supersedes the last one's record: the cleaner drops them
+        writer.append([Record(b"v%d" % i, key=b"k")], [(i, i)])
+    real = segment_log.SegmentLog.open_at
+    raced = []
+
+    def open_at(self, position):
+        if not raced and self.segment == "s":
+            raced.append(position)
+            writer.compact(min_lag_ms=0)  # merges (checkpoint C1), then rewrites chunks below C1
+        return real(self, position)
+
+    monkeypatch.setattr(segment_log.SegmentLog, "open_at", open_at)
+    reader = SegmentStore.open(url).segment("s")
+    assert raced
+    assert reader.get_attributes(range(30)) == list(range(30))
+    reader.close()
+    writer.close()
