@@ -178,20 +178,28 @@ def _counted(method: Callable[..., Any], kind: str) -> Callable[..., Any]:
     """Wrap a backend operation so that each call counts as one request of ``kind`` (before it runs:
     a failed request was still made)."""
 
+    name = method.__name__
+    writes = kind == "PUT"
+
     @functools.wraps(method)
     def wrapper(self: ChunkStorage, *args: Any, **kwargs: Any) -> Any:
-        if _inner(self) is not None:  # a wrapper: the inner backend counts what really happens
+        # On every storage call (four per local append): plain dict lookups, no property calls.
+        own = self.__dict__
+        inner = own.get("inner")
+        if inner is not None and isinstance(inner, ChunkStorage):  # a wrapper: the inner backend counts
             return method(self, *args, **kwargs)
-        counter = self.request_counter
-        if kind == "DELETE" and method.__name__ == "delete":
+        counter = own.get("_request_counter") or self.request_counter
+        if name == "delete":
             paths = args[0] if args else kwargs.get("paths", [])
             counter.count("DELETE", n=len(paths))
-        elif method.__name__ == "remove_directory":
+        elif name == "remove_directory":
             counter.count("LIST")
             counter.count("DELETE")
-        else:
-            data = kwargs.get("data", args[-1] if args else b"") if kind == "PUT" else b""
+        elif writes:
+            data = kwargs.get("data", args[-1] if args else b"")
             counter.count(kind, written=len(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0)
+        else:
+            counter.count(kind)
         result = method(self, *args, **kwargs)
         if kind == "GET" and isinstance(result, (bytes, bytearray)):
             counter.add_bytes(read=len(result))

@@ -34,9 +34,11 @@ import secrets
 import shutil
 import stat
 import struct
+import threading
 import time
+import weakref
 import zlib
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -164,7 +166,11 @@ def _last_commit(fd: int) -> tuple[int, int]:
 
 
 def _write_all(fd: int, data: bytes, position: int) -> None:
-    view = memoryview(data)
+    written = os.pwrite(fd, data, position)
+    if written == len(data):  # the usual case: one call, no view
+        return
+    view = memoryview(data)[written:]
+    position += written
     while view:
         written = os.pwrite(fd, view, position)
         view, position = view[written:], position + written
@@ -198,14 +204,19 @@ def os_errors(operation: str, path: str, *, missing: bool = False) -> Iterator[N
     and quotas); with ``missing=True`` a ``FileNotFoundError`` passes through, as the interface says."""
     try:
         yield
-    except FileNotFoundError:
-        if missing:
-            raise
-        raise StorageError(f"local storage: {operation} of {path!r}: no such file or directory") from None
     except OSError as exc:
-        if exc.errno in _FULL:
-            raise StorageFullError(f"local storage: {operation} of {path!r}: {exc.strerror}") from exc
-        raise StorageError(f"local storage: {operation} of {path!r} failed: {exc}") from exc
+        raise _storage_error(exc, operation, path, missing) from (None if isinstance(exc, FileNotFoundError) else exc)
+
+
+def _storage_error(exc: OSError, operation: str, path: str, missing: bool = False) -> BaseException:
+    """What ``os_errors`` raises for ``exc`` (for hot paths that catch it without a context manager)."""
+    if isinstance(exc, FileNotFoundError):
+        if missing:
+            return exc
+        return StorageError(f"local storage: {operation} of {path!r}: no such file or directory")
+    if exc.errno in _FULL:
+        return StorageFullError(f"local storage: {operation} of {path!r}: {exc.strerror}")
+    return StorageError(f"local storage: {operation} of {path!r} failed: {exc}")
 
 
 def _fsync_directory(directory: str) -> None:
@@ -214,6 +225,106 @@ def _fsync_directory(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# Bumped in a forked child: its inherited descriptors share the parent's open files, and so its
+# locks (``flock`` does not exclude holders of one open file from each other); it opens its own.
+_forks = [0]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
+#: Lock files a storage keeps open (one per directory appended to); beyond it idle ones are closed.
+MAX_OPEN_LOCKS = 64
+#: Times a lock is retried when its lock file was replaced under it (the directory removed and made again).
+MAX_LOCK_REOPENS = 10
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+class _Seen(NamedTuple):
+    size: int  #: bytes in the file
+    record: bytes  #: its raw v2 record
+    sizes: list[int]  #: the committed sizes in it, newest first
+
+
+class _DirectoryLock:
+    """A directory's lock file kept open, and the descriptor of the chunk last appended to in it.
+
+    ``mutex`` orders this process's threads (they share ``fd``, whose ``flock`` would not exclude
+    them from each other); ``owner`` is the thread holding both; the chunk descriptor is used only
+    by that thread. ``fd is None``: closed (evicted, or its file replaced): take a fresh one."""
+
+    __slots__ = ("path", "fd", "identity", "mutex", "owner", "chunk_path", "chunk_fd", "chunk_identity", "seen",
+                 "last_record")
+
+    def __init__(self, path: str, fd: int, identity: tuple[int, int]):
+        self.path, self.fd, self.identity = path, fd, identity
+        self.mutex = threading.Lock()
+        self.owner: int | None = None
+        self.chunk_path: str | None = None
+        self.chunk_fd: int | None = None
+        self.chunk_identity: tuple[int, int] | None = None
+        self.seen: _Seen | None = None  #: the chunk as the holder last looked at it (this hold only)
+        #: (record, its sizes) this storage last wrote to the chunk: a record read back equal to it
+        #: (compared byte for byte) needs no decoding
+        self.last_record: tuple[bytes, list[int]] | None = None
+
+    def close_chunk(self) -> None:
+        fd, self.chunk_fd, self.chunk_path, self.chunk_identity = self.chunk_fd, None, None, None
+        self.seen = self.last_record = None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def close(self) -> None:
+        self.close_chunk()
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _lock_file(entry: _DirectoryLock, directory: str) -> bool:
+    """``flock`` the entry's file (its mutex held); False, and unlocked again, if its name no
+    longer leads to that file."""
+    try:  # (no context manager: this is on every append's path)
+        fcntl.flock(entry.fd, fcntl.LOCK_EX)  # type: ignore[arg-type]
+        try:
+            same = _identity(os.stat(entry.path)) == entry.identity
+        except FileNotFoundError:
+            same = False
+        except BaseException:
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
+            raise
+        if not same:
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)  # type: ignore[arg-type]
+        return same
+    except OSError as exc:
+        raise _storage_error(exc, "lock", directory) from exc
+
+
+class _Held:
+    """``with storage.lock(directory):`` (a class, not a generator: it is on every append's path)."""
+
+    __slots__ = ("storage", "directory", "entry")
+
+    def __init__(self, storage: "LocalChunkStorage", directory: str):
+        self.storage, self.directory, self.entry = storage, directory, None
+
+    def __enter__(self) -> None:
+        self.entry = self.storage._acquire(self.directory)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.storage._release(self.entry)
+
+
+def _close_locks(locks: dict[str, _DirectoryLock]) -> None:
+    """A storage was collected: close what it kept open (nothing can hold its locks any more)."""
+    for entry in locks.values():
+        entry.close()
+    locks.clear()
 
 
 class LocalChunkStorage(ChunkStorage):
@@ -234,9 +345,16 @@ class LocalChunkStorage(ChunkStorage):
         # falls back to "sidecar" on a filesystem without user xattrs, and with sync=False.
         self.commit_format = commit_format
         self._swept: dict[str, float] = {}  #: directory -> monotonic time of its last temporaries sweep
+        # Open lock files (and the chunk each last appended to), by directory: see ``lock``.
+        self._locks: dict[str, _DirectoryLock] = {}
+        self._locks_guard = threading.Lock()
+        self._locks_fork = _forks[0]
+        self._finalizer = weakref.finalize(self, _close_locks, self._locks)
 
     def _abs(self, path: str) -> str:
-        return os.path.join(self.root, path)
+        if path[:1] == "/":
+            return os.path.join(self.root, path)
+        return f"{self.root}/{path}"  # os.path.join's result for a relative path, without its checks
 
     # -- reading -------------------------------------------------------------------------------
     def list_files(self, directory: str) -> dict[str, int]:
@@ -274,9 +392,27 @@ class LocalChunkStorage(ChunkStorage):
         return os.path.exists(self._abs(path))
 
     def committed_size(self, path: str) -> int:
+        entry = self._held(path)
+        if entry is not None:  # a writer's catch-up: the look its append then uses
+            try:
+                seen = self._open_chunk(entry, path)
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                raise _storage_error(exc, "committed size", path) from exc
+            if seen is not None:
+                return seen.sizes[0]
         target = self._abs(path)
-        with os_errors("committed size", path, missing=True):
-            record = _get_record(target)  # a missing chunk raises FileNotFoundError here
+        try:  # on every append's path: the common case without a context manager
+            record = os.getxattr(target, COMMIT_XATTR) if _HAS_XATTR else None  # a missing chunk: FileNotFoundError
+        except FileNotFoundError:
+            raise
+        except OSError:
+            record = None  # no record (v1), or an error the slow path below reports
+        if record is not None:
+            return _xattr_committed(record)[0]
+        with os_errors("committed size", path, missing=True):  # read again: errors are reported here
+            record = _get_record(target)
             if record is not None:
                 return _xattr_committed(record)[0]
             return _sidecar_committed(target)
@@ -346,6 +482,7 @@ class LocalChunkStorage(ChunkStorage):
 
     def delete(self, paths: list[str]) -> None:
         for path in paths:
+            self._let_go(path)
             for victim in (self._abs(path), self._abs(path) + COMMIT_SUFFIX):
                 with os_errors("delete", path), contextlib.suppress(FileNotFoundError):
                     try:
@@ -356,24 +493,208 @@ class LocalChunkStorage(ChunkStorage):
                         os.rmdir(victim)
 
     def remove_directory(self, directory: str) -> None:
+        with self._locks_guard:  # its lock files go: close the ones kept open that nobody holds
+            prefix = directory.rstrip("/") + "/"
+            for name, entry in list(self._locks.items()):
+                if (name == directory or name.startswith(prefix)) and entry.mutex.acquire(blocking=False):
+                    try:
+                        entry.close()
+                        del self._locks[name]
+                    finally:
+                        entry.mutex.release()
         shutil.rmtree(self._abs(directory), ignore_errors=True)
 
-    @contextlib.contextmanager
-    def lock(self, directory: str) -> Iterator[None]:
+    def _let_go(self, path: str) -> None:
+        """Close the descriptor kept open on chunk ``path`` (being deleted), so that its space comes
+        back now; unless another thread is appending through it (its next append notices)."""
+        entry = self._locks.get(path.rpartition("/")[0])
+        if entry is None or entry.chunk_path != path:
+            return
+        if entry.owner == threading.get_ident():
+            entry.close_chunk()
+        elif entry.mutex.acquire(blocking=False):
+            try:
+                entry.close_chunk()
+            finally:
+                entry.mutex.release()
+
+    def lock(self, directory: str) -> contextlib.AbstractContextManager[None]:
+        """Exclusive lock over the writers of ``directory``: an ``flock`` on its ``.lock`` file.
+
+        The lock file stays open between appends (one descriptor per directory, at most
+        ``MAX_OPEN_LOCKS`` of them), so a lock costs ``flock`` twice and one ``stat`` that checks
+        the name still leads to the file locked. Threads of this process share that descriptor,
+        and ``flock`` does not exclude holders of one descriptor from each other: a mutex
+        orders them first."""
+        return _Held(self, directory)
+
+    def _acquire(self, directory: str) -> _DirectoryLock:
+        """The directory's lock, held by this thread (``lock``)."""
+        for _attempt in range(MAX_LOCK_REOPENS):
+            entry = self._lock_entry(directory)
+            entry.mutex.acquire()
+            try:
+                if entry.fd is not None and _lock_file(entry, directory):
+                    entry.owner, entry.seen = threading.get_ident(), None
+                    return entry
+            except BaseException:  # (an interrupt between the flock and the return: let go of it too)
+                if entry.fd is not None:
+                    with contextlib.suppress(OSError):
+                        fcntl.flock(entry.fd, fcntl.LOCK_UN)
+                entry.mutex.release()
+                raise
+            # Closed meanwhile, or the directory was removed (and maybe made again) since the file
+            # was opened: a lock on the old file excludes nobody who opens the new one.
+            self._forget(directory, entry)
+            entry.mutex.release()
+        raise StorageError(f"local storage: lock of {directory!r}: its lock file kept being replaced "
+                           f"({MAX_LOCK_REOPENS} tries)")
+
+    @staticmethod
+    def _release(entry: _DirectoryLock) -> None:
+        entry.owner = entry.seen = None  # other writers may change the chunk once the lock is let go
+        try:
+            fcntl.flock(entry.fd, fcntl.LOCK_UN)
+        except OSError:
+            entry.close()  # closing the only descriptor releases the lock too
+        finally:
+            entry.mutex.release()
+
+    def _lock_entry(self, directory: str) -> _DirectoryLock:
+        """The cached lock of ``directory``, opened (and the directory made) if need be."""
+        locks = self._locks
+        if self._locks_fork != _forks[0]:  # a forked child: its inherited descriptors share the
+            locks = self._reset_locks()  # parent's locks, so they exclude nothing between the two
+        entry = locks.get(directory)
+        if entry is not None and entry.fd is not None:
+            return entry
         base = self._abs(directory)
+        path = os.path.join(base, LOCK_NAME)
         with os_errors("lock", directory):
             os.makedirs(base, exist_ok=True)
-            fd = os.open(os.path.join(base, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            with os_errors("lock", directory):
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # closing releases the flock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        with self._locks_guard:
+            entry = locks.get(directory)
+            if entry is not None and entry.fd is not None:  # another thread opened it meanwhile
+                os.close(fd)
+                return entry
+            entry = locks[directory] = _DirectoryLock(path, fd, _identity(os.fstat(fd)))
+            if len(locks) > MAX_OPEN_LOCKS:
+                self._evict_locks()
+        return entry
+
+    def _forget(self, directory: str, entry: _DirectoryLock) -> None:
+        """Close a lock (held by the caller's mutex) and drop it from the cache."""
+        entry.close()
+        with self._locks_guard:
+            if self._locks.get(directory) is entry:
+                del self._locks[directory]
+
+    def _evict_locks(self) -> None:
+        """Close cached locks nobody holds until the cache is back to its bound (under the guard)."""
+        for directory, entry in list(self._locks.items()):
+            if len(self._locks) <= MAX_OPEN_LOCKS // 2:
+                break
+            if entry.mutex.acquire(blocking=False):
+                try:
+                    entry.close()
+                    del self._locks[directory]
+                finally:
+                    entry.mutex.release()
+
+    def _reset_locks(self) -> dict[str, _DirectoryLock]:
+        with self._locks_guard:
+            for entry in self._locks.values():  # inherited: closing our copies releases nothing of the parent's
+                entry.close()
+            self._locks = {}
+            self._locks_fork = _forks[0]
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close_locks, self._locks)
+            return self._locks
+
+    def close(self) -> None:
+        """Close the cached lock files and chunk descriptors (locks held now are left alone)."""
+        with self._locks_guard:
+            self._evict_all()
+
+    def _evict_all(self) -> None:
+        for directory, entry in list(self._locks.items()):
+            if entry.mutex.acquire(blocking=False):
+                try:
+                    entry.close()
+                    del self._locks[directory]
+                finally:
+                    entry.mutex.release()
 
     def append(self, path: str, position: int, data: bytes) -> None:
-        with os_errors("append", path):
-            self._append(path, position, data)
+        try:  # (no context manager: this is on every append's path)
+            entry = self._held(path)
+            if entry is None or not self._append_open(entry, path, position, data):
+                self._append(path, position, data)
+        except OSError as exc:
+            raise _storage_error(exc, "append", path) from exc
+
+    def _held(self, path: str) -> _DirectoryLock | None:
+        """The lock of ``path``'s directory if this thread holds it through this storage."""
+        entry = self._locks.get(path.rpartition("/")[0])
+        if entry is not None and entry.owner == threading.get_ident() and self._locks_fork == _forks[0]:
+            return entry
+        return None
+
+    def _open_chunk(self, entry: _DirectoryLock, path: str) -> _Seen | None:
+        """What the held lock's descriptor sees of the chunk ``path``: its ``stat`` and v2 record
+        (None for a chunk without one: v1, or new). Opened, or checked to be the file the name
+        leads to now (one ``stat``, which also gives the size: a chunk deleted and made again is
+        another file). Kept until the lock is released or the chunk is written: no writer but the
+        holder changes it meanwhile, so the catch-up's look and the append share one.
+        ``FileNotFoundError`` for a missing chunk."""
+        seen = entry.seen
+        if seen is not None and entry.chunk_path == path:
+            return seen
+        st = os.stat(f"{self.root}/{path}")
+        fd = entry.chunk_fd
+        if fd is None or entry.chunk_path != path or entry.chunk_identity != _identity(st):
+            entry.close_chunk()
+            fd = os.open(f"{self.root}/{path}", os.O_RDWR | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            entry.chunk_fd, entry.chunk_path, entry.chunk_identity = fd, path, _identity(st)
+        record = _get_record(fd)
+        if record is None:
+            return None
+        last = entry.last_record  # the record this storage wrote last: already decoded
+        sizes = last[1] if last is not None and last[0] == record else _xattr_committed(record)
+        entry.seen = seen = _Seen(st.st_size, record, sizes)
+        return seen
+
+    def _append_open(self, entry: _DirectoryLock, path: str, position: int, data: bytes) -> bool:
+        """``append`` to an existing v2 chunk through the descriptor kept open with its
+        directory's lock (held by this thread); False (nothing done) for anything else: a new
+        chunk, a v1 one, one without a record yet."""
+        try:
+            seen = self._open_chunk(entry, path)
+            if seen is None:
+                return False
+            fd, size, sizes = entry.chunk_fd, seen.size, seen.sizes
+            entry.seen = None  # written from here on: look again next time
+            _check_committed(path, sizes[0], position)
+            if size < position:
+                raise CorruptDataError(f"chunk {path!r} holds {size} bytes but {position} were committed")
+            if size > position:
+                os.ftruncate(fd, position)  # bytes of a torn append, never committed
+            if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
+                _write_paced(fd, data, position)
+            else:
+                _write_all(fd, data, position)
+            sizes = [position + len(data), *sizes][:XATTR_HISTORY]
+            entry.last_record = None
+            record = self._commit_xattr(fd, seen.record, sizes, position, len(data))
+            entry.last_record = (record, sizes)
+        except FileNotFoundError:
+            return False  # a new chunk
+        except BaseException:
+            entry.close_chunk()  # whatever state it is in, the next append opens the file afresh
+            raise
+        return True
 
     def _append(self, path: str, position: int, data: bytes) -> None:
         target = self._abs(path)
@@ -437,13 +758,15 @@ class LocalChunkStorage(ChunkStorage):
             os.mkdir(target + COMMIT_SUFFIX)
         return None, True
 
-    def _commit_xattr(self, fd: int, old: bytes | None, sizes: list[int], position: int, length: int) -> None:
-        """Make the data durable and then the v2 record saying so, with one fsync (see the module doc)."""
+    def _commit_xattr(self, fd: int, old: bytes | None, sizes: list[int], position: int, length: int) -> bytes:
+        """Make the data durable and then the v2 record saying so, with one fsync (see the module doc);
+        return the record."""
         if self.sync:
             _write_out(fd, position, length)  # before the record: any journal commit carrying it flushes the data
-        os.setxattr(fd, COMMIT_XATTR, encode_commit_xattr(sizes))
+        record = encode_commit_xattr(sizes)
+        os.setxattr(fd, COMMIT_XATTR, record)
         if not self.sync:
-            return
+            return record
         try:
             os.fsync(fd)  # fsync, not fdatasync: an xattr is not needed to read the data, fdatasync may skip it
         except OSError:
@@ -454,6 +777,7 @@ class LocalChunkStorage(ChunkStorage):
                 else:
                     os.setxattr(fd, COMMIT_XATTR, old)
             raise
+        return record
 
     def _commit(self, path: str, previous: int, size: int) -> None:
         fd = os.open(self._abs(path) + COMMIT_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)

@@ -57,10 +57,13 @@ class RequestCounter:
 
     def count(self, kind: str, *, n: int = 1, read: int = 0, written: int = 0) -> None:
         """Record ``n`` requests of ``kind`` (one of ``KINDS``) that moved ``read``/``written`` bytes."""
+        counts = self._counts
         with self._lock:
-            self._counts[kind.lower()] += n
-            self._counts["bytes_read"] += read
-            self._counts["bytes_written"] += written
+            counts[kind.lower()] += n
+            if read:
+                counts["bytes_read"] += read
+            if written:
+                counts["bytes_written"] += written
 
     def add_bytes(self, *, read: int = 0, written: int = 0) -> None:
         """Record payload bytes of a request already counted."""

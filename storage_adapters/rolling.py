@@ -141,6 +141,7 @@ class RollingSegment:
         self.rolling_size = rolling_size
         self._dir = name + SEGMENT_SUFFIX
         self._mutex = threading.RLock()
+        self._truncating = threading.Lock()  #: one truncation of this handle at a time (its I/O runs without _mutex)
         self._chunks: list[ChunkInfo] = []
         self._start_offset = 0
         self._markers: list[int] = []
@@ -472,7 +473,8 @@ class RollingSegment:
             # switches one after another here): chunks after the view's last may have new names.
             self.refresh()
             return
-        self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
+        if length != last.length:
+            self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
         # A new chunk starts only where a non-empty one ends (an empty one ends at its own name).
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
             start = last.end
@@ -755,17 +757,50 @@ class RollingSegment:
         self._check_open()
         if not isinstance(offset, int) or offset < 0:
             raise InvalidInputError(f"truncation offset must be a non-negative int, got {offset!r}")
-        with self._mutex:
-            self.refresh()  # rare, and only the true chunk list tells which chunk is the last
-            if offset > self.length:
-                raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
-            if offset <= self._start_offset:
-                return
+        with self._truncating:
+            with self._mutex:
+                self.refresh()  # rare, and only the true chunk list tells which chunk is the last
+                if offset > self.length:
+                    raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
+                if offset <= self._start_offset:
+                    return
             # The marker goes first: a crash before the deletions leaves only unreachable chunks.
+            # It is written without the mutex, so appends through this handle go on meanwhile
+            # (they land at the end, past ``offset``; only a truncation takes the start forward).
             self._put_marker(f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(offset)}")
-            self._start_offset, self._markers = offset, [*self._markers, offset]
-            self._delete_dead()
-            self._sweep_layout()
+            with self._mutex:
+                self._start_offset = max(self._start_offset, offset)
+                self._markers = sorted({*self._markers, offset})
+                if self._defers_deletion() or not self.storage.appendable:
+                    self._delete_dead()
+                    self._sweep_layout()
+                    return
+                chunks, markers = self._dead_below_start()
+                self._sweep_layout()
+            self._delete_dead_unlocked(chunks, markers)
+
+    def _dead_below_start(self) -> tuple[list[ChunkInfo], list[int]]:
+        """Under the mutex: the chunks before the last lying wholly below the start, and the
+        markers older than it (storage that deletes at once)."""
+        return ([c for c in self._chunks[:-1] if c.end <= self._start_offset],
+                [m for m in self._markers if m < self._start_offset])
+
+    def _delete_dead_unlocked(self, chunks: list[ChunkInfo], markers: list[int]) -> None:
+        """Delete what a truncation made dead without the mutex (appends go on), then drop it from
+        the view. A failure is logged, not raised (the truncation holds), and the view keeps the
+        chunks: later appends and truncations retry (``_drop_truncated_predecessor``)."""
+        if not chunks and not markers:
+            return
+        try:
+            self.storage.delete([f"{self._dir}/{c.name}" for c in chunks]
+                                + [f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in markers])
+        except StorageError as exc:
+            _log.warning("segment %r: could not delete truncated chunks or markers (retried later): %s", self.name, exc)
+            return
+        gone, dropped = {c.name for c in chunks}, set(markers)
+        with self._mutex:
+            self._chunks = [c for c in self._chunks if c.name not in gone or c is self._chunks[-1]]
+            self._markers = [m for m in self._markers if m not in dropped]
 
     def _put_marker(self, path: str) -> None:
         """Write a truncation marker; after an error, whether it exists decides the outcome."""

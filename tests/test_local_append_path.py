@@ -1,0 +1,216 @@
+"""The local append path keeps its lock file and its chunk open between appends.
+
+What that must not change: writers of one directory still exclude each other (threads sharing the
+storage, a forked child that inherited its descriptors, a process whose lock file was replaced
+when the directory was removed and made again), an append lands in the file its name leads to now
+(a chunk deleted and made again is another file), and a deleted chunk's space comes back. What it
+buys: an append to an existing chunk opens, creates and stats no file but the one ``stat`` of the
+chunk and of the lock file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import threading
+
+import pytest
+
+from storage_adapters import RollingSegment
+from storage_adapters.local import MAX_OPEN_LOCKS, LocalChunkStorage, decode_commit_xattr, read_commit_record
+
+CHUNK = "00000000000000000000"
+
+
+def _waits_while_held(holder_lock, contender_lock) -> None:
+    """``contender_lock`` is not acquired while ``holder_lock`` is held, and is right after."""
+    acquired = threading.Event()
+    done = threading.Event()
+
+    def contend():
+        with contender_lock:
+            acquired.set()
+        done.set()
+
+    with holder_lock:
+        thread = threading.Thread(target=contend, daemon=True)
+        thread.start()
+        assert not acquired.wait(0.3)  # correct code never acquires here, however slow the machine
+    assert done.wait(60)
+    thread.join(60)
+
+
+def test_threads_sharing_one_storage_exclude_each_other(tmp_path):
+    storage = LocalChunkStorage(str(tmp_path))
+    with storage.lock("d"):
+        pass  # the lock file is now kept open: both threads use that one descriptor
+    _waits_while_held(storage.lock("d"), storage.lock("d"))
+
+
+def test_two_storages_in_one_process_exclude_each_other(tmp_path):
+    first, second = LocalChunkStorage(str(tmp_path)), LocalChunkStorage(str(tmp_path))
+    _waits_while_held(first.lock("d"), second.lock("d"))
+
+
+def test_a_lock_file_replaced_with_its_directory_is_opened_again(tmp_path):
+    """A process that kept the old lock file open would lock a file nobody else opens."""
+    old, other = LocalChunkStorage(str(tmp_path)), LocalChunkStorage(str(tmp_path))
+    with old.lock("d"):
+        pass
+    shutil.rmtree(tmp_path / "d")  # e.g. the segment deleted and made again by another process
+    os.makedirs(tmp_path / "d")
+    _waits_while_held(other.lock("d"), old.lock("d"))
+    _waits_while_held(old.lock("d"), other.lock("d"))
+
+
+def _child_locks(root: str, go, acquired) -> None:
+    storage = _inherited[0]
+    go.wait()
+    with storage.lock("d"):
+        acquired.set()
+
+
+_inherited: list[LocalChunkStorage] = []
+
+
+def test_a_forked_child_does_not_share_its_parents_lock(tmp_path):
+    """flock does not exclude holders of one open file description; a forked child inherits the
+    parent's: it must open its own."""
+    storage = LocalChunkStorage(str(tmp_path))
+    with storage.lock("d"):
+        pass  # the descriptor the child inherits
+    _inherited[:] = [storage]
+    context = multiprocessing.get_context("fork")
+    go, acquired = context.Event(), context.Event()
+    child = context.Process(target=_child_locks, args=(str(tmp_path), go, acquired))
+    child.start()
+    try:
+        with storage.lock("d"):
+            go.set()
+            assert not acquired.wait(0.5)
+        assert acquired.wait(60)
+    finally:
+        child.join(60)
+        _inherited.clear()
+    assert child.exitcode == 0
+
+
+def test_an_append_to_an_existing_chunk_opens_no_file(tmp_path, monkeypatch):
+    storage = LocalChunkStorage(str(tmp_path))
+    seg = RollingSegment(storage, "s")
+    seg.append(b"first;")
+    seg.append(b"second;")  # the chunk is opened once and kept
+    calls: list[str] = []
+    for name in ("open", "mkdir", "makedirs"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+    for i in range(5):
+        seg.append(b"next-%d;" % i)
+    monkeypatch.undo()
+    assert calls == []
+    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
+    assert fresh.read(0, fresh.length) == b"first;second;" + b"".join(b"next-%d;" % i for i in range(5))
+
+
+def test_an_append_lands_in_the_file_its_chunk_name_leads_to_now(tmp_path):
+    """The kept descriptor is checked against the name: a chunk deleted and made again (here by
+    hand, as a repair or a segment made again would) is written through a new descriptor."""
+    storage = LocalChunkStorage(str(tmp_path))
+    path = f"d/{CHUNK}"
+    with storage.lock("d"):
+        storage.append(path, 0, b"old-1;")
+        storage.append(path, 6, b"old-2;")  # kept open now
+    other = LocalChunkStorage(str(tmp_path))
+    other.delete([path])
+    with other.lock("d"):
+        other.append(path, 0, b"new-1;")
+    with storage.lock("d"):
+        storage.append(path, 6, b"new-2;")
+    target = str(tmp_path / "d" / CHUNK)
+    with open(target, "rb") as f:
+        assert f.read() == b"new-1;new-2;"
+    assert decode_commit_xattr(read_commit_record(target))[0] == 12
+
+
+def _open_files() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_deleting_a_chunk_closes_the_descriptor_kept_on_it(tmp_path):
+    storage = LocalChunkStorage(str(tmp_path))
+    path = f"d/{CHUNK}"
+    with storage.lock("d"):
+        storage.append(path, 0, b"a")
+        storage.append(path, 1, b"b")
+    target = str(tmp_path / "d" / CHUNK)
+    assert target in _open_files()
+    storage.delete([path])
+    assert not any(name.startswith(target) for name in _open_files())  # no "(deleted)" file held open
+    storage.remove_directory("d")
+    assert not any(name.startswith(str(tmp_path / "d")) for name in _open_files())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_lock_files_kept_open_are_bounded_and_closed_with_the_storage(tmp_path):
+    storage = LocalChunkStorage(str(tmp_path))
+    for i in range(MAX_OPEN_LOCKS + 10):
+        with storage.lock(f"d{i}"):
+            pass
+    held = [name for name in _open_files() if name.startswith(str(tmp_path))]
+    assert 0 < len(held) <= MAX_OPEN_LOCKS
+    with storage.lock("d0"):  # still locks after an eviction
+        pass
+    storage.close()
+    assert not any(name.startswith(str(tmp_path)) for name in _open_files())
+    with storage.lock("d1"):  # and after close
+        pass
+
+
+def test_a_torn_append_beside_the_kept_descriptor_is_cut_by_the_next_one(tmp_path):
+    """The torn bytes are written by another file handle (as a killed writer's would be) while
+    this storage keeps the chunk open and has looked at it in the same lock hold: the settle
+    must see the old commit, and the next append must cut the torn tail."""
+    from storage_adapters.errors import StorageError
+    from storage_adapters.faults import FaultyStorage
+
+    faulty = FaultyStorage(LocalChunkStorage(str(tmp_path)), seed=3)
+    seg = RollingSegment(faulty, "s")
+    seg.append(b"one;")
+    seg.append(b"two;")
+    faulty.script("torn", op="append")
+    with pytest.raises(StorageError, match="torn"):
+        seg.append(b"a-long-torn-append;" * 3)
+    assert seg.append(b"three;") == 8
+    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
+    assert fresh.read(0, fresh.length) == b"one;two;three;"
+    assert os.path.getsize(tmp_path / "s.seg" / CHUNK) == 14  # the torn tail is gone
+
+
+def test_a_full_disk_through_the_kept_descriptor_commits_nothing_and_the_next_append_works(tmp_path, monkeypatch):
+    import errno
+
+    from storage_adapters.errors import StorageFullError
+
+    seg = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
+    seg.append(b"one;")
+    seg.append(b"two;")
+    real = os.pwrite
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(StorageFullError):
+        seg.append(b"lost;")
+    monkeypatch.setattr(os, "pwrite", real)
+    assert seg.append(b"three;") == 8
+    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
+    assert fresh.read(0, fresh.length) == b"one;two;three;"
