@@ -360,7 +360,19 @@ class Segment(BackgroundMerge):
         the B+tree), which moved the log's position (``SegmentLog.resyncs``)."""
         replayed, resyncs = self._log.position, self._log.resyncs
         loaded = self._attributes_loaded  # not yet: the lazy load replays from the tree up to the new position
-        seen = self._log.catch_up(self._replayer(0) if loaded else None)
+        visit = self._replayer(0) if loaded else None
+        seen = 0
+        for attempt in range(MAX_OPEN_ATTEMPTS):
+            try:
+                seen += self._log.catch_up(visit)
+                break
+            except TruncatedError:
+                # Another handle's truncation deleted a chunk between this scan's listing and its
+                # read (a merge elsewhere covers it): list again; the scan restarts at the new start
+                # and the check below rebuilds tier 1 from the tree. Before, a writer that lost an
+                # append race failed its update with this error.
+                if attempt + 1 == MAX_OPEN_ATTEMPTS:
+                    raise
         if loaded and (self._log.start_position > replayed or self._log.resyncs != resyncs):
             self._index.refresh()
             self._replay_from_tree()

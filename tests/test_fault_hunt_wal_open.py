@@ -144,3 +144,38 @@ def test_an_open_racing_log_compaction_sees_every_attribute_update(backend, tmp_
     assert reader.get_attributes(range(30)) == list(range(30))
     reader.close()
     writer.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_an_update_that_lost_a_race_survives_a_truncation_during_its_catch_up(backend, tmp_path, monkeypatch):
+    """Writer B loses the append race, catches up, and the chunk its catch-up is about to read is
+    truncated by writer A's merge: B's update raised ``TruncatedError`` (nothing written). It now
+    lists again, rebuilds from the tree, and its update goes through."""
+    from storage_adapters import rolling
+
+    url = _url(backend, tmp_path)
+    options = dict(page_size=256, wal_rolling_size=200, merge_keys=10**6, merge_seconds=10**6)
+    a = AttributeIndex(open_storage(url), **options)
+    b = AttributeIndex(open_storage(url), **options)
+    b.update({1000: 1})
+    for i in range(N):
+        a.update({i: i})  # B's view is now several chunks behind
+    real = rolling.RollingSegment.read
+    b_bytes = b._wal._log.bytes
+    raced = []
+
+    def read(self, offset, length):
+        if self is b_bytes and not raced:
+            raced.append(offset)
+            a.flush()  # A merges and truncates the WAL under B's catch-up
+        return real(self, offset, length)
+
+    monkeypatch.setattr(rolling.RollingSegment, "read", read)
+    b.update({1001: 2})  # was: TruncatedError
+    assert raced
+    assert b.get_many([0, N - 1, 1000, 1001]) == [0, N - 1, 1, 2]
+    monkeypatch.setattr(rolling.RollingSegment, "read", real)
+    fresh = AttributeIndex(open_storage(url), page_size=256)
+    assert fresh.get_many([0, N - 1, 1000, 1001]) == [0, N - 1, 1, 2]
+    for index in (fresh, a, b):
+        index.close()
