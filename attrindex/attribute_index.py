@@ -32,6 +32,7 @@ from .btree.verify import VerifyReport
 from .errors import CorruptDataError, InvalidInputError, StorageError
 from .handle import IndexHandle
 from .keys import KEY_SIZE, to_key
+from .value_cache import MISSING
 from .log.segment_log import LOG_DIR
 from .overlay import AttributeOverlay, sort_keys
 from .segment import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES, Segment,
@@ -179,8 +180,22 @@ class AttributeIndex(IndexHandle):
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: object) -> int | None:
         """The value stored for ``key``, or ``None``."""
-        # No lock and no closed check: the WAL's read view does both (a closed handle's raises).
-        return self._wal._current_value(key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key))
+        # The hot path: ``Segment._current_value`` inlined (a Python call is ~5% of a warm lookup).
+        # No lock and no closed check: one read of the WAL's read view (a closed handle's raises).
+        active, frozen, recent, tree_get, _tree_get_many = self._wal._view
+        if type(key) is not bytes or len(key) != KEY_SIZE:
+            key = to_key(key)
+        value = active(key, MISSING)
+        if value is MISSING:
+            if frozen is not None:
+                value = frozen(key, MISSING)
+                if value is not MISSING:
+                    return value  # type: ignore[return-value]
+            value = recent.young.get(key, MISSING)
+            if value is MISSING:
+                return tree_get(key)  # type: ignore[no-any-return]
+            recent.hits += 1
+        return value  # type: ignore[return-value]
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
         """Values for ``keys`` in input order (``None`` where absent)."""

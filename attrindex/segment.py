@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from itertools import repeat
+from itertools import compress, repeat
+from operator import is_
 from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
@@ -572,16 +573,23 @@ class Segment(BackgroundMerge):
         return value  # type: ignore[return-value]
 
     def _current_values(self, keys: list[bytes]) -> list[int | None]:
-        """``_current_value`` for each canonical key, in order, from one read view (C-level dict
-        probes; the keys no overlay holds go to the tree as one ``get_many``)."""
+        """``_current_value`` for each canonical key, in order, from one read view; the keys no
+        overlay holds go to the tree as one ``get_many``. Every step is one C-level call (``map``,
+        ``compress``): no Python loop per key."""
         active, frozen, _recent, _tree_get, tree_get_many = self._view
         found = list(map(active, keys, repeat(MISSING, len(keys))))
-        if frozen is not None and MISSING in found:
-            found = [frozen(k, MISSING) if v is MISSING else v for k, v in zip(keys, found)]
-        if MISSING in found:
-            stored = iter(tree_get_many([k for k, v in zip(keys, found) if v is MISSING]))
-            found = [next(stored) if v is MISSING else v for v in found]
-        return found  # type: ignore[return-value]
+        missing = list(compress(keys, map(is_, found, repeat(MISSING))))
+        if not missing:
+            return found  # type: ignore[return-value]
+        if frozen is None:
+            fill = dict(zip(missing, tree_get_many(missing)))
+        else:
+            older = list(map(frozen, missing, repeat(MISSING, len(missing))))
+            still = list(compress(missing, map(is_, older, repeat(MISSING))))
+            stored = dict(zip(still, tree_get_many(still))) if still else {}
+            fill = dict(zip(missing, map(stored.get, missing, older)))
+        # A key is in ``fill`` exactly where the overlay had no entry: elsewhere the overlay's value.
+        return list(map(fill.get, keys, found))  # type: ignore[arg-type]
 
     def _closed_read(self, _keys: object) -> object:
         raise InvalidInputError(f"segment {self.name!r} handle is closed")

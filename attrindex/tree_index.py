@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from itertools import compress, repeat
+from operator import is_
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import uuid
@@ -268,7 +270,7 @@ class TreeIndex(IndexHandle):
         cached, from_old = self._values.peek_many(canonical)
         if from_old:
             self._cache_found(epoch, state, [canonical[i] for i in from_old], [cached[i] for i in from_old])
-        missing = [k for k, v in zip(canonical, cached) if v is MISSING]
+        missing = list(compress(canonical, map(is_, cached, repeat(MISSING))))
         if not missing:
             return cached  # type: ignore[return-value]
         found = dict(zip(missing, self._tree.get_many(missing)))
@@ -277,7 +279,7 @@ class TreeIndex(IndexHandle):
             # cached values are of the old one. Answer every key from one version.
             return self._tree.get_many(canonical)
         self._cache_found(epoch, state, found.keys(), found.values())
-        return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
+        return list(map(found.get, canonical, cached))  # (found holds exactly the keys not cached)
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order."""
