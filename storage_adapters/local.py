@@ -837,6 +837,12 @@ def _sidecar_committed(target: str) -> int:
         return 0  # created by a writer that died before its first commit
     try:
         if stat.S_ISDIR(os.fstat(fd).st_mode):
+            # A first commit may have landed since the caller read no record (readers hold no
+            # lock); its mark follows its record, so with the mark seen, the record is read again.
+            if os.path.exists(os.path.join(target + COMMIT_SUFFIX, COMMITTED_MARK)):
+                record = _get_record(target)
+                if record is not None:
+                    return _xattr_committed(record)[0]
             _refuse_lost_record(target)
             return 0  # the fence of a v2 chunk whose first writer died before committing
         return _last_commit(fd)[1]
