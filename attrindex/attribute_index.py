@@ -93,6 +93,7 @@ class AttributeIndex(IndexHandle):
         merge_bytes: int = DEFAULT_FLUSH_BYTES,
         merge_seconds: float = DEFAULT_FLUSH_SECONDS,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        merge_process: bool = True,
     ):
         validate_segment_name(name)
         for option, value in (("wal_rolling_size", wal_rolling_size), ("merge_keys", merge_keys),
@@ -101,11 +102,14 @@ class AttributeIndex(IndexHandle):
                 raise InvalidInputError(f"{option} must be an int >= 1, got {value!r:.60}")
         if isinstance(merge_seconds, bool) or not isinstance(merge_seconds, (int, float)) or not merge_seconds >= 0:
             raise InvalidInputError(f"merge_seconds must be a number >= 0, got {merge_seconds!r:.60}")
+        if type(merge_process) is not bool:
+            raise InvalidInputError(f"merge_process must be True or False, got {merge_process!r:.60}")
         self._storage = storage
         self._name = name
         self._options = SegmentOptions(
             log_rolling_size=wal_rolling_size, flush_keys=merge_keys, flush_bytes=merge_bytes,
             flush_seconds=float(merge_seconds), max_pending_bytes=max_pending_bytes, truncate_merged_log=True,
+            merge_process=merge_process,
             attribute_options=dict(page_size=page_size, rolling_size=rolling_size, cache_bytes=cache_bytes,
                                    value_cache_entries=value_cache_entries, compaction=compaction))
         self._closed = False
@@ -166,27 +170,24 @@ class AttributeIndex(IndexHandle):
         and when the WAL's pending updates are merged into the tree by the background merge:
         ``merge_keys`` (250,000 pending keys), ``merge_bytes`` (64 MiB of overlay),
         ``merge_seconds`` (30); ``max_pending_bytes`` (256 MiB) bounds the pending updates'
-        memory: beyond it ``update`` waits for the merge (back-pressure, bounded).
+        memory: beyond it ``update`` waits for the merge (back-pressure, bounded);
+        ``merge_process`` (True): on local disk the merge runs in a worker process, so its CPU
+        never delays ``update`` (False: in a thread of this process, as on other storage).
         """
         return cls._open_at(url, name, mode, storage_options, options)
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: object) -> int | None:
         """The value stored for ``key``, or ``None``."""
-        self._check_open()
-        k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
-        wal = self._wal
-        with wal._lock:  # the WAL's pending value, else the tree's (one key: no list on the hot path)
-            return wal._current_value(k)
+        # No lock and no closed check: the WAL's read view does both (a closed handle's raises).
+        return self._wal._current_value(key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key))
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
         """Values for ``keys`` in input order (``None`` where absent)."""
         self._check_open()
         keys = key_list(keys)
         canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
-        wal = self._wal
-        with wal._lock:
-            return wal._current_values(canonical)
+        return self._wal._current_values(canonical)  # lock-free, from one read view
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order: the WAL's

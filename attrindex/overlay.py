@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from itertools import islice, repeat
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .value_cache import MISSING
 
@@ -48,6 +48,14 @@ class AttributeOverlay:
     def get(self, key: bytes) -> object:
         """The overlay's value for ``key``: an int, ``None`` (removed), or ``MISSING`` (no entry)."""
         return self._values.get(key, MISSING)
+
+    @property
+    def lookup(self) -> Callable[[bytes, object], object]:
+        """The entries' ``dict.get`` (``lookup(key, MISSING)``), for lock-free readers (a
+        segment's read view): ``apply`` changes that dict in place, one C-level ``update`` that
+        a reader sees before or after, never half-way for a key; ``clear`` replaces it, so a
+        holder must take ``lookup`` again after a ``clear``."""
+        return self._values.get
 
     def get_many(self, keys: list[bytes]) -> list[object]:
         """``get`` for each key, in order (C-level dict probes)."""

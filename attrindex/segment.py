@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from itertools import repeat
 from typing import Any, Iterable, Iterator, Mapping
 
 import attrs
@@ -41,7 +42,7 @@ from .overlay import AttributeOverlay, merge_scan
 from .poller import SegmentPoller
 from .reader import SegmentReader
 from .segment_merge import BACKPRESSURE_WAIT_SECONDS, MERGE_RETRY_MIN_SECONDS, MERGE_RETRY_SECONDS, BackgroundMerge
-from .value_cache import MISSING
+from .value_cache import MISSING, ValueCache
 from .write_queue import WriteQueue, WriteRequest
 
 ATTRIBUTES_NAME = "_attributes"
@@ -58,6 +59,11 @@ MAX_GROUP_BYTES = 4 << 20  #: about this much of concurrent appends is written a
 MAX_GROUP_REQUESTS = 4096  #: appends in one group at most
 
 _log = logging.getLogger("attrindex.segment")
+
+# The parts of a read view that hold nothing (a closed handle's, or one whose attributes are not
+# loaded yet): every key falls through them to the view's tree lookups, which raise or load.
+_EMPTY_LOOKUP = {}.get
+_NO_VALUES = ValueCache(0)  # capacity 0: never holds a value
 
 
 @attrs.frozen
@@ -96,6 +102,11 @@ class SegmentOptions:
     truncate_merged_log: bool = False
     min_poll_interval: float = DEFAULT_MIN_POLL_INTERVAL
     max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL
+    #: Merge tier 1 into the B+tree in a worker process (local disk only; elsewhere in a thread):
+    #: the merge's CPU then never holds this process's GIL, so appends keep their latency. The
+    #: worker replays the log itself, which assumes no log compaction rewrites batches meanwhile
+    #: (so segments default to the thread; ``AttributeIndex`` turns it on).
+    merge_process: bool = False
 
     def poll_intervals(self) -> tuple[float, float]:
         """``(min, max)`` seconds between a waiting reader's polls for other handles' appends."""
@@ -165,13 +176,17 @@ class Segment(BackgroundMerge):
         self._stopping = False
         self._merges = 0
         self._merge_error: BaseException | None = None  #: the last failed merge (None after a success)
+        self._worker = None  #: the merge worker process host (``merge_process``), made by the first merge
+        self._worker_disabled = False  #: no worker process could be started: merges run in this process
         self._queue = WriteQueue(MAX_GROUP_BYTES, MAX_GROUP_REQUESTS)
         self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
         self._closed = False
         self._poller: SegmentPoller | None = None  #: made by the first reader that waits
+        self._view: tuple = ()  #: what lock-free reads look at: see ``_publish_view``
         with self._lock:
             if lazy_attributes:
                 self._open_tail()
+                self._publish_view()
                 return
             self._tree = TreeIndex(storage, self.tree_name, **options.attribute_options)
             for attempt in range(MAX_OPEN_ATTEMPTS):
@@ -184,6 +199,7 @@ class Segment(BackgroundMerge):
                                            f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
                     self._tree.refresh()  # retention merged first: replay from its newer checkpoint
             self._attributes_loaded = True
+            self._publish_view()
 
     # -- opening and catching up ---------------------------------------------------------------
     @property
@@ -270,6 +286,7 @@ class Segment(BackgroundMerge):
                 tree.close()
                 raise
             self._tree, self._attributes_loaded = tree, True
+            self._publish_view()
             _log.debug("segment %r: attributes loaded at log byte %d; replayed %d batches after the checkpoint %d",
                        self.name, self._log.position, replayed, tree.checkpoint or 0)
 
@@ -312,7 +329,7 @@ class Segment(BackgroundMerge):
         for at, header, buf, pos in log.batches(max(checkpoint, log.start_position), log.position):
             replay(at, header, buf, pos)
             replayed += 1
-        self._overlay, self._frozen = rebuilt, None
+        self._overlay, self._frozen = rebuilt, None  # published by the caller with the tree
         self._dirty_since = time.monotonic()
         return replayed
 
@@ -517,30 +534,68 @@ class Segment(BackgroundMerge):
             raise InvalidInputError(f"segment {self.name!r}: no attribute updates given")
         return self.append((), updates, expected_offset)
 
-    def _current_values(self, keys: list[bytes]) -> list[int | None]:
-        """True current values (under ``_lock``): the active overlay, the frozen one being merged,
-        then the B+tree. A merge landing meanwhile changes nothing: the tree then holds what the
-        frozen overlay held."""
-        self._ensure_attributes()
-        found = self._overlay.get_many(keys)
-        frozen = self._frozen
-        if frozen is not None and MISSING in found:
-            older = frozen.get_many([k for k, v in zip(keys, found) if v is MISSING])
-            it = iter(older)
-            found = [next(it) if v is MISSING else v for v in found]
-        missing = [k for k, v in zip(keys, found) if v is MISSING]
-        if missing:
-            stored = dict(zip(missing, self._tree.get_many(missing)))  # type: ignore[union-attr]  # loaded above
-            found = [stored[k] if v is MISSING else v for k, v in zip(keys, found)]
-        return found  # type: ignore[return-value]
+    # -- the read view: lock-free reads (docs/design.md, "Reads") --------------------------------
+    def _publish_view(self) -> None:
+        """Publish what reads look at, in ONE attribute assignment (under ``_lock``): the tuple
+        ``(active overlay's lookup, frozen overlay's lookup or None, the tree's recent values,
+        tree get, tree get_many)``. Readers take no lock: they read ``_view`` once and probe its
+        parts in that order, so they never see the active overlay of one state with the frozen
+        one of another. Called whenever a part is replaced: a freeze, the end of a merge (after
+        the tree and its recent values hold the frozen overlay's values, so a read never goes
+        back), a rebuild of tier 1, the attributes' lazy load, and close (a view whose lookups
+        raise). Appends change the active overlay's dict in place: they need no publish."""
+        if self._closed:
+            view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._closed_read, self._closed_read)
+        elif not self._attributes_loaded:
+            view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
+        else:
+            tree, frozen = self._tree, self._frozen
+            view = (self._overlay.lookup, None if frozen is None else frozen.lookup, tree._values,  # type: ignore[union-attr]
+                    tree._get_uncached, tree._get_many_canonical)  # type: ignore[union-attr]
+        self._view = view
 
     def _current_value(self, key: bytes) -> int | None:
-        """``_current_values`` for one canonical key (under ``_lock``; no lists on the hot path)."""
+        """The current value of one canonical key, without a lock: from one read view, the active
+        overlay, the frozen one being merged, the tree's recent values, then the tree (the hot
+        path: dict probes, no lists)."""
+        active, frozen, recent, tree_get, _tree_get_many = self._view
+        value = active(key, MISSING)
+        if value is MISSING:
+            if frozen is not None:
+                value = frozen(key, MISSING)
+                if value is not MISSING:
+                    return value  # type: ignore[return-value]
+            value = recent.young.get(key, MISSING)
+            if value is MISSING:
+                return tree_get(key)
+            recent.hits += 1
+        return value  # type: ignore[return-value]
+
+    def _current_values(self, keys: list[bytes]) -> list[int | None]:
+        """``_current_value`` for each canonical key, in order, from one read view (C-level dict
+        probes; the keys no overlay holds go to the tree as one ``get_many``)."""
+        active, frozen, _recent, _tree_get, tree_get_many = self._view
+        found = list(map(active, keys, repeat(MISSING, len(keys))))
+        if frozen is not None and MISSING in found:
+            found = [frozen(k, MISSING) if v is MISSING else v for k, v in zip(keys, found)]
+        if MISSING in found:
+            stored = iter(tree_get_many([k for k, v in zip(keys, found) if v is MISSING]))
+            found = [next(stored) if v is MISSING else v for v in found]
+        return found  # type: ignore[return-value]
+
+    def _closed_read(self, _keys: object) -> object:
+        raise InvalidInputError(f"segment {self.name!r} handle is closed")
+
+    def _load_and_get(self, key: bytes) -> int | None:
+        """A lazily opened handle's first read: load the attributes (which publishes their view)."""
         self._ensure_attributes()
-        value = self._overlay.get(key)
-        if value is MISSING and self._frozen is not None:
-            value = self._frozen.get(key)
-        return self._tree.get(key) if value is MISSING else value  # type: ignore[union-attr,return-value]  # loaded above
+        with self._lock:  # the new view is published under the lock: read it, not the old one
+            return self._current_value(key)
+
+    def _load_and_get_many(self, keys: list[bytes]) -> list[int | None]:
+        self._ensure_attributes()
+        with self._lock:
+            return self._current_values(keys)
 
     def _pending_items(self) -> tuple[list[bytes], list[int | None]]:
         """Tier 1 (under ``_lock``): every pending key ascending with its newest value (``None``
@@ -554,15 +609,14 @@ class Segment(BackgroundMerge):
 
     # -- attributes ----------------------------------------------------------------------------
     def get_attribute(self, key: object) -> int | None:
-        """The value of attribute ``key`` (``None`` if absent)."""
-        with self._lock:
-            return self._current_values([to_key(key)])[0]
+        """The value of attribute ``key`` (``None`` if absent). Takes no lock (see ``_publish_view``)."""
+        return self._current_value(to_key(key))
 
     def get_attributes(self, keys: Iterable[object]) -> list[int | None]:
-        """Values of ``keys`` in input order (``None`` where absent)."""
+        """Values of ``keys`` in input order (``None`` where absent). Takes no lock."""
         canonical = to_keys(keys)
-        with self._lock:
-            return self._current_values(canonical)
+        self._check_open()  # (no key: no lookup that would raise it)
+        return self._current_values(canonical)
 
     def attributes(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` with ``start <= key < stop`` ascending: tier 1 merged over the B+tree."""
@@ -930,9 +984,11 @@ class Segment(BackgroundMerge):
                     self._drain()
             finally:
                 self._closed = True
+                self._publish_view()  # reads from now on raise
                 self._appended.notify_all()
                 self._merged.notify_all()
                 self._log.close()
+                self._close_worker()
                 if self._tree is not None:  # (a lazy handle that never needed attributes has none)
                     self._tree.close()
 

@@ -23,12 +23,17 @@ import time
 import weakref
 from typing import Iterator
 
+from .merge_worker import MergeWorker, MergeWorkerError, WorkerStartError, worker_storage
 from .overlay import AttributeOverlay
 
 MERGE_RETRY_SECONDS = 5.0  #: the longest pause between retries of a failing background merge
 MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background merge (doubling up to the above)
 BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an append waits for a merge to make room in tier 1
+#: A background merge of fewer keys runs in this process even with ``merge_process`` (it is brief);
+#: ``flush``, ``close`` and retention always merge in the calling thread (their caller waits anyway).
+MIN_WORKER_KEYS = 10_000
 _IDLE_RECHECK_SECONDS = 1.0  #: an idle merge thread looks this often whether its handle still exists
+_MAX_TREE_REFRESHES = 10  #: tree refreshes before a rebuild of tier 1 when others keep truncating the log
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -59,6 +64,7 @@ class BackgroundMerge:
         this handle's position; a fresh overlay takes new appends."""
         self._frozen, self._frozen_at = self._overlay, self._log.position
         self._overlay = AttributeOverlay()
+        self._publish_view()  # before the lock is let go: no append lands in an unpublished overlay
         self._dirty_since = time.monotonic()
         self._wake.set()
 
@@ -66,21 +72,23 @@ class BackgroundMerge:
         frozen = self._frozen
         return self._overlay.nbytes + (0 if frozen is None else frozen.nbytes)
 
-    def _merge_once(self) -> None:
+    def _merge_once(self, background: bool = False) -> None:
         """Merge the frozen overlay into the B+tree with checkpoint = the log position at the
-        freeze (``_merge_mutex`` held). Raises the merge's error after recording it."""
+        freeze (``_merge_mutex`` held; ``background``: by the merge thread, which may hand it to
+        the worker process). Raises the merge's error after recording it."""
         with self._lock:
             frozen, at = self._frozen, self._frozen_at
             if frozen is None or self._closed:
                 return
         try:
-            keys, values = frozen.sorted_items()
-            merged = self._index.update_sorted(keys, values, checkpoint=at)
+            merged = self._merge_into_tree(frozen, at, background)
             with self._lock:
                 if not merged:  # another handle merged further: tier 1 restarts from its checkpoint
                     self._rebuild_overlay()
                 elif self._frozen is frozen:  # (a rebuild meanwhile replaced it: nothing to drop)
+                    # Dropped only now: the tree and its recent values hold its values already.
                     self._frozen = None
+                    self._publish_view()
                 self._merges += 1
                 if self._merge_error is not None:
                     _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
@@ -92,12 +100,77 @@ class BackgroundMerge:
                 self._merged.notify_all()
             raise
         _log.debug("segment %r: merged %d attribute updates into the B+tree up to log byte %d", self.name,
-                   len(keys), at)
+                   len(frozen), at)
         self._truncate_merged()
+
+    def _merge_into_tree(self, frozen: AttributeOverlay, at: int, background: bool) -> bool:
+        """Merge ``frozen`` (the log up to byte ``at``) into the tree: a large background merge in
+        the worker process if this handle has one (``merge_process``), else in this thread; return
+        False if the tree covered more already (another handle merged further). Raises the
+        merge's error."""
+        worker = self._merge_worker() if background and len(frozen) >= MIN_WORKER_KEYS else None
+        if worker is not None:
+            try:
+                return self._merge_in_worker(worker, frozen, at)
+            except WorkerStartError as exc:  # no process can be started here: merge in this thread for good
+                _log.warning("segment %r: the merge worker process could not be started (merging in the writer's "
+                             "process from now on): %s", self.name, exc)
+                self._worker_disabled = True
+        return merge_overlay(self._index, frozen, at)
+
+    def _merge_worker(self) -> MergeWorker | None:
+        """The worker process host of this handle's merges (``merge_process`` on local disk), or None."""
+        if self._worker is None and self.options.merge_process and not self._worker_disabled:
+            storage = worker_storage(self._log.storage)
+            if storage is not None:
+                try:
+                    self._worker = MergeWorker(storage, self.name, self.tree_name, self.options)
+                except WorkerStartError as exc:
+                    _log.warning("segment %r: merging in the writer's process: %s", self.name, exc)
+                    self._worker_disabled = True
+        return None if self._worker_disabled else self._worker
+
+    def _merge_in_worker(self, worker: MergeWorker, frozen: AttributeOverlay, at: int) -> bool:
+        """The worker merges the log up to ``at``; then this handle adopts the tree it wrote (a
+        new footer: the page cache stays valid) and checks that it covers ``at``. The value cache
+        stays warm (refreshed with ``frozen``) if the worker merged straight into the version this
+        handle held; otherwise it is dropped. A worker that died after committing (its answer
+        lost) is no failure."""
+        tree = self._index
+        held = tree._tree.state.length
+        try:
+            answer = worker.merge(at)
+        except WorkerStartError:
+            raise
+        except MergeWorkerError as exc:
+            tree.refresh()
+            if (tree.checkpoint or 0) < at:
+                raise
+            _log.info("segment %r: the merge worker's answer was lost, but the tree covers log byte %d: merged (%s)",
+                      self.name, at, exc)
+        else:
+            if answer.base_length == held and answer.length >= 0:
+                # (frozen's dict, read in steps: a frozen overlay never changes)
+                tree.adopt_merged(frozen._values, answer.length)  # noqa: SLF001
+            else:
+                tree.refresh()
+        covered = tree.checkpoint or 0
+        if covered < at:
+            raise MergeWorkerError(f"segment {self.name!r}: the merge worker reported the merge up to log byte {at}, "
+                                   f"but the tree covers only {covered}")
+        return covered == at
+
+    def _close_worker(self) -> None:
+        """Stop the merge worker process, if one runs (at close, after the last merge)."""
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
 
     def _truncate_merged(self) -> None:
         """With ``truncate_merged_log``: delete the log below the chunk holding the tree's
-        checkpoint (never above it). Best effort: a failure leaves more log, which is harmless."""
+        checkpoint (never above it). Best effort: a failure leaves more log, which is harmless.
+        ``_lock`` is held only to plan and to update the view: the durable marker and the
+        deletions run beside appends (they write at the end, far above the cut)."""
         if not self.options.truncate_merged_log:
             return
         with self._lock:
@@ -107,13 +180,18 @@ class BackgroundMerge:
             cut = max((c.start for c in self._log.bytes.chunks() if c.start <= covered), default=0)
             if cut <= self._log.start_position or cut > self._log.position:
                 return
-            try:
-                self._log.truncate_at(cut)
-            except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
-                _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
-                             "next merge): %s", self.name, cut, exc)
-                return
-            _log.debug("segment %r: truncated the merged log below byte %d", self.name, cut)
+            derived = self._log.derived_below(cut)
+        try:
+            self._log.bytes.truncate(cut)
+        except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
+            _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
+                         "next merge): %s", self.name, cut, exc)
+            return
+        with self._lock:
+            if not self._closed:
+                self._log.forget_below(cut)
+        self._log.delete_derived(derived)
+        _log.debug("segment %r: truncated the merged log below byte %d", self.name, cut)
 
     def _drain(self, *, force: bool = False) -> None:
         """Merge everything this handle has seen, in the calling thread (``_merge_mutex`` held):
@@ -182,7 +260,7 @@ class BackgroundMerge:
                 return pause, None
         try:
             with self._merging():
-                self._merge_once()
+                self._merge_once(background=True)
             return 0.0, 0.0
         except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
             pause = min(max(2 * pause, MERGE_RETRY_MIN_SECONDS), MERGE_RETRY_SECONDS)
@@ -233,7 +311,18 @@ class BackgroundMerge:
         self._replay_from_tree()
 
     def _replay_from_tree(self) -> None:
-        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position."""
+        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position.
+
+        If another handle truncated the log past the checkpoint (it merged further, then cut),
+        what it cut is in a newer version of the tree: adopt that first. Replaying from the log's
+        start over the older version would lose the updates in between (reads went back)."""
+        for _attempt in range(_MAX_TREE_REFRESHES):
+            checkpoint = self._index.checkpoint or 0
+            if checkpoint >= self._log.start_position:
+                break
+            self._index.refresh()
+            if (self._index.checkpoint or 0) == checkpoint:
+                break  # no newer version: the log cut held no updates (retention's empty batch)
         checkpoint = self._index.checkpoint or 0
         # Built aside and swapped in whole: a read that fails half-way (in the background merge,
         # which retries) must not leave tier 1 missing updates, which would let conditional
@@ -243,7 +332,16 @@ class BackgroundMerge:
         for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
         self._overlay, self._frozen = rebuilt, None
+        self._publish_view()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
         self._dirty_since = time.monotonic()
+
+
+def merge_overlay(tree, overlay: AttributeOverlay, at: int) -> bool:
+    """THE merge of tier 1 into the B+tree, whichever process hosts it: ``overlay`` (the log's
+    updates up to byte ``at``) as one sorted batch with checkpoint ``at``. False if the tree covers
+    more than ``at`` already (checkpoints only move forward)."""
+    keys, values = overlay.sorted_items()
+    return tree.update_sorted(keys, values, checkpoint=at)
 
 
 def _merge_loop(ref: "weakref.ref[BackgroundMerge]", wake: threading.Event) -> None:
@@ -265,4 +363,4 @@ def _merge_loop(ref: "weakref.ref[BackgroundMerge]", wake: threading.Event) -> N
             wake.wait(_IDLE_RECHECK_SECONDS if sleep is None else min(sleep, _IDLE_RECHECK_SECONDS))
 
 
-__all__ = ["BACKPRESSURE_WAIT_SECONDS", "BackgroundMerge", "MERGE_RETRY_MIN_SECONDS", "MERGE_RETRY_SECONDS"]
+__all__ = ["BACKPRESSURE_WAIT_SECONDS", "BackgroundMerge", "MergeWorkerError", "merge_overlay", "MERGE_RETRY_MIN_SECONDS", "MERGE_RETRY_SECONDS"]

@@ -229,6 +229,7 @@ class SegmentStore:
             segment = self._segments.pop(name, None)
         if segment is not None and not segment.closed:
             segment._closed = True
+            segment._publish_view()  # its reads raise from now on
         for part in ("_log.seg", "_index", "_gaps", "_attributes.seg"):
             self.storage.remove_directory(f"{name}/{part}")
         self.storage.delete([f"{name}/{SEGMENT_MARKER}"])

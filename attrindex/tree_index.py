@@ -8,6 +8,7 @@ helpers (``_canonical_batch``, ``key_list``) and ``IndexStats`` live here too.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -169,6 +170,7 @@ class TreeIndex(IndexHandle):
         # a value read from the old tree is cached only if no update landed meanwhile.
         self._cache_lock = threading.Lock()
         self._cache_epoch = 0  #: updates and adopted versions so far
+        self._adopting: tuple[ValueCache, int] | None = None  #: (kept cache, expected length) in adopt_merged
         self._versions_adopted = 0  # versions written by others that the tree adopted
         self._closed = False
         self._read_only = False  # set by open(mode="r")
@@ -181,11 +183,18 @@ class TreeIndex(IndexHandle):
             self._cache_epoch += 1
             self._versions_adopted += 1
             self._values.clear()
+            adopting = self._adopting
+            if adopting is not None and self._tree.state.length != adopting[1]:
+                adopting[0].clear()  # (adopt_merged's kept cache: a version other than the merged one)
 
-    def _cache_found(self, epoch: int, keys, values) -> None:
-        """Cache values read from the tree, unless an update landed since ``epoch`` (they may be older)."""
+    def _cache_found(self, epoch: int, state: object, keys, values) -> None:
+        """Cache values read from the tree (or promote ones found in the old generation), unless
+        an update landed or the tree's version changed since ``epoch`` and ``state`` were read
+        (before the values were): they may be older than the tree then. Checking the version as
+        well as the epoch closes the window between another writer's version being adopted and
+        ``_external_change`` running: a fill read from the old version in it is refused."""
         with self._cache_lock:
-            if self._cache_epoch == epoch:
+            if self._cache_epoch == epoch and self._tree.state is state:
                 self._values.put_many(keys, values)
 
     @classmethod
@@ -215,25 +224,50 @@ class TreeIndex(IndexHandle):
     def get(self, key: object) -> int | None:
         """The value stored for ``key``, or ``None``."""
         self._check_open()
-        k = key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key)
-        if not self._values.capacity:
-            return self._tree.get(k)
-        epoch = self._cache_epoch
-        value = self._values.get(k)
-        if value is MISSING:
-            value = self._tree.get(k)
-            self._cache_found(epoch, (k,), (value,))
-        return value  # type: ignore[return-value]
+        return self._cached_get(key if type(key) is bytes and len(key) == KEY_SIZE else to_key(key))
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:
         """Values for ``keys`` in input order (``None`` where absent)."""
         self._check_open()
         keys = key_list(keys)
-        canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
+        return self._get_many_canonical(keys if _all_canonical_keys(keys) else [to_key(k) for k in keys])
+
+    # Lock-free: a segment's read view calls these for keys its overlays do not hold, beside the
+    # background merge's updates. Only ``_cache_found`` writes the cache (under its lock).
+    def _cached_get(self, key: bytes) -> int | None:
+        """``get`` for a canonical key: the young generation of the recent values, else the tree."""
+        values = self._values
+        value = values.young.get(key, MISSING)
+        if value is MISSING:
+            return self._get_uncached(key)
+        values.hits += 1
+        return value  # type: ignore[return-value]
+
+    def _get_uncached(self, key: bytes) -> int | None:
+        """``get`` for a canonical key the young generation did not hold a moment ago: the old
+        generation (promoted) or the tree (cached), each only if the tree did not change meanwhile."""
+        self._check_open()
+        values = self._values
+        if not values.capacity:
+            return self._tree.get(key)
+        epoch, state = self._cache_epoch, self._tree.state  # read before the value: see _cache_found
+        value, from_old = values.peek(key)
+        if value is MISSING:
+            value = self._tree.get(key)
+        elif not from_old:
+            return value  # type: ignore[return-value]  # (put into the young generation meanwhile)
+        self._cache_found(epoch, state, (key,), (value,))
+        return value  # type: ignore[return-value]
+
+    def _get_many_canonical(self, canonical: list[bytes]) -> list[int | None]:
+        """``get_many`` for canonical keys (lock-free, as ``_get_uncached``)."""
+        self._check_open()
         if not self._values.capacity:
             return self._tree.get_many(canonical)
-        adopted, epoch = self._versions_adopted, self._cache_epoch
-        cached = self._values.get_many(canonical)
+        adopted, epoch, state = self._versions_adopted, self._cache_epoch, self._tree.state
+        cached, from_old = self._values.peek_many(canonical)
+        if from_old:
+            self._cache_found(epoch, state, [canonical[i] for i in from_old], [cached[i] for i in from_old])
         missing = [k for k, v in zip(canonical, cached) if v is MISSING]
         if not missing:
             return cached  # type: ignore[return-value]
@@ -242,7 +276,7 @@ class TreeIndex(IndexHandle):
             # The lookup moved to a newer version (compaction freed pages of the old one): the
             # cached values are of the old one. Answer every key from one version.
             return self._tree.get_many(canonical)
-        self._cache_found(epoch, found.keys(), found.values())
+        self._cache_found(epoch, state, found.keys(), found.values())
         return [found[k] if v is MISSING else v for k, v in zip(canonical, cached)]  # type: ignore[misc]
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
@@ -291,13 +325,17 @@ class TreeIndex(IndexHandle):
         """``update`` for input already canonical: ``keys`` 16-byte ``bytes``, sorted and unique,
         ``values`` int64 or ``None``. Not checked (segments merge their checked tier 1 this way)."""
         self._check_writable()
-        if checkpoint is not None and self._tree.update(keys, values, checkpoint).footer.checkpoint != checkpoint:
+        written = self._tree.update(keys, values, checkpoint)
+        if checkpoint is not None and written.footer.checkpoint != checkpoint:
             return False
-        if checkpoint is None:
-            self._tree.update(keys, values)
         with self._cache_lock:
             self._cache_epoch += 1
-            if len(keys) <= _CACHE_UPDATES_UP_TO:
+            if self._tree.state.footer_offset != written.footer_offset:
+                # Another thread adopted a newer version meanwhile (a segment catching up beside
+                # its merge): it may hold newer values of these keys than the batch, so caching the
+                # batch would answer older values than the tree. Its adoption clears the cache too.
+                self._values.clear()
+            elif len(keys) <= _CACHE_UPDATES_UP_TO:
                 self._values.put_many(keys, values)
             else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
                 # In steps: one dict of a 250k-key merge is a C call holding the GIL for 0.1-0.5 s
@@ -331,6 +369,34 @@ class TreeIndex(IndexHandle):
             # acknowledgement may have loaded them): drop it, as when another writer's version
             # is adopted.
             self._external_change()
+
+    def adopt_merged(self, updates: Mapping[bytes, int | None], length: int) -> None:
+        """Adopt the newest version after another process merged ``updates`` straight into the
+        version this handle holds, making the version that ends at byte ``length`` (a merge
+        worker). If that is the version adopted, the recent-values cache is kept, refreshed with
+        ``updates`` in steps, so lookups stay warm; any other version (another writer as well)
+        drops it, as ``refresh`` does. Meanwhile lookups bypass the cache: the tree's versions
+        differ only in ``updates`` until it is refreshed."""
+        self._check_open()
+        with self._cache_lock:
+            kept, self._values = self._values, ValueCache(0)
+            self._adopting = (kept, length)  # any other version adopted meanwhile clears it
+            self._cache_epoch += 1
+        try:
+            state = self._tree.reload()
+            if state.length == length and (kept.young or kept.old):  # the worker's, straight after ours
+                items = iter(updates.items())
+                while step := dict(itertools.islice(items, _CACHE_UPDATES_UP_TO)):
+                    kept.refresh_many(step)
+            else:
+                kept.clear()
+        except BaseException:
+            kept.clear()
+            raise
+        finally:
+            with self._cache_lock:
+                self._values, self._adopting = kept, None
+                self._cache_epoch += 1
 
     @property
     def checkpoint(self) -> int | None:

@@ -4,6 +4,11 @@ A lookup is one or two dict probes; there is no per-hit bookkeeping. New entries
 generation; when it fills, it becomes the old one and the previous old one is dropped. A hit in the
 old generation is promoted. So the cache holds between ``capacity`` and ``2 * capacity`` entries,
 and what survives a turnover is whatever was used since the last one (a clock-like policy).
+
+Lock-free readers (``TreeIndex``, a segment's read view) probe ``young`` directly, then ``peek``,
+which never writes: the owner promotes and fills under its own lock, and only if the tree did not
+change meanwhile (a value read before a change must not be cached after it). ``get`` promotes
+itself, for owners that call it under their lock.
 """
 
 from __future__ import annotations
@@ -40,19 +45,41 @@ class ValueCache:
         self.hits += 1
         return value
 
-    def get_many(self, keys: list[bytes]) -> list[object]:
-        """``get`` for each key (C-level probes of the young generation; the rest one by one)."""
+    def peek(self, key: bytes) -> tuple[object, bool]:
+        """``(value, from_old)``: as ``get`` (hits and misses counted) but never promoting, so it
+        is safe beside writers; ``from_old`` says the value came from the old generation (the
+        caller may ``put`` it back under its lock to promote it)."""
+        value = self.young.get(key, MISSING)
+        if value is not MISSING:
+            self.hits += 1
+            return value, False
+        value = self.old.get(key, MISSING)
+        if value is MISSING:
+            self.misses += 1
+            return MISSING, False
+        self.hits += 1
+        return value, True
+
+    def peek_many(self, keys: list[bytes]) -> tuple[list[object], list[int]]:
+        """``peek`` for each key: ``(values, indexes of keys found in the old generation)``
+        (C-level probes of the young generation; the rest one by one). Never writes."""
         found = list(map(self.young.get, keys, repeat(MISSING, len(keys))))
         misses = found.count(MISSING)
+        from_old: list[int] = []
         if misses:
-            get = self.get
+            get_old = self.old.get
             for i, value in enumerate(found):
                 if value is MISSING:
-                    found[i] = get(keys[i])
+                    value = found[i] = get_old(keys[i], MISSING)
+                    if value is MISSING:
+                        self.misses += 1
+                    else:
+                        from_old.append(i)
+                        self.hits += 1
             self.hits += len(keys) - misses
         else:
             self.hits += len(keys)
-        return found
+        return found, from_old
 
     def put(self, key: bytes, value: int | None) -> None:
         if not self.capacity:

@@ -10,7 +10,8 @@ For tests and soaks. It wraps any backend (memory, local disk, S3) and keeps its
 ``torn``
     write a prefix of the data, then raise ``StorageError`` (what a killed writer or a dropped
     connection leaves). On local disk a torn ``append`` leaves uncommitted bytes past the committed
-    size and a torn ``create`` a partial file. Objects are whole or nothing, and memory has no
+    size and a torn ``create`` a partial temporary file beside the name, nothing under it (local
+    creates link a whole temporary file to the name). Objects are whole or nothing, and memory has no
     partial state, so there a torn write is ``fail_before``.
 ``enospc``
     raise ``StorageFullError``; nothing was written.
@@ -239,13 +240,18 @@ class FaultyStorage(ChunkStorage):
 
     def _torn_create(self, path: str, data: bytes) -> None:
         target = self._local_path(path)
-        if target is not None:  # a partial file; an object store creates whole objects or none
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            try:
-                with open(target, "xb") as partial:
-                    partial.write(self._prefix(data))
-            except FileExistsError:
-                raise ChunkExistsError(path) from None
+        if target is not None:
+            # What a create killed mid-way leaves on local disk: its temporary, partly written,
+            # and nothing under the name (the name appears only by linking the whole file). An
+            # object store creates whole objects or none.
+            from .local import _TEMP_PREFIX
+
+            if os.path.lexists(target):
+                raise ChunkExistsError(path)
+            directory, base = os.path.split(target)
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, f"{_TEMP_PREFIX}{base}.torn{random.randrange(1 << 24):06x}"), "xb") as f:
+                f.write(self._prefix(data))
         raise StorageError(f"injected fault: create of {path!r} was torn")
 
     def _torn_append(self, path: str, position: int, data: bytes) -> None:

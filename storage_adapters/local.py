@@ -403,19 +403,15 @@ class LocalChunkStorage(ChunkStorage):
             if seen is not None:
                 return seen.sizes[0]
         target = self._abs(path)
-        try:  # on every append's path: the common case without a context manager
-            record = os.getxattr(target, COMMIT_XATTR) if _HAS_XATTR else None  # a missing chunk: FileNotFoundError
-        except FileNotFoundError:
-            raise
-        except OSError:
-            record = None  # no record (v1), or an error the slow path below reports
-        if record is not None:
-            return _xattr_committed(record)[0]
-        with os_errors("committed size", path, missing=True):  # read again: errors are reported here
-            record = _get_record(target)
+        try:  # (no context manager: on every append's path)
+            record = _get_record(target)  # a missing chunk raises FileNotFoundError here
             if record is not None:
                 return _xattr_committed(record)[0]
             return _sidecar_committed(target)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise _storage_error(exc, "committed size", path) from exc
 
     # -- writing -------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:
@@ -745,9 +741,9 @@ class LocalChunkStorage(ChunkStorage):
         except FileNotFoundError:
             mode = None
         if mode is not None:
-            if stat.S_ISDIR(mode):
-                _refuse_lost_record(target)  # never overwrite a committed chunk that lost its record
-            return None, stat.S_ISDIR(mode)  # a v1 sidecar file, or the fence of a v2 chunk
+            if stat.S_ISDIR(mode):  # never overwrite a committed chunk that lost its record
+                return _refuse_lost_record(target), True
+            return None, False  # a v1 sidecar file
         if self.commit_format != "xattr" or not supported or not self.sync:
             # Without syncs v2 saves nothing, and its record (metadata, committed by the journal
             # every few seconds) would run ahead of data that the page cache writes back later.
@@ -808,9 +804,14 @@ def _check_committed(path: str, committed: int, expected: int) -> None:
         )
 
 
-def _refuse_lost_record(target: str) -> None:
-    """Raise if the v2 chunk ``target`` (no record) was committed once: its record was lost."""
+def _refuse_lost_record(target: str) -> bytes | None:
+    """For the v2 chunk ``target`` found without a record: raise if it was committed once (its
+    record was lost); return the record if one appeared meanwhile (a first commit racing this
+    look: the mark is made after the record, so a marked chunk shows its record if it has one)."""
     if os.path.exists(os.path.join(target + COMMIT_SUFFIX, COMMITTED_MARK)):
+        record = _get_record(target)
+        if record is not None:
+            return record
         raise CorruptDataError(
             f"chunk {target!r} was committed but has no commit record (extended attribute {COMMIT_XATTR}): "
             f"it was copied or restored without extended attributes (cp -r, tar without --xattrs). Its "
@@ -818,6 +819,7 @@ def _refuse_lost_record(target: str) -> None:
             f"from the original with xattrs (cp -a, rsync -aX, tar --xattrs), or, with no original left, "
             f"run storage_adapters.local.restore_commit_records on the copy, then verify and repair "
             f"(docs/storage.md, 'Copying a store')")
+    return None
 
 
 def _mark_committed(target: str) -> None:
@@ -837,14 +839,10 @@ def _sidecar_committed(target: str) -> int:
         return 0  # created by a writer that died before its first commit
     try:
         if stat.S_ISDIR(os.fstat(fd).st_mode):
-            # A first commit may have landed since the caller read no record (readers hold no
-            # lock); its mark follows its record, so with the mark seen, the record is read again.
-            if os.path.exists(os.path.join(target + COMMIT_SUFFIX, COMMITTED_MARK)):
-                record = _get_record(target)
-                if record is not None:
-                    return _xattr_committed(record)[0]
-            _refuse_lost_record(target)
-            return 0  # the fence of a v2 chunk whose first writer died before committing
+            record = _refuse_lost_record(target)
+            if record is not None:
+                return _xattr_committed(record)[0]
+            return 0  # the fence of a v2 chunk whose first writer died (or is still writing) before committing
         return _last_commit(fd)[1]
     finally:
         os.close(fd)

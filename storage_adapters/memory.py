@@ -51,11 +51,13 @@ class MemoryChunkStorage(ChunkStorage):
     # backing dict, so direct look-ups keep per-append costs constant.
     def list_files(self, directory: str) -> dict[str, int]:
         base = self._abs(directory)
-        # Names and file objects taken in one step (``list`` of the items is one C call): the
-        # listing is the store at one moment, as an object store's is. Looking each size up by
-        # name afterwards met files that a truncation beside it had deleted (``KeyError``), and
-        # skipping those could list neither the old chunks nor the new ones.
-        files = [(path, f) for path, f in list(self.fs.store.items()) if path.startswith(base + "/")]
+        # Names and file objects taken in one step: the listing is the store at one moment, as an
+        # object store's is. Looking each size up by name afterwards met files that a truncation
+        # beside it had deleted (``KeyError``), and skipping those could list neither the old
+        # chunks nor the new ones. ``dict.copy`` makes no new tracked objects, so no garbage
+        # collection (and no other thread) can run inside it; ``list(items())`` makes a tuple per
+        # item and raised "dictionary changed size during iteration" when a collection ran there.
+        files = [(path, f) for path, f in self.fs.store.copy().items() if path.startswith(base + "/")]
         return relative_paths(base, ((path, _size(f)) for path, f in files))
 
     def read(self, path: str, start: int, end: int) -> bytes:

@@ -141,6 +141,7 @@ class RollingSegment:
         self.rolling_size = rolling_size
         self._dir = name + SEGMENT_SUFFIX
         self._mutex = threading.RLock()
+        self._truncating = threading.Lock()  #: one truncation of this handle at a time (its I/O runs without _mutex)
         self._chunks: list[ChunkInfo] = []
         self._start_offset = 0
         self._markers: list[int] = []
@@ -397,15 +398,23 @@ class RollingSegment:
     def _append_in_place(self, data: bytes, expected_offset: int | None) -> int:
         with self.storage.lock(self._dir):
             self._catch_up()
+            stored_start = self._stored_start_offset() if self._rolls() else None
+            if stored_start is not None and stored_start > self.length:
+                # Another handle truncated past the end of this view: the chunk this view would
+                # roll into lay below its truncation and was deleted (the walk from the view's last
+                # chunk found no successor, as it raced the deletions or met a leftover chunk).
+                # Creating it would fork the log at a reused offset; the true tail is elsewhere.
+                self.refresh()
+                stored_start = self._start_offset
             offset = self.length
             if expected_offset is not None and expected_offset != offset:
                 raise BadOffsetError(self.name, expected_offset, offset)
             last = self._chunks[-1] if self._chunks else None
-            if last is None or last.length >= self.rolling_size:
+            if self._rolls():
                 last = ChunkInfo(offset, 0, chunk_name(offset))
                 self._chunks.append(last)
                 # Rolling is rare: learn of truncations elsewhere so the old chunk can go if dead.
-                self._start_offset = max(self._start_offset, self._stored_start_offset())
+                self._start_offset = max(self._start_offset, stored_start or 0)
             path = f"{self._dir}/{last.name}"
             try:
                 self.storage.append(path, last.length, data)
@@ -414,6 +423,10 @@ class RollingSegment:
             self._chunks[-1] = ChunkInfo(last.start, last.length + len(data), last.name)
         self._after_durable_append()
         return offset
+
+    def _rolls(self) -> bool:
+        """Whether the next in-place append starts a new chunk (none yet, or the last is full)."""
+        return not self._chunks or self._chunks[-1].length >= self.rolling_size
 
     def _settle_in_place(self, path: str, position: int, data: bytes, error: StorageError) -> None:
         """Under the writers' lock, after ``append`` raised: decide by reading whether it happened.
@@ -744,17 +757,50 @@ class RollingSegment:
         self._check_open()
         if not isinstance(offset, int) or offset < 0:
             raise InvalidInputError(f"truncation offset must be a non-negative int, got {offset!r}")
-        with self._mutex:
-            self.refresh()  # rare, and only the true chunk list tells which chunk is the last
-            if offset > self.length:
-                raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
-            if offset <= self._start_offset:
-                return
+        with self._truncating:
+            with self._mutex:
+                self.refresh()  # rare, and only the true chunk list tells which chunk is the last
+                if offset > self.length:
+                    raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
+                if offset <= self._start_offset:
+                    return
             # The marker goes first: a crash before the deletions leaves only unreachable chunks.
+            # It is written without the mutex, so appends through this handle go on meanwhile
+            # (they land at the end, past ``offset``; only a truncation takes the start forward).
             self._put_marker(f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(offset)}")
-            self._start_offset, self._markers = offset, [*self._markers, offset]
-            self._delete_dead()
-            self._sweep_layout()
+            with self._mutex:
+                self._start_offset = max(self._start_offset, offset)
+                self._markers = sorted({*self._markers, offset})
+                if self._defers_deletion() or not self.storage.appendable:
+                    self._delete_dead()
+                    self._sweep_layout()
+                    return
+                chunks, markers = self._dead_below_start()
+                self._sweep_layout()
+            self._delete_dead_unlocked(chunks, markers)
+
+    def _dead_below_start(self) -> tuple[list[ChunkInfo], list[int]]:
+        """Under the mutex: the chunks before the last lying wholly below the start, and the
+        markers older than it (storage that deletes at once)."""
+        return ([c for c in self._chunks[:-1] if c.end <= self._start_offset],
+                [m for m in self._markers if m < self._start_offset])
+
+    def _delete_dead_unlocked(self, chunks: list[ChunkInfo], markers: list[int]) -> None:
+        """Delete what a truncation made dead without the mutex (appends go on), then drop it from
+        the view. A failure is logged, not raised (the truncation holds), and the view keeps the
+        chunks: later appends and truncations retry (``_drop_truncated_predecessor``)."""
+        if not chunks and not markers:
+            return
+        try:
+            self.storage.delete([f"{self._dir}/{c.name}" for c in chunks]
+                                + [f"{self._dir}/{TRUNCATION_DIR}/{chunk_name(m)}" for m in markers])
+        except StorageError as exc:
+            _log.warning("segment %r: could not delete truncated chunks or markers (retried later): %s", self.name, exc)
+            return
+        gone, dropped = {c.name for c in chunks}, set(markers)
+        with self._mutex:
+            self._chunks = [c for c in self._chunks if c.name not in gone or c is self._chunks[-1]]
+            self._markers = [m for m in self._markers if m not in dropped]
 
     def _put_marker(self, path: str) -> None:
         """Write a truncation marker; after an error, whether it exists decides the outcome."""

@@ -104,3 +104,21 @@ def test_truncation_deletes_a_marked_fence(tmp_path):
     seg.close()
     names = sorted(os.listdir(tmp_path / "s.seg"))
     assert CHUNK not in names and CHUNK + COMMIT_SUFFIX not in names
+
+
+def test_a_reader_racing_a_first_commit_is_not_taken_for_a_lost_record(tmp_path, monkeypatch):
+    """The reader finds no record (read just before the first commit), then the mark (made just
+    after it): that is the commit landing, not a copy; it gets the new record's size."""
+    from storage_adapters import local
+
+    storage = open_storage(str(tmp_path))
+    RollingSegment(storage, "s").append(b"first")
+    real, calls = local._get_record, []
+
+    def before_the_commit_once(target):
+        calls.append(target)
+        return None if len(calls) == 1 else real(target)
+
+    monkeypatch.setattr(local, "_get_record", before_the_commit_once)
+    assert storage.committed_size(f"s.seg/{CHUNK}") == 5
+    assert len(calls) == 2

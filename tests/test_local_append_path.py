@@ -10,7 +10,6 @@ chunk and of the lock file.
 
 from __future__ import annotations
 
-import errno
 import multiprocessing
 import os
 import shutil
@@ -216,40 +215,3 @@ def test_a_full_disk_through_the_kept_descriptor_commits_nothing_and_the_next_ap
     fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
     assert fresh.read(0, fresh.length) == b"one;two;three;"
 
-
-def test_a_reader_racing_a_chunks_first_commit_reads_it_not_a_lost_record(tmp_path, monkeypatch):
-    """A reader (no lock) reads no record of a new chunk, then the writer commits it (record, then
-    the fence's mark), then the reader looks at the fence: that is a first commit it just missed,
-    not a record lost by a copy (seen beside consolidation in other processes)."""
-    from storage_adapters import local
-
-    writer, reader = LocalChunkStorage(str(tmp_path)), LocalChunkStorage(str(tmp_path))
-    with writer.lock("d"):
-        writer.append(f"d/{CHUNK}", 0, b"first;")  # a committed chunk with its record and mark
-    target = str(tmp_path / "d" / CHUNK)
-    record = read_commit_record(target)
-    os.removexattr(target, local.COMMIT_XATTR)  # as it was before that commit landed
-    real, calls = local._get_record, []
-
-    def racing(fd_or_path):
-        found = real(fd_or_path)
-        if not calls:  # the reader has just read no record: now the writer's commit lands
-            os.setxattr(target, local.COMMIT_XATTR, record)
-        calls.append(found)
-        return found
-
-    real_getxattr, looks = os.getxattr, []
-
-    def first_look_finds_none(*args):  # the reader's first look, before the commit: no record
-        looks.append(1)
-        if len(looks) == 1:
-            raise OSError(errno.ENODATA, "no record yet")
-        return real_getxattr(*args)
-
-    monkeypatch.setattr(local, "_get_record", racing)
-    monkeypatch.setattr(os, "getxattr", first_look_finds_none)
-    try:
-        size = reader.committed_size(f"d/{CHUNK}")
-    finally:
-        monkeypatch.undo()
-    assert size == 6 and calls[0] is None

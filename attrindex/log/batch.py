@@ -53,6 +53,8 @@ __all__ = [
     "Codec",
     "Record",
     "available_codecs",
+    "BatchColumns",
+    "batch_columns",
     "check_batch",
     "codec_for",
     "decode_attribute_updates",
@@ -64,6 +66,7 @@ __all__ = [
     "new_batch_id",
     "read_header",
     "rebase_batch",
+    "uniform_keys",
 ]
 
 BATCH_MAGIC = b"AIXB"
@@ -928,6 +931,143 @@ def decode_keys(
     if 0 in layout.key_codes:
         pieces = [k if c else None for k, c in zip(pieces, layout.key_codes)]
     return pieces, layout.tombstones
+
+
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+
+
+def uniform_keys(
+    buf, pos: int, header: BatchHeader, *, position: int = 0, segment: str | None = None, verify: bool = True
+) -> tuple[list[bytes], bytes | None] | None:
+    """``decode_keys`` for the common shape, in a few C-level calls: every record has a key and
+    every key has the same length (the key-lengths column is one repeated byte), and there is no
+    headers column. Returns what ``decode_keys`` would, or ``None`` for any other shape (mixed key
+    widths, keyless records, headers, or bytes the strict decoder must judge): the caller then
+    uses ``decode_keys``, which decodes every column and names any inconsistency.
+
+    Checked here, in bulk: the value-lengths column (one repeated byte: its total is ``n * len``;
+    else decoded and summed), the key-lengths column, the timestamp column's varints, the
+    tombstone column's flags, and that the columns end exactly where the attribute updates start.
+    """
+    n, flags = header.record_count, header.flags
+    if not n or not flags & FLAG_KEYS or flags & FLAG_HEADERS:
+        return None
+    corrupt = _corrupt_at(segment, position + pos)
+    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    updates_at = end - _UPDATE_SIZE * header.attribute_count
+    if start + 2 * n > updates_at:
+        return None
+    first = data[start]
+    if first < 0x80 and data.count(_ONE_BYTE[first], start, start + n) == n:
+        lengths = None
+        at = start + n + n * first  # every value length is ``first``: no varint decoding
+    else:
+        lengths, at = _varints(data, start, n, updates_at, corrupt, "value lengths")
+        at += sum(lengths)
+    if at + n > updates_at:
+        return None
+    code = data[at]  # key length + 1 (0: no key)
+    if not 0 < code < 0x80 or data.count(_ONE_BYTE[code], at, at + n) != n:
+        return None  # keyless records or mixed widths: the general path
+    width = code - 1
+    keys_at, at = at + n, at + n + n * width
+    if flags & FLAG_TIMESTAMPS:
+        if at > updates_at:
+            return None
+        _deltas, at = _varints(data, at, n, updates_at, corrupt, "timestamp deltas")
+    tombstones = None
+    if flags & FLAG_TOMBSTONES:
+        tombstones = bytes(data[at:at + n])
+        at += n
+        if tombstones.translate(None, b"\x00\x01"):
+            return None  # a flag that is neither 0 nor 1
+        if 1 in tombstones and (first if lengths is None else any(itertools.compress(lengths, tombstones))):
+            return None  # a tombstone with a value
+    if at != updates_at:
+        return None
+    keys = _cut(data, keys_at, width, n) if width else [b""] * n
+    return keys, tombstones
+
+
+class BatchColumns:
+    """The columns of one batch, located and checked (as ``decode_records`` checks them) but not
+    cut into records: what the log cleaner needs to re-encode runs of surviving records without
+    building a ``Record`` per record. Made by ``batch_columns``."""
+
+    __slots__ = ("header", "data", "layout", "stamps")
+
+    def __init__(self, header: BatchHeader, data, layout: _Layout, stamps: list[int] | None):
+        self.header, self.data, self.layout, self.stamps = header, data, layout, stamps
+
+    @property
+    def has_headers(self) -> bool:
+        return self.layout.header_counts is not None
+
+    def record_size(self, i: int) -> int:
+        """Bytes of record ``i``'s value and key (a tombstone's value and a missing key count 0)."""
+        layout = self.layout
+        return layout.value_lengths[i] + (layout.key_lengths[i] if layout.key_codes is not None else 0)
+
+    def encode_runs(self, runs: list[tuple[int, int]]) -> list[bytes]:
+        """For each ``(start, stop)``, the batch ``encode_batch`` makes of records ``start..stop-1``
+        (their offsets, timestamps, keys, tombstones; this batch's codec and batch id; no attribute
+        updates), byte for byte, built from column slices. Not for batches with headers."""
+        if self.has_headers:
+            raise InvalidInputError("encode_runs does not re-encode batches with a headers column")
+        header, data, layout, stamps = self.header, self.data, self.layout, self.stamps
+        value_lengths, value_bounds = layout.value_lengths, layout.value_bounds
+        codes, tombstones = layout.key_codes, layout.tombstones
+        key_bounds = layout.key_bounds if codes is not None else None  # unset without a keys column
+        codec = header.codec
+        out = []
+        for a, b in runs:
+            if not 0 <= a < b <= header.record_count:
+                raise InvalidInputError(f"run [{a}, {b}) is not within the batch's {header.record_count} records")
+            flags = int(codec)
+            parts = [encode_lengths(value_lengths[a:b]), data[value_bounds[a]:value_bounds[b]]]
+            if codes is not None and any(codes[a:b]):
+                flags |= FLAG_KEYS
+                parts += [encode_lengths(codes[a:b]), data[key_bounds[a]:key_bounds[b]]]
+            first_ts = max_ts = header.first_timestamp
+            if stamps is not None:
+                run = stamps[a:b]
+                first_ts, max_ts = run[0], max(run)
+                if run.count(first_ts) != b - a:
+                    flags |= FLAG_TIMESTAMPS
+                    parts.append(encode_lengths([_zigzag_delta(t, first_ts) for t in run]))
+            if tombstones is not None and 1 in tombstones[a:b]:
+                flags |= FLAG_TOMBSTONES
+                parts.append(tombstones[a:b])
+            payload = b"".join(parts)
+            stored = payload if codec == Codec.NONE else _compress(codec, payload)
+            head = _HEADER.pack(
+                BATCH_MAGIC, BATCH_VERSION, flags, BATCH_HEADER_SIZE + len(stored), b - a, 0, len(payload),
+                header.base_offset + a, first_ts, max_ts, header.batch_id, zlib.crc32(stored), 0,
+            )[:_CHECKED_HEADER]
+            out.append(b"".join([head, zlib.crc32(head).to_bytes(4, "little"), stored]))
+        return out
+
+
+def _zigzag_delta(t: int, first: int) -> int:
+    """The timestamp column's entry for ``t`` (as ``encode_batch`` writes it)."""
+    d = t - first
+    if not _I64_MIN <= d <= _I64_MAX:  # wrap to int64; the reader wraps back
+        d = ((d - _I64_MIN) & _U64_MASK) + _I64_MIN
+    return (d << 1) ^ (d >> 63)
+
+
+def batch_columns(
+    buf, pos: int, header: BatchHeader, *, position: int = 0, segment: str | None = None, verify: bool = True
+) -> BatchColumns:
+    """The columns of the batch at ``buf[pos]`` (see ``BatchColumns``), checked as strictly as
+    ``decode_records`` checks them: any inconsistency is a ``CorruptDataError``."""
+    corrupt = _corrupt_at(segment, position + pos)
+    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    layout = _layout(data, start, end, header, corrupt)
+    stamps = _timestamps(layout.deltas, header, corrupt) if layout.deltas is not None else None
+    if layout.header_counts is not None:
+        _headers(data, layout, corrupt)  # names must be UTF-8, as decode_records requires
+    return BatchColumns(header, data, layout, stamps)
 
 
 def _timestamps(deltas: list[int], header: BatchHeader, corrupt) -> list[int]:

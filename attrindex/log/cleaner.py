@@ -43,13 +43,15 @@ import json
 import logging
 import operator
 import zlib
+from collections.abc import Iterator
 
 import attrs
 
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, InvalidInputError, LayoutConflictError, StorageError, TruncatedError
-from .batch import BatchHeader, Record, decode_keys, decode_records, encode_batch, read_header
+from .batch import (BatchHeader, Record, batch_columns, decode_keys, decode_records, encode_batch, read_header,
+                    uniform_keys)
 from .segment_log import LayoutChangedError
 
 _log = logging.getLogger("attrindex.cleaner")
@@ -80,10 +82,13 @@ class OffsetMap:
     def __len__(self) -> int:
         return len(self._latest)
 
-    def add(self, keys: list, base_offset: int, first: int = 0) -> bool:
+    def add(self, keys: list, base_offset: int, first: int = 0, *, mapped: bool = False) -> bool:
         """Add the records ``keys[first:]`` (offsets from ``base_offset + first``); ``False``, and
-        nothing added, if they might not fit (unless the map is empty: a pass always progresses)."""
-        keys = map_keys(keys[first:] if first else keys)
+        nothing added, if they might not fit (unless the map is empty: a pass always progresses).
+        ``mapped``: the keys are known to be as the map stores them (no key longer than 32 bytes)."""
+        keys = keys[first:] if first else keys
+        if not mapped:
+            keys = map_keys(keys)
         latest = self._latest
         if latest and len(latest) + len(keys) > self.capacity:
             new = sum(1 for k in set(keys) if k is not None and k not in latest)
@@ -94,6 +99,11 @@ class OffsetMap:
         latest.pop(None, None)  # keyless records are not compacted
         self.end_offset = start + len(keys)
         return True
+
+    def surviving_offsets(self) -> list[int]:
+        """The offsets the map keeps (one per key), ascending: a batch wholly inside the mapped
+        section none of whose offsets is here has no record that survives, except keyless ones."""
+        return sorted(self._latest.values())
 
     def latest(self, keys: list) -> list[int]:
         """The latest offset of each (already mapped) key, ``-1`` for keys not in the map."""
@@ -226,28 +236,34 @@ def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *, segment
         return [original], n, 0
     if not kept:
         return [], 0, len(expired)
-    records = decode_records(buf, pos, header, position=position, segment=segment, verify=False)
-    kept = _join_small_gaps(kept, records, keys, tombstones, rule, expired)
-    pieces = []
-    for run in _runs(kept):
-        chosen = [records[i] for i in run]
-        pieces.append(encode_batch(chosen[0].offset, [Record(r.value, r.key, r.timestamp, r.headers) for r in chosen],
-                                   timestamp=chosen[0].timestamp, codec=header.codec, batch_id=header.batch_id))
+    columns = batch_columns(buf, pos, header, position=position, segment=segment, verify=False)
+    kept = _join_small_gaps(kept, columns.record_size, keys, tombstones, rule, expired)
+    if columns.has_headers:
+        records = decode_records(buf, pos, header, position=position, segment=segment, verify=False)
+        pieces = []
+        for run in _runs(kept):
+            chosen = [records[i] for i in run]
+            pieces.append(encode_batch(chosen[0].offset, [Record(r.value, r.key, r.timestamp, r.headers)
+                                                          for r in chosen],
+                                       timestamp=chosen[0].timestamp, codec=header.codec, batch_id=header.batch_id))
+    else:  # the same bytes, cut from the columns without a Record per record
+        pieces = columns.encode_runs([(run[0], run[-1] + 1) for run in _runs(kept)])
     if sum(map(len, pieces)) > header.size:  # timestamps or compression of the runs took more
         rule.keep_anyway(keys, tombstones, [i for i in range(n) if i not in set(kept)])
         return [original], n, 0
     return pieces, len(kept), len(expired)
 
 
-def _join_small_gaps(kept: list[int], records: list, keys: list, tombstones: bytes | None, rule: KeepRule,
+def _join_small_gaps(kept: list[int], record_size, keys: list, tombstones: bytes | None, rule: KeepRule,
                      expired: set[int]) -> list[int]:
     """``kept`` with the records between two runs kept too where removing them would save fewer
-    bytes than the header of the extra batch it costs (so a cleaned batch never grows)."""
+    bytes than the header of the extra batch it costs (so a cleaned batch never grows).
+    ``record_size(i)``: the bytes of record ``i``'s value and key."""
     joined: list[int] = []
     for i in kept:
         if joined and i > joined[-1] + 1:
             gap = range(joined[-1] + 1, i)
-            saved = sum(len(records[j].value or b"") + len(records[j].key or b"") + 3 for j in gap)
+            saved = sum(record_size(j) + 3 for j in gap)
             if saved < _GAP_WORTH:
                 joined.extend(gap)
                 rule.keep_anyway(keys, tombstones, gap)
@@ -311,6 +327,8 @@ class CompactionStats:
     retention_chunks_deleted: int = 0  #: chunks deleted by retention first (``delete,compact``)
     seconds: float = 0.0
     kept_anyway: int = 0  #: superseded records (or expired tombstones) kept: see docs/segments.md
+    bytes_read: int = 0  #: log bytes the cleaner read (the key map pass, then the batches it rewrote)
+    batches_skipped: int = 0  #: batches dropped unread by the rewrite: every record superseded (docs/segments.md)
 
     @property
     def records_removed(self) -> int:
@@ -348,6 +366,11 @@ class LogCleaner:
         self._dir = f"{log.segment}/{CHECKPOINT_DIR}"
         self.records_before = self.records_after = self.bytes_before = self.bytes_after = 0
         self.chunks_cleaned = self.tombstones_removed = self.passes = self.kept_anyway = 0
+        self.bytes_read = self.batches_skipped = 0
+        # per pass: the batches the key map pass walked, by chunk start (see ``_fill``), and the
+        # offsets the map keeps, ascending (a batch holding none of them has no survivor)
+        self._known: dict[int, list[tuple[int, BatchHeader, bool]]] = {}
+        self._surviving: list[int] = []
 
     # -- checkpoint ----------------------------------------------------------------------------
     def load_checkpoint(self) -> tuple[int, TombstoneClock]:
@@ -467,6 +490,7 @@ class LogCleaner:
         self.passes += 1
         offsets = OffsetMap(self.max_map_keys)
         last, complete = self._fill(offsets, spans, first_dirty)
+        self._surviving = offsets.surviving_offsets()
         end = offsets.end_offset if offsets.end_offset is not None else first_dirty
         if complete:
             end = max(end, spans[-1].next_offset)
@@ -478,18 +502,73 @@ class LogCleaner:
         return complete, end
 
     def _fill(self, offsets: OffsetMap, spans: list[_Span], first_dirty: int) -> tuple[int, bool]:
-        """Fill the map from ``first_dirty``; ``(index of the last span to clean, complete)``."""
+        """Fill the map from ``first_dirty``; ``(index of the last span to clean, complete)``.
+
+        Each batch's checksum is verified by the read (``SegmentLog.batches``); its keys come from
+        ``uniform_keys`` (one C-level cut when every key has the same length) or ``decode_keys``.
+        The batches of every chunk walked to its end are remembered (``_known``: position, header,
+        and whether the batch lies wholly in the mapped section with a key on every record), so the
+        rewrite can drop a batch without a survivor unread. That list is bounded like the map: at
+        most ``max_map_keys`` batches per pass; chunks beyond it are simply read again."""
         segment = self.log.segment
+        self._known = {}
+        budget = self.max_map_keys
         for n, span in enumerate(spans):
             if span.next_offset <= first_dirty:
                 continue
+            known = []
             for at, header, buf, pos in self.log.batches(span.start, span.end):
+                self.bytes_read += header.size
                 if header.next_offset <= first_dirty or not header.record_count:
+                    known.append((at, header, False))
                     continue
-                keys, _dead = decode_keys(buf, pos, header, position=at - pos, segment=segment, verify=False)
-                if not offsets.add(keys, header.base_offset, max(0, first_dirty - header.base_offset)):
+                first = max(0, first_dirty - header.base_offset)
+                found = uniform_keys(buf, pos, header, position=at - pos, segment=segment, verify=False)
+                if found is not None:  # one width: as the map stores them if short enough
+                    keys, keyed, mapped = found[0], True, len(found[0][0]) <= _SHORT_KEY
+                else:
+                    keys, _dead = decode_keys(buf, pos, header, position=at - pos, segment=segment, verify=False)
+                    keyed, mapped = None not in keys, False
+                if not offsets.add(keys, header.base_offset, first, mapped=mapped):
                     return n, False
+                known.append((at, header, keyed and not first))
+            if len(known) <= budget:
+                self._known[span.start] = known
+                budget -= len(known)
         return len(spans) - 1, True
+
+    def _batches(self, span: _Span, read_first: bool) -> Iterator[tuple[int, BatchHeader, bytes | None, int]]:
+        """The batches of ``span`` as ``SegmentLog.batches`` yields them, except that a batch the
+        key map pass found wholly mapped and keyed, holding none of the surviving offsets, comes
+        as ``(at, header, None, 0)`` without being read: every record in it is superseded. Runs of
+        the other batches are read (and verified) again, one range each. ``read_first``: the
+        span's first batch is read whatever it holds (it may have to keep the log's start)."""
+        known = self._known.get(span.start)
+        if known is None:
+            yield from self._read(span.start, span.end)
+            return
+        surviving = self._surviving
+        pending: list[int] | None = None  # [start, end) of the batches still to read
+        for i, (at, header, droppable) in enumerate(known):
+            if droppable and not (read_first and i == 0):
+                j = bisect.bisect_left(surviving, header.base_offset)
+                if j == len(surviving) or surviving[j] >= header.next_offset:
+                    if pending:
+                        yield from self._read(*pending)
+                        pending = None
+                    yield at, header, None, 0
+                    continue
+            if pending:
+                pending[1] = at + header.size
+            else:
+                pending = [at, at + header.size]
+        if pending:
+            yield from self._read(*pending)
+
+    def _read(self, start: int, end: int) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
+        for batch in self.log.batches(start, end):
+            self.bytes_read += batch[1].size
+            yield batch
 
     def _pin_all(self, span: _Span, rule: KeepRule) -> None:
         """Pin every key of a chunk the pass cannot rewrite (its old values stay)."""
@@ -519,7 +598,7 @@ class LogCleaner:
         a record-less marker batch keeps the offset, or, when the cleaned chunk has no room for
         its 64 bytes, the first record stays (its key pinned: decided before any later batch)."""
         counters = (self.records_before, self.records_after, self.tombstones_removed, set(rule.pinned),
-                    rule.kept_anyway)
+                    rule.kept_anyway, self.batches_skipped)
         pieces, changed = self._clean_span(span, rule, at_start=True)
         first = read_header(pieces[0]).base_offset if pieces else None
         if first == span.base_offset:
@@ -528,7 +607,7 @@ class LogCleaner:
         if sum(map(len, pieces)) + len(marker) <= span.end - span.start:
             return [marker, *pieces], True
         (self.records_before, self.records_after, self.tombstones_removed, rule.pinned,
-         rule.kept_anyway) = counters
+         rule.kept_anyway, self.batches_skipped) = counters
         return self._clean_span(span, rule, at_start=True, keep_first=True)
 
     def _clean_span(self, span: _Span, rule: KeepRule, *, at_start: bool = False,
@@ -539,8 +618,13 @@ class LogCleaner:
         pieces: list[bytes] = []
         changed = False
         segment = self.log.segment
-        for at, header, buf, pos in self.log.batches(span.start, span.end):
+        for at, header, buf, pos in self._batches(span, read_first=at_start):
             first, at_start = at_start, False
+            if buf is None:  # every record superseded (see ``_batches``): dropped unread
+                self.records_before += header.record_count
+                self.batches_skipped += 1
+                changed = True
+                continue
             if not header.record_count and (first or not header.attribute_count):
                 if first:
                     pieces.append(bytes(buf[pos:pos + header.size]))
@@ -577,7 +661,8 @@ class LogCleaner:
     def stats(self, checkpoint: int, seconds: float, retention_deleted: int = 0) -> CompactionStats:
         return CompactionStats(self.records_before, self.records_after, self.bytes_before, self.bytes_after,
                                self.chunks_cleaned, self.tombstones_removed, self.passes, checkpoint,
-                               retention_deleted, seconds, self.kept_anyway)
+                               retention_deleted, seconds, self.kept_anyway, self.bytes_read,
+                               self.batches_skipped)
 
 
 __all__ = ["CHECKPOINT_DIR", "CompactionStats", "KeepRule", "LogCleaner", "OffsetMap", "TombstoneClock",

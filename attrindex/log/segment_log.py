@@ -744,22 +744,37 @@ class SegmentLog:
     def truncate_at(self, position: int) -> None:
         """Make bytes below ``position`` (a batch start) unreadable, deleting the chunks wholly
         below it with their index files and gap markers."""
-        doomed = [c.name for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
+        derived = self.derived_below(position)
         self.bytes.truncate(position)  # durable from here: what follows is housekeeping
-        index_files = [f"{self.segment}/{INDEX_DIR}/{name}" for name in doomed]
-        gap_markers = [f"{self.segment}/{GAP_DIR}/{chunk_name(s)}-{chunk_name(e)}"
-                       for s, e in self._gaps.items() if e <= position]
+        self.forget_below(position)
+        self.delete_derived(derived)
+
+    # A truncation in three steps, so that its owner holds its lock only for the in-memory ones:
+    # ``derived_below`` (lock held), ``bytes.truncate`` (thread-safe on its own: the durable
+    # marker and the chunk deletions), ``forget_below`` (lock held), ``delete_derived``.
+    def derived_below(self, position: int) -> list[str]:
+        """The index files and gap markers that a truncation at ``position`` makes dead (named
+        before it: the chunk list forgets the chunks once they are gone)."""
+        doomed = [c.name for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
+        return ([f"{self.segment}/{INDEX_DIR}/{name}" for name in doomed]
+                + [f"{self.segment}/{GAP_DIR}/{chunk_name(s)}-{chunk_name(e)}" for s, e in self._gaps.items()
+                   if e <= position])
+
+    def forget_below(self, position: int) -> None:
+        """After the byte stream was truncated at ``position``: drop the gaps and chunks below it."""
+        self._gaps = {s: e for s, e in self._gaps.items() if e > position}
+        self._sync_chunks()
+
+    def delete_derived(self, paths: list[str]) -> None:
+        """Delete derived files a truncation made dead (``derived_below``), best effort."""
         try:
             # Leftovers are harmless: index files of deleted chunks are never read, gaps below the
             # start are never reached; the next truncation deletes them.
-            for paths in (index_files, gap_markers):
-                if paths:
-                    self.storage.delete(paths)
+            if paths:
+                self.storage.delete(paths)
         except StorageError as exc:
-            _log.warning("segment %r: deleting index files or gap markers below byte %d failed after the "
-                         "truncation (left for later): %s", self.segment, position, exc)
-        self._gaps = {s: e for s, e in self._gaps.items() if e > position}
-        self._sync_chunks()
+            _log.warning("segment %r: deleting index files or gap markers after a truncation failed (left for "
+                         "later): %s", self.segment, exc)
 
     def close(self) -> None:
         self.bytes.close()

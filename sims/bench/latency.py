@@ -20,6 +20,7 @@ import argparse
 import gc
 import os
 import random
+import resource
 import shutil
 import sys
 import tempfile
@@ -43,7 +44,7 @@ class Probe:
         self.truncations: list[float] = []  # seconds of each truncation of the merged log (holds the lock)
 
     def reset(self) -> dict:
-        self.local.t = {"lock": 0.0, "room": 0.0, "append": 0.0, "sync": 0.0}
+        self.local.t = {"lock": 0.0, "room": 0.0, "append": 0.0, "sync": 0.0, "gc": 0.0}
         return self.local.t
 
     def add(self, what: str, seconds: float) -> None:
@@ -73,11 +74,11 @@ def instrument(probe: Probe) -> None:
                 probe.add(name, clock() - t)
         return wrapper
 
-    def timed_merge(self):
+    def timed_merge(self, *args, **kwargs):
         start, cpu, t = clock(), time.thread_time(), probe.reset()
         keys = 0 if self._frozen is None else len(self._frozen)
         try:
-            return merge_once(self)
+            return merge_once(self, *args, **kwargs)
         finally:
             probe.merges.append((start, clock() - start, time.thread_time() - cpu, keys, t["sync"]))
 
@@ -98,16 +99,19 @@ def instrument(probe: Probe) -> None:
     Segment._truncate_merged = timed_truncate
 
 
-def watch_gc() -> list:
+def watch_gc(probe: Probe) -> list:
     """Collections of the cyclic GC during the run: (generation, seconds), whichever thread ran them
-    (a collection holds the GIL: every other thread waits for it)."""
+    (a collection holds the GIL: every other thread waits for it). A collection run by the
+    calling thread is added to its call's "gc" time."""
     pauses, started = [], {}
 
     def callback(phase, info):
         if phase == "start":
             started[threading.get_ident()] = time.perf_counter()
         else:
-            pauses.append((info["generation"], time.perf_counter() - started.pop(threading.get_ident(), 0.0)))
+            seconds = time.perf_counter() - started.pop(threading.get_ident(), 0.0)
+            pauses.append((info["generation"], seconds))
+            probe.add("gc", seconds)
     gc.callbacks.append(callback)
     return pauses
 
@@ -137,13 +141,13 @@ def run(args) -> int:
     directory = tempfile.mkdtemp(prefix="attrindex-latency-", dir=args.dir)
     url = f"memory://{os.path.basename(directory)}" if args.memory else directory
     try:
-        index = AttributeIndex.open(url, merge_keys=args.merge_keys)
+        index = AttributeIndex.open(url, merge_keys=args.merge_keys, merge_process=not args.merge_thread)
         index.bulk_load(pairs)
         if args.gc_freeze:
             gc.freeze()  # the data set and the loaded index out of the collector's sight (an application's choice)
         clock = time.perf_counter
         rows = []
-        pauses = watch_gc()
+        pauses = watch_gc(probe)
         begin, cpu_begin = clock(), time.process_time()
         for batch in batches:
             before = merging(index)
@@ -153,29 +157,35 @@ def run(args) -> int:
             wall, cpu = clock() - start, time.thread_time() - cpu
             rows.append((start - begin, wall, cpu, before or merging(index), t))
         elapsed, process_cpu = clock() - begin, time.process_time() - cpu_begin
+        worker = index._wal._worker
+        worker_rss = 0 if worker is None else worker.peak_rss
         index.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     walls = [r[1] for r in rows]
     print(f"{args.calls} calls of {BATCH} keys over {args.keys:,} keys, merge_keys {args.merge_keys:,}: "
           f"{args.calls * BATCH / elapsed:,.0f} keys/s; process CPU {process_cpu:.1f} s of {elapsed:.1f} s wall; "
-          f"switch interval {sys.getswitchinterval() * 1e3:.1f} ms")
+          f"switch interval {sys.getswitchinterval() * 1e3:.1f} ms; merges in "
+          f"{'a thread' if args.merge_thread or args.memory else 'a worker process (local disk)'}")
     print(f"all calls            {percentiles(walls)}")
     print(f"  merge running      {percentiles([r[1] for r in rows if r[3]])}")
     print(f"  no merge           {percentiles([r[1] for r in rows if not r[3]])}")
     print(f"  caller CPU         {percentiles([r[2] for r in rows])}")
-    for what in ("lock", "room", "append", "sync"):
+    for what in ("lock", "room", "append", "sync", "gc"):
         print(f"  waited {what:<11} {percentiles([r[4][what] for r in rows])}")
-    print("slowest calls: at s, wall, caller cpu, merging, lock, back-pressure, log append, of it syncs (ms)")
+    print("slowest calls: at s, wall, caller cpu, merging, lock, back-pressure, log append, of it syncs, "
+          "gc in the caller (ms)")
     for at, wall, cpu, merge, t in sorted(rows, key=lambda r: -r[1])[:args.show]:
         print(f"  {at:7.2f} {wall * 1e3:8.2f} {cpu * 1e3:7.2f} {'M' if merge else '-'} {t['lock'] * 1e3:8.2f} "
-              f"{t['room'] * 1e3:8.2f} {t['append'] * 1e3:8.2f} {t['sync'] * 1e3:8.2f}")
+              f"{t['room'] * 1e3:8.2f} {t['append'] * 1e3:8.2f} {t['sync'] * 1e3:8.2f} {t['gc'] * 1e3:8.2f}")
     for generation in range(3):
         times = [p for g, p in pauses if g == generation]
         print(f"gc generation {generation}: {len(times)} collections, {sum(times) * 1e3:,.0f} ms, "
               f"longest {max(times, default=0) * 1e3:.1f} ms")
-    print("truncations of the merged log (segment lock held): "
+    print("truncations of the merged log (beside appends: lock held only to plan and to update the view): "
           + ", ".join(f"{t * 1e3:.0f} ms" for t in probe.truncations))
+    print(f"peak RSS: writer {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB, merge worker "
+          f"{worker_rss / 2**20:,.0f} MiB")
     for start, wall, cpu, n, sync in probe.merges:
         print(f"merge at {start - begin:7.2f} s: {n:,} keys, {wall * 1e3:,.0f} ms wall, {cpu * 1e3:,.0f} ms CPU, "
               f"{sync * 1e3:,.0f} ms in syncs")
@@ -192,6 +202,8 @@ def main(argv=None) -> int:
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (ms) for the run")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the load (as an application may)")
     parser.add_argument("--memory", action="store_true", help="memory:// storage: no disk, CPU and GIL alone")
+    parser.add_argument("--merge-thread", action="store_true",
+                        help="merge_process=False: merges in a thread of the writer's process (the A/B baseline)")
     args = parser.parse_args(argv)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval / 1e3)

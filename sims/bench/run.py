@@ -323,6 +323,8 @@ def run_child(args) -> int:
         row["get_many_us_per_key_page_path"] = rates["get_many_us_per_key"]
     row["data_rss_mib"] = data_rss
     row["peak_rss_mib"] = peak_rss_mib()
+    # attrindex's merge worker process (closed and reaped by now): its own peak, on top of the above
+    row["worker_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     print(json.dumps(row))
     return 0
 
@@ -468,6 +470,7 @@ METRICS = [  # label, field, higher is better, scale
     ("size after load + updates (MiB)", "size_after_updates", False, 1 / 2**20),
     ("peak RSS (MiB)", "peak_rss_mib", False, 1),
     ("  of which the data (MiB)", "data_rss_mib", False, 1),
+    ("  + merge worker process (MiB)", "worker_rss_mib", False, 1),
 ]
 
 

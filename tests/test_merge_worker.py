@@ -1,0 +1,433 @@
+"""Merges hosted in a worker process (``merge_process``, local disk): attrindex/merge_worker.py.
+
+The worker reads the log itself and commits the tree; the writer adopts the tree it wrote. Attacks:
+the worker dies before or after committing (its answer lost), hangs, is SIGKILLed from outside;
+the writer is SIGKILLed while its worker is mid-merge; readers run through the swap. After each,
+a dict model of every acknowledged update must match, live and after reopening.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attrindex import merge_worker, segment_merge
+from attrindex.attribute_index import AttributeIndex
+from attrindex.errors import InvalidInputError
+
+WAIT = 60.0  # seconds: bound of every wait below (a loaded machine); never a timed assertion
+
+
+@pytest.fixture(autouse=True)
+def every_merge_in_the_worker(monkeypatch):
+    monkeypatch.setattr(segment_merge, "MIN_WORKER_KEYS", 1)
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def wait_for(condition, what: str):
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def merged_up_to_position(index: AttributeIndex) -> bool:
+    wal = index._wal
+    with wal._lock:
+        return wal._frozen is None and (wal._tree.checkpoint or 0) >= wal._frozen_at and wal._merges > 0
+
+
+def check(index: AttributeIndex, model: dict) -> None:
+    keys = sorted(model)
+    assert index.get_many(keys) == [model[k] for k in keys]
+    assert len(index) == sum(v is not None for v in model.values())
+
+
+def open_index(path, **options) -> AttributeIndex:
+    return AttributeIndex.open(str(path), page_size=1024, merge_keys=options.pop("merge_keys", 200), **options)
+
+
+def write(index: AttributeIndex, model: dict, rng: random.Random, calls: int, per_call: int = 100) -> None:
+    for _ in range(calls):
+        batch = {key(rng.randrange(2000)): rng.choice([None, rng.randrange(1 << 40)]) for _ in range(per_call)}
+        index.update(batch)
+        model.update(batch)
+
+
+def test_merges_run_in_one_reused_worker_and_match_a_dict(tmp_path):
+    index, model, rng = open_index(tmp_path), {}, random.Random(1)
+    try:
+        for _round in range(3):
+            write(index, model, rng, 5)
+            wait_for(lambda: merged_up_to_position(index), "the merge")
+            check(index, model)
+        worker = index._wal._worker
+        assert worker is not None and worker.starts == 1 and index.stats().pending_keys < len(model)
+        assert index._wal.stats().merges >= 3 and index._wal.stats().merge_error is None
+        pid = worker.pid
+    finally:
+        index.close()
+    wait_for(lambda: not _alive(pid), "the worker to exit at close")
+    with open_index(tmp_path) as reopened:
+        check(reopened, model)
+        assert reopened.verify().ok
+
+
+@pytest.mark.parametrize("fault, lands", [("exit_before_commit", False), ("exit_after_commit", True)])
+def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault, lands):
+    index, model, rng = open_index(tmp_path), {}, random.Random(2)
+    try:
+        worker = index._wal._merge_worker()
+        worker.fault = fault
+        write(index, model, rng, 3)
+        wal = index._wal
+        if lands:  # the answer is lost, the tree covers the merge: that is a success
+            wait_for(lambda: merged_up_to_position(index), "the merge that landed")
+            assert wal.stats().merge_error is None
+        else:
+            error = wait_for(lambda: wal.stats().merge_error, "the failed merge to be recorded")
+            assert "MergeWorkerError" in error
+        check(index, model)  # reads never noticed
+        worker.fault = None
+        write(index, model, rng, 3)  # durable whatever the merge does
+        wait_for(lambda: merged_up_to_position(index) and wal.stats().merge_error is None, "the retried merge")
+        assert worker.starts >= 2
+        check(index, model)
+    finally:
+        index.close()
+    with open_index(tmp_path) as reopened:
+        check(reopened, model)
+
+
+def test_a_hung_worker_is_killed_after_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setattr(merge_worker, "MERGE_WORKER_TIMEOUT", 0.5)
+    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    index, model, rng = open_index(tmp_path), {}, random.Random(3)
+    try:
+        worker = index._wal._merge_worker()
+        worker.fault = "hang"
+        write(index, model, rng, 3)
+        error = wait_for(lambda: index._wal.stats().merge_error, "the timeout")
+        assert "no answer" in error
+        worker.fault = None
+        wait_for(lambda: merged_up_to_position(index), "the retried merge")
+        check(index, model)
+    finally:
+        index.close()
+
+
+def test_a_worker_killed_from_outside_at_any_moment(tmp_path, monkeypatch):
+    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(merge_worker, "MAX_FAILED_STARTS", 1000)  # kills during its start too
+    index, model, rng = open_index(tmp_path, merge_keys=100), {}, random.Random(4)
+    try:
+        for round_ in range(4):
+            write(index, model, rng, 4)
+            pid = wait_for(lambda: index._wal._worker is not None and index._wal._worker.pid, "a worker")
+            time.sleep(rng.random() * 0.05)  # before, during or after its merge
+            with contextlib.suppress(ProcessLookupError):  # (it may have been replaced meanwhile)
+                os.kill(pid, signal.SIGKILL)
+            check(index, model)
+        write(index, model, rng, 2)
+        wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None, "a clean merge")
+        check(index, model)
+    finally:
+        index.close()
+    with open_index(tmp_path) as reopened:
+        check(reopened, model)
+        assert reopened.verify().ok
+
+
+def test_readers_never_see_a_value_go_back_across_the_swap(tmp_path):
+    """Each round writes generation g to the same keys, with enough noise to freeze the overlay,
+    and waits for the worker's merge: the keys are then read from the tree (and cached). A value
+    cache that outlived the swap would serve generation g - 1; a reader thread beside the swaps
+    must see one generation per read, never older than the last it saw."""
+    index, rng = open_index(tmp_path, merge_keys=300), random.Random(5)
+    hot = [key(100_000 + i) for i in range(50)]
+    stop, seen, problems = threading.Event(), [0], []
+
+    def reader():
+        while not stop.is_set():
+            values = index.get_many(hot)
+            if values[0] is not None and (len(set(values)) != 1 or values[0] < seen[0]):
+                problems.append((seen[0], values))
+                return
+            seen[0] = values[0] or 0
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for generation in range(1, 8):
+            noise = {key(rng.randrange(50_000)): generation for _ in range(300)}
+            index.update({**noise, **{k: generation for k in hot}})
+            wait_for(lambda: merged_up_to_position(index), "the merge")
+            assert not len(index._wal._overlay)  # so the reads below come from the tree
+            if generation > 1:  # read (cached) last round: the worker's merge refreshed, not dropped, them
+                assert index._wal._tree._values.get(hot[0]) == generation
+            assert index.get_many(hot) == [generation] * len(hot)
+            assert index.get(hot[0]) == generation
+    finally:
+        stop.set()
+        thread.join(WAIT)
+    try:
+        assert not problems
+        assert index._wal.stats().merges >= 7 and index._wal._worker.starts == 1
+    finally:
+        index.close()
+
+
+def test_reads_through_pages_the_workers_compaction_deletes(tmp_path):
+    """Tiny tree chunks and no page cache: the worker's progressive compaction deletes the chunks
+    under the writer's old root while a reader walks it; the reader must restart from the newer
+    version and see the stable keys' values, never an error."""
+    index = open_index(tmp_path, merge_keys=150, rolling_size=8192, cache_bytes=0, value_cache_entries=0)
+    stable = {key(i): i for i in range(0, 3000, 3)}
+    index.update(stable)
+    index.flush()
+    rng, stop, problems = random.Random(8), threading.Event(), []
+
+    def reader():
+        keys = sorted(stable)
+        while not stop.is_set():
+            try:
+                if index.get_many(keys) != [stable[k] for k in keys]:
+                    problems.append("wrong values")
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                problems.append(repr(exc))
+            if problems:
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        start = index.stats().start_offset
+        for _round in range(12):
+            index.update({key(rng.randrange(3000) * 3 + 1): rng.randrange(100) for _ in range(200)})
+            wait_for(lambda: merged_up_to_position(index), "the merge")
+    finally:
+        stop.set()
+        thread.join(WAIT)
+    try:
+        assert not problems, problems
+        assert index.stats().start_offset > start  # chunks under old roots were deleted meanwhile
+        assert index._wal._worker.starts == 1
+    finally:
+        index.close()
+
+
+_KILLED_WRITER = """
+import sys, time
+from attrindex import segment_merge
+segment_merge.MIN_WORKER_KEYS = 1
+from attrindex.attribute_index import AttributeIndex
+index = AttributeIndex.open(sys.argv[1], page_size=1024, merge_keys=100)
+worker = index._wal._merge_worker()
+worker.fault = "hang"  # the worker stays mid-merge until its writer dies
+for i in range(20):
+    index.update({(j * 7 + i).to_bytes(16, "big"): i for j in range(30)})
+    print("acked", i, flush=True)
+while worker.pid is None:
+    time.sleep(0.01)
+print("worker", worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_writer_sigkilled_while_its_worker_merges(tmp_path):
+    path = str(tmp_path / "index")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, path], stdout=subprocess.PIPE, text=True, env=env)
+    acked, pid = [], None
+    try:
+        for line in child.stdout:
+            word, number = line.split()
+            if word == "acked":
+                acked.append(int(number))
+            else:
+                pid = int(number)
+                break
+    finally:
+        child.kill()
+        child.wait(WAIT)
+    assert pid is not None and acked == list(range(20))
+    wait_for(lambda: not _alive(pid), "the orphaned worker to exit")
+    model = {}
+    for i in acked:
+        model.update({key(j * 7 + i): i for j in range(30)})
+    with AttributeIndex.open(path, page_size=1024, merge_keys=100) as reopened:
+        check(reopened, model)
+        reopened.update({key(1): -1})
+        model[key(1)] = -1
+        reopened.flush()
+        check(reopened, model)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(
+    st.dictionaries(st.integers(0, 400).map(key), st.none() | st.integers(-5, 5), min_size=20, max_size=60),
+    st.sampled_from(["wait", "wait", "reopen"])), min_size=1, max_size=12))
+def test_model_with_frequent_worker_merges(tmp_path_factory, ops):
+    path = tmp_path_factory.mktemp("model")
+    index, model = open_index(path, merge_keys=20), {}
+    try:
+        for op in ops:
+            if op == "wait":  # for the worker's merge, when the overlay is due for one
+                wait_for(lambda: index._wal._frozen is None, "the merge")
+            elif op == "reopen":
+                index.close()
+                index = open_index(path, merge_keys=20)
+            else:
+                index.update(op)
+                model.update(op)
+            check(index, model)
+    finally:
+        index.close()
+    with open_index(path) as reopened:
+        check(reopened, model)
+
+
+def test_workers_that_never_start_leave_the_merges_to_a_thread(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(merge_worker, "_WORKER_MAIN", "import sys; sys.exit(3)")
+    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    with open_index(tmp_path) as index:
+        model = {}
+        write(index, model, random.Random(7), 4)
+        wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None, "the merge")
+        assert index._wal._worker_disabled and index._wal._worker.starts == merge_worker.MAX_FAILED_STARTS
+        check(index, model)
+    assert "merging in the writer's process from now on" in caplog.text
+
+
+def test_options_that_cannot_cross_to_a_process_keep_the_merge_in_a_thread(tmp_path):
+    from attrindex.btree.compaction import OnePagePolicy
+
+    class Unpicklable(OnePagePolicy):
+        def __reduce__(self):
+            raise TypeError("not picklable")
+
+    with open_index(tmp_path, compaction=Unpicklable()) as index:
+        model = {}
+        write(index, model, random.Random(9), 3)
+        wait_for(lambda: merged_up_to_position(index), "the merge")
+        assert index._wal._worker_disabled and index._wal._worker is None
+        check(index, model)
+
+
+def test_merge_process_option(tmp_path):
+    with pytest.raises(InvalidInputError, match="merge_process"):
+        AttributeIndex.open(str(tmp_path / "a"), merge_process="yes")
+    with open_index(tmp_path / "b", merge_process=False) as index:  # the in-thread host
+        model = {}
+        write(index, model, random.Random(6), 4)
+        wait_for(lambda: merged_up_to_position(index), "the merge")
+        assert index._wal._worker is None
+        check(index, model)
+    with AttributeIndex.open("memory://merge-process", merge_keys=50) as index:  # not local: in a thread
+        index.update({key(i): i for i in range(100)})
+        wait_for(lambda: merged_up_to_position(index), "the merge")
+        assert index._wal._worker is None and index.get(key(7)) == 7
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no reaper collected counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _trees(tmp_path):
+    """Three handles of one tree: ``mine`` (the writer's), ``worker`` and ``other`` (another writer)."""
+    from attrindex.tree_index import TreeIndex
+    from storage_adapters import open_storage
+
+    storage = open_storage(str(tmp_path))
+    return [TreeIndex(storage, "t", page_size=1024) for _ in range(3)]
+
+
+def test_adopt_merged_keeps_the_value_cache_warm_for_the_merged_version(tmp_path):
+    mine, worker, _other = _trees(tmp_path)
+    mine.update({key(1): 1, key(2): 2})
+    assert mine.get_many([key(1), key(2)]) == [1, 2]  # cached
+    worker.refresh()
+    worker.update({key(1): 10})
+    mine.adopt_merged({key(1): 10}, worker._tree.state.length)
+    hits = mine.stats().value_cache_hits
+    assert mine.get_many([key(1), key(2)]) == [10, 2]
+    assert mine.stats().value_cache_hits == hits + 2  # both still cached, key 1 refreshed
+
+
+def test_adopt_merged_drops_the_value_cache_for_any_other_version(tmp_path):
+    mine, worker, other = _trees(tmp_path)
+    mine.update({key(1): 1, key(2): 2})
+    assert mine.get_many([key(1), key(2)]) == [1, 2]
+    worker.refresh()
+    worker.update({key(1): 10})
+    merged = worker._tree.state.length
+    other.refresh()
+    other.update({key(2): 20})  # another writer after the worker
+    mine.adopt_merged({key(1): 10}, merged)
+    assert mine.get_many([key(1), key(2)]) == [10, 20]
+
+
+def test_adopt_merged_drops_the_kept_cache_if_another_version_lands_in_its_window(tmp_path, monkeypatch):
+    mine, worker, other = _trees(tmp_path)
+    mine.update({key(1): 1, key(2): 2})
+    assert mine.get_many([key(1), key(2)]) == [1, 2]
+    worker.refresh()
+    worker.update({key(1): 10})
+    merged = worker._tree.state.length
+    from attrindex.value_cache import ValueCache
+
+    refresh = ValueCache.refresh_many
+
+    def meanwhile(self, updates):  # while the kept cache is refreshed: another writer, a reader's reload
+        other.refresh()
+        other.update({key(2): 20})
+        mine._tree.reload()
+        refresh(self, updates)
+
+    monkeypatch.setattr(ValueCache, "refresh_many", meanwhile)
+    mine.adopt_merged({key(1): 10}, merged)
+    monkeypatch.setattr(ValueCache, "refresh_many", refresh)
+    assert mine.get_many([key(1), key(2)]) == [10, 20]
+
+
+def test_a_segment_with_records_merges_in_the_worker_when_asked(tmp_path):
+    """``SegmentOptions.merge_process``: the worker replays the record batches' attribute updates
+    (records untouched); attributes and records read back, live and after reopening."""
+    from attrindex import SegmentStore
+
+    model, records = {}, []
+    with SegmentStore.open(str(tmp_path), merge_process=True, flush_keys=50) as store:
+        segment = store.segment("s", create=True)
+        for i in range(6):
+            updates = {key(i * 100 + j): i for j in range(60)}
+            segment.append([f"r{i}".encode()], list(updates.items()))
+            model.update(updates)
+            records.append(f"r{i}".encode())
+        wait_for(lambda: segment.stats().merges >= 1 and segment._frozen is None, "the merge")
+        assert segment._worker is not None and segment._worker.starts == 1
+        assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
+    with SegmentStore.open(str(tmp_path)) as store:
+        segment = store.segment("s")
+        assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
+        assert [r.value for r in segment.read(0)] == records
