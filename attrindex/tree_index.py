@@ -398,7 +398,11 @@ class TreeIndex(IndexHandle):
             if state.length == length and (kept.young or kept.old):  # the worker's, straight after ours
                 items = iter(updates.items())
                 while step := dict(itertools.islice(items, _CACHE_UPDATES_UP_TO)):
-                    kept.refresh_many(step)
+                    with self._cache_lock:  # each step only while the tree is still that version
+                        if self._tree.state.length != length:
+                            kept.clear()
+                            break
+                        kept.refresh_many(step)
             else:
                 kept.clear()
         except BaseException:

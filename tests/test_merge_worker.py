@@ -395,19 +395,18 @@ def test_adopt_merged_drops_the_kept_cache_if_another_version_lands_in_its_windo
     worker.refresh()
     worker.update({key(1): 10})
     merged = worker._tree.state.length
-    from attrindex.value_cache import ValueCache
+    reload = mine._tree.reload
 
-    refresh = ValueCache.refresh_many
-
-    def meanwhile(self, updates):  # while the kept cache is refreshed: another writer, a reader's reload
+    def meanwhile():  # right after the worker's version is adopted: another writer, a reader's reload
+        state = reload()
         other.refresh()
         other.update({key(2): 20})
-        mine._tree.reload()
-        refresh(self, updates)
+        reload()
+        return state
 
-    monkeypatch.setattr(ValueCache, "refresh_many", meanwhile)
+    monkeypatch.setattr(mine._tree, "reload", meanwhile)
     mine.adopt_merged({key(1): 10}, merged)
-    monkeypatch.setattr(ValueCache, "refresh_many", refresh)
+    monkeypatch.undo()
     assert mine.get_many([key(1), key(2)]) == [10, 20]
 
 

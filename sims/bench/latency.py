@@ -1,13 +1,17 @@
 """Where the time of one ``AttributeIndex.update`` goes while background merges run.
 
     python -m sims.bench.latency [--keys 200000] [--calls 1000] [--merge-keys 250000] [--dir DIR]
+                                 [--merge-thread] [--gc-freeze] [--switch-interval MS] [--memory]
 
 Bulk-loads ``--keys`` random pairs on local disk, then makes ``--calls`` durable updates of 1,000
 random keys each (one thread) and records, per call: wall time, the calling thread's CPU time,
 whether a merge was running when it started or ended, and how long it waited for the segment's
-lock, for back-pressure and inside the durable log append (write + fsync). Prints p50/p99/max
-overall and split by "a merge was running", the slowest calls with their breakdown, and the
-merges' own wall and CPU time. The instrumentation wraps a few methods of the private Segment
+lock, for back-pressure, inside the durable log append (write + fsync) and in collections of the
+cyclic GC that the calling thread ran. Prints p50/p99/max overall and split by "a merge was
+running", the slowest calls with their breakdown, the truncations of the merged log, the merges'
+own wall and CPU time (the merge thread's: near zero when the merge runs in the worker process,
+the default on local disk; ``--merge-thread`` for the in-thread host) and the peak RSS of the
+writer and of the merge worker. The instrumentation wraps a few methods of the private Segment
 (this driver only): it measures the index as shipped, not a copy.
 
 On a shared, loaded machine, wall time well above CPU time + fsync time with nothing waited for
