@@ -214,6 +214,7 @@ class Segment(BackgroundMerge):
         """Read the tree's checkpoint and replay the log after it into tier 1."""
         checkpoint = self._tree.checkpoint or 0  # type: ignore[union-attr]
         self._overlay.clear()
+        resyncs = self._log.resyncs
         self._log.open_at(checkpoint)
         # Checked on the view open_at just listed, not an older one: another handle may have merged
         # past this tree version and truncated the log below its new checkpoint since the tree was
@@ -226,6 +227,13 @@ class Segment(BackgroundMerge):
             if self._log.bytes.length > self._log.start_position:
                 raise self._lost_between_error(checkpoint)
         replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
+        if self._log.resyncs != resyncs or any(c.generation and c.end > checkpoint for c in self._log.bytes.chunks()):
+            # Chunks above this tree version's checkpoint were rewritten (log compaction drops the
+            # attribute updates of batches below its limit, a newer tree checkpoint) since the tree
+            # was read: the replay may have missed updates only a newer tree version holds.
+            self._tree.refresh()  # type: ignore[union-attr]
+            if (self._tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
+                raise TruncatedError(self.name, checkpoint, 0, self._log.start_position, self._log.bytes.length)
         lost = self._log.lost_commits(covered=checkpoint)
         if lost is not None:
             raise self._log.lost_commits_error(*lost)
@@ -353,7 +361,19 @@ class Segment(BackgroundMerge):
         the B+tree), which moved the log's position (``SegmentLog.resyncs``)."""
         replayed, resyncs = self._log.position, self._log.resyncs
         loaded = self._attributes_loaded  # not yet: the lazy load replays from the tree up to the new position
-        seen = self._log.catch_up(self._replayer(0) if loaded else None)
+        visit = self._replayer(0) if loaded else None
+        seen = 0
+        for attempt in range(MAX_OPEN_ATTEMPTS):
+            try:
+                seen += self._log.catch_up(visit)
+                break
+            except TruncatedError:
+                # Another handle's truncation deleted a chunk between this scan's listing and its
+                # read (a merge elsewhere covers it): list again; the scan restarts at the new start
+                # and the check below rebuilds tier 1 from the tree. Before, a writer that lost an
+                # append race failed its update with this error.
+                if attempt + 1 == MAX_OPEN_ATTEMPTS:
+                    raise
         if loaded and (self._log.start_position > replayed or self._log.resyncs != resyncs):
             self._index.refresh()
             self._replay_from_tree()

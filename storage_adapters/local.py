@@ -403,19 +403,15 @@ class LocalChunkStorage(ChunkStorage):
             if seen is not None:
                 return seen.sizes[0]
         target = self._abs(path)
-        try:  # on every append's path: the common case without a context manager
-            record = os.getxattr(target, COMMIT_XATTR) if _HAS_XATTR else None  # a missing chunk: FileNotFoundError
-        except FileNotFoundError:
-            raise
-        except OSError:
-            record = None  # no record (v1), or an error the slow path below reports
-        if record is not None:
-            return _xattr_committed(record)[0]
-        with os_errors("committed size", path, missing=True):  # read again: errors are reported here
-            record = _get_record(target)
+        try:  # (no context manager: on every append's path)
+            record = _get_record(target)  # a missing chunk raises FileNotFoundError here
             if record is not None:
                 return _xattr_committed(record)[0]
             return _sidecar_committed(target)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise _storage_error(exc, "committed size", path) from exc
 
     # -- writing -------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:

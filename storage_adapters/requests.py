@@ -46,6 +46,7 @@ class RequestCounters:
 
 
 _FIELDS = tuple(f.name for f in attrs.fields(RequestCounters))
+_KEYS = {kind: kind.lower() for kind in KINDS}
 
 
 class RequestCounter:
@@ -59,7 +60,7 @@ class RequestCounter:
         """Record ``n`` requests of ``kind`` (one of ``KINDS``) that moved ``read``/``written`` bytes."""
         counts = self._counts
         with self._lock:
-            counts[kind.lower()] += n
+            counts[_KEYS.get(kind) or kind.lower()] += n
             if read:
                 counts["bytes_read"] += read
             if written:

@@ -16,7 +16,8 @@ from attrindex import AttributeIndex, SegmentStore
 from attrindex.errors import AttrIndexError
 from storage_adapters import RollingSegment, open_storage
 from storage_adapters.errors import CorruptDataError
-from storage_adapters.local import COMMIT_SUFFIX, COMMITTED_MARK, read_commit_record, restore_commit_records
+from storage_adapters.local import (COMMIT_SUFFIX, COMMITTED_MARK, read_commit_record, restore_commit_records,
+                                    write_commit_record)
 
 CHUNK = "00000000000000000000"
 
@@ -113,12 +114,18 @@ def test_a_reader_racing_a_first_commit_is_not_taken_for_a_lost_record(tmp_path,
 
     storage = open_storage(str(tmp_path))
     RollingSegment(storage, "s").append(b"first")
+    chunk = str(tmp_path / "s.seg" / CHUNK)
+    record = read_commit_record(chunk)
+    os.removexattr(chunk, "user.attrindex.commit")  # the state before the commit
     real, calls = local._get_record, []
 
-    def before_the_commit_once(target):
+    def commit_lands_after_the_first_look(target):
         calls.append(target)
-        return None if len(calls) == 1 else real(target)
+        if len(calls) == 1:
+            return None
+        write_commit_record(chunk, record)  # the writer commits, then marks
+        return real(target)
 
-    monkeypatch.setattr(local, "_get_record", before_the_commit_once)
+    monkeypatch.setattr(local, "_get_record", commit_lands_after_the_first_look)
     assert storage.committed_size(f"s.seg/{CHUNK}") == 5
     assert len(calls) == 2

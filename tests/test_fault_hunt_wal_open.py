@@ -111,3 +111,71 @@ def test_an_append_beside_a_read_of_the_same_memory_chunk_waits_instead_of_faili
     appender.join(10)
     assert errors == [] and got == [b"x" * 100]
     assert storage.read("c", 0, 200) == b"x" * 100 + b"y" * 10
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_an_open_racing_log_compaction_sees_every_attribute_update(backend, tmp_path, monkeypatch):
+    """The same race with log compaction instead of truncation: the cleaner drops the attribute
+    updates of the batches it rewrites below its limit (a newer tree version holds them); an open
+    that read the older tree version replayed the rewritten batches and missed them."""
+    from attrindex import SegmentStore
+    from attrindex.log.batch import Record
+
+    url = _url(backend, tmp_path)
+    store = SegmentStore.open(url, log_rolling_size=200, flush_keys=10**6, flush_seconds=10**6)
+    writer = store.segment("s", create=True, cleanup_policy="compact")
+    writer.configure(min_compaction_lag_ms=0)
+    writer.append([Record(b"first", key=b"k")], [(0, 0)])
+    writer.flush()  # tree checkpoint C0
+    for i in range(1, 30):  # each batch supersedes the last one's record: the cleaner drops them
+        writer.append([Record(b"v%d" % i, key=b"k")], [(i, i)])
+    real = segment_log.SegmentLog.open_at
+    raced = []
+
+    def open_at(self, position):
+        if not raced and self.segment == "s":
+            raced.append(position)
+            writer.compact(min_lag_ms=0)  # merges (checkpoint C1), then rewrites chunks below C1
+        return real(self, position)
+
+    monkeypatch.setattr(segment_log.SegmentLog, "open_at", open_at)
+    reader = SegmentStore.open(url).segment("s")
+    assert raced
+    assert reader.get_attributes(range(30)) == list(range(30))
+    reader.close()
+    writer.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_an_update_that_lost_a_race_survives_a_truncation_during_its_catch_up(backend, tmp_path, monkeypatch):
+    """Writer B loses the append race, catches up, and the chunk its catch-up is about to read is
+    truncated by writer A's merge: B's update raised ``TruncatedError`` (nothing written). It now
+    lists again, rebuilds from the tree, and its update goes through."""
+    from storage_adapters import rolling
+
+    url = _url(backend, tmp_path)
+    options = dict(page_size=256, wal_rolling_size=200, merge_keys=10**6, merge_seconds=10**6)
+    a = AttributeIndex(open_storage(url), **options)
+    b = AttributeIndex(open_storage(url), **options)
+    b.update({1000: 1})
+    for i in range(N):
+        a.update({i: i})  # B's view is now several chunks behind
+    real = rolling.RollingSegment.read
+    b_bytes = b._wal._log.bytes
+    raced = []
+
+    def read(self, offset, length):
+        if self is b_bytes and not raced:
+            raced.append(offset)
+            a.flush()  # A merges and truncates the WAL under B's catch-up
+        return real(self, offset, length)
+
+    monkeypatch.setattr(rolling.RollingSegment, "read", read)
+    b.update({1001: 2})  # was: TruncatedError
+    assert raced
+    assert b.get_many([0, N - 1, 1000, 1001]) == [0, N - 1, 1, 2]
+    monkeypatch.setattr(rolling.RollingSegment, "read", real)
+    fresh = AttributeIndex(open_storage(url), page_size=256)
+    assert fresh.get_many([0, N - 1, 1000, 1001]) == [0, N - 1, 1, 2]
+    for index in (fresh, a, b):
+        index.close()

@@ -214,3 +214,4 @@ def test_a_full_disk_through_the_kept_descriptor_commits_nothing_and_the_next_ap
     assert seg.append(b"three;") == 8
     fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
     assert fresh.read(0, fresh.length) == b"one;two;three;"
+

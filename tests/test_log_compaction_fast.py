@@ -96,7 +96,7 @@ def test_runs_cut_from_columns_are_the_batches_encode_batch_makes(records, codec
     expected = [encode_batch(a + 7, [Record(r.value, r.key, r.timestamp, r.headers) for r in decoded[a:b]],
                              timestamp=decoded[a].timestamp, codec=codec, batch_id=header.batch_id) for a, b in runs]
     assert columns.encode_runs(runs) == expected
-    assert [columns.record_size(i) for i in range(n)] == [len(r.value or b"") + len(r.key or b"") for r in decoded]
+    assert columns.record_sizes() == [len(r.value or b"") + len(r.key or b"") for r in decoded]
 
 
 def _refresh_payload_crc(batch: bytes) -> bytes:
@@ -279,3 +279,20 @@ def test_bit_flips_on_read_during_compaction_give_an_error_or_a_correct_log(tmp_
         original = {r.offset: r for r in records}
         assert all(original[r.offset] == r for r in survivors)
         assert {r.key: r for r in survivors} == latest
+
+
+def test_the_remembered_batches_are_bounded_like_the_map():
+    """More batches than ``max_map_keys`` (few keys, many updates): the pass remembers at most
+    that many batches; the chunks beyond are read again, and the result is the same."""
+    results = []
+    for capacity in (3, 1000):
+        with SegmentStore.open(f"memory://compaction-fast-{uuid.uuid4().hex}", log_rolling_size=600) as store:
+            seg = store.segment("s", create=True, cleanup_policy="compact")
+            for i in range(60):
+                seg.append([Record(b"%02d" % i + b"." * 40, b"k%d" % (i % 2))], timestamp=1)
+            stats = seg.compact(min_lag_ms=0, max_map_keys=capacity)
+            results.append((stats, _everything(seg)))
+    (small, small_log), (big, big_log) = results
+    assert small_log == big_log and small.records_after == big.records_after
+    assert small.batches_skipped <= 3 < big.batches_skipped
+    assert small.bytes_read > big.bytes_read  # what was not remembered was read again

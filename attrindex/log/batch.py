@@ -32,6 +32,7 @@ import array
 import enum
 import functools
 import itertools
+import operator
 import os
 import random
 import struct
@@ -1003,10 +1004,12 @@ class BatchColumns:
     def has_headers(self) -> bool:
         return self.layout.header_counts is not None
 
-    def record_size(self, i: int) -> int:
-        """Bytes of record ``i``'s value and key (a tombstone's value and a missing key count 0)."""
+    def record_sizes(self) -> list[int]:
+        """Bytes of each record's value and key (a tombstone's value and a missing key count 0)."""
         layout = self.layout
-        return layout.value_lengths[i] + (layout.key_lengths[i] if layout.key_codes is not None else 0)
+        if layout.key_codes is None:
+            return layout.value_lengths
+        return list(map(operator.add, layout.value_lengths, layout.key_lengths))
 
     def encode_runs(self, runs: list[tuple[int, int]]) -> list[bytes]:
         """For each ``(start, stop)``, the batch ``encode_batch`` makes of records ``start..stop-1``

@@ -36,6 +36,7 @@ the same sealed bytes, and a switch whose chunks changed meanwhile is refused (t
 
 from __future__ import annotations
 
+import array
 import bisect
 import hashlib
 import itertools
@@ -237,7 +238,7 @@ def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *, segment
     if not kept:
         return [], 0, len(expired)
     columns = batch_columns(buf, pos, header, position=position, segment=segment, verify=False)
-    kept = _join_small_gaps(kept, columns.record_size, keys, tombstones, rule, expired)
+    kept = _join_small_gaps(kept, columns.record_sizes(), keys, tombstones, rule, expired)
     if columns.has_headers:
         records = decode_records(buf, pos, header, position=position, segment=segment, verify=False)
         pieces = []
@@ -254,16 +255,16 @@ def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *, segment
     return pieces, len(kept), len(expired)
 
 
-def _join_small_gaps(kept: list[int], record_size, keys: list, tombstones: bytes | None, rule: KeepRule,
+def _join_small_gaps(kept: list[int], sizes: list[int], keys: list, tombstones: bytes | None, rule: KeepRule,
                      expired: set[int]) -> list[int]:
     """``kept`` with the records between two runs kept too where removing them would save fewer
     bytes than the header of the extra batch it costs (so a cleaned batch never grows).
-    ``record_size(i)``: the bytes of record ``i``'s value and key."""
+    ``sizes[i]``: the bytes of record ``i``'s value and key."""
     joined: list[int] = []
     for i in kept:
         if joined and i > joined[-1] + 1:
             gap = range(joined[-1] + 1, i)
-            saved = sum(record_size(j) + 3 for j in gap)
+            saved = sum(sizes[gap.start:gap.stop]) + 3 * len(gap)
             if saved < _GAP_WORTH:
                 joined.extend(gap)
                 rule.keep_anyway(keys, tombstones, gap)
@@ -369,7 +370,7 @@ class LogCleaner:
         self.bytes_read = self.batches_skipped = 0
         # per pass: the batches the key map pass walked, by chunk start (see ``_fill``), and the
         # offsets the map keeps, ascending (a batch holding none of them has no survivor)
-        self._known: dict[int, list[tuple[int, BatchHeader, bool]]] = {}
+        self._known: dict[int, array.array] = {}
         self._surviving: list[int] = []
 
     # -- checkpoint ----------------------------------------------------------------------------
@@ -506,21 +507,22 @@ class LogCleaner:
 
         Each batch's checksum is verified by the read (``SegmentLog.batches``); its keys come from
         ``uniform_keys`` (one C-level cut when every key has the same length) or ``decode_keys``.
-        The batches of every chunk walked to its end are remembered (``_known``: position, header,
-        and whether the batch lies wholly in the mapped section with a key on every record), so the
-        rewrite can drop a batch without a survivor unread. That list is bounded like the map: at
-        most ``max_map_keys`` batches per pass; chunks beyond it are simply read again."""
+        The batches of every chunk walked to its end are remembered (``_known``: position, size,
+        base offset, record count, and whether the batch lies wholly in the mapped section with a
+        key on every record: 32 bytes a batch), so the rewrite can drop a batch without a survivor
+        unread. That list is bounded like the map: at most ``max_map_keys`` batches per pass;
+        chunks beyond it are simply read again."""
         segment = self.log.segment
         self._known = {}
         budget = self.max_map_keys
         for n, span in enumerate(spans):
             if span.next_offset <= first_dirty:
                 continue
-            known = []
+            known = array.array("q")  # per batch: position, size, base offset, record count * 2 + droppable
             for at, header, buf, pos in self.log.batches(span.start, span.end):
                 self.bytes_read += header.size
                 if header.next_offset <= first_dirty or not header.record_count:
-                    known.append((at, header, False))
+                    known.extend((at, header.size, header.base_offset, 2 * header.record_count))
                     continue
                 first = max(0, first_dirty - header.base_offset)
                 found = uniform_keys(buf, pos, header, position=at - pos, segment=segment, verify=False)
@@ -531,37 +533,38 @@ class LogCleaner:
                     keyed, mapped = None not in keys, False
                 if not offsets.add(keys, header.base_offset, first, mapped=mapped):
                     return n, False
-                known.append((at, header, keyed and not first))
-            if len(known) <= budget:
+                known.extend((at, header.size, header.base_offset, 2 * header.record_count + (keyed and not first)))
+            if len(known) // 4 <= budget:
                 self._known[span.start] = known
-                budget -= len(known)
+                budget -= len(known) // 4
         return len(spans) - 1, True
 
-    def _batches(self, span: _Span, read_first: bool) -> Iterator[tuple[int, BatchHeader, bytes | None, int]]:
+    def _batches(self, span: _Span, read_first: bool) -> Iterator[tuple[int, BatchHeader | int, bytes | None, int]]:
         """The batches of ``span`` as ``SegmentLog.batches`` yields them, except that a batch the
         key map pass found wholly mapped and keyed, holding none of the surviving offsets, comes
-        as ``(at, header, None, 0)`` without being read: every record in it is superseded. Runs of
-        the other batches are read (and verified) again, one range each. ``read_first``: the
-        span's first batch is read whatever it holds (it may have to keep the log's start)."""
+        as ``(at, record count, None, 0)`` without being read: every record in it is superseded.
+        Runs of the other batches are read (and verified) again, one range each. ``read_first``:
+        the span's first batch is read whatever it holds (it may have to keep the log's start)."""
         known = self._known.get(span.start)
         if known is None:
             yield from self._read(span.start, span.end)
             return
         surviving = self._surviving
         pending: list[int] | None = None  # [start, end) of the batches still to read
-        for i, (at, header, droppable) in enumerate(known):
-            if droppable and not (read_first and i == 0):
-                j = bisect.bisect_left(surviving, header.base_offset)
-                if j == len(surviving) or surviving[j] >= header.next_offset:
+        for i in range(0, len(known), 4):
+            at, size, base, flags = known[i:i + 4]
+            if flags & 1 and not (read_first and i == 0):
+                j = bisect.bisect_left(surviving, base)
+                if j == len(surviving) or surviving[j] >= base + (flags >> 1):
                     if pending:
                         yield from self._read(*pending)
                         pending = None
-                    yield at, header, None, 0
+                    yield at, flags >> 1, None, 0
                     continue
             if pending:
-                pending[1] = at + header.size
+                pending[1] = at + size
             else:
-                pending = [at, at + header.size]
+                pending = [at, at + size]
         if pending:
             yield from self._read(*pending)
 
@@ -620,8 +623,8 @@ class LogCleaner:
         segment = self.log.segment
         for at, header, buf, pos in self._batches(span, read_first=at_start):
             first, at_start = at_start, False
-            if buf is None:  # every record superseded (see ``_batches``): dropped unread
-                self.records_before += header.record_count
+            if buf is None:  # every record superseded (see ``_batches``): dropped unread; ``header`` is its count
+                self.records_before += header
                 self.batches_skipped += 1
                 changed = True
                 continue

@@ -131,6 +131,11 @@ class SegmentLog:
         """Align the chunk list with the byte stream's (new chunks, grown last chunk, truncation,
         replacements); if the chunk holding ``position`` was replaced, resync inside it."""
         stored = self.bytes.chunks()
+        mine = self._chunks
+        if len(stored) == len(mine) and all(a.name == b.name and a.start == b.start for a, b in zip(stored, mine)):
+            for info, known in zip(stored, mine):  # the usual case (after an append: the last grew)
+                known.end = info.end
+            return
         by_name = {c.name: c for c in self._chunks}
         chunks = []
         for info in stored:

@@ -10,6 +10,9 @@ appended --batch per append. Then, in this order and in the same run:
 
   raw read:      every stored log byte read sequentially in 1 MiB windows straight from the chunk
                  files (no parsing): the reference the cleaner is compared with;
+  floors:        the sealed chunks read again with every batch's CRC-32 checked, then also with
+                 each batch's keys cut and put in a dict (key -> offset): what any verifying
+                 cleaner must do, without rewrite or switch (lower bounds for the ratio);
   replay before: a fresh handle reads every record from offset 0 (decoding included);
   compact:       Segment.compact(min_lag_ms=0): the cleaner reads the same bytes once to build
                  the key map, reads again only the batches holding survivors, writes those;
@@ -87,6 +90,33 @@ def raw_read(store) -> tuple[int, float]:
             total += len(piece)
             position += len(piece)
     return total, time.perf_counter() - started
+
+
+def floors(store) -> tuple[float, float]:
+    """Lower bounds for any cleaner that verifies what it reads, on the same chunk files and in the
+    same 1 MiB windows as ``raw_read``: ``(read + CRC-32 of every batch, that + the key map)``,
+    in seconds. The second cuts each batch's keys (``uniform_keys``) and updates a dict of key ->
+    offset, and nothing else: no rewrite, no switch, no framework around it."""
+    from attrindex.log.batch import iter_batches, uniform_keys
+
+    storage = store.storage
+    files = storage.list_files("changelog/_log.seg")
+    chunks = sorted(n for n in files if "/" not in n)
+    out = []
+    for with_map in (False, True):
+        latest: dict = {}
+        started = time.perf_counter()
+        for name in chunks[:-1]:  # the sealed chunks: what the cleaner cleans
+            path = f"changelog/_log.seg/{name}"
+            size = storage.committed_size(path) if storage.appendable else files[name]
+            data = storage.read(path, 0, size)
+            for pos, header in iter_batches(data, verify=True):
+                if with_map and header.record_count:
+                    keys, _dead = uniform_keys(data, pos, header, verify=False)
+                    base = header.base_offset
+                    latest.update(zip(keys, range(base, base + len(keys))))
+        out.append(time.perf_counter() - started)
+    return out[0], out[1]
 
 
 def replay(url: str, rolling: int) -> tuple[list, float]:
@@ -172,9 +202,10 @@ class Breakdown:
 
 def compact_once(url: str, rolling: int, args, profile: bool):
     """Raw-read, then compact, the log at ``url``: ``(compact s, raw s, raw bytes, stats, log bytes
-    before and after, dirty ratio after, breakdown or None)``."""
+    before and after, dirty ratio after, breakdown or None, the two ``floors``)``."""
     with SegmentStore.open(url, log_rolling_size=rolling) as store:
         raw_bytes, raw_s = raw_read(store)
+        floor_crc_s, floor_map_s = floors(store)
         seg = store.segment("changelog")
         log_before = stored_bytes(seg)
         profiler = cProfile.Profile() if profile else None
@@ -198,7 +229,7 @@ def compact_once(url: str, rolling: int, args, profile: bool):
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
         with open(os.path.join(args.out, "profile-compact.txt"), "w") as f:
             f.write(text.getvalue())
-    return compact_s, raw_s, raw_bytes, stats, log_before, log_after, dirty, breakdown
+    return compact_s, raw_s, raw_bytes, stats, log_before, log_after, dirty, breakdown, floor_crc_s, floor_map_s
 
 
 def main(argv=None) -> int:
@@ -227,7 +258,7 @@ def main(argv=None) -> int:
         before, replay_before_s = replay(url, rolling)
         check(len(before) == args.records, "the log before compaction lost records")
         del before
-        runs = []  # (compact_s, raw_s, raw_bytes, stats, log_before, log_after, dirty, breakdown)
+        runs = []  # what compact_once returns, per copy
         repeat = max(1, args.repeat)
         for r in range(repeat):  # each on a fresh copy (compaction is destructive); the last on the original
             target = url if r == repeat - 1 else os.path.join(root, f"copy-{r}")
@@ -244,8 +275,9 @@ def main(argv=None) -> int:
     for i, run in enumerate(runs):
         print(f"run {i + 1}: raw read {run[2] / MIB:,.1f} MiB in {run[1]:.3f} s, compact {run[0]:.3f} s "
               f"({run[3].bytes_before / MIB / run[0] / (run[2] / MIB / run[1]):.3f}x)")
-    compact_s, _raw, raw_bytes, stats, log_before, log_after, dirty, breakdown = min(runs, key=lambda run: run[0])
+    compact_s, _raw, raw_bytes, stats, log_before, log_after, dirty, breakdown, _c, _m = min(runs, key=lambda run: run[0])
     raw_s = min(run[1] for run in runs)
+    floor_crc_s, floor_map_s = min(run[8] for run in runs), min(run[9] for run in runs)
     raw_mbs = raw_bytes / MIB / raw_s
     clean_mbs = stats.bytes_before / MIB / compact_s
     rows = [
@@ -257,6 +289,10 @@ def main(argv=None) -> int:
          f"({stats.passes} pass(es), {stats.chunks_cleaned} chunks cleaned)"),
         ("compact / raw read", f"{clean_mbs / raw_mbs:.2f}x", "target >= 0.5x"
          + (f" (best of {len(runs)} each)" if len(runs) > 1 else "")),
+        ("floor: read + CRC", f"{floor_crc_s:.3f} s",
+         f"{stats.bytes_before / MIB / floor_crc_s / raw_mbs:.2f}x of the raw read: any cleaner that verifies"),
+        ("floor: + key map", f"{floor_map_s:.3f} s",
+         f"{stats.bytes_before / MIB / floor_map_s / raw_mbs:.2f}x of the raw read: + cut keys, dict.update"),
         ("bytes read by the cleaner", f"{stats.bytes_read / MIB:,.1f} MiB",
          f"{stats.bytes_read / max(1, stats.bytes_before):.2f}x the cleaned section; "
          f"{stats.batches_skipped:,} batches dropped unread"),
