@@ -193,7 +193,11 @@ class AttributeIndex(IndexHandle):
                     return value  # type: ignore[return-value]
             value = recent.young.get(key, MISSING)
             if value is MISSING:
-                return tree_get(key)  # type: ignore[no-any-return]
+                try:
+                    return tree_get(key)  # type: ignore[no-any-return]
+                except InvalidInputError:  # a closed handle's view: say so in the index's words
+                    self._check_open()
+                    raise
             recent.hits += 1
         return value  # type: ignore[return-value]
 
