@@ -74,7 +74,9 @@ def test_readers_share_one_poller_so_requests_do_not_grow_with_readers(s3_store_
                     thread.join(5)
             counts.append(log.total)
         assert counts[0] >= 3  # it does poll: 1.5 s / 0.2 s
-        assert counts[1] <= counts[0] + 1, counts
+        # Shared: about the same count (8 polling readers would make ~8x). Not "+1": under load the
+        # readers' threads start up to a few polls apart, which lengthens the 8-reader window.
+        assert counts[1] <= 2 * counts[0], counts
 
 
 def test_a_record_appended_by_another_handle_is_seen_within_the_maximum_interval(s3_store_url):
