@@ -32,7 +32,8 @@ def s3_endpoint():
     endpoint = f"http://127.0.0.1:{port}"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
     server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        # tests/moto_server.py: moto.server with its conditional writes made atomic (see there)
+        [sys.executable, os.path.join(os.path.dirname(__file__), "moto_server.py"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
