@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 from storage_adapters.local import LocalChunkStorage
 
@@ -66,14 +66,6 @@ _log = logging.getLogger("attrindex.segment")
 class MergeWorkerError(StorageError):
     """A merge in the worker process failed, or the worker died or hung (it is restarted for the
     next merge). The updates stay in tier 1 and in the log; the background merge retries."""
-
-
-class MergeAnswer(NamedTuple):
-    """A worker's report of one merge."""
-
-    checkpoint: int  #: the tree's checkpoint after it
-    base_length: int  #: the tree's length (its version) the merge was applied to; -1: none (nothing merged)
-    length: int  #: the length of the version it wrote, if that is the base plus this merge alone; else -1
 
 
 class WorkerStartError(MergeWorkerError):
@@ -111,7 +103,7 @@ class MergeWorker:
         """The running worker's process id (None when none runs)."""
         return None if self._process is None else self._process.pid
 
-    def merge(self, at: int, timeout: float | None = None) -> "MergeAnswer":
+    def merge(self, at: int, timeout: float | None = None) -> int:
         """Have the worker merge the log up to byte ``at`` into the tree; return what it reports.
         ``MergeWorkerError`` if it fails, dies or does not answer in ``timeout`` seconds (default
         ``MERGE_WORKER_TIMEOUT``; then it is killed)."""
@@ -126,9 +118,9 @@ class MergeWorker:
                                    f"log byte {at}: {type(exc).__name__}: {exc}") from None
         if answer[0] != "ok":
             raise MergeWorkerError(f"the merge worker failed to merge up to log byte {at}: {answer[1]}")
-        (checkpoint, base, length), peak_rss = answer[1]
+        checkpoint, peak_rss = answer[1]
         self.peak_rss = max(self.peak_rss, peak_rss)
-        return MergeAnswer(checkpoint, base, length)
+        return checkpoint
 
     def _running(self) -> subprocess.Popen:
         process = self._process
@@ -250,21 +242,16 @@ class _Host:
         self.tree.refresh()
         covered = self.tree.checkpoint or 0
         if covered >= at:
-            return covered, -1, -1  # merged already (a retry after a lost answer, or another handle)
+            return covered  # merged already (a retry after a lost answer, or another handle)
         overlay = replay_log(self.log, covered, at)
         if fault == "exit_before_commit":
             os._exit(17)
         if fault == "hang":
             time.sleep(3600)
-        base = self.tree._tree.state
         merge_overlay(self.tree, overlay, at)
         if fault == "exit_after_commit":
             os._exit(18)
-        state = self.tree._tree.state
-        # Whether the new version is the base plus this merge alone (no other writer between):
-        # then the parent, if it holds the base, may keep its value cache.
-        straight = state.length - state.footer.update_length == base.length
-        return self.tree.checkpoint or 0, base.length, state.length if straight else -1
+        return self.tree.checkpoint or 0
 
 
 def replay_log(log, since: int, at: int):

@@ -571,7 +571,7 @@ class Segment(BackgroundMerge):
             view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
         else:
             tree, frozen = self._tree, self._frozen
-            view = (self._overlay.lookup, None if frozen is None else frozen.lookup, tree._recent_values(),  # type: ignore[union-attr]
+            view = (self._overlay.lookup, None if frozen is None else frozen.lookup, tree._values,  # type: ignore[union-attr]
                     tree._get_uncached, tree._get_many_canonical)  # type: ignore[union-attr]
         self._view = view
 

@@ -111,7 +111,7 @@ class BackgroundMerge:
         worker = self._merge_worker() if background and len(frozen) >= MIN_WORKER_KEYS else None
         if worker is not None:
             try:
-                return self._merge_in_worker(worker, frozen, at)
+                return self._merge_in_worker(worker, at)
             except WorkerStartError as exc:  # no process can be started here: merge in this thread for good
                 _log.warning("segment %r: the merge worker process could not be started (merging in the writer's "
                              "process from now on): %s", self.name, exc)
@@ -130,16 +130,18 @@ class BackgroundMerge:
                     self._worker_disabled = True
         return None if self._worker_disabled else self._worker
 
-    def _merge_in_worker(self, worker: MergeWorker, frozen: AttributeOverlay, at: int) -> bool:
+    def _merge_in_worker(self, worker: MergeWorker, at: int) -> bool:
         """The worker merges the log up to ``at``; then this handle adopts the tree it wrote (a
-        new footer: the page cache stays valid) and checks that it covers ``at``. The value cache
-        stays warm (refreshed with ``frozen``) if the worker merged straight into the version this
-        handle held; otherwise it is dropped. A worker that died after committing (its answer
-        lost) is no failure."""
+        new footer: the page cache stays valid, the value cache is dropped as after any other
+        writer's version) and checks that it covers ``at``. A worker that died after committing
+        (its answer lost) is no failure.
+
+        (Keeping the value cache warm by refreshing it with the frozen overlay was tried and
+        removed: a read view published during that refresh served values the new version had
+        replaced.)"""
         tree = self._index
-        held = tree._tree.state.length
         try:
-            answer = worker.merge(at)
+            worker.merge(at)
         except WorkerStartError:
             raise
         except MergeWorkerError as exc:
@@ -149,11 +151,7 @@ class BackgroundMerge:
             _log.info("segment %r: the merge worker's answer was lost, but the tree covers log byte %d: merged (%s)",
                       self.name, at, exc)
         else:
-            if answer.base_length == held and answer.length >= 0:
-                # (frozen's dict, read in steps: a frozen overlay never changes)
-                tree.adopt_merged(frozen._values, answer.length)  # noqa: SLF001
-            else:
-                tree.refresh()
+            tree.refresh()
         covered = tree.checkpoint or 0
         if covered < at:
             raise MergeWorkerError(f"segment {self.name!r}: the merge worker reported the merge up to log byte {at}, "

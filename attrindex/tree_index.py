@@ -8,7 +8,6 @@ helpers (``_canonical_batch``, ``key_list``) and ``IndexStats`` live here too.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from itertools import compress, repeat
 from operator import is_
@@ -172,7 +171,6 @@ class TreeIndex(IndexHandle):
         # a value read from the old tree is cached only if no update landed meanwhile.
         self._cache_lock = threading.Lock()
         self._cache_epoch = 0  #: updates and adopted versions so far
-        self._adopting: tuple[ValueCache, int] | None = None  #: (kept cache, expected length) in adopt_merged
         self._versions_adopted = 0  # versions written by others that the tree adopted
         self._closed = False
         self._read_only = False  # set by open(mode="r")
@@ -185,9 +183,6 @@ class TreeIndex(IndexHandle):
             self._cache_epoch += 1
             self._versions_adopted += 1
             self._values.clear()
-            adopting = self._adopting
-            if adopting is not None and self._tree.state.length != adopting[1]:
-                adopting[0].clear()  # (adopt_merged's kept cache: a version other than the merged one)
 
     def _cache_found(self, epoch: int, state: object, keys, values) -> None:
         """Cache values read from the tree (or promote ones found in the old generation), unless
@@ -233,15 +228,6 @@ class TreeIndex(IndexHandle):
         self._check_open()
         keys = key_list(keys)
         return self._get_many_canonical(keys if _all_canonical_keys(keys) else [to_key(k) for k in keys])
-
-    def _recent_values(self) -> ValueCache:
-        """The recent-values cache for a segment's read view to hold: the real one, also while
-        ``adopt_merged`` has set it aside (lookups through ``_values`` bypass it then; the view's
-        probes may use it, since every key the adopted version changed is still in the frozen
-        overlay the view probes first, and another writer's version clears it at once)."""
-        with self._cache_lock:  # (adopt_merged sets both under it)
-            adopting = self._adopting
-            return self._values if adopting is None else adopting[0]
 
     # Lock-free: a segment's read view calls these for keys its overlays do not hold, beside the
     # background merge's updates. Only ``_cache_found`` writes the cache (under its lock).
@@ -380,38 +366,6 @@ class TreeIndex(IndexHandle):
             # acknowledgement may have loaded them): drop it, as when another writer's version
             # is adopted.
             self._external_change()
-
-    def adopt_merged(self, updates: Mapping[bytes, int | None], length: int) -> None:
-        """Adopt the newest version after another process merged ``updates`` straight into the
-        version this handle holds, making the version that ends at byte ``length`` (a merge
-        worker). If that is the version adopted, the recent-values cache is kept, refreshed with
-        ``updates`` in steps, so lookups stay warm; any other version (another writer as well)
-        drops it, as ``refresh`` does. Meanwhile lookups bypass the cache: the tree's versions
-        differ only in ``updates`` until it is refreshed."""
-        self._check_open()
-        with self._cache_lock:
-            kept, self._values = self._values, ValueCache(0)
-            self._adopting = (kept, length)  # any other version adopted meanwhile clears it
-            self._cache_epoch += 1
-        try:
-            state = self._tree.reload()
-            if state.length == length and (kept.young or kept.old):  # the worker's, straight after ours
-                items = iter(updates.items())
-                while step := dict(itertools.islice(items, _CACHE_UPDATES_UP_TO)):
-                    with self._cache_lock:  # each step only while the tree is still that version
-                        if self._tree.state.length != length:
-                            kept.clear()
-                            break
-                        kept.refresh_many(step)
-            else:
-                kept.clear()
-        except BaseException:
-            kept.clear()
-            raise
-        finally:
-            with self._cache_lock:
-                self._values, self._adopting = kept, None
-                self._cache_epoch += 1
 
     @property
     def checkpoint(self) -> int | None:

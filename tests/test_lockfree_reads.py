@@ -359,27 +359,3 @@ def test_a_merge_does_not_cache_its_batch_over_a_newer_version_adopted_meanwhile
     assert ours.get(key(1)) == 5 and ours.get_many([key(1)]) == [5]
     for index in (ours, theirs):
         index.close()
-
-
-def test_a_view_published_during_a_worker_merges_adoption_holds_the_real_cache(tmp_path):
-    """``adopt_merged`` sets the recent-values cache aside while it reloads; a view published
-    meanwhile (a freeze or rebuild in another thread) must still hold the real cache, or every
-    lookup would take the slow path until the next publish."""
-    index = AttributeIndex.open(str(tmp_path / "idx"), **TINY)
-    index.update({key(1): 1})
-    index.flush()
-    wal = index._wal
-    tree = wal._index
-    original_reload = tree._tree.reload
-
-    def reload_and_publish():
-        with wal._lock:
-            wal._publish_view()  # another thread publishes in the middle of the adoption
-        return original_reload()
-
-    tree._tree.reload = reload_and_publish
-    tree.adopt_merged({}, tree._tree.state.length)
-    tree._tree.reload = original_reload
-    assert wal._view[2] is tree._values and tree._values.capacity
-    assert index.get(key(1)) == 1
-    index.close()

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from attrindex import merge_worker, segment_merge
 from attrindex.attribute_index import AttributeIndex
 from attrindex.errors import InvalidInputError
+from attrindex.value_cache import MISSING
 
 WAIT = 60.0  # seconds: bound of every wait below (a loaded machine); never a timed assertion
 
@@ -179,8 +180,8 @@ def test_readers_never_see_a_value_go_back_across_the_swap(tmp_path):
             index.update({**noise, **{k: generation for k in hot}})
             wait_for(lambda: merged_up_to_position(index), "the merge")
             assert not len(index._wal._overlay)  # so the reads below come from the tree
-            if generation > 1:  # read (cached) last round: the worker's merge refreshed, not dropped, them
-                assert index._wal._tree._values.get(hot[0]) == generation
+            if generation > 1:  # read (cached) last round: the worker's merge dropped, not kept, them
+                assert index._wal._tree._values.peek(hot[0])[0] in (MISSING, generation)
             assert index.get_many(hot) == [generation] * len(hot)
             assert index.get(hot[0]) == generation
     finally:
@@ -352,62 +353,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
-
-
-def _trees(tmp_path):
-    """Three handles of one tree: ``mine`` (the writer's), ``worker`` and ``other`` (another writer)."""
-    from attrindex.tree_index import TreeIndex
-    from storage_adapters import open_storage
-
-    storage = open_storage(str(tmp_path))
-    return [TreeIndex(storage, "t", page_size=1024) for _ in range(3)]
-
-
-def test_adopt_merged_keeps_the_value_cache_warm_for_the_merged_version(tmp_path):
-    mine, worker, _other = _trees(tmp_path)
-    mine.update({key(1): 1, key(2): 2})
-    assert mine.get_many([key(1), key(2)]) == [1, 2]  # cached
-    worker.refresh()
-    worker.update({key(1): 10})
-    mine.adopt_merged({key(1): 10}, worker._tree.state.length)
-    hits = mine.stats().value_cache_hits
-    assert mine.get_many([key(1), key(2)]) == [10, 2]
-    assert mine.stats().value_cache_hits == hits + 2  # both still cached, key 1 refreshed
-
-
-def test_adopt_merged_drops_the_value_cache_for_any_other_version(tmp_path):
-    mine, worker, other = _trees(tmp_path)
-    mine.update({key(1): 1, key(2): 2})
-    assert mine.get_many([key(1), key(2)]) == [1, 2]
-    worker.refresh()
-    worker.update({key(1): 10})
-    merged = worker._tree.state.length
-    other.refresh()
-    other.update({key(2): 20})  # another writer after the worker
-    mine.adopt_merged({key(1): 10}, merged)
-    assert mine.get_many([key(1), key(2)]) == [10, 20]
-
-
-def test_adopt_merged_drops_the_kept_cache_if_another_version_lands_in_its_window(tmp_path, monkeypatch):
-    mine, worker, other = _trees(tmp_path)
-    mine.update({key(1): 1, key(2): 2})
-    assert mine.get_many([key(1), key(2)]) == [1, 2]
-    worker.refresh()
-    worker.update({key(1): 10})
-    merged = worker._tree.state.length
-    reload = mine._tree.reload
-
-    def meanwhile():  # right after the worker's version is adopted: another writer, a reader's reload
-        state = reload()
-        other.refresh()
-        other.update({key(2): 20})
-        reload()
-        return state
-
-    monkeypatch.setattr(mine._tree, "reload", meanwhile)
-    mine.adopt_merged({key(1): 10}, merged)
-    monkeypatch.undo()
-    assert mine.get_many([key(1), key(2)]) == [10, 20]
 
 
 def test_a_segment_with_records_merges_in_the_worker_when_asked(tmp_path):
