@@ -673,14 +673,7 @@ class LocalChunkStorage(ChunkStorage):
             fd, size, sizes = entry.chunk_fd, seen.size, seen.sizes
             entry.seen = None  # written from here on: look again next time
             _check_committed(path, sizes[0], position)
-            if size < position:
-                raise CorruptDataError(f"chunk {path!r} holds {size} bytes but {position} were committed")
-            if size > position:
-                os.ftruncate(fd, position)  # bytes of a torn append, never committed
-            if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
-                _write_paced(fd, data, position)
-            else:
-                _write_all(fd, data, position)
+            self._write_at(fd, path, size, position, data)
             sizes = [position + len(data), *sizes][:XATTR_HISTORY]
             entry.last_record = None
             record = self._commit_xattr(fd, seen.record, sizes, position, len(data))
@@ -691,6 +684,18 @@ class LocalChunkStorage(ChunkStorage):
             entry.close_chunk()  # whatever state it is in, the next append opens the file afresh
             raise
         return True
+
+    def _write_at(self, fd: int, path: str, size: int, position: int, data: bytes) -> None:
+        """Write ``data`` at the committed end ``position`` of a chunk file of ``size`` bytes: cut
+        a torn append's bytes first; a file shorter than what was committed is damage."""
+        if size < position:
+            raise CorruptDataError(f"chunk {path!r} holds {size} bytes but {position} were committed")
+        if size > position:
+            os.ftruncate(fd, position)  # bytes of a torn append, never committed
+        if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
+            _write_paced(fd, data, position)
+        else:
+            _write_all(fd, data, position)
 
     def _append(self, path: str, position: int, data: bytes) -> None:
         target = self._abs(path)
@@ -703,15 +708,7 @@ class LocalChunkStorage(ChunkStorage):
             if xattr:
                 sizes = _xattr_committed(record) if record is not None else [0]
                 _check_committed(path, sizes[0], position)
-            size = os.fstat(fd).st_size
-            if size < position:
-                raise CorruptDataError(f"chunk {path!r} holds {size} bytes but {position} were committed")
-            if size > position:
-                os.ftruncate(fd, position)  # bytes of a torn append, never committed
-            if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
-                _write_paced(fd, data, position)
-            else:
-                _write_all(fd, data, position)
+            self._write_at(fd, path, os.fstat(fd).st_size, position, data)
             if xattr:
                 self._commit_xattr(fd, record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
                 if record is None and self.sync:

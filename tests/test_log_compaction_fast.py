@@ -24,6 +24,7 @@ from attrindex.errors import CorruptDataError
 from attrindex.log import cleaner as cleaner_module
 from attrindex.log.batch import (Codec, available_codecs, batch_columns, decode_keys, decode_records, encode_batch,
                                  read_header, uniform_keys)
+from tests.test_log_compaction import everything
 
 CODECS = sorted(available_codecs())
 WIDTHS = [0, 1, 2, 13, 16, 32, 33, 126, 127, 200]  # 127 and up: a two-byte length code, the general path
@@ -167,16 +168,6 @@ def _general_path(monkeypatch):
                         lambda self, span, read_first: self._read(span.start, span.end))
 
 
-def _everything(seg) -> list[Record]:
-    out, offset = [], seg.start_offset
-    while True:
-        got = seg.read(offset, 1000)
-        if not got:
-            return out
-        out.extend(got)
-        offset = got[-1].offset + 1
-
-
 def _build(batches, codecs) -> tuple:
     store = SegmentStore.open(f"memory://compaction-fast-{uuid.uuid4().hex}", log_rolling_size=ROLL)
     seg = store.segment("s", create=True)  # "delete" first: keyless records get in
@@ -193,7 +184,7 @@ def _compact_twice(seg, capacity, retention):
         stats = seg.compact(min_lag_ms=0, tombstone_retention_ms=retention, now_ms=now, max_map_keys=capacity)
         out.append((stats.records_before, stats.records_after, stats.tombstones_removed, stats.kept_anyway,
                     stats.bytes_after, stats.chunks_cleaned, stats.checkpoint, stats.passes))
-    return out, _everything(seg)
+    return out, everything(seg)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -221,7 +212,7 @@ def test_batches_without_survivors_are_dropped_unread():
         assert stats.records_after == 5 and stats.batches_skipped >= stats.records_before // 5 - 2
         # each byte read once by the key map pass; only the last batch of keys read again
         assert stats.bytes_read < stats.bytes_before + 1000
-        below = [r.key for r in _everything(seg) if r.offset < stats.checkpoint]
+        below = [r.key for r in everything(seg) if r.offset < stats.checkpoint]
         assert sorted(below) == sorted({b"key-%d" % k for k in range(5)})
 
 
@@ -234,7 +225,7 @@ def _local_segment(tmp_path, batches=60):
         seg = store.segment("s", create=True, cleanup_policy="compact")
         for i in range(batches):
             seg.append([Record(b"%03d" % i + b"." * 40, b"key-%d" % k) for k in range(4)], timestamp=1)
-        records = _everything(seg)
+        records = everything(seg)
     return url, records
 
 
@@ -275,7 +266,7 @@ def test_bit_flips_on_read_during_compaction_give_an_error_or_a_correct_log(tmp_
             pass
         store.close()
         with SegmentStore.open(url, log_rolling_size=2048) as clean:
-            survivors = _everything(clean.segment("s"))
+            survivors = everything(clean.segment("s"))
         original = {r.offset: r for r in records}
         assert all(original[r.offset] == r for r in survivors)
         assert {r.key: r for r in survivors} == latest
@@ -291,7 +282,7 @@ def test_the_remembered_batches_are_bounded_like_the_map():
             for i in range(60):
                 seg.append([Record(b"%02d" % i + b"." * 40, b"k%d" % (i % 2))], timestamp=1)
             stats = seg.compact(min_lag_ms=0, max_map_keys=capacity)
-            results.append((stats, _everything(seg)))
+            results.append((stats, everything(seg)))
     (small, small_log), (big, big_log) = results
     assert small_log == big_log and small.records_after == big.records_after
     assert small.batches_skipped <= 3 < big.batches_skipped
