@@ -491,13 +491,8 @@ class LocalChunkStorage(ChunkStorage):
     def remove_directory(self, directory: str) -> None:
         with self._locks_guard:  # its lock files go: close the ones kept open that nobody holds
             prefix = directory.rstrip("/") + "/"
-            for name, entry in list(self._locks.items()):
-                if (name == directory or name.startswith(prefix)) and entry.mutex.acquire(blocking=False):
-                    try:
-                        entry.close()
-                        del self._locks[name]
-                    finally:
-                        entry.mutex.release()
+            for name in [n for n in self._locks if n == directory or n.startswith(prefix)]:
+                self._close_if_idle(name)
         shutil.rmtree(self._abs(directory), ignore_errors=True)
 
     def _let_go(self, path: str) -> None:
@@ -588,15 +583,20 @@ class LocalChunkStorage(ChunkStorage):
 
     def _evict_locks(self) -> None:
         """Close cached locks nobody holds until the cache is back to its bound (under the guard)."""
-        for directory, entry in list(self._locks.items()):
+        for directory in list(self._locks):
             if len(self._locks) <= MAX_OPEN_LOCKS // 2:
                 break
-            if entry.mutex.acquire(blocking=False):
-                try:
-                    entry.close()
-                    del self._locks[directory]
-                finally:
-                    entry.mutex.release()
+            self._close_if_idle(directory)
+
+    def _close_if_idle(self, directory: str) -> None:
+        """Close and forget the cached lock of ``directory`` unless a thread holds it (under the guard)."""
+        entry = self._locks[directory]
+        if entry.mutex.acquire(blocking=False):
+            try:
+                entry.close()
+                del self._locks[directory]
+            finally:
+                entry.mutex.release()
 
     def _reset_locks(self) -> dict[str, _DirectoryLock]:
         with self._locks_guard:
@@ -614,13 +614,8 @@ class LocalChunkStorage(ChunkStorage):
             self._evict_all()
 
     def _evict_all(self) -> None:
-        for directory, entry in list(self._locks.items()):
-            if entry.mutex.acquire(blocking=False):
-                try:
-                    entry.close()
-                    del self._locks[directory]
-                finally:
-                    entry.mutex.release()
+        for directory in list(self._locks):
+            self._close_if_idle(directory)
 
     def append(self, path: str, position: int, data: bytes) -> None:
         try:  # (no context manager: this is on every append's path)
