@@ -23,14 +23,19 @@ def test_a_lone_writer_writes_in_its_own_thread_and_waits_on_no_one(tmp_path, mo
     monkeypatch.setattr(type(storage), "append",
                         lambda self, *a: (threads.append(threading.get_ident()), real_append(self, *a))[1])
     real_wait = threading.Condition.wait
-    me = threading.get_ident()  # (the merge thread waits for work meanwhile: not counted)
-    monkeypatch.setattr(threading.Condition, "wait",
-                        lambda self, *a, **k: (waits.append(threading.get_ident() == me), real_wait(self, *a, **k))[1])
+    me = threading.get_ident()
+
+    def wait(self, *a, **k):
+        if threading.get_ident() == me:  # (the merge thread waits for work meanwhile: not counted)
+            waits.append(self)
+        return real_wait(self, *a, **k)
+
+    monkeypatch.setattr(threading.Condition, "wait", wait)
     for i in range(5):
         index.update({b"k" * 16: i})
     monkeypatch.undo()
     assert threads == [threading.get_ident()] * 5  # the caller is the leader: no handoff
-    assert True not in waits  # and never waits for another thread's write
+    assert waits == []  # and the caller never waited on a condition (another thread's write)
     assert index.get(b"k" * 16) == 4
     index.close()
 
