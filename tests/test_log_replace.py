@@ -156,7 +156,8 @@ def test_bad_replacement_data_is_refused_before_anything_is_written(storage_url)
     start, end = sealed[0].start, sealed[1].end
     batches = [bytes(buf[pos:pos + h.size]) for _at, h, buf, pos in log.batches(start, end)]
     files = sorted(log.storage.list_files(f"s/{LOG_DIR}.seg"))
-    for bad in (b"garbage", batches[0][:-1], batches[1] + batches[0], batches[0][:10] + b"x" + batches[0][11:]):
+    for bad in (b"garbage", batches[0][:-1], batches[0] + batches[1][:30], batches[1] + batches[0],
+                batches[0][:10] + b"x" + batches[0][11:]):
         with pytest.raises(InvalidInputError):
             log.replace_range(start, end, bad)
     assert sorted(log.storage.list_files(f"s/{LOG_DIR}.seg")) == files

@@ -42,7 +42,7 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
-from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, read_header
+from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, read_header
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
 _log = logging.getLogger("attrindex.log")
@@ -716,21 +716,19 @@ class SegmentLog:
         i = self._chunk_index(start)
         base = self.summary(i).base_offset if self._chunks and self._chunks[i].start == start else 0
         builder = ChunkIndexBuilder(start, self.interval, next_offset=base)
-        pos, next_offset = 0, base
-        while pos < len(data):
-            try:
-                header = read_header(data, pos, position=start, segment=self.segment)
-                if header is not None:
-                    check_batch(data, pos, header, position=start, segment=self.segment)
-            except CorruptDataError as exc:
-                raise InvalidInputError(f"segment {self.segment!r}: replacement data is not valid record "
-                                        f"batches: {exc}") from None
-            if header is None or header.base_offset < next_offset:
-                raise InvalidInputError(f"segment {self.segment!r}: replacement data at byte {pos}: "
-                                        + ("an incomplete batch" if header is None else
-                                           f"base offset {header.base_offset} below {next_offset}"))
-            _index_batch(builder, start + pos, header)
-            pos, next_offset = pos + header.size, header.next_offset
+        whole, next_offset = 0, base  # bytes of whole batches so far; the offset the next must reach
+        try:
+            for pos, header in iter_batches(data, position=start, segment=self.segment):
+                if header.base_offset < next_offset:
+                    raise InvalidInputError(f"segment {self.segment!r}: replacement data at byte {pos}: base "
+                                            f"offset {header.base_offset} below {next_offset}")
+                _index_batch(builder, start + pos, header)
+                whole, next_offset = pos + header.size, header.next_offset
+        except CorruptDataError as exc:
+            raise InvalidInputError(f"segment {self.segment!r}: replacement data is not valid record "
+                                    f"batches: {exc}") from None
+        if whole < len(data):
+            raise InvalidInputError(f"segment {self.segment!r}: replacement data at byte {whole}: an incomplete batch")
         if len(data) < end - start:
             builder.add(len(data), end - start - len(data), next_offset, 0, _NO_TIMESTAMP)
         return builder.summary()
