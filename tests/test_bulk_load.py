@@ -377,13 +377,34 @@ def test_load_reopen_and_truncate_on_every_backend(storage_url):
     assert reopened.stats().start_offset == reopened.stats().length - reopened.stats().live_bytes - 72
 
 
-@pytest.mark.parametrize("sub_bucket_above", [0, 3, 1 << 30])
-def test_unsorted_input_sorted_through_one_or_two_levels_of_buckets(monkeypatch, sub_bucket_above):
-    monkeypatch.setattr(bulk, "_SUB_BUCKET_ABOVE", sub_bucket_above)
-    rng = random.Random(sub_bucket_above)
-    # Keys sharing first bytes (so buckets are large), duplicates and removals.
-    universe = [bytes([rng.randrange(3), rng.randrange(4)]) + rng.randbytes(14) for _ in range(3000)]
-    pairs = [(rng.choice(universe), rng.choice([None, rng.randrange(-5, 5)])) for _ in range(6000)]
+def _constant_floats(keys):
+    return (0.0 for _ in keys)
+
+
+def _reversed_floats(keys):
+    return (-float(int.from_bytes(key, "big")) for key in keys)
+
+
+@pytest.mark.parametrize("order_keys", [bulk._order_keys, _constant_floats, _reversed_floats],
+                         ids=["floats", "all-tied", "misordered"])
+@pytest.mark.parametrize("shape", ["random", "shared-prefix", "duplicates-and-removals"])
+def test_unsorted_input_sorted_by_float_keys_or_by_the_keys_when_floats_tie(monkeypatch, order_keys, shape):
+    """The fast path sorts by floats; floats that tie (keys differing past 53 bits, repeats) or,
+    were the key function ever misapplied, misorder, fall back to a sort by the keys themselves."""
+    monkeypatch.setattr(bulk, "_order_keys", order_keys)
+    monkeypatch.setattr(bulk, "_PACK_SLICE", 64)  # many slices, and ties across their borders
+    rng = random.Random(shape)
+    if shape == "random":
+        universe = [rng.randbytes(16) for _ in range(3000)]
+    elif shape == "shared-prefix":  # equal up to the last bytes: many keys share one float
+        universe = [b"\xff" * 12 + rng.randbytes(4) for _ in range(3000)]
+    else:
+        universe = [bytes([rng.randrange(3), rng.randrange(4)]) + rng.randbytes(14) for _ in range(3000)]
+    if shape == "duplicates-and-removals":
+        pairs = [(rng.choice(universe), rng.choice([None, rng.randrange(-5, 5)])) for _ in range(6000)]
+    else:
+        pairs = [(key, rng.randrange(-(1 << 63), 1 << 63)) for key in set(universe)]
+        rng.shuffle(pairs)
     index = new_index(page_size=1024)
     index.update({universe[i]: 1 for i in range(0, 3000, 3)})
     model = {universe[i]: 1 for i in range(0, 3000, 3)}
