@@ -2,6 +2,7 @@
 
     python -m sims.bench.run [--keys 1000000] [--updates N] [--big-keys 10000000] [--out sims/out/bench]
     python -m sims.bench.run --keys 100000 --big-keys 0          # a quick run (about a minute)
+    python -m sims.bench.run --big-keys 0 --repeat 3              # medians of 3 rounds (a shared machine)
 
 Each engine runs in a child process of its own (its peak RSS is its own), on data generated from
 the same seed. Measured for each engine on local disk:
@@ -34,6 +35,7 @@ import random
 import resource
 import shutil
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -414,7 +416,9 @@ def main(argv=None) -> int:
     parser.add_argument("--updates", type=int, default=None, help="keys updated in batches of 1,000 (default --keys)")
     parser.add_argument("--big-keys", type=int, default=10_000_000, help="0 skips the big run")
     parser.add_argument("--lookups", type=int, default=200_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each lookup phase (the best counts)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every engine this many times, order rotated; the table shows medians")
     parser.add_argument("--single", type=int, default=1000, help="single-key durable updates, one call each")
     parser.add_argument("--thread-ops", type=int, default=1000, help="single-key updates per thread-count run")
     parser.add_argument("--cold-lookups", type=int, default=20_000)
@@ -431,25 +435,46 @@ def main(argv=None) -> int:
         return run_child(args)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="attrindex-bench-", dir=args.dir)
-    rows, big = [], {}
+    engines = [name for name in args.engines.split(",") if name != "lmdb" or _lmdb_installed()]
+    rounds: dict[str, list[dict]] = {name: [] for name in engines}
+    big = {}
     try:
-        for name in args.engines.split(","):
-            if name == "lmdb":
-                try:
-                    import lmdb  # noqa: F401
-                except ImportError:
-                    print("lmdb: not installed, skipped")
-                    continue
-            print(f"running {name} ...", flush=True)
-            rows.append(child(args, name, os.path.join(work, name)))
-            shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+        for r in range(args.repeat):
+            # Rotate who goes first: a shared machine's disk and CPU drift over minutes, and a
+            # fixed order would hand one engine the same slot every round.
+            for name in engines[r % len(engines):] + engines[:r % len(engines)]:
+                print(f"running {name}" + (f" (round {r + 1} of {args.repeat})" if args.repeat > 1 else "") + " ...",
+                      flush=True)
+                rounds[name].append(child(args, name, os.path.join(work, name)))
+                shutil.rmtree(os.path.join(work, name), ignore_errors=True)
         if args.big_keys:
             print(f"running attrindex at {args.big_keys:,} keys ...", flush=True)
             big = child(args, "big", os.path.join(work, "big"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(rows, big, args)
+    report([median_row(rows) for rows in rounds.values() if rows], big, args, rounds)
     return 0
+
+
+def _lmdb_installed() -> bool:
+    try:
+        import lmdb  # noqa: F401
+    except ImportError:
+        print("lmdb: not installed, skipped")
+        return False
+    return True
+
+
+def median_row(rows: list[dict]) -> dict:
+    """Each numeric field's median over the rounds (the other fields of the first round)."""
+    merged = dict(rows[0])
+    for field, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            merged[field] = statistics.median(row[field] for row in rows if row.get(field) is not None)
+    return merged
+
+
+SPREAD = ("load_per_s", "single_per_s", "updates_per_s", "update_p99_ms", "update_max_ms")  #: per-round ratios printed
 
 
 METRICS = [  # label, field, higher is better, scale
@@ -485,12 +510,13 @@ def _ratio(ours: float, theirs: float, higher_better: bool) -> float:
         return float("nan")
 
 
-def report(rows, big, args):
+def report(rows, big, args, rounds=None):
     by = {r["engine"]: r for r in rows}
     nan = float("nan")
     ours, sq, lm = by.get("attrindex", {}), by.get("sqlite3", {}), by.get("lmdb", {})
     print(f"\n{args.keys:,} random 16-byte keys, int64 values; {args.updates:,} updates in calls of {BATCH}; "
-          f"local disk; each engine in its own process\n")
+          f"local disk; each engine in its own process"
+          + (f"; each cell the median of {args.repeat} rounds, engine order rotated" if args.repeat > 1 else "") + "\n")
     head = f"{'metric':<40}{'attrindex':>14}{'sqlite3':>14}{'lmdb':>14}{'vs sqlite3':>12}{'vs lmdb':>10}"
     print(head)
     print("-" * len(head))
@@ -500,6 +526,12 @@ def report(rows, big, args):
         print(f"{label:<40}{_num(o):>14}{_num(s):>14}{_num(m):>14}"
               f"{_ratio(o, s, higher_better):>11.2f}x{_ratio(o, m, higher_better):>9.2f}x")
     print("  (ratios: >1 means attrindex is better; RSS includes the data set, generated before the engine starts)")
+    if args.repeat > 1 and rounds and rounds.get("attrindex") and rounds.get("lmdb"):
+        for label, field, higher_better, _scale in METRICS:
+            if field in SPREAD:
+                ratios = [_ratio(o.get(field, nan), m.get(field, nan), higher_better)
+                          for o, m in zip(rounds["attrindex"], rounds["lmdb"])]
+                print(f"  {label.strip()} vs lmdb, round by round: " + ", ".join(f"{r:.2f}x" for r in ratios))
     cpu = {name: by[name].get("load_cpu_s", nan) for name in by}
     print("bulk load, CPU seconds (steadier than wall time on a busy machine): "
           + ", ".join(f"{name} {seconds:.2f}" for name, seconds in cpu.items()))
@@ -520,10 +552,11 @@ def report(rows, big, args):
               f"{big['cache_bytes'] / 2**20:.1f} MiB for {big['index_bytes'] / 2**20:.2f} MiB of index pages and "
               f"{big['leaf_bytes'] / 2**20:.0f} MiB of leaves: {big['reads_per_cold_lookup']:.3f} storage reads per "
               f"lookup, {big['cold_lookups_per_s']:,.0f} lookups/s")
+    every = [{**row, "round": i + 1} for runs in (rounds or {"": rows}).values() for i, row in enumerate(runs)]
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, sorted({f for r in rows for f in r}))
+        writer = csv.DictWriter(handle, sorted({f for r in every for f in r}))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(every)
     if big:
         with open(os.path.join(args.out, "big.csv"), "w", newline="") as handle:
             writer = csv.DictWriter(handle, sorted(big))
