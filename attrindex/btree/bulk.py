@@ -10,7 +10,7 @@ retried without the caller's input (which may be a one-shot iterator):
    pairs are collected in a list (the caller's tuples, referenced, not copied) and sorted at the
    end, in memory, by each key's value as a float (no external sort; a list or mapping given is
    in memory already, a generator's tuples cost about 100 bytes a pair until the sort, and the
-   floats about 32 bytes a pair more while sorting).
+   sort keys, floats, 32 bytes a pair while sorting, freed before the tree is built).
    Duplicate keys: the last wins. ``None`` values mean absent: they remove existing keys when
    loading into a non-empty tree and are dropped otherwise. The cyclic garbage collector is
    paused while reading (see :func:`read_pairs`).
