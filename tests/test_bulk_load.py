@@ -411,3 +411,20 @@ def test_unsorted_input_sorted_by_float_keys_or_by_the_keys_when_floats_tie(monk
     load(index, pairs)
     apply(model, pairs)
     check(index, model)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(runs=st.lists(st.tuples(PAIRS, st.booleans()), max_size=4), read_chunk=st.integers(1, 9),
+       pack_slice=st.integers(1, 9))
+def test_read_pairs_in_small_chunks_matches_a_dict(runs, read_chunk, pack_slice):
+    """Input that streams sorted for a while, then turns unsorted in some chunk (the run so far is
+    collected with it), read and packed a few pairs at a time: the run is the dict's content."""
+    pairs = [pair for run, ascending in runs for pair in (sorted(run, key=lambda p: p[0]) if ascending else run)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bulk, "READ_CHUNK", read_chunk)
+        patch.setattr(bulk, "_PACK_SLICE", pack_slice)
+        run = bulk.read_pairs(iter(pairs))
+    latest = dict(pairs)  # the last value for a key wins
+    assert run.key_list(0, len(run)) == sorted(k for k, v in latest.items() if v is not None)
+    assert list(run.values) == [latest[k] for k in run.key_list(0, len(run))]
+    assert sorted(run.removed) == run.removed == sorted(k for k, v in latest.items() if v is None)
