@@ -215,6 +215,7 @@ def test_progress_passes_each_count_up_to_their_total():
         passes[-1].append((done, total))
         last = done
     assert len(passes) == 3 and all(p[-1] == (100_000, 100_000) for p in passes)
+    assert passes[1][0] == (0, 100_000)  # the sort pass shows at once, before its one long step
 
 
 def test_progress_is_reported_up_to_the_total():
