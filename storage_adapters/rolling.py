@@ -119,6 +119,7 @@ class _Layout:
     """What one listing says about replacements (see ``RollingSegment._read_layout``)."""
 
     generation: int = 0  #: the highest switch marker: never deleted; the next switch takes the one after
+    #: (lower markers are deleted once no view can need them: ``RollingSegment._obsolete_names``)
     accepted: frozenset[str] = frozenset()  #: replacement chunks in force
     losers: tuple[str, ...] = ()  #: replacements whose generation another switch took: deleted first
     retired: tuple[str, ...] = ()  #: objects nobody can see any more: any writer may delete them
@@ -149,6 +150,11 @@ class RollingSegment:
         self._closed = False
         self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
         self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
+        #: Switch-marker sweep (``_obsolete_names``): the top generation the previous truncation's
+        #: listing showed, and ``(generation, chunk start)``: once no chunk at or below that start is
+        #: stored, markers up to that generation serve no view any more.
+        self._seen_top: int | None = None
+        self._horizon: tuple[int, int] | None = None
         self.refresh()
 
     def __repr__(self) -> str:
@@ -229,6 +235,10 @@ class RollingSegment:
 
     def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout] | None:
         """``(chunks, start offset, markers, layout)`` from one listing, or ``None`` if it is inconsistent."""
+        # Every backend's listing reads the chunk names no later than the switch markers (local:
+        # the directory before its ``switch/`` subdirectory; S3: keys in order, digits before
+        # "switch/"; memory: one snapshot). Deleting old switch markers relies on it: a view of
+        # generation G then never holds a chunk created after ``switch/<G + 1>``.
         files = self._listed = self.storage.list_files(self._dir)
         markers = sorted(
             int(n[len(TRUNCATION_DIR) + 1:])
@@ -762,8 +772,11 @@ class RollingSegment:
                 self.refresh()  # rare, and only the true chunk list tells which chunk is the last
                 if offset > self.length:
                     raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
-                if offset <= self._start_offset:
-                    return
+                obsolete = self._obsolete_names()
+                done = offset <= self._start_offset
+            self._delete_obsolete(obsolete)
+            if done:
+                return
             # The marker goes first: a crash before the deletions leaves only unreachable chunks.
             # It is written without the mutex, so appends through this handle go on meanwhile
             # (they land at the end, past ``offset``; only a truncation takes the start forward).
@@ -801,6 +814,71 @@ class RollingSegment:
         with self._mutex:
             self._chunks = [c for c in self._chunks if c.name not in gone or c is self._chunks[-1]]
             self._markers = [m for m in self._markers if m not in dropped]
+
+    def _obsolete_names(self) -> list[str]:
+        """Under the mutex, right after a ``refresh`` by a truncation or a switch: what the listing
+        shows that no view will use again. Objects wholly below the view's first chunk (a
+        truncation's deletion that was interrupted, a replacement truncated away), then switch
+        markers (docs/format.md, "Deleting switch markers").
+
+        A marker is the commit record of its replacement and, while a view of the generation just
+        below it may still be in use, that view's only sign that something switched (appends and
+        polls check ``switch/<g + 1>``). So marker ``g`` goes only when (1) a higher marker exists
+        (the top one numbers the next switch), (2) no listed replacement has generation ``g``, and
+        (3) ``g`` is at most ``t`` of a horizon ``(t, c)`` that has passed. The horizon: ``t`` is
+        the top generation an earlier listing of this handle showed, ``c`` the last chunk's start
+        in a listing begun after that one ended. A view of a generation ``G < t`` was listed
+        before ``switch/<G + 1>`` existed (listings read chunk names before markers: see
+        ``_load_view``), so its last chunk, a plain one, starts at or below ``c``. Once no plain
+        chunk at or below ``c`` is listed (truncated or replaced away), that view's next append
+        or poll meets its last chunk missing and lists again, marker or no marker. Object stores
+        without a deletion grace check the marker after an append's create instead: there the
+        truncation offset must also lie past every object at or below ``c``, so that such an
+        append is undone as truncated.
+        """
+        files, first = self._listed, (self._chunks[0].start if self._chunks else self._start_offset)
+        starts = {n: (_parse_replacement(n)[0] if _REPLACEMENT_NAME.fullmatch(n) else int(n))
+                  for n in files if _CHUNK_NAME.fullmatch(n) or _REPLACEMENT_NAME.fullmatch(n)}
+        dead = sorted(n for n, start in starts.items() if start < first and not (
+            _REPLACEMENT_NAME.fullmatch(n) and _parse_replacement(n)[1] > first))
+        if self._defers_deletion():
+            dead = [n for n in dead if not _CHUNK_NAME.fullmatch(n)]  # plain names keep the deletion grace
+        top = self._layout.generation
+        if self._horizon is None and self._seen_top is not None and self._chunks:
+            self._horizon = (self._seen_top, self._chunks[-1].start)
+        self._seen_top = top
+        if self._horizon is None:
+            return dead
+        horizon_gen, horizon_start = self._horizon
+        checks_after_create = not self.storage.appendable and self.storage.deletion_grace <= 0
+        if any(start <= horizon_start for n, start in starts.items() if checks_after_create or _CHUNK_NAME.fullmatch(n)):
+            return dead  # a view of an old generation may still find its last chunk
+        if checks_after_create and not self._start_offset > first:
+            return dead
+        self._horizon = None  # passed: a later listing takes a new one
+        in_use = {_parse_replacement(n)[2] for n in files if _REPLACEMENT_NAME.fullmatch(n)}
+        markers = [gen for gen in self._switch_markers(files) if gen < top and gen <= horizon_gen and gen not in in_use]
+        return dead + [f"{SWITCH_DIR}/{chunk_name(gen)}" for gen in sorted(markers)]
+
+    @staticmethod
+    def _switch_markers(files: dict[str, int]) -> list[int]:
+        return [int(n[len(SWITCH_DIR) + 1:]) for n in files
+                if n.startswith(SWITCH_DIR + "/") and _CHUNK_NAME.fullmatch(n[len(SWITCH_DIR) + 1:])]
+
+    def _delete_obsolete(self, names: list[str], *, locked: bool = False) -> None:
+        """Delete what ``_obsolete_names`` found, in one request, under the writers' lock on
+        appendable storage (``locked``: the caller holds it): an appender's catch-up, under the
+        lock, then sees either its last chunk or the marker it checks, never neither. Best
+        effort: leftovers wait for the next truncation or switch."""
+        if not names:
+            return
+        guard = self.storage.lock(self._dir) if self.storage.appendable and not locked else contextlib.nullcontext()
+        try:
+            with guard:
+                self.storage.delete([f"{self._dir}/{n}" for n in names])
+        except StorageError as exc:
+            _log.warning("segment %r: could not delete %d obsolete chunks or switch markers (retried later): %s",
+                         self.name, len(names), exc)
 
     def _put_marker(self, path: str) -> None:
         """Write a truncation marker; after an error, whether it exists decides the outcome."""
@@ -884,6 +962,7 @@ class RollingSegment:
                 continue  # another replacement took this generation: look again
             self._confirm_switch(start, end, name)
             self._sweep_layout()
+            self._delete_obsolete(self._obsolete_names(), locked=True)  # this listing: _confirm_switch's
             return
         raise LayoutConflictError(f"segment {self.name!r}: gave up replacing [{start}, {end}) after "
                                   f"{MAX_REPLACE_ATTEMPTS} lost races with other replacers; nothing replaced")
@@ -997,8 +1076,9 @@ class RollingSegment:
     def _sweep_layout(self) -> None:
         """Delete what no view can use any more: chunks shadowed by replacements, and replacements
         that lost or were never switched to. Best effort: leftovers are harmless and the next
-        replacement or truncation deletes them. Switch markers stay (tiny; see docs/format.md):
-        "has anything switched since my view" is the existence of the next generation's marker."""
+        replacement or truncation deletes them. Switch markers stay here: "has anything switched
+        since my view" is the existence of the next generation's marker, so old ones go only once
+        no view can ask that of them (``_obsolete_names``)."""
         layout = self._layout
         self._delete_quietly_all(layout.losers)  # first: with its winner gone a loser would look switched
         retired = layout.retired
