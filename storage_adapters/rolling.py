@@ -126,6 +126,53 @@ class _Layout:
     debris: tuple[str, ...] = ()  #: replacements never switched to, of generations not yet decided
 
 
+class _SweepHorizons:
+    """Per segment, across the handles of this process: what deleting switch markers needs
+    (``RollingSegment._obsolete_names``). A horizon ``(t, c)`` pairs the top generation ``t`` that
+    one listing showed with the last chunk's start ``c`` in a listing begun after that one ended;
+    any two listings of one process qualify, whichever handle took them (a cleaner opens a handle
+    per pass). Bounded: the least recently used segments are forgotten (their sweep only waits)."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: key -> [top seen, monotonic time that listing had ended, horizon or None]
+        self._state: dict[tuple[str, str], list] = {}
+
+    def horizon(self, key: tuple[str, str], top: int, length: int, last_start: int | None,
+                listed_at: float) -> tuple[int, int] | None:
+        """Record a listing (begun at ``listed_at``, showing top generation ``top``, the segment's
+        ``length`` and the last chunk's start) and return the horizon to test it against, if any."""
+        ended = time.monotonic()
+        with self._lock:
+            state = self._state.pop(key, None) or [None, float("inf"), None]
+            self._state[key] = state  # most recently used last
+            if len(self._state) > self.LIMIT:
+                del self._state[next(iter(self._state))]
+            seen, seen_ended, horizon = state
+            if horizon is not None and (top < horizon[0] or length < horizon[1]):
+                horizon = None  # generations and lengths only grow: the segment was deleted and made again
+            if horizon is None and seen is not None and seen <= top and listed_at > seen_ended and last_start is not None:
+                horizon = (seen, last_start)
+            state[:] = [top, ended, horizon]
+            return horizon
+
+    def passed(self, key: tuple[str, str], horizon: tuple[int, int]) -> None:
+        """``horizon`` has passed: the next listing takes a new one."""
+        with self._lock:
+            state = self._state.get(key)
+            if state is not None and state[2] == horizon:
+                state[2] = None
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._state.pop(key, None)
+
+
+_SWEEPS = _SweepHorizons()
+
+
 class RollingSegment:
     """An append-only byte stream stored as chunks in ``storage`` under the segment ``name``.
 
@@ -150,11 +197,7 @@ class RollingSegment:
         self._closed = False
         self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
         self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
-        #: Switch-marker sweep (``_obsolete_names``): the top generation the previous truncation's
-        #: listing showed, and ``(generation, chunk start)``: once no chunk at or below that start is
-        #: stored, markers up to that generation serve no view any more.
-        self._seen_top: int | None = None
-        self._horizon: tuple[int, int] | None = None
+        self._listed_at = float("-inf")  #: monotonic time before the listing behind ``_listed`` began
         self.refresh()
 
     def __repr__(self) -> str:
@@ -224,7 +267,7 @@ class RollingSegment:
                 view = self._load_view()
                 if view is not None:
                     self._chunks, self._start_offset, self._markers, self._layout = view
-                    self._view_time = started
+                    self._view_time = self._listed_at = started
                     self._note_dead_objects()
                     return
                 _log.info("segment %r: the listing raced an append or truncation; listing again", self.name)
@@ -825,9 +868,9 @@ class RollingSegment:
         below it may still be in use, that view's only sign that something switched (appends and
         polls check ``switch/<g + 1>``). So marker ``g`` goes only when (1) a higher marker exists
         (the top one numbers the next switch), (2) no listed replacement has generation ``g``, and
-        (3) ``g`` is at most ``t`` of a horizon ``(t, c)`` that has passed. The horizon: ``t`` is
-        the top generation an earlier listing of this handle showed, ``c`` the last chunk's start
-        in a listing begun after that one ended. A view of a generation ``G < t`` was listed
+        (3) ``g`` is at most ``t`` of a horizon ``(t, c)`` that has passed. The horizon
+        (``_SweepHorizons``): ``t`` is the top generation an earlier listing in this process
+        showed, ``c`` the last chunk's start in a listing begun after that one ended. A view of a generation ``G < t`` was listed
         before ``switch/<G + 1>`` existed (listings read chunk names before markers: see
         ``_load_view``), so its last chunk, a plain one, starts at or below ``c``. Once no plain
         chunk at or below ``c`` is listed (truncated or replaced away), that view's next append
@@ -837,26 +880,32 @@ class RollingSegment:
         append is undone as truncated.
         """
         files, first = self._listed, (self._chunks[0].start if self._chunks else self._start_offset)
-        starts = {n: (_parse_replacement(n)[0] if _REPLACEMENT_NAME.fullmatch(n) else int(n))
-                  for n in files if _CHUNK_NAME.fullmatch(n) or _REPLACEMENT_NAME.fullmatch(n)}
-        dead = sorted(n for n, start in starts.items() if start < first and not (
-            _REPLACEMENT_NAME.fullmatch(n) and _parse_replacement(n)[1] > first))
-        if self._defers_deletion():
-            dead = [n for n in dead if not _CHUNK_NAME.fullmatch(n)]  # plain names keep the deletion grace
+        plain: dict[str, int] = {}  # name -> start (a truncation's hot path: no regex for plain names)
+        replacements: dict[str, tuple[int, int, int]] = {}
+        for n in files:
+            if len(n) == 20 and n.isdigit():
+                plain[n] = int(n)
+            elif _REPLACEMENT_NAME.fullmatch(n):
+                replacements[n] = _parse_replacement(n)
+        dead = [] if self._defers_deletion() else [n for n, start in plain.items() if start < first]
+        dead += [n for n, (start, end, _gen) in replacements.items() if start < first and end <= first]
+        dead.sort()  # plain names on object stores with a grace keep it (``_doomed``)
         top = self._layout.generation
-        if self._horizon is None and self._seen_top is not None and self._chunks:
-            self._horizon = (self._seen_top, self._chunks[-1].start)
-        self._seen_top = top
-        if self._horizon is None:
+        horizon = _SWEEPS.horizon((self.storage.url, self._dir), top, self.length,
+                                  self._chunks[-1].start if self._chunks else None, self._listed_at)
+        if horizon is None:
             return dead
-        horizon_gen, horizon_start = self._horizon
+        horizon_gen, horizon_start = horizon
         checks_after_create = not self.storage.appendable and self.storage.deletion_grace <= 0
-        if any(start <= horizon_start for n, start in starts.items() if checks_after_create or _CHUNK_NAME.fullmatch(n)):
+        lowest = min(plain.values(), default=horizon_start + 1)
+        if checks_after_create:
+            lowest = min([lowest] + [start for start, _end, _gen in replacements.values()])
+        if lowest <= horizon_start:
             return dead  # a view of an old generation may still find its last chunk
         if checks_after_create and not self._start_offset > first:
             return dead
-        self._horizon = None  # passed: a later listing takes a new one
-        in_use = {_parse_replacement(n)[2] for n in files if _REPLACEMENT_NAME.fullmatch(n)}
+        _SWEEPS.passed((self.storage.url, self._dir), horizon)
+        in_use = {gen for _start, _end, gen in replacements.values()}
         markers = [gen for gen in self._switch_markers(files) if gen < top and gen <= horizon_gen and gen not in in_use]
         return dead + [f"{SWITCH_DIR}/{chunk_name(gen)}" for gen in sorted(markers)]
 
@@ -1152,6 +1201,7 @@ class RollingSegment:
         self._check_open()
         with self._mutex:
             self.storage.remove_directory(self._dir)
+            _SWEEPS.forget((self.storage.url, self._dir))
             self._chunks, self._start_offset, self._markers, self._layout = [], 0, [], _Layout()
             self._doomed.clear()
 
