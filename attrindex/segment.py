@@ -123,7 +123,10 @@ class SegmentStats:
     name: str
     start_offset: int
     next_offset: int
-    log_bytes: int  #: bytes of the log still stored
+    #: bytes the log's chunks hold in storage: the stored length of every chunk in this handle's
+    #: view, counted whole (a chunk the truncation offset cuts through is still stored whole), and
+    #: nothing for holes (the empty tail of a replacement chunk that log compaction left)
+    log_bytes: int
     log_chunks: int
     max_timestamp: int | None
     pending_attributes: int  #: keys in tier 1 not yet merged into the B+tree
@@ -977,7 +980,7 @@ class Segment(BackgroundMerge):
             self._ensure_attributes()
             log = self._log
             chunks = log.bytes.chunks()
-            stored = sum(c.end - max(c.start, log.start_position) for c in chunks)
+            stored = sum(c.stored for c in chunks)  # a hole holds nothing; a cut first chunk is still whole
             return SegmentStats(
                 name=self.name,
                 start_offset=log.start_offset,

@@ -124,7 +124,7 @@ class IndexStats:
     height: int
     length: int  #: bytes ever appended to the index's storage
     start_offset: int  #: truncation offset: the smallest offset of a live page
-    storage_bytes: int  #: bytes still held in storage (whole chunks; at least length - start_offset)
+    storage_bytes: int  #: bytes the chunks still listed hold (each whole; at least length - start_offset)
     live_bytes: int  #: bytes of the pages reachable from the root
     bytes_written: int  #: bytes this handle appended
     updates_written: int  #: appends this handle made
@@ -394,7 +394,7 @@ class TreeIndex(IndexHandle):
             height=footer.height,
             length=state.length,
             start_offset=footer.min_offset if state.footer_offset >= 0 else state.length,
-            storage_bytes=sum(c.end - max(c.start, self._segment.start_offset) for c in self._segment.chunks()),
+            storage_bytes=sum(c.stored for c in self._segment.chunks()),  # whole chunks, holes excluded
             live_bytes=footer.live_bytes,
             bytes_written=io.bytes_written,
             updates_written=io.updates_written,

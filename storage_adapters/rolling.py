@@ -119,10 +119,58 @@ class _Layout:
     """What one listing says about replacements (see ``RollingSegment._read_layout``)."""
 
     generation: int = 0  #: the highest switch marker: never deleted; the next switch takes the one after
+    #: (lower markers are deleted once no view can need them: ``RollingSegment._obsolete_names``)
     accepted: frozenset[str] = frozenset()  #: replacement chunks in force
     losers: tuple[str, ...] = ()  #: replacements whose generation another switch took: deleted first
     retired: tuple[str, ...] = ()  #: objects nobody can see any more: any writer may delete them
     debris: tuple[str, ...] = ()  #: replacements never switched to, of generations not yet decided
+
+
+class _SweepHorizons:
+    """Per segment, across the handles of this process: what deleting switch markers needs
+    (``RollingSegment._obsolete_names``). A horizon ``(t, c)`` pairs the top generation ``t`` that
+    one listing showed with the last chunk's start ``c`` in a listing begun after that one ended;
+    any two listings of one process qualify, whichever handle took them (a cleaner opens a handle
+    per pass). Bounded: the least recently used segments are forgotten (their sweep only waits)."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: key -> [top seen, monotonic time that listing had ended, horizon or None]
+        self._state: dict[tuple[str, str], list] = {}
+
+    def horizon(self, key: tuple[str, str], top: int, length: int, last_start: int | None,
+                listed_at: float) -> tuple[int, int] | None:
+        """Record a listing (begun at ``listed_at``, showing top generation ``top``, the segment's
+        ``length`` and the last chunk's start) and return the horizon to test it against, if any."""
+        ended = time.monotonic()
+        with self._lock:
+            state = self._state.pop(key, None) or [None, float("inf"), None]
+            self._state[key] = state  # most recently used last
+            if len(self._state) > self.LIMIT:
+                del self._state[next(iter(self._state))]
+            seen, seen_ended, horizon = state
+            if horizon is not None and (top < horizon[0] or length < horizon[1]):
+                horizon = None  # generations and lengths only grow: the segment was deleted and made again
+            if horizon is None and seen is not None and seen <= top and listed_at > seen_ended and last_start is not None:
+                horizon = (seen, last_start)
+            state[:] = [top, ended, horizon]
+            return horizon
+
+    def passed(self, key: tuple[str, str], horizon: tuple[int, int]) -> None:
+        """``horizon`` has passed: the next listing takes a new one."""
+        with self._lock:
+            state = self._state.get(key)
+            if state is not None and state[2] == horizon:
+                state[2] = None
+
+    def forget(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self._state.pop(key, None)
+
+
+_SWEEPS = _SweepHorizons()
 
 
 class RollingSegment:
@@ -149,6 +197,7 @@ class RollingSegment:
         self._closed = False
         self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
         self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
+        self._listed_at = float("-inf")  #: monotonic time before the listing behind ``_listed`` began
         self.refresh()
 
     def __repr__(self) -> str:
@@ -218,7 +267,7 @@ class RollingSegment:
                 view = self._load_view()
                 if view is not None:
                     self._chunks, self._start_offset, self._markers, self._layout = view
-                    self._view_time = started
+                    self._view_time = self._listed_at = started
                     self._note_dead_objects()
                     return
                 _log.info("segment %r: the listing raced an append or truncation; listing again", self.name)
@@ -229,6 +278,10 @@ class RollingSegment:
 
     def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout] | None:
         """``(chunks, start offset, markers, layout)`` from one listing, or ``None`` if it is inconsistent."""
+        # Every backend's listing reads the chunk names no later than the switch markers (local:
+        # the directory before its ``switch/`` subdirectory; S3: keys in order, digits before
+        # "switch/"; memory: one snapshot). Deleting old switch markers relies on it: a view of
+        # generation G then never holds a chunk created after ``switch/<G + 1>``.
         files = self._listed = self.storage.list_files(self._dir)
         markers = sorted(
             int(n[len(TRUNCATION_DIR) + 1:])
@@ -762,8 +815,11 @@ class RollingSegment:
                 self.refresh()  # rare, and only the true chunk list tells which chunk is the last
                 if offset > self.length:
                     raise OffsetOutOfRangeError(self.name, offset, 0, self._start_offset, self.length)
-                if offset <= self._start_offset:
-                    return
+                obsolete = self._obsolete_names()
+                done = offset <= self._start_offset
+            self._delete_obsolete(obsolete)
+            if done:
+                return
             # The marker goes first: a crash before the deletions leaves only unreachable chunks.
             # It is written without the mutex, so appends through this handle go on meanwhile
             # (they land at the end, past ``offset``; only a truncation takes the start forward).
@@ -801,6 +857,77 @@ class RollingSegment:
         with self._mutex:
             self._chunks = [c for c in self._chunks if c.name not in gone or c is self._chunks[-1]]
             self._markers = [m for m in self._markers if m not in dropped]
+
+    def _obsolete_names(self) -> list[str]:
+        """Under the mutex, right after a ``refresh`` by a truncation or a switch: what the listing
+        shows that no view will use again. Objects wholly below the view's first chunk (a
+        truncation's deletion that was interrupted, a replacement truncated away), then switch
+        markers (docs/format.md, "Deleting switch markers").
+
+        A marker is the commit record of its replacement and, while a view of the generation just
+        below it may still be in use, that view's only sign that something switched (appends and
+        polls check ``switch/<g + 1>``). So marker ``g`` goes only when (1) a higher marker exists
+        (the top one numbers the next switch), (2) no listed replacement has generation ``g``, and
+        (3) ``g`` is at most ``t`` of a horizon ``(t, c)`` that has passed. The horizon
+        (``_SweepHorizons``): ``t`` is the top generation an earlier listing in this process
+        showed, ``c`` the last chunk's start in a listing begun after that one ended. A view of a generation ``G < t`` was listed
+        before ``switch/<G + 1>`` existed (listings read chunk names before markers: see
+        ``_load_view``), so its last chunk, a plain one, starts at or below ``c``. Once no plain
+        chunk at or below ``c`` is listed (truncated or replaced away), that view's next append
+        or poll meets its last chunk missing and lists again, marker or no marker. Object stores
+        without a deletion grace check the marker after an append's create instead: there the
+        truncation offset must also lie past every object at or below ``c``, so that such an
+        append is undone as truncated.
+        """
+        files, first = self._listed, (self._chunks[0].start if self._chunks else self._start_offset)
+        plain: dict[str, int] = {}  # name -> start (a truncation's hot path: no regex for plain names)
+        replacements: dict[str, tuple[int, int, int]] = {}
+        for n in files:
+            if len(n) == 20 and n.isdigit():
+                plain[n] = int(n)
+            elif _REPLACEMENT_NAME.fullmatch(n):
+                replacements[n] = _parse_replacement(n)
+        dead = [] if self._defers_deletion() else [n for n, start in plain.items() if start < first]
+        dead += [n for n, (start, end, _gen) in replacements.items() if start < first and end <= first]
+        dead.sort()  # plain names on object stores with a grace keep it (``_doomed``)
+        top = self._layout.generation
+        horizon = _SWEEPS.horizon((self.storage.url, self._dir), top, self.length,
+                                  self._chunks[-1].start if self._chunks else None, self._listed_at)
+        if horizon is None:
+            return dead
+        horizon_gen, horizon_start = horizon
+        checks_after_create = not self.storage.appendable and self.storage.deletion_grace <= 0
+        lowest = min(plain.values(), default=horizon_start + 1)
+        if checks_after_create:
+            lowest = min([lowest] + [start for start, _end, _gen in replacements.values()])
+        if lowest <= horizon_start:
+            return dead  # a view of an old generation may still find its last chunk
+        if checks_after_create and not self._start_offset > first:
+            return dead
+        _SWEEPS.passed((self.storage.url, self._dir), horizon)
+        in_use = {gen for _start, _end, gen in replacements.values()}
+        markers = [gen for gen in self._switch_markers(files) if gen < top and gen <= horizon_gen and gen not in in_use]
+        return dead + [f"{SWITCH_DIR}/{chunk_name(gen)}" for gen in sorted(markers)]
+
+    @staticmethod
+    def _switch_markers(files: dict[str, int]) -> list[int]:
+        return [int(n[len(SWITCH_DIR) + 1:]) for n in files
+                if n.startswith(SWITCH_DIR + "/") and _CHUNK_NAME.fullmatch(n[len(SWITCH_DIR) + 1:])]
+
+    def _delete_obsolete(self, names: list[str], *, locked: bool = False) -> None:
+        """Delete what ``_obsolete_names`` found, in one request, under the writers' lock on
+        appendable storage (``locked``: the caller holds it): an appender's catch-up, under the
+        lock, then sees either its last chunk or the marker it checks, never neither. Best
+        effort: leftovers wait for the next truncation or switch."""
+        if not names:
+            return
+        guard = self.storage.lock(self._dir) if self.storage.appendable and not locked else contextlib.nullcontext()
+        try:
+            with guard:
+                self.storage.delete([f"{self._dir}/{n}" for n in names])
+        except StorageError as exc:
+            _log.warning("segment %r: could not delete %d obsolete chunks or switch markers (retried later): %s",
+                         self.name, len(names), exc)
 
     def _put_marker(self, path: str) -> None:
         """Write a truncation marker; after an error, whether it exists decides the outcome."""
@@ -884,6 +1011,7 @@ class RollingSegment:
                 continue  # another replacement took this generation: look again
             self._confirm_switch(start, end, name)
             self._sweep_layout()
+            self._delete_obsolete(self._obsolete_names(), locked=True)  # this listing: _confirm_switch's
             return
         raise LayoutConflictError(f"segment {self.name!r}: gave up replacing [{start}, {end}) after "
                                   f"{MAX_REPLACE_ATTEMPTS} lost races with other replacers; nothing replaced")
@@ -997,8 +1125,9 @@ class RollingSegment:
     def _sweep_layout(self) -> None:
         """Delete what no view can use any more: chunks shadowed by replacements, and replacements
         that lost or were never switched to. Best effort: leftovers are harmless and the next
-        replacement or truncation deletes them. Switch markers stay (tiny; see docs/format.md):
-        "has anything switched since my view" is the existence of the next generation's marker."""
+        replacement or truncation deletes them. Switch markers stay here: "has anything switched
+        since my view" is the existence of the next generation's marker, so old ones go only once
+        no view can ask that of them (``_obsolete_names``)."""
         layout = self._layout
         self._delete_quietly_all(layout.losers)  # first: with its winner gone a loser would look switched
         retired = layout.retired
@@ -1072,6 +1201,7 @@ class RollingSegment:
         self._check_open()
         with self._mutex:
             self.storage.remove_directory(self._dir)
+            _SWEEPS.forget((self.storage.url, self._dir))
             self._chunks, self._start_offset, self._markers, self._layout = [], 0, [], _Layout()
             self._doomed.clear()
 

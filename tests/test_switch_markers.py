@@ -1,0 +1,348 @@
+"""Switch markers (``NAME.seg/switch/<generation>``) are deleted once no view can need them.
+
+A marker is the commit record of its replacement and the sign, for a view of the generation
+below it, that something switched. Rolling segments delete old ones after a truncation or a
+switch (``RollingSegment._obsolete_names``); these tests check that their number stays bounded
+through many rolls, switches and truncations, that stale handles still append and read right,
+and that a failure or a SIGKILL in the middle of the cleanup leaves a readable segment.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from storage_adapters import open_storage
+from storage_adapters.errors import StorageError
+from storage_adapters.faults import FaultyStorage
+from storage_adapters.rolling import SWITCH_DIR, RollingSegment
+
+from .conftest import make_s3_url
+
+ROLL = 300
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def markers(storage, name="s") -> list[int]:
+    return sorted(int(n.split("/")[1]) for n in storage.list_files(f"{name}.seg") if n.startswith(SWITCH_DIR + "/"))
+
+
+def payload(i: int, size: int) -> bytes:
+    return (b"%07d|" % i * (size // 8 + 1))[:size]
+
+
+def check_against(storage, model: bytearray, name="s") -> RollingSegment:
+    """A fresh handle reads every stored byte of the model (replacements here keep all bytes)."""
+    fresh = RollingSegment(storage, name, rolling_size=ROLL)
+    assert fresh.length == len(model) and not fresh.holes()
+    start = fresh.start_offset
+    assert fresh.read(start, len(model) - start) == bytes(model[start:])
+    return fresh
+
+
+def cycle(seg: RollingSegment, model: bytearray, rng: random.Random, *, truncate: bool = True) -> None:
+    """Roll at least once and switch; then keep about two chunks (``truncate``). Without
+    truncation, consolidate every sealed chunk into one (each switch supersedes the one before)."""
+    for _ in range(3):
+        data = payload(len(model), rng.randrange(60, 160))
+        assert seg.append(data) == len(model)
+        model += data
+    sealed = [c for c in seg.chunks()[:-1] if c.start >= seg.start_offset]
+    if sealed:
+        start = sealed[-1 if truncate else 0].start
+        seg.replace_range(start, sealed[-1].end, bytes(model[start:sealed[-1].end]))
+    if truncate and len(seg.chunks()) > 2:
+        seg.truncate(seg.chunks()[-2].start + 1)
+
+
+def _open(kind, tmp_path, s3_options=None, **options):
+    if kind == "memory":
+        return open_storage(f"memory://markers-{uuid.uuid4().hex}")
+    if kind == "local":
+        return open_storage(str(tmp_path / "store"))
+    return open_storage(make_s3_url(s3_options), **s3_options, **options)
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_markers_stay_bounded_through_rolls_switches_and_truncations(kind, tmp_path):
+    storage = _open(kind, tmp_path)
+    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(5)
+    counts = []
+    for _ in range(60):
+        cycle(seg, model, rng)
+        counts.append(len(markers(storage)))
+    assert seg._layout.generation >= 50  # about one switch per cycle
+    assert max(counts[10:]) <= 6, counts  # never deleted, they were one per switch
+    assert markers(storage)[-1] == seg._layout.generation  # the top one numbers the next switch
+    fresh = check_against(storage, model)
+    cycle(fresh, model, rng)  # a reopened handle switches and truncates on
+    check_against(storage, model)
+
+
+@pytest.mark.parametrize("grace", [0, 0.2])
+def test_markers_stay_bounded_on_s3(s3_options, grace):
+    # No grace: appends check the next marker after their create, the strictest case. With a
+    # grace, truncated and replaced chunk names stay for it, and so do the markers they hold back.
+    storage = _open("s3", None, s3_options, deletion_grace=grace)
+    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(6)
+    for _ in range(25):
+        cycle(seg, model, rng)
+        time.sleep(grace / 4)
+    assert seg._layout.generation >= 20 and len(markers(storage)) <= 8, markers(storage)
+    check_against(storage, model)
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_markers_are_swept_by_switches_alone_once_old_chunks_are_replaced(kind, tmp_path):
+    # A compacted log that is never truncated: the switches replace every plain chunk in turn.
+    storage = _open(kind, tmp_path)
+    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(7)
+    for _ in range(40):
+        cycle(seg, model, rng, truncate=False)
+    assert seg.start_offset == 0 and seg._layout.generation >= 35
+    assert len(markers(storage)) <= 6, markers(storage)
+    check_against(storage, model)
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_a_stale_appender_and_reader_survive_the_deletion_of_the_marker_they_would_check(kind, tmp_path):
+    storage = _open(kind, tmp_path)
+    model, rng = bytearray(), random.Random(8)
+    stale = RollingSegment(storage, "s", rolling_size=ROLL)
+    for _ in range(2):
+        cycle(stale, model, rng)
+    reader = RollingSegment(storage, "s", rolling_size=ROLL)
+    generation = stale._layout.generation
+    busy = RollingSegment(storage, "s", rolling_size=ROLL)
+    for _ in range(30):
+        cycle(busy, model, rng)
+    assert generation + 1 not in markers(storage)  # the sign the stale handles would look for
+    assert reader.poll()
+    reader.refresh()
+    assert reader.read(reader.start_offset, 10) == bytes(model[reader.start_offset:reader.start_offset + 10])
+    data = payload(len(model), 100)
+    assert stale.append(data) == len(model)
+    model += data
+    check_against(storage, model)
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_a_stale_appender_whose_last_chunk_outlives_the_switches_after_it(kind, tmp_path):
+    # The view's last chunk is sealed and kept (never truncated) while the chunks after it are
+    # replaced again and again: a marker deleted then would let the stale handle create a plain
+    # chunk inside a replacement (an acknowledged append nobody can read).
+    storage = _open(kind, tmp_path)
+    model, rng = bytearray(), random.Random(9)
+    stale = RollingSegment(storage, "s", rolling_size=ROLL)
+    while stale.length < ROLL:
+        data = payload(len(model), 100)
+        stale.append(data)
+        model += data
+    busy = RollingSegment(storage, "s", rolling_size=ROLL)
+    while len([c for c in busy.chunks() if c.start >= stale.length]) < 2:
+        data = payload(len(model), 100)
+        busy.append(data)
+        model += data
+    after = [c for c in busy.chunks() if c.start >= stale.length]
+    chunk = after[0]  # sealed: the first chunk after the stale view's last
+    for _ in range(12):  # switch it again and again; each switch retires the one before
+        busy.replace_range(chunk.start, chunk.end, bytes(model[chunk.start:chunk.end]))
+        busy.truncate(0)  # a truncation step that moves nothing still sweeps
+    data = payload(len(model), 100)
+    assert stale.append(data) == len(model)
+    model += data
+    check_against(storage, model)
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_failed_and_lost_deletes_during_the_sweep_leave_a_readable_segment(kind, tmp_path):
+    inner = _open(kind, tmp_path)
+    storage = FaultyStorage(inner, seed=11)
+    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(12)
+    for round_ in range(40):
+        # every other sweep fails before deleting, or deletes and loses its answer
+        storage.script("fail_before" if round_ % 4 == 0 else "lost_ack", op="delete", times=1)
+        cycle(seg, model, rng)
+        check_against(inner, model)
+    assert any(i.op == "delete" for i in storage.injected)
+    storage.enabled = False
+    for _ in range(10):
+        cycle(seg, model, rng)
+    assert len(markers(inner)) <= 6, markers(inner)
+    check_against(inner, model)
+
+
+class CrashingDeletes(FaultyStorage):
+    """Every other delete of switch markers (with something else) removes only a random prefix of
+    its paths, then fails: what a process killed between the unlinks (or the objects of one
+    DeleteObjects) leaves behind."""
+
+    def __init__(self, inner, *, seed: int):
+        super().__init__(inner, seed=seed)
+        self.sweeps, self.crashes = 0, 0
+
+    def delete(self, paths):
+        if len(paths) < 2 or not any(f"/{SWITCH_DIR}/" in p for p in paths):
+            return self.inner.delete(paths)
+        self.sweeps += 1
+        if self.sweeps % 2:
+            return self.inner.delete(paths)
+        self.crashes += 1
+        self.inner.delete(paths[:self._random.randrange(1, len(paths))])
+        raise StorageError("injected: the process died between the deletes")
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_a_crash_between_the_deletes_leaves_a_readable_segment(kind, tmp_path):
+    inner = _open(kind, tmp_path)
+    storage = CrashingDeletes(inner, seed=15)
+    model, rng = bytearray(), random.Random(16)
+    for _ in range(12):  # a new handle after each crash: a restarted process knows nothing
+        seg = RollingSegment(storage, "s", rolling_size=ROLL)
+        crashes = storage.crashes
+        while storage.crashes == crashes and len(model) < 200_000:
+            cycle(seg, model, rng)
+            check_against(inner, model)
+    assert storage.crashes >= 10 and storage.sweeps >= 20
+    seg = RollingSegment(inner, "s", rolling_size=ROLL)
+    for _ in range(10):
+        cycle(seg, model, rng)
+    assert len(markers(inner)) <= 6, markers(inner)
+    check_against(inner, model)
+
+
+_CHILD = """
+import random, sys
+sys.path.insert(0, %r)
+from storage_adapters import open_storage
+from storage_adapters.rolling import RollingSegment
+from tests.test_switch_markers import ROLL, payload
+storage = open_storage(sys.argv[1])
+seg, rng = RollingSegment(storage, "s", rolling_size=ROLL), random.Random(int(sys.argv[2]))
+while True:
+    for _ in range(3):
+        offset = seg.length
+        data = payload(offset, rng.randrange(60, 160))
+        got = seg.append(data)
+        print(got, len(data), flush=True)
+    sealed = [c for c in seg.chunks()[:-1] if c.start >= seg.start_offset]
+    if sealed:
+        c = sealed[-1]
+        seg.replace_range(c.start, c.end, seg.read(c.start, c.end - c.start))
+    if len(seg.chunks()) > 2:
+        seg.truncate(seg.chunks()[-2].start + 1)
+""" % ROOT
+
+
+def test_sigkill_during_switches_and_sweeps_on_local_disk(tmp_path):
+    root = str(tmp_path / "store")
+    acked: dict[int, int] = {}
+    rng = random.Random(13)
+    for round_ in range(6):
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, root, str(round_)], stdout=subprocess.PIPE, text=True)
+        lines = 0
+        deadline = time.monotonic() + 60
+        target = rng.randrange(20, 120)
+        while lines < target and time.monotonic() < deadline:
+            line = child.stdout.readline()
+            if not line:
+                break
+            offset, size = map(int, line.split())
+            assert offset not in acked
+            acked[offset] = size
+            lines += 1
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        for line in child.stdout.read().splitlines():  # acknowledged before the kill landed
+            offset, size = map(int, line.split())
+            acked[offset] = size
+        child.stdout.close()
+        assert lines == target, f"round {round_}: the child stopped after {lines} appends ({child.returncode})"
+        storage = open_storage(root)
+        seg = RollingSegment(storage, "s", rolling_size=ROLL)
+        for offset, size in acked.items():  # every acknowledged append above the start is there
+            if offset >= seg.start_offset:
+                assert seg.read(offset, size) == payload(offset, size)
+        # at most the one append the kill cut off before its acknowledgement was printed
+        assert 0 <= seg.length - max(o + s for o, s in acked.items()) < 160
+    model_rng = random.Random(14)
+    model = bytearray(seg.read(seg.start_offset, seg.length - seg.start_offset))
+    model[:0] = bytes(seg.start_offset)  # offsets below the start are never read
+    for _ in range(10):
+        cycle(seg, model, model_rng)
+    assert len(markers(storage)) <= 6, markers(storage)
+    check_against(storage, model)
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_chunks_a_crash_left_below_the_truncation_are_deleted_by_a_later_truncation(kind, tmp_path):
+    inner = _open(kind, tmp_path)
+    storage = FaultyStorage(inner, seed=17)
+    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(18)
+    for _ in range(6):
+        cycle(seg, model, rng)
+    storage.script("fail_before", op="delete", times=100)  # the process dies before deleting anything
+    seg.truncate(seg.chunks()[-1].start)
+    left = [n for n in inner.list_files("s.seg") if "/" not in n and not n.endswith(".commit")]
+    storage.enabled = False
+    fresh = RollingSegment(inner, "s", rolling_size=ROLL)  # a restarted process: the view skips them
+    assert len(left) > len(fresh.chunks())
+    fresh.truncate(fresh.start_offset + 1)
+    kept = [n for n in inner.list_files("s.seg") if "/" not in n and not n.endswith(".commit")]
+    assert sorted(kept) == sorted(c.name for c in fresh.chunks())
+    check_against(inner, model)
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_a_compacted_log_that_is_never_truncated_keeps_few_markers(kind, tmp_path):
+    # The cleaner opens a log handle of its own per pass: the sweep's state is the process's.
+    from attrindex import Record, SegmentStore
+
+    url = f"memory://markers-{uuid.uuid4().hex}" if kind == "memory" else str(tmp_path / "store")
+    with SegmentStore.open(url, log_rolling_size=ROLL) as store:
+        seg = store.segment("s", create=True, cleanup_policy="compact")
+        latest = {}
+        for round_ in range(25):
+            for i in range(6):
+                key = b"k%d" % (i % 4)
+                seg.append([Record(b"%d-%d" % (round_, i) + b"." * 60, key)], timestamp=1)
+                latest[key] = b"%d-%d" % (round_, i) + b"." * 60
+            seg.compact(min_lag_ms=0, now_ms=round_ + 10)
+        switches = markers(store.storage, "s/_log")
+        assert seg._log.bytes._layout.generation >= 20  # about one switch per pass
+        assert len(switches) <= 8, switches
+        kept = {}
+        offset = seg.start_offset
+        while got := seg.read(offset, 1000):
+            kept.update((r.key, r.value) for r in got)
+            offset = got[-1].offset + 1
+        assert kept == latest
+    with SegmentStore.open(url, log_rolling_size=ROLL) as store:
+        assert store.verify_segment("s").ok
+
+
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_a_segment_deleted_and_made_again_elsewhere_is_not_swept_by_the_old_horizon(kind, tmp_path):
+    storage = _open(kind, tmp_path)
+    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(19)
+    for _ in range(20):
+        cycle(seg, model, rng)
+    storage.remove_directory("s.seg")  # another process deletes the segment: this one's state is old
+    seg, model = RollingSegment(storage, "s", rolling_size=ROLL), bytearray()
+    stale = None
+    for i in range(20):
+        cycle(seg, model, rng)
+        if i == 1:
+            stale = RollingSegment(storage, "s", rolling_size=ROLL)  # a view of an early generation
+        check_against(storage, model)
+    data = payload(len(model), 100)
+    assert stale.append(data) == len(model)
+    model += data
+    check_against(storage, model)
