@@ -23,6 +23,7 @@ import time
 import weakref
 from typing import Iterator
 
+from .errors import StorageError, TruncatedError
 from .merge_worker import MergeWorker, MergeWorkerError, WorkerStartError, worker_storage
 from .overlay import AttributeOverlay
 
@@ -313,7 +314,29 @@ class BackgroundMerge:
 
         If another handle truncated the log past the checkpoint (it merged further, then cut),
         what it cut is in a newer version of the tree: adopt that first. Replaying from the log's
-        start over the older version would lose the updates in between (reads went back)."""
+        start over the older version would lose the updates in between (reads went back). Such a
+        cut may also land during the replay (two writers merging and truncating one WAL): the
+        read then lists the log again and raises ``TruncatedError``; the newer tree version
+        holds what was cut, so the rebuild starts over from it (bounded)."""
+        for _attempt in range(_MAX_TREE_REFRESHES):
+            try:
+                rebuilt = self._replayed_from_newest_tree()
+            except TruncatedError:
+                continue  # the failed read re-listed the log: its start moved past this tree version
+            # Swapped in whole: a read that fails half-way (in the background merge, which retries)
+            # must not leave tier 1 missing updates, which would let conditional appends validate
+            # against stale values.
+            self._overlay, self._frozen = rebuilt, None
+            self._publish_view()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
+            self._dirty_since = time.monotonic()
+            return
+        raise StorageError(f"segment {self.name!r}: other handles kept merging and truncating the log while this "
+                           f"handle rebuilt its pending attribute updates from the B+tree ({_MAX_TREE_REFRESHES} "
+                           f"tries); try again")
+
+    def _replayed_from_newest_tree(self) -> AttributeOverlay:
+        """One try of ``_replay_from_tree``: a new overlay holding the log's updates between the
+        newest tree version covering the log's start and this handle's position."""
         for _attempt in range(_MAX_TREE_REFRESHES):
             checkpoint = self._index.checkpoint or 0
             if checkpoint >= self._log.start_position:
@@ -322,16 +345,11 @@ class BackgroundMerge:
             if (self._index.checkpoint or 0) == checkpoint:
                 break  # no newer version: the log cut held no updates (retention's empty batch)
         checkpoint = self._index.checkpoint or 0
-        # Built aside and swapped in whole: a read that fails half-way (in the background merge,
-        # which retries) must not leave tier 1 missing updates, which would let conditional
-        # appends validate against stale values.
         rebuilt = AttributeOverlay()
         replay = self._replayer(checkpoint, rebuilt)
         for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
-        self._overlay, self._frozen = rebuilt, None
-        self._publish_view()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
-        self._dirty_since = time.monotonic()
+        return rebuilt
 
 
 def merge_overlay(tree, overlay: AttributeOverlay, at: int) -> bool:
