@@ -12,6 +12,12 @@ from the WAL between C and its position. If A merges further and truncates the W
 in between, B's read finds C's chunk gone. Hunt bug 4's retry covered only the catch-up's scan,
 not this rebuild. The rebuild now starts over from the newer tree version, which holds what was
 cut (``BackgroundMerge._replay_from_tree``).
+
+What that failure left behind was worse than the error: B's position had moved past the cut while
+tier 1 kept values the tree had replaced, so B answered reads with them and its next merge wrote
+them back over A's acknowledged updates. Any failure of the catch-up or the rebuild after such a
+step (a storage error too) did the same. Tier 1 is now marked stale then (``_tier1_stale``):
+rebuilt before any read, count or merge, which raise while it cannot be.
 """
 
 from __future__ import annotations
@@ -68,6 +74,68 @@ def test_an_update_whose_rebuild_meets_another_merge_and_truncation_goes_through
     for index in (fresh, a, b):
         index.close()
 
+
+
+def _behind_a_merged_and_cut_wal(url: str, storage):
+    """Handles A and B (B on ``storage``): B set key 7 to 0, then A set it to 1, merged and cut the
+    WAL past B's view, and wrote more. B's next catch-up steps over the cut and must rebuild tier 1
+    from the tree (where 7 is 1): tier 1 still says 0."""
+    options = dict(page_size=256, wal_rolling_size=200, merge_keys=10**6, merge_seconds=10**6)
+    a = AttributeIndex(open_storage(url), **options)
+    b = AttributeIndex(storage, **options)
+    b.update({7: 0})
+    a.update({7: 1})
+    for i in range(N):
+        a.update({100 + i: i})
+    a.flush()
+    for i in range(N):
+        a.update({100 + i: 1000 + i})
+    return a, b
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+@pytest.mark.parametrize("fails", ["scan", "rebuild"])
+def test_a_failed_catch_up_never_serves_or_merges_stale_values(backend, fails, tmp_path, monkeypatch):
+    """B's catch-up fails after stepping over A's WAL cut: in its scan of the tail (a storage read
+    error after the restart at the new start) or in the rebuild of tier 1 from the tree (twice:
+    the update's and the next read's). Its update fails cleanly. Before, B's position had moved
+    on while tier 1 kept 7 = 0: reads answered 0, and B's next merge wrote 0 into the tree over
+    A's acknowledged 1 (lost for every handle). Now tier 1 is marked stale: reads rebuild it
+    first (raising while they cannot) and nothing stale is merged."""
+    from attrindex.errors import StorageError
+    from storage_adapters.faults import FaultyStorage
+
+    url = f"memory://hunt-stale-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path)
+    faulty = FaultyStorage(open_storage(url), seed=1)
+    a, b = _behind_a_merged_and_cut_wal(url, faulty)
+    rebuild_failures = []
+    if fails == "scan":
+        faulty.script("fail_before", op="read", path_contains="_wal/_log.seg")
+    else:
+        real = segment_log.SegmentLog.batches
+
+        def batches(self, start, end, *args, **kwargs):
+            if self is b._wal._log and len(rebuild_failures) < 2:
+                rebuild_failures.append(start)
+                raise StorageError("injected: reading the WAL failed")
+            return real(self, start, end, *args, **kwargs)
+
+        monkeypatch.setattr(segment_log.SegmentLog, "batches", batches)
+    with pytest.raises(StorageError):
+        b.update({1001: 2})  # definite: nothing written
+    assert faulty.pending_scripts() == 0
+    if fails == "rebuild":
+        with pytest.raises(StorageError):
+            b.get(7)  # the rebuild fails again: an error, never the stale 0
+        assert len(rebuild_failures) == 2
+    assert b.get(7) == 1 and b.get_many([7, 100, 1001]) == [1, 1000, None]
+    assert len(b) == N + 1  # 7 and A's N keys
+    b.update({1002: 3})
+    b.flush()  # merges tier 1 as rebuilt, not the stale one
+    fresh = AttributeIndex(open_storage(url), page_size=256)
+    assert fresh.get_many([7, 100, 1001, 1002]) == [1, 1000, None, 3]
+    for index in (fresh, a, b):
+        index.close()
 
 # A writer process. Every merge runs in its worker process (MIN_WORKER_KEYS = 1) and truncates
 # the WAL. Every other WAL replay of an update's rebuild (in the main thread: the merge thread's
