@@ -234,6 +234,7 @@ class AttributeIndex(IndexHandle):
         wal = self._wal
         for _attempt in range(MAX_REFRESH_ATTEMPTS):
             with wal._lock:
+                wal._settle_tier1()  # (a failed rebuild left tier 1 stale: rebuilt first, or raise)
                 state = self._len_state()
                 cached = self._len_cache
                 if cached is not None and cached[0] == state:
@@ -277,6 +278,7 @@ class AttributeIndex(IndexHandle):
     def _count(self) -> int:
         """Tree entries + pending keys present now - pending keys the tree holds (under the lock)."""
         wal = self._wal
+        wal._settle_tier1()
         tree = wal._index
         entries = tree._tree.state.footer.entry_count
         pending, now = wal._pending_items()

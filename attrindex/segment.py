@@ -180,6 +180,9 @@ class Segment(BackgroundMerge):
         self._stopping = False
         self._merges = 0
         self._merge_error: BaseException | None = None  #: the last failed merge (None after a success)
+        #: a rebuild of tier 1 from the tree failed: tier 1 may hold values the tree has replaced, so
+        #: nothing reads or merges it until a rebuild succeeds (``_replay_from_tree``, ``_settle_tier1``)
+        self._tier1_stale = False
         self._worker = None  #: the merge worker process host (``merge_process``), made by the first merge
         self._worker_disabled = False  #: no worker process could be started: merges run in this process
         self._queue = WriteQueue(MAX_GROUP_BYTES, MAX_GROUP_REQUESTS)
@@ -361,28 +364,40 @@ class Segment(BackgroundMerge):
         ``truncate_merged_log`` after its merge), the updates cut are in the B+tree: refresh it
         and rebuild tier 1 from its checkpoint. So too if chunks this handle had not replayed to the
         end were replaced (log compaction drops the updates of the batches it rewrites: they are in
-        the B+tree), which moved the log's position (``SegmentLog.resyncs``)."""
+        the B+tree), which moved the log's position (``SegmentLog.resyncs``). If the scan fails
+        after such a step, tier 1 is marked stale (``_tier1_stale``): rebuilt before any use."""
         replayed, resyncs = self._log.position, self._log.resyncs
         loaded = self._attributes_loaded  # not yet: the lazy load replays from the tree up to the new position
-        visit = self._replayer(0) if loaded else None
-        seen = 0
-        for attempt in range(MAX_OPEN_ATTEMPTS):
-            try:
-                seen += self._log.catch_up(visit)
-                break
-            except TruncatedError:
-                # Another handle's truncation deleted a chunk between this scan's listing and its
-                # read (a merge elsewhere covers it): list again; the scan restarts at the new start
-                # and the check below rebuilds tier 1 from the tree. Before, a writer that lost an
-                # append race failed its update with this error.
-                if attempt + 1 == MAX_OPEN_ATTEMPTS:
-                    raise
-        if loaded and (self._log.start_position > replayed or self._log.resyncs != resyncs):
-            self._index.refresh()
-            self._replay_from_tree()
+
+        def stepped_over() -> bool:  # the scan moved past bytes it never replayed
+            return loaded and (self._log.start_position > replayed or self._log.resyncs != resyncs)
+
+        try:
+            seen = self._scan_tail(self._replayer(0) if loaded else None)
+        except BaseException:
+            if stepped_over():  # this handle's position moved past updates tier 1 lacks
+                self._tier1_stale = True
+                self._publish_view()
+            raise
+        if stepped_over() or self._tier1_stale:
+            self._tier1_stale = True  # until the rebuild succeeds
+            self._replay_from_tree(refresh_tree=True)
         if seen:
             self._appended.notify_all()
         return seen
+
+    def _scan_tail(self, visit) -> int:
+        """``SegmentLog.catch_up``, listing again when another handle's truncation deleted a chunk
+        between the scan's listing and its read (a merge elsewhere covers it): the scan restarts
+        at the new start and ``_catch_up`` rebuilds tier 1 from the tree. (A writer that lost an
+        append race failed its update with this ``TruncatedError`` once.)"""
+        for _attempt in range(MAX_OPEN_ATTEMPTS):
+            try:
+                return self._log.catch_up(visit)
+            except TruncatedError:
+                continue
+        raise StorageError(f"segment {self.name!r}: other handles kept truncating the log while this handle read "
+                           f"its tail ({MAX_OPEN_ATTEMPTS} tries); try again")
 
     def refresh(self) -> None:
         """Catch up with appends made through other handles or processes."""
@@ -570,7 +585,7 @@ class Segment(BackgroundMerge):
         raise). Appends change the active overlay's dict in place: they need no publish."""
         if self._closed:
             view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._closed_read, self._closed_read)
-        elif not self._attributes_loaded:
+        elif not self._attributes_loaded or self._tier1_stale:  # the first read loads or rebuilds
             view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
         else:
             tree, frozen = self._tree, self._frozen
@@ -618,14 +633,17 @@ class Segment(BackgroundMerge):
         raise InvalidInputError(f"segment {self.name!r} handle is closed")
 
     def _load_and_get(self, key: bytes) -> int | None:
-        """A lazily opened handle's first read: load the attributes (which publishes their view)."""
+        """A lazily opened handle's first read, or the first after a failed rebuild of tier 1:
+        load the attributes or rebuild tier 1 (which publishes their view; raises if it cannot)."""
         self._ensure_attributes()
         with self._lock:  # the new view is published under the lock: read it, not the old one
+            self._settle_tier1()
             return self._current_value(key)
 
     def _load_and_get_many(self, keys: list[bytes]) -> list[int | None]:
         self._ensure_attributes()
         with self._lock:
+            self._settle_tier1()
             return self._current_values(keys)
 
     def _pending_items(self) -> tuple[list[bytes], list[int | None]]:
@@ -655,6 +673,7 @@ class Segment(BackgroundMerge):
         high = None if stop is None else to_key(stop)
         with self._lock:  # snapshots: appends and merges may follow
             self._ensure_attributes()
+            self._settle_tier1()
             overlay = list(self._overlay.items(low, high))
             frozen = [] if self._frozen is None else list(self._frozen.items(low, high))
         # The tree's scan starts later, from whatever version is current then: a merge meanwhile

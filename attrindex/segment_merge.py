@@ -23,6 +23,7 @@ import time
 import weakref
 from typing import Iterator
 
+from .errors import StorageError, TruncatedError
 from .merge_worker import MergeWorker, MergeWorkerError, WorkerStartError, worker_storage
 from .overlay import AttributeOverlay
 
@@ -61,7 +62,12 @@ class BackgroundMerge:
 
     def _freeze(self) -> None:
         """Hand the active overlay to the merge: it becomes the frozen one, covering the log up to
-        this handle's position; a fresh overlay takes new appends."""
+        this handle's position; a fresh overlay takes new appends. Not while tier 1 is stale (a
+        failed rebuild): merged, its old values would replace newer ones in the tree. The merge
+        thread, woken, rebuilds it first (``_settle_tier1``); so do ``flush`` and ``close``."""
+        if self._tier1_stale:
+            self._wake.set()
+            return
         self._frozen, self._frozen_at = self._overlay, self._log.position
         self._overlay = AttributeOverlay()
         self._publish_view()  # before the lock is let go: no append lands in an unpublished overlay
@@ -197,6 +203,7 @@ class BackgroundMerge:
         self._ensure_attributes()  # a lazily opened handle: what it merges is the log after the tree
         for _lap in range(2):
             with self._lock:
+                self._settle_tier1()  # (raises if tier 1 cannot be rebuilt: nothing stale is merged)
                 if self._frozen is None:
                     if not self._needs_merge(force):
                         self._dirty_since = time.monotonic()
@@ -252,12 +259,14 @@ class BackgroundMerge:
                 return pause, self._merge_retry_at - now
             if self._frozen is None and self._merge_due():
                 self._freeze()
-            if self._frozen is None:
+            if self._frozen is None and not self._tier1_stale:
                 if len(self._overlay) and self.options.flush_seconds != float("inf"):
                     return pause, max(self._dirty_since + self.options.flush_seconds - now, 0.001)
                 return pause, None
         try:
             with self._merging():
+                with self._lock:
+                    self._settle_tier1()
                 self._merge_once(background=True)
             return 0.0, 0.0
         except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
@@ -308,12 +317,51 @@ class BackgroundMerge:
         self._catch_up()
         self._replay_from_tree()
 
-    def _replay_from_tree(self) -> None:
-        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position.
+    def _settle_tier1(self) -> None:
+        """Under ``_lock``: if a rebuild of tier 1 failed, rebuild it now (raises if it cannot)."""
+        if self._tier1_stale:
+            self._catch_up()  # (which rebuilds tier 1 while it is stale)
+
+    def _replay_from_tree(self, refresh_tree: bool = False) -> None:
+        """Tier 1 rebuilt from the log between the tree's checkpoint and this handle's position
+        (``refresh_tree``: the tree's newest version read first).
 
         If another handle truncated the log past the checkpoint (it merged further, then cut),
         what it cut is in a newer version of the tree: adopt that first. Replaying from the log's
-        start over the older version would lose the updates in between (reads went back)."""
+        start over the older version would lose the updates in between (reads went back). Such a
+        cut may also land during the replay (two writers merging and truncating one WAL): the
+        read then lists the log again and raises ``TruncatedError``; the newer tree version
+        holds what was cut, so the rebuild starts over from it (bounded).
+
+        A failure leaves tier 1 as it was: whole, unless the caller marked it stale
+        (``_tier1_stale``: its catch-up stepped over log bytes that tier 1 never replayed). Then
+        reads and conditions rebuild first (raising while they cannot), and nothing stale is
+        frozen and merged into the tree."""
+        try:
+            if refresh_tree:
+                self._index.refresh()
+            for _attempt in range(_MAX_TREE_REFRESHES):
+                try:
+                    rebuilt = self._replayed_from_newest_tree()
+                except TruncatedError:
+                    continue  # the failed read re-listed the log: its start moved past this tree version
+                # Swapped in whole: a read that fails half-way (in the background merge, which
+                # retries) must not leave tier 1 cleared or missing updates, which would let
+                # conditional appends validate against stale values.
+                self._overlay, self._frozen, self._tier1_stale = rebuilt, None, False
+                self._publish_view()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
+                self._dirty_since = time.monotonic()
+                return
+            raise StorageError(f"segment {self.name!r}: other handles kept merging and truncating the log while "
+                               f"this handle rebuilt its pending attribute updates from the B+tree "
+                               f"({_MAX_TREE_REFRESHES} tries); try again")
+        finally:
+            if self._tier1_stale:
+                self._publish_view()  # reads rebuild first from now on, never serving the stale values
+
+    def _replayed_from_newest_tree(self) -> AttributeOverlay:
+        """One try of ``_replay_from_tree``: a new overlay holding the log's updates between the
+        newest tree version covering the log's start and this handle's position."""
         for _attempt in range(_MAX_TREE_REFRESHES):
             checkpoint = self._index.checkpoint or 0
             if checkpoint >= self._log.start_position:
@@ -322,16 +370,11 @@ class BackgroundMerge:
             if (self._index.checkpoint or 0) == checkpoint:
                 break  # no newer version: the log cut held no updates (retention's empty batch)
         checkpoint = self._index.checkpoint or 0
-        # Built aside and swapped in whole: a read that fails half-way (in the background merge,
-        # which retries) must not leave tier 1 missing updates, which would let conditional
-        # appends validate against stale values.
         rebuilt = AttributeOverlay()
         replay = self._replayer(checkpoint, rebuilt)
         for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
-        self._overlay, self._frozen = rebuilt, None
-        self._publish_view()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
-        self._dirty_since = time.monotonic()
+        return rebuilt
 
 
 def merge_overlay(tree, overlay: AttributeOverlay, at: int) -> bool:
