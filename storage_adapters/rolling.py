@@ -152,6 +152,7 @@ class RollingSegment:
         self._closed = False
         self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
         self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
+        self._listed: dict[str, int] = {}  #: the files of the listing behind the view
         self.refresh()
 
     def __repr__(self) -> str:
@@ -820,8 +821,12 @@ class RollingSegment:
 
     def _dead_below_start(self) -> tuple[list[ChunkInfo], list[int]]:
         """Under the mutex: the chunks before the last lying wholly below the start, and the
-        markers older than it (storage that deletes at once)."""
-        return ([c for c in self._chunks[:-1] if c.end <= self._start_offset],
+        markers older than it (storage that deletes at once). With them go the leftovers the
+        listing showed below the view's first chunk (an earlier deletion failed, or its process
+        died before it): no view holds them, so no other handle would ever delete them."""
+        first = self._chunks[0].start if self._chunks else self._start_offset
+        leftovers = [ChunkInfo(int(n), 0, n) for n in self._listed if _CHUNK_NAME.fullmatch(n) and int(n) < first]
+        return (leftovers + [c for c in self._chunks[:-1] if c.end <= self._start_offset],
                 [m for m in self._markers if m < self._start_offset])
 
     def _delete_dead_unlocked(self, chunks: list[ChunkInfo], markers: list[int]) -> None:

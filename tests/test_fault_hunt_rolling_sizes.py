@@ -3,7 +3,7 @@
 A chunk is "full" for the writer that rolls past it, not for a writer with a larger rolling size.
 Writer A (rolling size 4) fills chunk X = [0, 4) and rolls into Y = [4, 8), Z = [8, 12); writer W
 (rolling size 8) last saw X. A truncates at 4 but X's deletion fails (a leftover), then at 8,
-which deletes Y (X is in no fresh view any more). W's catch-up under the writers' lock finds X
+which deleted Y (X was in no fresh view any more: nobody deleted leftovers). W's catch-up under the writers' lock finds X
 (committed size 4) and no chunk after it; 4 < 8, so W did not roll, did not look at the
 truncation offset (hunt bug 1's check runs only when rolling), and appended in place into X at
 offset 4: an offset already used, below the truncation, read by nobody. The append was
@@ -63,13 +63,34 @@ def _three_chunks(store: Store):
     return faulty, a, w_storage, w
 
 
+def _restore_after(store: Store, name: str, action) -> None:
+    """Run ``action`` (which deletes chunk ``name``), then put the chunk back as it was, commit
+    records included: what a deletion that failed or was cut short leaves (the truncations that
+    follow delete such leftovers, so a test has to make one)."""
+    import shutil
+
+    raw = store.open()
+    path = f"s.seg/{name}"
+    if store.backend == "memory":
+        kept = raw.fs.store[raw._abs(path)]
+        action()
+        raw.fs.store[raw._abs(path)] = kept
+        return
+    chunk = f"{store.url}/{path}"
+    shutil.copy2(chunk, chunk + ".saved")  # with its xattr (a v2 record)
+    commit = chunk + ".commit"
+    copy = shutil.copytree if LOCAL_FORMATS[store.backend] == "xattr" else shutil.copy2
+    copy(commit, commit + ".saved")
+    action()
+    shutil.move(chunk + ".saved", chunk)
+    shutil.move(commit + ".saved", commit)
+
+
 @pytest.mark.parametrize("backend", IN_PLACE)
 def test_a_writer_with_a_larger_rolling_size_never_appends_into_a_leftover_chunk(backend, tmp_path):
     store = _store(backend, tmp_path)
-    faulty, a, _w_storage, w = _three_chunks(store)
-    faulty.script("fail_before", op="delete")
-    a.truncate(4)  # X's deletion fails: a leftover
-    a.truncate(8)  # deletes Y; X is in no fresh view, so it stays
+    _faulty, a, _w_storage, w = _three_chunks(store)
+    _restore_after(store, chunk_name(0), lambda: a.truncate(8))  # X stays, Y is gone
     raw = store.open()
     assert raw.exists(f"s.seg/{chunk_name(0)}") and not raw.exists(f"s.seg/{chunk_name(4)}")
     assert w.append(b"DDDD") == 12  # the true end, not 4 inside the leftover
@@ -290,3 +311,30 @@ def test_a_writer_killed_around_its_seal_loses_nothing_and_the_next_writer_rolls
     assert [o for o, _d in acked[-2:]] == [16, 21]
     assert raw.exists(f"s.seg/{chunk_name(16)}") == (when == "after")  # else the big writer appended in place
     _check(store, acked)
+
+
+@pytest.mark.parametrize("backend", IN_PLACE)
+def test_the_next_truncation_deletes_leftover_chunks(backend, tmp_path):
+    """A deletion that failed (or whose process died after the marker) left chunks that no view
+    holds; the truncating handle that kept them in its view was gone, so nobody deleted them: the
+    next truncation, by any handle, does."""
+    import os
+
+    store = _store(backend, tmp_path)
+    faulty = FaultyStorage(store.open(), seed=1)
+    a = RollingSegment(faulty, "s", rolling_size=4)
+    for data in (b"AAAA", b"BBBB", b"CCCC", b"DDDD"):
+        a.append(data)
+    faulty.script("fail_before", op="delete")
+    a.truncate(8)  # X and Y stay
+    a.close()  # the handle that would have retried is gone
+    raw = store.open()
+    assert raw.exists(f"s.seg/{chunk_name(0)}") and raw.exists(f"s.seg/{chunk_name(4)}")
+    b = RollingSegment(store.open(), "s", rolling_size=4)
+    assert [c.start for c in b.chunks()] == [8, 12]  # no view holds the leftovers
+    b.truncate(9)  # makes nothing new dead
+    assert sorted(n for n in raw.list_files("s.seg") if n.isdigit()) == [chunk_name(8), chunk_name(12)]
+    if backend != "memory":
+        assert sorted(n for n in os.listdir(tmp_path / "s.seg") if n.startswith("0")) == [
+            chunk_name(8), chunk_name(8) + ".commit", chunk_name(12), chunk_name(12) + ".commit"]
+    assert RollingSegment(store.open(), "s").read(9, 7) == b"CCCDDDD"
