@@ -76,6 +76,10 @@ class ListedStorage(ChunkStorage):
         with self._expiring_if_missing():
             return self.inner.committed_size(path)
 
+    def committed(self, path: str) -> tuple[int, bool]:
+        with self._expiring_if_missing():
+            return self.inner.committed(path)
+
     @contextlib.contextmanager
     def _expiring_if_missing(self):
         try:
@@ -103,6 +107,10 @@ class ListedStorage(ChunkStorage):
 
     def lock(self, directory: str):
         return self.inner.lock(directory)
+
+    def seal(self, path: str, size: int) -> None:
+        self.expire()
+        self.inner.seal(path, size)
 
     def append(self, path: str, position: int, data: bytes) -> None:
         self.expire()

@@ -3,8 +3,9 @@
 Paths are relative to the storage's root and use ``/``. Two kinds of backend exist:
 
 * *appendable* (local disk, memory): a chunk file is appended to in place; ``lock`` serialises
-  writers of one directory across threads and processes, and ``committed_size`` is the size of a
-  chunk as of its last completed ``append`` (bytes of a torn append are never counted);
+  writers of one directory across threads and processes, ``committed_size`` is the size of a
+  chunk as of its last completed ``append`` (bytes of a torn append are never counted), and
+  ``seal`` closes a chunk to appends before the next one starts;
 * *object* (S3): a chunk is written once by an exclusive ``create``, which is what makes
   compare-and-append safe there.
 
@@ -28,7 +29,7 @@ from .requests import RequestCounter, RequestCounters
 class ChunkStorage(abc.ABC):
     """A directory tree of immutable or append-only chunk files under one root URL."""
 
-    #: True when ``append``/``lock``/``committed_size`` are available (chunks grow in place).
+    #: True when ``append``/``lock``/``committed_size``/``seal`` are available (chunks grow in place).
     appendable: bool = False
     #: True when a backend counts its own requests (S3 counts HTTP requests); otherwise each
     #: operation a subclass defines is counted as the request kind it stands for (``_OPERATION_KINDS``).
@@ -133,6 +134,32 @@ class ChunkStorage(abc.ABC):
         """Size of a chunk as of its last completed append. Missing chunk: ``FileNotFoundError``."""
         raise NotImplementedError(f"{type(self).__name__} has no in-place append")
 
+    def committed(self, path: str) -> tuple[int, bool]:
+        """``(committed size, sealed)`` of a chunk in one look (``seal``). Missing chunk: ``FileNotFoundError``.
+
+        A wrapping storage without its own passes the call to its inner backend; a backend without
+        seals says ``False``.
+        """
+        inner = _inner(self)
+        if inner is not None:
+            return inner.committed(path)
+        return self.committed_size(path), False
+
+    def seal(self, path: str, size: int) -> None:
+        """Close the chunk ``path``, whose committed size is ``size``, to appends; call under ``lock``.
+
+        A writer seals the last chunk before it creates the next one, so an unsealed chunk found
+        under the lock is the last (docs/storage.md, "Rolling into a new chunk"). The seal is a
+        durable commit that adds no bytes: readers still see ``size``; ``append`` to a sealed chunk
+        raises ``StorageError`` and writes nothing. Sealing a sealed chunk changes nothing; another
+        committed size raises ``StorageError`` and seals nothing.
+        """
+        inner = _inner(self)
+        if inner is not None:
+            inner.seal(path, size)
+            return
+        raise NotImplementedError(f"{type(self).__name__} has no in-place append")
+
     def append(self, path: str, position: int, data: bytes) -> None:
         """Write ``data`` at ``position`` (the committed size) and commit it durably; call under ``lock``.
 
@@ -166,6 +193,8 @@ _OPERATION_KINDS = {
     "read": "GET",
     "exists": "HEAD",
     "committed_size": "HEAD",
+    "committed": "HEAD",
+    "seal": "PUT",
     "create": "PUT",
     "put_marker": "PUT",
     "append": "PUT",

@@ -1,7 +1,7 @@
 """``FaultyStorage``: a ``ChunkStorage`` wrapper that injects storage faults on a seeded schedule.
 
 For tests and soaks. It wraps any backend (memory, local disk, S3) and keeps its nature
-(``appendable``, ``lock``, ``committed_size``, ``append``). Fault kinds:
+(``appendable``, ``lock``, ``committed_size``, ``committed``, ``seal``, ``append``). Fault kinds:
 
 ``fail_before``
     raise ``StorageError``; nothing was done (any operation).
@@ -37,15 +37,15 @@ from typing import Iterator, NamedTuple
 from .base import ChunkStorage
 from .errors import ChunkExistsError, InvalidInputError, OutcomeUnknownError, StorageError, StorageFullError
 
-_WRITES = ("create", "append", "put_marker", "delete", "remove_directory")
-_READS = ("list_files", "read", "exists", "committed_size")
+_WRITES = ("create", "append", "seal", "put_marker", "delete", "remove_directory")
+_READS = ("list_files", "read", "exists", "committed_size", "committed")
 
 #: The operations each fault kind applies to.
 FAULT_OPERATIONS: dict[str, tuple[str, ...]] = {
     "fail_before": _READS + _WRITES,
     "lost_ack": _WRITES,
     "torn": ("create", "append"),
-    "enospc": ("create", "append", "put_marker"),
+    "enospc": ("create", "append", "seal", "put_marker"),
     "latency": _READS + _WRITES,
     "bitflip_read": ("read",),
 }
@@ -186,6 +186,10 @@ class FaultyStorage(ChunkStorage):
         self._before("committed_size", path)
         return self.inner.committed_size(path)
 
+    def committed(self, path: str) -> tuple[int, bool]:
+        self._before("committed", path)
+        return self.inner.committed(path)
+
     # -- writing ---------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:
         kind = self._before("create", path)
@@ -202,6 +206,12 @@ class FaultyStorage(ChunkStorage):
         self.inner.append(path, position, data)
         if kind == "lost_ack":
             raise self._lost("append", path)
+
+    def seal(self, path: str, size: int) -> None:
+        kind = self._before("seal", path)
+        self.inner.seal(path, size)
+        if kind == "lost_ack":
+            raise self._lost("seal", path)
 
     def put_marker(self, path: str) -> None:
         kind = self._before("put_marker", path)

@@ -14,7 +14,8 @@ Two formats of commit record exist; a chunk keeps the one it was created with (d
   a sequence of 16-byte records ``magic "AIcm" | committed size u64 | crc32(magic + size) u32``:
   data fdatasync'd, then the record appended and fdatasync'd (two syncs).
 
-A writer killed at any point leaves either the old record (its bytes are invisible and the next
+A record whose size repeats the one before it is a seal (``seal``: no more appends; the next
+chunk starts after it). A writer killed at any point leaves either the old record (its bytes are invisible and the next
 append overwrites them) or the new one (the append is complete). A crash loses at most the newest
 record, so whole appends found after the committed size mean lost records (damage): the layers
 above, which can parse appends, detect that (``RollingSegment.uncommitted_tail``) instead of
@@ -123,6 +124,16 @@ def _get_record(fd_or_path: int | str) -> bytes | None:
         raise
 
 
+def _is_sealed(sizes: list[int]) -> bool:
+    """Whether committed sizes (newest first) say the chunk is sealed: its newest commit added no
+    bytes (appends always add some; ``seal`` repeats the size)."""
+    return len(sizes) > 1 and sizes[0] == sizes[1]
+
+
+def _sealed_error(path: str) -> StorageError:
+    return StorageError(f"chunk {path!r} is sealed: the next chunk starts after it; nothing committed")
+
+
 def _xattr_committed(value: bytes) -> list[int]:
     # A garbled record counts as none: everything in the chunk is past the committed end, which the
     # layers above report as lost commit records if it holds two or more whole appends.
@@ -154,15 +165,22 @@ def _write_out(fd: int, position: int, length: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
-def _last_commit(fd: int) -> tuple[int, int]:
-    """``(slot for the next record, committed size)`` of an open commit file."""
+def _last_commit(fd: int) -> tuple[int, int, bool]:
+    """``(slot for the next record, committed size, sealed)`` of an open commit file: sealed when
+    the newest valid record repeats the size of the one before it (``seal``)."""
     slot = os.fstat(fd).st_size // COMMIT_RECORD_SIZE
-    while slot > 0:
+    if slot >= 2:  # the usual case: the two newest records in one read
+        pair = os.pread(fd, 2 * COMMIT_RECORD_SIZE, (slot - 2) * COMMIT_RECORD_SIZE)
+        size = decode_commit_record(pair[COMMIT_RECORD_SIZE:])
+        if size is not None:
+            return slot, size, decode_commit_record(pair[:COMMIT_RECORD_SIZE]) == size
+    while slot > 0:  # the newest is torn or garbled: the previous valid record wins
         size = decode_commit_record(os.pread(fd, COMMIT_RECORD_SIZE, (slot - 1) * COMMIT_RECORD_SIZE))
         if size is not None:
-            return slot, size
+            before = os.pread(fd, COMMIT_RECORD_SIZE, (slot - 2) * COMMIT_RECORD_SIZE) if slot >= 2 else b""
+            return slot, size, decode_commit_record(before) == size
         slot -= 1
-    return 0, 0
+    return 0, 0, False
 
 
 def _write_all(fd: int, data: bytes, position: int) -> None:
@@ -392,6 +410,12 @@ class LocalChunkStorage(ChunkStorage):
         return os.path.exists(self._abs(path))
 
     def committed_size(self, path: str) -> int:
+        return self._committed(path)[0]
+
+    def committed(self, path: str) -> tuple[int, bool]:
+        return self._committed(path)
+
+    def _committed(self, path: str) -> tuple[int, bool]:
         entry = self._held(path)
         if entry is not None:  # a writer's catch-up: the look its append then uses
             try:
@@ -401,12 +425,14 @@ class LocalChunkStorage(ChunkStorage):
             except OSError as exc:
                 raise _storage_error(exc, "committed size", path) from exc
             if seen is not None:
-                return seen.sizes[0]
+                sizes = seen.sizes
+                return sizes[0], len(sizes) > 1 and sizes[0] == sizes[1]
         target = self._abs(path)
         try:  # (no context manager: on every append's path)
             record = _get_record(target)  # a missing chunk raises FileNotFoundError here
             if record is not None:
-                return _xattr_committed(record)[0]
+                sizes = _xattr_committed(record)
+                return sizes[0], _is_sealed(sizes)
             return _sidecar_committed(target)
         except FileNotFoundError:
             raise
@@ -668,6 +694,8 @@ class LocalChunkStorage(ChunkStorage):
             fd, size, sizes = entry.chunk_fd, seen.size, seen.sizes
             entry.seen = None  # written from here on: look again next time
             _check_committed(path, sizes[0], position)
+            if len(sizes) > 1 and sizes[0] == sizes[1]:
+                raise _sealed_error(path)
             self._write_at(fd, path, size, position, data)
             sizes = [position + len(data), *sizes][:XATTR_HISTORY]
             entry.last_record = None
@@ -703,6 +731,8 @@ class LocalChunkStorage(ChunkStorage):
             if xattr:
                 sizes = _xattr_committed(record) if record is not None else [0]
                 _check_committed(path, sizes[0], position)
+                if _is_sealed(sizes):
+                    raise _sealed_error(path)
             self._write_at(fd, path, os.fstat(fd).st_size, position, data)
             if xattr:
                 self._commit_xattr(fd, record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
@@ -749,7 +779,7 @@ class LocalChunkStorage(ChunkStorage):
     def _commit_xattr(self, fd: int, old: bytes | None, sizes: list[int], position: int, length: int) -> bytes:
         """Make the data durable and then the v2 record saying so, with one fsync (see the module doc);
         return the record."""
-        if self.sync:
+        if self.sync and length:
             _write_out(fd, position, length)  # before the record: any journal commit carrying it flushes the data
         record = encode_commit_xattr(sizes)
         os.setxattr(fd, COMMIT_XATTR, record)
@@ -767,11 +797,41 @@ class LocalChunkStorage(ChunkStorage):
             raise
         return record
 
+    def seal(self, path: str, size: int) -> None:
+        """Seal the chunk ``path`` (``ChunkStorage.seal``): a commit record repeating its committed
+        size, durable as an append's is (the roll creates the next chunk only after it)."""
+        target = self._abs(path)
+        try:
+            fd = os.open(target, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                record, xattr = self._chunk_format(target, fd)
+                if xattr:
+                    sizes = _xattr_committed(record) if record is not None else [0]
+                    _check_committed(path, sizes[0], size)
+                    if not _is_sealed(sizes):
+                        self._commit_xattr(fd, record, [size, *sizes][:XATTR_HISTORY], size, 0)
+            finally:
+                os.close(fd)
+            if not xattr:
+                self._commit(path, size, size)
+        except OSError as exc:
+            raise _storage_error(exc, "seal", path) from exc
+        finally:
+            entry = self._held(path)
+            if entry is not None and entry.chunk_path == path:
+                entry.seen = None  # its record changed: the next look reads it again
+
     def _commit(self, path: str, previous: int, size: int) -> None:
+        """Append the v1 record of ``size`` after the newest valid one, which must say ``previous``
+        (``size == previous``: the seal; a sealed chunk takes no other)."""
         fd = os.open(self._abs(path) + COMMIT_SUFFIX, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            slot, committed = _last_commit(fd)
+            slot, committed, sealed = _last_commit(fd)
             _check_committed(path, committed, previous)
+            if sealed:
+                if size == previous:
+                    return  # sealed already
+                raise _sealed_error(path)
             offset = slot * COMMIT_RECORD_SIZE
             try:
                 _write_all(fd, encode_commit_record(size), offset)
@@ -821,21 +881,23 @@ def _mark_committed(target: str) -> None:
         os.close(os.open(os.path.join(target + COMMIT_SUFFIX, COMMITTED_MARK), os.O_WRONLY | os.O_CREAT, 0o644))
 
 
-def _sidecar_committed(target: str) -> int:
-    """Committed size of a chunk without a v2 record: its v1 sidecar's newest record, else 0."""
+def _sidecar_committed(target: str) -> tuple[int, bool]:
+    """``(committed size, sealed)`` of a chunk without a v2 record: from its v1 sidecar's newest
+    records, else ``(0, False)``."""
     try:
         fd = os.open(target + COMMIT_SUFFIX, os.O_RDONLY)
     except FileNotFoundError:
         if not os.path.exists(target):
             raise
-        return 0  # created by a writer that died before its first commit
+        return 0, False  # created by a writer that died before its first commit
     try:
         if stat.S_ISDIR(os.fstat(fd).st_mode):
             record = _refuse_lost_record(target)
             if record is not None:
-                return _xattr_committed(record)[0]
-            return 0  # the fence of a v2 chunk whose first writer died (or is still writing) before committing
-        return _last_commit(fd)[1]
+                sizes = _xattr_committed(record)
+                return sizes[0], _is_sealed(sizes)
+            return 0, False  # the fence of a v2 chunk whose first writer died (or is still writing) before committing
+        return _last_commit(fd)[1:]
     finally:
         os.close(fd)
 

@@ -27,6 +27,8 @@ def _size(chunk) -> int:
     with _BYTES_GUARD:
         return chunk.size
 _LOCKS: dict[str, threading.RLock] = {}
+#: Attribute set on a chunk's file object by ``seal`` (it lives and dies with the file, as a record would).
+_SEALED = "attrindex_sealed"
 
 
 def _directory_lock(path: str) -> threading.RLock:
@@ -77,6 +79,20 @@ class MemoryChunkStorage(ChunkStorage):
         except KeyError:
             raise FileNotFoundError(path) from None
 
+    def committed(self, path: str) -> tuple[int, bool]:
+        try:
+            chunk = self.fs.store[self._abs(path)]
+        except KeyError:
+            raise FileNotFoundError(path) from None
+        return _size(chunk), getattr(chunk, _SEALED, False)
+
+    def seal(self, path: str, size: int) -> None:
+        chunk = self.fs.store.get(self._abs(path))
+        held = 0 if chunk is None else _size(chunk)
+        if held != size:
+            raise StorageError(f"chunk {path!r} holds {held} bytes; cannot seal it at {size}")
+        setattr(chunk, _SEALED, True)  # the file object itself: a chunk deleted and made again is unsealed
+
     def create(self, path: str, data: bytes) -> None:
         target = self._abs(path)
         with _directory_lock(target.rsplit("/", 1)[0]):
@@ -105,7 +121,10 @@ class MemoryChunkStorage(ChunkStorage):
 
     def append(self, path: str, position: int, data: bytes) -> None:
         target = self._abs(path)
-        size = _size(self.fs.store[target]) if target in self.fs.store else 0
+        chunk = self.fs.store.get(target)
+        if getattr(chunk, _SEALED, False):
+            raise StorageError(f"chunk {path!r} is sealed: the next chunk starts after it; nothing appended")
+        size = 0 if chunk is None else _size(chunk)
         if size != position:
             raise StorageError(f"chunk {path!r} holds {size} bytes; cannot append at position {position}")
         with self.fs.open(target, "ab") as chunk, _BYTES_GUARD:

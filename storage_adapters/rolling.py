@@ -15,8 +15,10 @@ switch); it then shadows the chunks inside its range, which are deleted afterwar
 docs/format.md for the rules readers apply to a listing and for crash recovery.
 
 Appendable backends (local disk, memory) grow the last chunk in place until it reaches
-``rolling_size``; object backends (S3) write one new object per append. Truncation never deletes
-the last chunk, so the segment's length can always be recovered from its chunks alone.
+``rolling_size``, then seal it (``ChunkStorage.seal``) and start the next; only an unsealed chunk
+is appended to, which makes an unsealed chunk seen under the writers' lock the last one, whatever
+rolling size other writers use. Object backends (S3) write one new object per append. Truncation
+never deletes the last chunk, so the segment's length can always be recovered from its chunks alone.
 """
 
 from __future__ import annotations
@@ -194,9 +196,11 @@ class RollingSegment:
         self._start_offset = 0
         self._markers: list[int] = []
         self._layout = _Layout()
+        self._tail_sealed = False  #: whether the view's last chunk was sealed when last looked at (``_rolls``)
         self._closed = False
         self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
         self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
+        self._listed: dict[str, int] = {}  #: the files of the listing behind the view
         self._listed_at = float("-inf")  #: monotonic time before the listing behind ``_listed`` began
         self.refresh()
 
@@ -266,7 +270,7 @@ class RollingSegment:
                 started = time.monotonic()
                 view = self._load_view()
                 if view is not None:
-                    self._chunks, self._start_offset, self._markers, self._layout = view
+                    self._chunks, self._start_offset, self._markers, self._layout, self._tail_sealed = view
                     self._view_time = self._listed_at = started
                     self._note_dead_objects()
                     return
@@ -276,8 +280,9 @@ class RollingSegment:
             "them; no consistent view could be read"
         )
 
-    def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout] | None:
-        """``(chunks, start offset, markers, layout)`` from one listing, or ``None`` if it is inconsistent."""
+    def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout, bool] | None:
+        """``(chunks, start offset, markers, layout, whether the last chunk is sealed)`` from one
+        listing, or ``None`` if it is inconsistent."""
         # Every backend's listing reads the chunk names no later than the switch markers (local:
         # the directory before its ``switch/`` subdirectory; S3: keys in order, digits before
         # "switch/"; memory: one snapshot). Deleting old switch markers relies on it: a view of
@@ -298,6 +303,7 @@ class RollingSegment:
                 if not _inside(start, replacements)]
         live = sorted(live + [(start, end, replacement_name(start, end, gen)) for start, end, gen in replacements])
         chunks = []
+        sealed = False
         for i, (start, end, name) in enumerate(live):
             last = i + 1 == len(live)
             if not last and live[i + 1][0] <= start_offset:
@@ -310,7 +316,7 @@ class RollingSegment:
                 self._check_object_size(start, files[name], length)
             elif self.storage.appendable:
                 try:
-                    length = self.storage.committed_size(f"{self._dir}/{name}")
+                    length, sealed = self.storage.committed(f"{self._dir}/{name}")
                 except FileNotFoundError:
                     return None  # deleted after the listing: a truncation moved on
             else:
@@ -321,7 +327,7 @@ class RollingSegment:
         length = chunks[-1].end if chunks else start_offset
         if start_offset > length or (chunks and chunks[0].start > start_offset):
             return None  # a new marker with old chunks, or old markers with the new chunks only
-        return chunks, start_offset, markers, layout
+        return chunks, start_offset, markers, layout, sealed
 
     def _replacement_info(self, start: int, end: int, name: str, stored: int) -> ChunkInfo:
         if stored > end - start:
@@ -449,14 +455,19 @@ class RollingSegment:
             return self._append_object(data, expected_offset)
 
     def _append_in_place(self, data: bytes, expected_offset: int | None) -> int:
+        """Under the writers' lock: catch up, compare, then append to the last chunk if it is
+        unsealed and not full, else seal it and start the next (docs/storage.md, "Rolling into a
+        new chunk"). Only an unsealed chunk is appended to: found unsealed under the lock, it has
+        no successor, so it is the segment's last chunk and no truncation deletes it."""
         with self.storage.lock(self._dir):
             self._catch_up()
             stored_start = self._stored_start_offset() if self._rolls() else None
             if stored_start is not None and stored_start > self.length:
-                # Another handle truncated past the end of this view: the chunk this view would
-                # roll into lay below its truncation and was deleted (the walk from the view's last
-                # chunk found no successor, as it raced the deletions or met a leftover chunk).
-                # Creating it would fork the log at a reused offset; the true tail is elsewhere.
+                # Another handle truncated past the end of this view: the walk from the view's last
+                # chunk found no successor because it was deleted (the walk raced the deletions, or
+                # started from a leftover chunk whose deletion failed); that chunk is sealed, as
+                # every chunk with a successor is. Creating the next chunk would fork the log at a
+                # reused offset below the truncation; the true tail is elsewhere.
                 self.refresh()
                 stored_start = self._start_offset
             offset = self.length
@@ -464,8 +475,11 @@ class RollingSegment:
                 raise BadOffsetError(self.name, expected_offset, offset)
             last = self._chunks[-1] if self._chunks else None
             if self._rolls():
+                if last is not None and not self._tail_sealed:
+                    self._seal(last)
                 last = ChunkInfo(offset, 0, chunk_name(offset))
                 self._chunks.append(last)
+                self._tail_sealed = False
                 # Rolling is rare: learn of truncations elsewhere so the old chunk can go if dead.
                 self._start_offset = max(self._start_offset, stored_start or 0)
             path = f"{self._dir}/{last.name}"
@@ -478,8 +492,30 @@ class RollingSegment:
         return offset
 
     def _rolls(self) -> bool:
-        """Whether the next in-place append starts a new chunk (none yet, or the last is full)."""
-        return not self._chunks or self._chunks[-1].length >= self.rolling_size
+        """Whether the next in-place append starts a new chunk: none yet, or the last is sealed
+        (a writer with a smaller rolling size found it full, or died rolling) or full."""
+        return not self._chunks or self._tail_sealed or self._chunks[-1].length >= self.rolling_size
+
+    def _seal(self, last: ChunkInfo) -> None:
+        """Under the writers' lock, before the chunk after ``last`` is created: seal ``last``, so
+        that no writer appends to it again, whatever its rolling size or however stale its view.
+        A seal that raised is settled by reading (it changes nothing if done twice); if it is not
+        there, nothing of the append was written, so the failure is a definite one."""
+        path = f"{self._dir}/{last.name}"
+        try:
+            self.storage.seal(path, last.length)
+            return
+        except StorageError as exc:
+            error = exc
+        try:
+            sealed = self.storage.committed(path) == (last.length, True)
+        except (StorageError, FileNotFoundError):
+            sealed = False
+        if not sealed:
+            raise StorageError(f"segment {self.name!r}: the append did not happen: sealing chunk {last.name} "
+                               f"before starting the next failed ({error})") from error
+        _log.info("segment %r: sealing %r raised %s but the seal is stored; going on",
+                  self.name, path, type(error).__name__)
 
     def _settle_in_place(self, path: str, position: int, data: bytes, error: StorageError) -> None:
         """Under the writers' lock, after ``append`` raised: decide by reading whether it happened.
@@ -511,13 +547,14 @@ class RollingSegment:
         raise error
 
     def _catch_up(self) -> None:
-        """Under the writers' lock: bring the tail of the view up to date with a few stats."""
+        """Under the writers' lock: bring the tail of the view up to date with a few stats (and
+        whether its last chunk is sealed)."""
         if not self._chunks:
             self.refresh()
             return
         last = self._chunks[-1]
         try:
-            length = self.storage.committed_size(f"{self._dir}/{last.name}")
+            length, sealed = self.storage.committed(f"{self._dir}/{last.name}")
         except FileNotFoundError:  # deleted by a truncation elsewhere: no longer the last chunk
             self.refresh()
             return
@@ -529,15 +566,18 @@ class RollingSegment:
         if length != last.length:
             self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
         # A new chunk starts only where a non-empty one ends (an empty one ends at its own name).
+        # Chunks written by this version are sealed before their successor exists, so the walk
+        # could stop at an unsealed chunk; it goes on for chunks of stores written before seals.
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
             start = last.end
             try:
-                length = self.storage.committed_size(f"{self._dir}/{chunk_name(start)}")
+                length, sealed = self.storage.committed(f"{self._dir}/{chunk_name(start)}")
             except FileNotFoundError:  # rolled past and truncated away meanwhile
                 self.refresh()
                 return
             last = ChunkInfo(start, length, chunk_name(start))
             self._chunks.append(last)
+        self._tail_sealed = sealed
 
     def _append_object(self, data: bytes, expected_offset: int | None) -> int:
         """One exclusive create at the viewed length: 1 PUT when the view is fresh (docs/storage.md).
@@ -837,7 +877,9 @@ class RollingSegment:
 
     def _dead_below_start(self) -> tuple[list[ChunkInfo], list[int]]:
         """Under the mutex: the chunks before the last lying wholly below the start, and the
-        markers older than it (storage that deletes at once)."""
+        markers older than it (storage that deletes at once). Leftovers the listing showed
+        below the view's first chunk (an earlier deletion failed, or its process died before it)
+        went before the marker (``_obsolete_names``)."""
         return ([c for c in self._chunks[:-1] if c.end <= self._start_offset],
                 [m for m in self._markers if m < self._start_offset])
 
@@ -1203,6 +1245,7 @@ class RollingSegment:
             self.storage.remove_directory(self._dir)
             _SWEEPS.forget((self.storage.url, self._dir))
             self._chunks, self._start_offset, self._markers, self._layout = [], 0, [], _Layout()
+            self._tail_sealed = False
             self._doomed.clear()
 
     def close(self) -> None:

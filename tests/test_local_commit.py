@@ -393,7 +393,12 @@ def test_chunks_written_by_v1_open_read_and_take_appends(tmp_path):
     reopened = _segment(tmp_path, rolling_size=16)
     assert reopened.read(0, 24) == b"old-1;old-2;new-3;new-4;"
     first, second = str(tmp_path / "s.seg" / CHUNK), str(tmp_path / "s.seg" / "00000000000000000018")
-    assert read_commit_record(first) is None and os.path.getsize(first + COMMIT_SUFFIX) == 3 * COMMIT_RECORD_SIZE
+    # Three commits, then the seal (the size repeated) before the roll.
+    assert read_commit_record(first) is None and os.path.getsize(first + COMMIT_SUFFIX) == 4 * COMMIT_RECORD_SIZE
+    with open(first + COMMIT_SUFFIX, "rb") as commits:
+        records = commits.read()
+    sizes = [decode_commit_record(records[i:i + COMMIT_RECORD_SIZE]) for i in range(0, len(records), COMMIT_RECORD_SIZE)]
+    assert sizes == [6, 12, 18, 18]
     assert decode_commit_xattr(read_commit_record(second)) == [6, 0]
 
 

@@ -332,11 +332,11 @@ class _VanishesOnce(FaultyStorage):
 
     vanished = False
 
-    def committed_size(self, path):
+    def committed(self, path):  # what a listing asks of the last chunk
         if not self.vanished:
             self.vanished = True
             raise FileNotFoundError(path)
-        return self.inner.committed_size(path)
+        return self.inner.committed(path)
 
 
 def test_refresh_relists_when_a_listed_chunk_vanishes(tmp_path):
@@ -344,8 +344,9 @@ def test_refresh_relists_when_a_listed_chunk_vanishes(tmp_path):
 
     inner = open_storage(str(tmp_path))
     RollingSegment(inner, "s").append(b"abc")
-    seg = RollingSegment(_VanishesOnce(inner, seed=1), "s")
-    assert (seg.length, seg.read(0, 3)) == (3, b"abc")
+    vanishing = _VanishesOnce(inner, seed=1)
+    seg = RollingSegment(vanishing, "s")
+    assert (seg.length, seg.read(0, 3)) == (3, b"abc") and vanishing.vanished
 
 
 def test_truncate_is_done_once_its_marker_is_durable(storage):

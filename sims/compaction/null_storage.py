@@ -53,5 +53,8 @@ class NullChunkStorage(ChunkStorage):
     def lock(self, directory):
         yield
 
+    def seal(self, path, size):
+        pass  # one writer, one view: nothing can append behind it
+
     def append(self, path, position, data):
         self.sizes[path] = position + len(data)
