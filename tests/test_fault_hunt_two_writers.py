@@ -137,6 +137,39 @@ def test_a_failed_catch_up_never_serves_or_merges_stale_values(backend, fails, t
     for index in (fresh, a, b):
         index.close()
 
+
+@pytest.mark.parametrize("where", ["scan", "rebuild"])
+def test_catch_ups_that_keep_meeting_truncations_end_in_a_clear_error(where, monkeypatch):
+    """Every loop is bounded: a catch-up whose scan, or whose rebuild, meets a fresh truncation
+    every time gives up with a ``StorageError`` that says so (nothing written), not with the raw
+    ``TruncatedError``; the handle works again once the truncations stop."""
+    from attrindex import segment_merge
+    from attrindex.errors import StorageError, TruncatedError
+
+    url = f"memory://hunt-bound-{uuid.uuid4().hex}"
+    a, b = _behind_a_merged_and_cut_wal(url, open_storage(url))
+    calls = []
+
+    def truncated(*_args, **_kwargs):
+        calls.append(1)
+        raise TruncatedError("attributes/_wal/_log", 0, 1, 1, 2)
+
+    if where == "scan":
+        monkeypatch.setattr(segment_log.SegmentLog, "catch_up", truncated)
+        message = "kept truncating the log while this handle read its tail"
+    else:
+        monkeypatch.setattr(segment_merge.BackgroundMerge, "_replayed_from_newest_tree", truncated)
+        message = "kept merging and truncating the log while this handle rebuilt"
+    with pytest.raises(StorageError, match=message) as raised:
+        b.update({1001: 2})
+    assert type(raised.value) is StorageError and len(calls) == 10
+    monkeypatch.undo()
+    assert b.get_many([7, 100, 1001]) == [1, 1000, None]
+    b.update({1001: 2})
+    assert b.get(1001) == 2
+    for index in (a, b):
+        index.close()
+
 # A writer process. Every merge runs in its worker process (MIN_WORKER_KEYS = 1) and truncates
 # the WAL. Every other WAL replay of an update's rebuild (in the main thread: the merge thread's
 # failures are retried, never an update's) is held, as a descheduled process would be, until
