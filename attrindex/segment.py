@@ -180,8 +180,9 @@ class Segment(BackgroundMerge):
         self._stopping = False
         self._merges = 0
         self._merge_error: BaseException | None = None  #: the last failed merge (None after a success)
-        #: a rebuild of tier 1 from the tree failed: tier 1 may hold values the tree has replaced, so
-        #: nothing reads or merges it until a rebuild succeeds (``_replay_from_tree``, ``_settle_tier1``)
+        #: a catch-up stepped over log bytes tier 1 never replayed (another handle's cut) and the
+        #: rebuild from the tree has not succeeded yet: tier 1 may hold values the tree has replaced,
+        #: so nothing reads or merges it until one does (``_catch_up``, ``_settle_tier1``)
         self._tier1_stale = False
         self._worker = None  #: the merge worker process host (``merge_process``), made by the first merge
         self._worker_disabled = False  #: no worker process could be started: merges run in this process
