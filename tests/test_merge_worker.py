@@ -188,6 +188,41 @@ def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path):
         assert reopened.stats().pending_keys == 0  # close merged everything itself
 
 
+def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path):
+    """``flush`` needs the merge mutex, which the merge thread holds while it waits on the worker:
+    with a worker hung mid-merge, flush goes on once the hang is noticed and merges itself."""
+    index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(13)
+    try:
+        worker = index._wal._merge_worker()
+        worker.fault = "hang"
+        write(index, model, rng, 3)
+        wal = index._wal
+        wait_for(lambda: wal._merge_mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
+        flusher = threading.Thread(target=index.flush)
+        flusher.start()
+        flusher.join(WAIT)  # (10 minutes when only the cap on one merge ended the wait)
+        assert not flusher.is_alive(), "flush waited for the hung worker"
+        assert index.stats().pending_keys == 0
+        check(index, model)
+    finally:
+        index.close()
+
+
+def test_workers_that_hang_at_start_leave_the_merges_to_a_thread(tmp_path, monkeypatch, caplog):
+    """A worker that never says it is ready (stuck before or while opening the index) is killed
+    once it stops making progress, not after a minute; three in a row send merges to a thread."""
+    monkeypatch.setattr(merge_worker, "_WORKER_MAIN", "import time; time.sleep(3600)")
+    monkeypatch.setattr(merge_worker, "_START_TIMEOUT", 3600.0)  # the cap must not be what ends the wait
+    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    with open_index(tmp_path, merge_hang_seconds=0.3) as index:
+        model = {}
+        write(index, model, random.Random(14), 4)
+        wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None, "the merge")
+        assert index._wal._worker_disabled and index._wal._worker.starts == merge_worker.MAX_FAILED_STARTS
+        check(index, model)
+    assert "did not start" in caplog.text and "made no progress" in caplog.text
+
+
 def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, caplog):
     """Back-pressure on every update (``max_pending_bytes=2000``: a write of 100 keys is over it)
     and a worker that hangs on every merge: each hang ends the wait of the updates behind it
