@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -34,6 +35,7 @@ from .handle import IndexHandle
 from .keys import KEY_SIZE, to_key
 from .value_cache import MISSING
 from .log.segment_log import LOG_DIR
+from .merge_worker import DEFAULT_HANG_SECONDS
 from .overlay import AttributeOverlay, sort_keys
 from .segment import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES, Segment,
                       SegmentOptions)
@@ -95,6 +97,7 @@ class AttributeIndex(IndexHandle):
         merge_seconds: float = DEFAULT_FLUSH_SECONDS,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         merge_process: bool = True,
+        merge_hang_seconds: float = DEFAULT_HANG_SECONDS,
     ):
         validate_segment_name(name)
         for option, value in (("wal_rolling_size", wal_rolling_size), ("merge_keys", merge_keys),
@@ -105,12 +108,16 @@ class AttributeIndex(IndexHandle):
             raise InvalidInputError(f"merge_seconds must be a number >= 0, got {merge_seconds!r:.60}")
         if type(merge_process) is not bool:
             raise InvalidInputError(f"merge_process must be True or False, got {merge_process!r:.60}")
+        if (isinstance(merge_hang_seconds, bool) or not isinstance(merge_hang_seconds, (int, float))
+                or not 0.01 <= merge_hang_seconds <= threading.TIMEOUT_MAX):
+            raise InvalidInputError(f"merge_hang_seconds must be a number of seconds >= 0.01, "
+                                    f"got {merge_hang_seconds!r:.60}")
         self._storage = storage
         self._name = name
         self._options = SegmentOptions(
             log_rolling_size=wal_rolling_size, flush_keys=merge_keys, flush_bytes=merge_bytes,
             flush_seconds=float(merge_seconds), max_pending_bytes=max_pending_bytes, truncate_merged_log=True,
-            merge_process=merge_process,
+            merge_process=merge_process, merge_hang_seconds=float(merge_hang_seconds),
             attribute_options=dict(page_size=page_size, rolling_size=rolling_size, cache_bytes=cache_bytes,
                                    value_cache_entries=value_cache_entries, compaction=compaction))
         self._closed = False
@@ -173,7 +180,11 @@ class AttributeIndex(IndexHandle):
         ``merge_seconds`` (30); ``max_pending_bytes`` (256 MiB) bounds the pending updates'
         memory: beyond it ``update`` waits for the merge (back-pressure, bounded);
         ``merge_process`` (True): on local disk the merge runs in a worker process, so its CPU
-        never delays ``update`` (False: in a thread of this process, as on other storage).
+        never delays ``update`` (False: in a thread of this process, as on other storage);
+        ``merge_hang_seconds`` (5): a worker that makes no progress (no CPU time, no read or write)
+        this long is killed and its merge retried (after three in a row, merges stay in this
+        process), so ``update`` never waits long behind a hung worker, and ``close`` never waits
+        for the worker at all.
         """
         return cls._open_at(url, name, mode, storage_options, options)
 

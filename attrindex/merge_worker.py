@@ -19,7 +19,18 @@ Failure rules (docs/design.md, "Write path"):
 * the worker dies or hangs mid-merge: the parent kills it, reads the tree, and if the tree covers
   ``at`` the merge landed (only its answer was lost); otherwise the merge failed and is retried
   by the background loop (``stats().merge_error`` says why). A durable write is never failed;
-  pages a killed worker half-wrote are an uncommitted tail, as after any crash.
+  pages a killed worker half-wrote are an uncommitted tail, as after any crash. After
+  ``MAX_FAILED_MERGES`` merges in a row without an answer, merges stay in the writer's process.
+* "hangs" means *makes no progress*, not "takes long": while it waits for an answer, the parent
+  watches the worker's main thread in ``/proc`` (its CPU time and its read/write system calls,
+  ``_progress``) and kills it once neither moved for ``hang_seconds`` (``merge_hang_seconds``, 5 s by
+  default). A merge that works is never cut short however long it takes (up to the safety cap
+  ``MERGE_WORKER_TIMEOUT``); one stopped, deadlocked, asleep or stuck in a system call is
+  killed within seconds. The observer is the parent, not a heartbeat the worker sends: a
+  heartbeat thread in the worker would keep beating while its merge sleeps or blocks, and
+  would go silent while one C call (a sort of a million keys) holds the worker's GIL.
+* the handle closes: ``abort`` kills the worker at once, whatever it does. Nothing is lost: the
+  WAL holds every acknowledged update, and ``close`` merges what is pending in its own thread.
 * the parent dies: the worker notices within ``_PARENT_POLL_SECONDS`` (its parent changes) or at
   once when idle (its request pipe ends), and exits without finishing. Even a worker that did
   finish would be harmless: tree updates are compare-and-append with checkpoints that only move
@@ -49,8 +60,13 @@ from storage_adapters.local import LocalChunkStorage
 
 from .errors import StorageError
 
-MERGE_WORKER_TIMEOUT = 600.0  #: the longest the parent waits for one merge's answer before killing the worker
-_START_TIMEOUT = 60.0  #: the longest a new worker may take to say it is ready
+#: The longest one merge may take even while the worker makes progress (a worker spinning without
+#: end); a worker that makes none is killed after ``hang_seconds`` (see the module's docstring).
+MERGE_WORKER_TIMEOUT = 600.0
+_START_TIMEOUT = 60.0  #: the same cap for a new worker to say it is ready (it too is killed when it stalls)
+DEFAULT_HANG_SECONDS = 5.0  #: ``merge_hang_seconds``: no progress this long and the worker counts as hung
+MAX_FAILED_MERGES = 3  #: merges in a row the worker died or hung in before merges stay in the writer's process
+_KILL_WAIT_SECONDS = 10.0  #: the longest the parent waits for a killed worker to be reaped (one stuck in the kernel)
 #: The worker writes tree pages back in slices this big (local storage's ``PACED_WRITE_BYTES``, in
 #: the worker's process only): a WAL ``fsync`` of the writer waits behind at most one slice.
 WORKER_PACED_WRITE_BYTES = 256 << 10
@@ -70,6 +86,11 @@ class MergeWorkerError(StorageError):
 
 class WorkerStartError(MergeWorkerError):
     """``MAX_FAILED_STARTS`` worker processes in a row failed to start (or to open the index)."""
+
+
+class WorkerGaveUpError(MergeWorkerError):
+    """``MAX_FAILED_MERGES`` merges in a row got no answer (the worker died or hung each time): the
+    segment merges in its own process from then on."""
 
 
 def worker_storage(storage: object) -> LocalChunkStorage | None:
@@ -92,41 +113,69 @@ class MergeWorker:
             pickle.dumps(self._spec)
         except Exception as exc:  # noqa: BLE001 - any reason is one: this index cannot use a worker
             raise WorkerStartError(f"the index's options cannot be sent to a merge worker: {exc}") from exc
+        self.hang_seconds = float(getattr(options, "merge_hang_seconds", DEFAULT_HANG_SECONDS))
         self._process: subprocess.Popen | None = None
+        self._aborted = False  #: ``abort`` was called (the handle closes): no worker is started again
         self.starts = 0  #: worker processes started so far
         self.peak_rss = 0  #: the largest peak resident set size a worker reported (bytes)
         self._failed_starts = 0  #: in a row
+        self._failed_merges = 0  #: merges in a row that got no answer (the worker died or hung)
         self.fault: str | None = None  #: tests only: "exit_before_commit", "exit_after_commit" or "hang"
 
     @property
     def pid(self) -> int | None:
         """The running worker's process id (None when none runs)."""
-        return None if self._process is None else self._process.pid
+        process = self._process
+        return None if process is None else process.pid
 
-    def merge(self, at: int, timeout: float | None = None) -> int:
+    def merge(self, at: int) -> int:
         """Have the worker merge the log up to byte ``at`` into the tree; return what it reports.
-        ``MergeWorkerError`` if it fails, dies or does not answer in ``timeout`` seconds (default
-        ``MERGE_WORKER_TIMEOUT``; then it is killed)."""
-        timeout = MERGE_WORKER_TIMEOUT if timeout is None else timeout
+        ``MergeWorkerError`` if it fails, dies or hangs (no progress for ``hang_seconds``, or no
+        answer within ``MERGE_WORKER_TIMEOUT``; then it is killed); ``WorkerGaveUpError`` when
+        that was the ``MAX_FAILED_MERGES``-th merge in a row without an answer."""
         process = self._running()
         try:
             _send(process.stdin, ("merge", at, self.fault))
-            answer = _receive(process.stdout, time.monotonic() + timeout)
+            answer = self._answer(process, MERGE_WORKER_TIMEOUT)
         except (OSError, EOFError, ValueError, pickle.UnpicklingError, TimeoutError) as exc:
             code = self._kill()
-            raise MergeWorkerError(f"the merge worker (exit status {code}) gave no answer for the merge up to "
-                                   f"log byte {at}: {type(exc).__name__}: {exc}") from None
+            self._failed_merges += 1
+            error = WorkerGaveUpError if self._failed_merges >= MAX_FAILED_MERGES else MergeWorkerError
+            raise error(f"the merge worker (exit status {code}) gave no answer for the merge up to log byte {at} "
+                        f"({self._failed_merges} in a row): {type(exc).__name__}: {exc}") from None
+        self._failed_merges = 0
         if answer[0] != "ok":
             raise MergeWorkerError(f"the merge worker failed to merge up to log byte {at}: {answer[1]}")
         checkpoint, peak_rss = answer[1]
         self.peak_rss = max(self.peak_rss, peak_rss)
         return checkpoint
 
+    def _answer(self, process: subprocess.Popen, cap: float) -> tuple:
+        """The worker's next answer. Waits as long as the worker makes progress (at most ``cap``
+        seconds in all); ``TimeoutError`` once its main thread used no CPU and made no read or
+        write for ``hang_seconds``, or at the cap; ``EOFError`` if it exits."""
+        fd, hang = process.stdout.fileno(), self.hang_seconds
+        poll = min(hang / 4, 1.0)  # so a stall is seen within a quarter of the allowance
+        now = time.monotonic()
+        deadline, last, moved_at = now + cap, _progress(process.pid), now
+        while not select.select([fd], [], [], max(0.0, min(poll, deadline - now)))[0]:
+            now, seen = time.monotonic(), _progress(process.pid)
+            if seen is None or seen != last:  # (None: this system shows no progress; only the cap holds)
+                last, moved_at = seen, now
+            elif now - moved_at >= hang:
+                raise TimeoutError(f"the worker made no progress for {now - moved_at:.1f} s (no CPU time, no read or "
+                                   f"write: stopped, asleep or stuck; merge_hang_seconds={hang:g})")
+            if now >= deadline:
+                raise TimeoutError(f"no answer within {cap:g} s")
+        return _receive(process.stdout, time.monotonic() + hang)  # the frame is on its way: one write
+
     def _running(self) -> subprocess.Popen:
         process = self._process
         if process is not None and process.poll() is None:
             return process
         self._kill()
+        if self._aborted:
+            raise MergeWorkerError("the handle is closing: no merge worker is started")
         try:
             process = self._start()
         except MergeWorkerError as exc:
@@ -151,9 +200,12 @@ class MergeWorker:
         except OSError as exc:
             raise MergeWorkerError(f"the merge worker could not be started: {exc}") from exc
         self._process, self.starts = process, self.starts + 1
+        if self._aborted:  # (``abort`` ran while it started: it may have missed this process)
+            self._kill()
+            raise MergeWorkerError("the handle is closing: no merge worker is started")
         try:
             _send(process.stdin, ("open", self._spec))
-            answer = _receive(process.stdout, time.monotonic() + _START_TIMEOUT)
+            answer = self._answer(process, _START_TIMEOUT)
         except (OSError, EOFError, ValueError, pickle.UnpicklingError, TimeoutError) as exc:
             code = self._kill()
             raise MergeWorkerError(f"the merge worker did not start (exit status {code}): {exc}") from None
@@ -163,20 +215,35 @@ class MergeWorker:
         return process
 
     def _kill(self) -> int | None:
-        """Stop the worker at once (it may be mid-merge: what it half-wrote is never referenced)."""
+        """Stop the worker at once (it may be mid-merge: what it half-wrote is never referenced).
+        Its exit status, or None (none ran, or it was not reaped within ``_KILL_WAIT_SECONDS``:
+        stuck in the kernel, it dies when the kernel lets it; ``subprocess`` reaps it later)."""
         process, self._process = self._process, None
         if process is None:
             return None
         if process.poll() is None:
             process.kill()
         try:
-            return process.wait(timeout=10)
+            return process.wait(timeout=_KILL_WAIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            _log.warning("the killed merge worker (pid %d) has not exited after %.0f s; not waiting for it",
+                         process.pid, _KILL_WAIT_SECONDS)
+            return None
         finally:
             for pipe in (process.stdin, process.stdout):
                 try:
                     pipe.close()
                 except OSError:
                     pass
+
+    def abort(self) -> None:
+        """Kill the worker now, whatever it does, and start none again (the handle closes). Safe
+        to call from any thread, also while another waits in ``merge``: that wait ends at once
+        (the pipe ends) with ``MergeWorkerError``. Loses nothing: the log holds every update."""
+        self._aborted = True
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()
 
     def close(self) -> None:
         """Ask the worker to exit (it is idle: the caller holds the merge mutex); kill it if it lingers."""
@@ -185,10 +252,30 @@ class MergeWorker:
             return
         try:
             _send(process.stdin, ("stop",))
-            process.wait(timeout=5)
+            process.wait(timeout=min(5.0, self.hang_seconds))
         except (OSError, ValueError, subprocess.TimeoutExpired):
             pass
         self._kill()
+
+
+def _progress(pid: int) -> tuple[int, ...] | None:
+    """What the worker's main thread has done so far (Linux ``/proc``: its CPU clock ticks, then
+    its read and write system calls), or None where the system does not say. Two equal samples
+    mean it did nothing in between. The main thread alone: the worker's parent watcher wakes
+    every ``_PARENT_POLL_SECONDS`` (no read or write, microseconds of CPU) and must not count."""
+    task = f"/proc/{pid}/task/{pid}/"
+    try:
+        with open(task + "stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    except (OSError, IndexError, ValueError):
+        return None
+    try:
+        with open(task + "io", "rb") as f:
+            calls = [int(line.split()[1]) for line in f if line.startswith((b"syscr", b"syscw"))]
+    except (OSError, IndexError, ValueError):  # (io may be hidden by the kernel's ptrace rules)
+        calls = []
+    return (ticks, *calls)
 
 
 # -- framing: a 4-byte length, then a pickle (both ends are this module; nothing else is read) ---

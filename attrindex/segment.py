@@ -39,6 +39,7 @@ from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
 from .listing import ListedStorage
+from .merge_worker import DEFAULT_HANG_SECONDS
 from .overlay import AttributeOverlay, merge_scan
 from .poller import SegmentPoller
 from .reader import SegmentReader
@@ -108,6 +109,10 @@ class SegmentOptions:
     #: worker replays the log itself, which assumes no log compaction rewrites batches meanwhile
     #: (so segments default to the thread; ``AttributeIndex`` turns it on).
     merge_process: bool = False
+    #: With ``merge_process``: a worker that makes no progress (no CPU time, no read or write of its
+    #: merging thread) this many seconds is hung: it is killed and the merge retried, so appends
+    #: waiting for room in tier 1 wait about this long at most behind it (``attrindex.merge_worker``).
+    merge_hang_seconds: float = DEFAULT_HANG_SECONDS
 
     def poll_intervals(self) -> tuple[float, float]:
         """``(min, max)`` seconds between a waiting reader's polls for other handles' appends."""

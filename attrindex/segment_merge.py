@@ -24,7 +24,7 @@ import weakref
 from typing import Iterator
 
 from .errors import StorageError, TruncatedError
-from .merge_worker import MergeWorker, MergeWorkerError, WorkerStartError, worker_storage
+from .merge_worker import MergeWorker, MergeWorkerError, WorkerGaveUpError, WorkerStartError, worker_storage
 from .overlay import AttributeOverlay
 
 MERGE_RETRY_SECONDS = 5.0  #: the longest pause between retries of a failing background merge
@@ -118,23 +118,27 @@ class BackgroundMerge:
         if worker is not None:
             try:
                 return self._merge_in_worker(worker, at)
-            except WorkerStartError as exc:  # no process can be started here: merge in this thread for good
-                _log.warning("segment %r: the merge worker process could not be started (merging in the writer's "
-                             "process from now on): %s", self.name, exc)
+            except (WorkerStartError, WorkerGaveUpError) as exc:  # merge in this thread for good
+                _log.warning("segment %r: the merge worker process could not be started or kept dying or hanging "
+                             "(merging in the writer's process from now on): %s", self.name, exc)
                 self._worker_disabled = True
         return merge_overlay(self._index, frozen, at)
 
     def _merge_worker(self) -> MergeWorker | None:
-        """The worker process host of this handle's merges (``merge_process`` on local disk), or None."""
-        if self._worker is None and self.options.merge_process and not self._worker_disabled:
-            storage = worker_storage(self._log.storage)
-            if storage is not None:
-                try:
-                    self._worker = MergeWorker(storage, self.name, self.tree_name, self.options)
-                except WorkerStartError as exc:
-                    _log.warning("segment %r: merging in the writer's process: %s", self.name, exc)
-                    self._worker_disabled = True
-        return None if self._worker_disabled else self._worker
+        """The worker process host of this handle's merges (``merge_process`` on local disk), or
+        None (also once the handle stops: ``_abort_worker`` must see every worker there is)."""
+        with self._lock:
+            if self._stopping:
+                return None
+            if self._worker is None and self.options.merge_process and not self._worker_disabled:
+                storage = worker_storage(self._log.storage)
+                if storage is not None:
+                    try:
+                        self._worker = MergeWorker(storage, self.name, self.tree_name, self.options)
+                    except WorkerStartError as exc:
+                        _log.warning("segment %r: merging in the writer's process: %s", self.name, exc)
+                        self._worker_disabled = True
+            return None if self._worker_disabled else self._worker
 
     def _merge_in_worker(self, worker: MergeWorker, at: int) -> bool:
         """The worker merges the log up to ``at``; then this handle adopts the tree it wrote (a
@@ -163,6 +167,15 @@ class BackgroundMerge:
             raise MergeWorkerError(f"segment {self.name!r}: the merge worker reported the merge up to log byte {at}, "
                                    f"but the tree covers only {covered}")
         return covered == at
+
+    def _abort_worker(self) -> None:
+        """At close (``_stopping`` set, ``_lock`` held), before the merge thread is joined: kill the
+        worker at once, so that close never waits on it (it may hang). Nothing is lost: the log
+        holds every acknowledged update, the merge thread's wait ends with an error, and close
+        merges what is pending in its own thread."""
+        worker = self._worker
+        if worker is not None:
+            worker.abort()
 
     def _close_worker(self) -> None:
         """Stop the merge worker process, if one runs (at close, after the last merge)."""
@@ -270,6 +283,9 @@ class BackgroundMerge:
                 self._merge_once(background=True)
             return 0.0, 0.0
         except Exception as exc:  # noqa: BLE001 - recorded; flush() and close() raise it
+            if self._stopping:  # (close killed the worker under this merge: close merges it itself)
+                _log.debug("segment %r: the background merge ended by close: %s", self.name, exc)
+                return None
             pause = min(max(2 * pause, MERGE_RETRY_MIN_SECONDS), MERGE_RETRY_SECONDS)
             self._merge_retry_at = time.monotonic() + pause
             _log.warning("segment %r: merging attribute updates into the B+tree failed in the background "
@@ -280,6 +296,7 @@ class BackgroundMerge:
         """Stop and join the merge thread (not holding ``_lock``: it may be finishing a merge)."""
         with self._lock:
             self._stopping = True
+            self._abort_worker()  # the thread may be waiting on a hung worker
             self._wake.set()
             self._merged.notify_all()
             thread = self._merger

@@ -309,7 +309,7 @@ def segment_options(options: Mapping[str, Any]) -> SegmentOptions:
         if type(value) is not int or value < 1:
             raise InvalidInputError(f"store option {name} must be an int >= 1, got {value!r}")
     polls = ("poll_interval", "min_poll_interval", "max_poll_interval")
-    for name, low, high in (("flush_seconds", 0, float("inf")),
+    for name, low, high in (("flush_seconds", 0, float("inf")), ("merge_hang_seconds", 0.01, threading.TIMEOUT_MAX),
                             *((poll, 1e-6, threading.TIMEOUT_MAX) for poll in polls)):
         value = getattr(built, name)  # flush_seconds=inf: never by time; a poll of 0 would spin
         if name == "poll_interval" and value is None:

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attrindex import merge_worker, segment_merge
+from attrindex import SegmentStore, merge_worker, segment_merge
 from attrindex.attribute_index import AttributeIndex
 from attrindex.errors import InvalidInputError
 from attrindex.value_cache import MISSING
@@ -117,20 +117,140 @@ def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault
 
 
 def test_a_hung_worker_is_killed_after_the_timeout(tmp_path, monkeypatch):
-    monkeypatch.setattr(merge_worker, "MERGE_WORKER_TIMEOUT", 0.5)
+    """Hung = no progress for ``merge_hang_seconds`` (the 10-minute cap on one merge stays as it
+    is: it must not be what ends the wait)."""
     monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
-    index, model, rng = open_index(tmp_path), {}, random.Random(3)
+    index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(3)
     try:
         worker = index._wal._merge_worker()
         worker.fault = "hang"
         write(index, model, rng, 3)
-        error = wait_for(lambda: index._wal.stats().merge_error, "the timeout")
-        assert "no answer" in error
+        error = wait_for(lambda: index._wal.stats().merge_error, "the hang to be noticed")
+        assert "made no progress" in error and "merge_hang_seconds=0.3" in error
         worker.fault = None
         wait_for(lambda: merged_up_to_position(index), "the retried merge")
+        assert worker.starts >= 2 and not index._wal._worker_disabled
         check(index, model)
     finally:
         index.close()
+
+
+def test_a_worker_stopped_from_outside_is_killed_and_replaced(tmp_path, monkeypatch):
+    """SIGSTOP (a debugger, a frozen cgroup, swap death): the worker lives but does nothing, at
+    whatever moment it was stopped (mid-merge, or idle and then sent the next merge)."""
+    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(10)
+    stopped = []
+    try:
+        for _round in range(3):
+            write(index, model, rng, 3)
+            pid = wait_for(lambda: index._wal._worker is not None and index._wal._worker.pid, "a worker")
+            time.sleep(rng.random() * 0.05)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            write(index, model, rng, 3)  # durable whatever the worker does
+            wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None
+                     and index._wal._worker.pid not in stopped, "a merge by a new worker")
+            check(index, model)
+        assert not any(_alive(pid) for pid in stopped)
+    finally:
+        for pid in stopped:  # (only if the test failed: the index kills them)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        index.close()
+    with open_index(tmp_path) as reopened:
+        check(reopened, model)
+        assert reopened.verify().ok
+
+
+def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path):
+    """The worker hangs mid-merge and the hang allowance is long (10 minutes): close kills it at
+    once (the WAL holds every acknowledged update) and merges in its own thread; every update
+    acknowledged before and during the hang reads back, live and after reopening."""
+    index, model, rng = open_index(tmp_path, merge_hang_seconds=600), {}, random.Random(11)
+    worker = index._wal._merge_worker()
+    worker.fault = "hang"
+    write(index, model, rng, 3)
+    wal = index._wal
+    wait_for(lambda: wal._merge_mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
+    pid = worker.pid
+    write(index, model, rng, 3)  # acknowledged while the worker hangs
+    check(index, model)
+    closer = threading.Thread(target=index.close)
+    closer.start()
+    closer.join(WAIT)  # (10 minutes without the kill at close)
+    assert not closer.is_alive(), "close waited for the hung worker"
+    assert not _alive(pid) and wal._merge_error is None
+    with open_index(tmp_path) as reopened:
+        check(reopened, model)
+        assert reopened.verify().ok
+        assert reopened.stats().pending_keys == 0  # close merged everything itself
+
+
+def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path):
+    """``flush`` needs the merge mutex, which the merge thread holds while it waits on the worker:
+    with a worker hung mid-merge, flush goes on once the hang is noticed and merges itself."""
+    index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(13)
+    try:
+        worker = index._wal._merge_worker()
+        worker.fault = "hang"
+        write(index, model, rng, 3)
+        wal = index._wal
+        wait_for(lambda: wal._merge_mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
+        flusher = threading.Thread(target=index.flush)
+        flusher.start()
+        flusher.join(WAIT)  # (10 minutes when only the cap on one merge ended the wait)
+        assert not flusher.is_alive(), "flush waited for the hung worker"
+        assert index.stats().pending_keys == 0
+        check(index, model)
+    finally:
+        index.close()
+
+
+def test_workers_that_hang_at_start_leave_the_merges_to_a_thread(tmp_path, monkeypatch, caplog):
+    """A worker that never says it is ready (stuck before or while opening the index) is killed
+    once it stops making progress, not after a minute; three in a row send merges to a thread."""
+    monkeypatch.setattr(merge_worker, "_WORKER_MAIN", "import time; time.sleep(3600)")
+    monkeypatch.setattr(merge_worker, "_START_TIMEOUT", 3600.0)  # the cap must not be what ends the wait
+    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    with open_index(tmp_path, merge_hang_seconds=0.3) as index:
+        model = {}
+        write(index, model, random.Random(14), 4)
+        wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None, "the merge")
+        assert index._wal._worker_disabled and index._wal._worker.starts == merge_worker.MAX_FAILED_STARTS
+        check(index, model)
+    assert "did not start" in caplog.text and "made no progress" in caplog.text
+
+
+def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, caplog):
+    """Back-pressure on every update (``max_pending_bytes=2000``: a write of 100 keys is over it)
+    and a worker that hangs on every merge: each hang ends the wait of the updates behind it
+    within ``merge_hang_seconds``, never at the back-pressure bound; after ``MAX_FAILED_MERGES``
+    hangs the merges run in the writer's process and back-pressure works again."""
+    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(segment_merge, "BACKPRESSURE_WAIT_SECONDS", 20.0)  # what a writer would wait without
+    index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3, max_pending_bytes=2000), {}, random.Random(12)
+    try:
+        worker = index._wal._merge_worker()
+        worker.fault = "hang"  # sent with every merge: every new worker hangs too
+        wal = index._wal
+        deadline = time.monotonic() + WAIT
+        while not wal._worker_disabled:  # updates all along, while workers hang and are replaced
+            assert time.monotonic() < deadline, "the merges never left the hanging worker"
+            write(index, model, rng, 1)
+            assert "appending anyway" not in caplog.text, "an update waited out the back-pressure bound"
+            time.sleep(0.02)
+        write(index, model, rng, 3)
+        wait_for(lambda: merged_up_to_position(index) and wal.stats().merge_error is None, "a merge in the thread")
+        assert worker.starts == merge_worker.MAX_FAILED_MERGES
+        check(index, model)
+    finally:
+        index.close()
+    assert "appending anyway" not in caplog.text  # no update waited out the back-pressure bound
+    assert "kept dying or hanging" in caplog.text
+    with open_index(tmp_path) as reopened:
+        check(reopened, model)
 
 
 def test_a_worker_killed_from_outside_at_any_moment(tmp_path, monkeypatch):
@@ -334,6 +454,12 @@ def test_options_that_cannot_cross_to_a_process_keep_the_merge_in_a_thread(tmp_p
 def test_merge_process_option(tmp_path):
     with pytest.raises(InvalidInputError, match="merge_process"):
         AttributeIndex.open(str(tmp_path / "a"), merge_process="yes")
+    for bad in (0, -1, "5", True, float("nan")):
+        with pytest.raises(InvalidInputError, match="merge_hang_seconds"):
+            AttributeIndex.open(str(tmp_path / "a"), merge_hang_seconds=bad)
+        with pytest.raises(InvalidInputError, match="merge_hang_seconds"):
+            SegmentStore.open(str(tmp_path / "s"), merge_hang_seconds=bad)
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "s")
     with open_index(tmp_path / "b", merge_process=False) as index:  # the in-thread host
         model = {}
         write(index, model, random.Random(6), 4)
