@@ -185,10 +185,10 @@ class AttributeIndex(IndexHandle):
         active, frozen, recent, tree_get, _tree_get_many = self._wal._view
         if type(key) is not bytes or len(key) != KEY_SIZE:
             key = to_key(key)
-        value = active(key, MISSING)
+        value = active[key[-2]].get(key, MISSING)  # the overlay's lookup table (``AttributeOverlay.lookup``)
         if value is MISSING:
             if frozen is not None:
-                value = frozen(key, MISSING)
+                value = frozen[key[-2]].get(key, MISSING)
                 if value is not MISSING:
                     return value  # type: ignore[return-value]
             value = recent.young.get(key, MISSING)

@@ -39,7 +39,7 @@ from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
 from .listing import ListedStorage
-from .overlay import AttributeOverlay, merge_scan
+from .overlay import EMPTY_LOOKUP, AttributeOverlay, merge_scan, probe_many
 from .poller import SegmentPoller
 from .reader import SegmentReader
 from .segment_merge import BACKPRESSURE_WAIT_SECONDS, MERGE_RETRY_MIN_SECONDS, MERGE_RETRY_SECONDS, BackgroundMerge
@@ -63,7 +63,6 @@ _log = logging.getLogger("attrindex.segment")
 
 # The parts of a read view that hold nothing (a closed handle's, or one whose attributes are not
 # loaded yet): every key falls through them to the view's tree lookups, which raise or load.
-_EMPTY_LOOKUP = {}.get
 _NO_VALUES = ValueCache(0)  # capacity 0: never holds a value
 
 
@@ -558,17 +557,17 @@ class Segment(BackgroundMerge):
     # -- the read view: lock-free reads (docs/design.md, "Reads") --------------------------------
     def _publish_view(self) -> None:
         """Publish what reads look at, in ONE attribute assignment (under ``_lock``): the tuple
-        ``(active overlay's lookup, frozen overlay's lookup or None, the tree's recent values,
+        ``(active overlay's lookup table, frozen overlay's or None, the tree's recent values,
         tree get, tree get_many)``. Readers take no lock: they read ``_view`` once and probe its
         parts in that order, so they never see the active overlay of one state with the frozen
         one of another. Called whenever a part is replaced: a freeze, the end of a merge (after
         the tree and its recent values hold the frozen overlay's values, so a read never goes
         back), a rebuild of tier 1, the attributes' lazy load, and close (a view whose lookups
-        raise). Appends change the active overlay's dict in place: they need no publish."""
+        raise). Appends change the active overlay's dicts in place: they need no publish."""
         if self._closed:
-            view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._closed_read, self._closed_read)
+            view = (EMPTY_LOOKUP, None, _NO_VALUES, self._closed_read, self._closed_read)
         elif not self._attributes_loaded:
-            view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
+            view = (EMPTY_LOOKUP, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
         else:
             tree, frozen = self._tree, self._frozen
             view = (self._overlay.lookup, None if frozen is None else frozen.lookup, tree._values,  # type: ignore[union-attr]
@@ -580,10 +579,10 @@ class Segment(BackgroundMerge):
         overlay, the frozen one being merged, the tree's recent values, then the tree (the hot
         path: dict probes, no lists)."""
         active, frozen, recent, tree_get, _tree_get_many = self._view
-        value = active(key, MISSING)
+        value = active[key[-2]].get(key, MISSING)  # the overlay's lookup table (``AttributeOverlay.lookup``)
         if value is MISSING:
             if frozen is not None:
-                value = frozen(key, MISSING)
+                value = frozen[key[-2]].get(key, MISSING)
                 if value is not MISSING:
                     return value  # type: ignore[return-value]
             value = recent.young.get(key, MISSING)
@@ -597,14 +596,14 @@ class Segment(BackgroundMerge):
         overlay holds go to the tree as one ``get_many``. Every step is one C-level call (``map``,
         ``compress``): no Python loop per key."""
         active, frozen, _recent, _tree_get, tree_get_many = self._view
-        found = list(map(active, keys, repeat(MISSING, len(keys))))
+        found = probe_many(active, keys)
         missing = list(compress(keys, map(is_, found, repeat(MISSING))))
         if not missing:
             return found  # type: ignore[return-value]
         if frozen is None:
             fill = dict(zip(missing, tree_get_many(missing)))
         else:
-            older = list(map(frozen, missing, repeat(MISSING, len(missing))))
+            older = probe_many(frozen, missing)
             still = list(compress(missing, map(is_, older, repeat(MISSING))))
             stored = dict(zip(still, tree_get_many(still))) if still else {}
             fill = dict(zip(missing, map(stored.get, missing, older)))
