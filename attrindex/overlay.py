@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 from .value_cache import MISSING
 
-__all__ = ["AttributeOverlay", "EMPTY_LOOKUP", "merge_scan", "probe_many", "sort_keys", "MISSING"]
+__all__ = ["AttributeOverlay", "merge_scan", "probe_many", "sort_keys", "MISSING"]
 
 # Estimated bytes per entry, for flush thresholds: the 16-byte key object (49), a boxed int value
 # (32; ``None`` and small ints are shared, so this is an upper bound), the dict's slot and index
@@ -39,8 +39,6 @@ _STEP_KEYS = 16384
 # fills them in turn, 256 keys at a time). Random keys spread evenly by any byte.
 SHARDS = 64
 _SHARD_BYTE = itemgetter(-2)
-#: A lookup table of an overlay that holds nothing (see ``AttributeOverlay.lookup``).
-EMPTY_LOOKUP: list[dict[bytes, int | None]] = [{}] * 256
 
 
 class AttributeOverlay:

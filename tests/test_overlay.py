@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from attrindex.keys import to_key
-from attrindex.overlay import _STEP_KEYS, EMPTY_LOOKUP, MISSING, SHARDS, AttributeOverlay, merge_scan, probe_many
+from attrindex.overlay import _STEP_KEYS, MISSING, SHARDS, AttributeOverlay, merge_scan, probe_many
 from attrindex.value_cache import MISSING as CACHE_MISSING
 
 # A small key space, so updates collide with known keys; includes both ends of the key order.
@@ -299,7 +299,7 @@ def test_no_apply_regrows_the_whole_overlay():
 
 def test_probe_many_edges():
     overlay = AttributeOverlay()
-    assert probe_many(EMPTY_LOOKUP, [KEYS[0], KEYS[1]]) == [MISSING, MISSING]
+    assert probe_many(overlay.lookup, [KEYS[0], KEYS[1]]) == [MISSING, MISSING]
     assert probe_many(overlay.lookup, [KEYS[0]]) == [MISSING] and probe_many(overlay.lookup, []) == []
     overlay.apply([KEYS[0]], [5])
     assert probe_many(overlay.lookup, [KEYS[0]]) == [5] and probe_many(overlay.lookup, []) == []
