@@ -196,20 +196,22 @@ class AttributeIndex(IndexHandle):
         active, frozen, recent, tree_get, _tree_get_many = self._wal._view
         if type(key) is not bytes or len(key) != KEY_SIZE:
             key = to_key(key)
-        value = active(key, MISSING)
+        if active is not None:  # the overlay's lookup table (``AttributeOverlay.lookup``); None: empty
+            value = active[key[-2]].get(key, MISSING)
+            if value is not MISSING:
+                return value  # type: ignore[return-value]
+        if frozen is not None:
+            value = frozen[key[-2]].get(key, MISSING)
+            if value is not MISSING:
+                return value  # type: ignore[return-value]
+        value = recent.young.get(key, MISSING)
         if value is MISSING:
-            if frozen is not None:
-                value = frozen(key, MISSING)
-                if value is not MISSING:
-                    return value  # type: ignore[return-value]
-            value = recent.young.get(key, MISSING)
-            if value is MISSING:
-                try:
-                    return tree_get(key)  # type: ignore[no-any-return]
-                except InvalidInputError:  # a closed handle's view: say so in the index's words
-                    self._check_open()
-                    raise
-            recent.hits += 1
+            try:
+                return tree_get(key)  # type: ignore[no-any-return]
+            except InvalidInputError:  # a closed handle's view: say so in the index's words
+                self._check_open()
+                raise
+        recent.hits += 1
         return value  # type: ignore[return-value]
 
     def get_many(self, keys: Iterable[object]) -> list[int | None]:

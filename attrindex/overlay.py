@@ -9,58 +9,76 @@ validate first (``attrindex.conditional.resolve_updates``), so the hot path does
 from __future__ import annotations
 
 from bisect import bisect_left
-from itertools import islice, repeat
-from typing import Callable, Iterator
+from collections import deque
+from itertools import chain, islice, repeat
+from operator import getitem, itemgetter, setitem
+from typing import Iterator, Sequence
 
 from .value_cache import MISSING
 
-__all__ = ["AttributeOverlay", "merge_scan", "sort_keys", "MISSING"]
+__all__ = ["AttributeOverlay", "merge_scan", "probe_many", "sort_keys", "MISSING"]
 
 # Estimated bytes per entry, for flush thresholds: the 16-byte key object (49), a boxed int value
 # (32; ``None`` and small ints are shared, so this is an upper bound), the dict's slot and index
 # share at a typical fill (~55) and the sorted list's pointer (8).
 _ENTRY_BYTES = 144
-_BASE_BYTES = 300  # the empty dict, list and object
+# The empty object and list. The empty shards and their tables (~8 KiB) are left out: a limit
+# such as ``max_pending_bytes`` of a few KiB keeps meaning a few dozen entries.
+_BASE_BYTES = 300
 # The most keys one C-level step (a sort, a copy) handles. Such a step holds the GIL from start to
 # end, so a 250k-key overlay sorted in one call froze every other thread of the process (an
 # ``update`` beside the background merge) for 0.1-1 s; in steps this size each hold is ~2 ms.
 _STEP_KEYS = 16384
+# The entries are spread over this many dicts by the key's next-to-last byte. One dict grows by
+# doubling its table in ONE C-level rehash that holds the GIL: the ``apply`` that crossed 350k or
+# 700k keys paid 15-32 ms of the caller's CPU. Shards double a 64th of the entries each, at
+# different moments, so no apply pays more than a few small rehashes (docs/design.md).
+# Not a leading byte: sequential integer keys share those. Not the last byte either: sequential
+# keys would fill all shards in lockstep (each batch gives each shard the same number of keys),
+# and all 64 would double in the same apply (6 ms at 700k keys, against 0.6 ms by this byte, which
+# fills them in turn, 256 keys at a time). Random keys spread evenly by any byte.
+SHARDS = 64
+_SHARD_BYTE = itemgetter(-2)
 
 
 class AttributeOverlay:
     """Attribute updates newer than the B+tree's checkpoint, kept sorted by key for range scans.
 
-    A dict ``key -> value | None`` plus a sorted key list built lazily, only after new keys arrived
-    (updates to known keys leave it valid). This is cheaper than a ``SortedDict`` on the hot path,
-    a bulk ``apply`` of ~1000 keys per append (one C-level ``dict.update``), and scans still seek
-    in O(log n) by bisecting the list. A built list is never mutated, only replaced, so a scan can
-    keep iterating over the one it started with.
+    Dicts ``key -> value | None`` (``SHARDS`` of them, a key's chosen by its next-to-last byte) plus a
+    sorted key list built lazily, only after new keys arrived (updates to known keys leave it
+    valid). This is cheaper than a ``SortedDict`` on the hot path, a bulk ``apply`` of ~1000 keys
+    per append (one C-level call), and scans still seek in O(log n) by bisecting the list. A built
+    list is never mutated, only replaced, so a scan can keep iterating over the one it started with.
     """
 
-    __slots__ = ("_values", "_sorted")
+    __slots__ = ("_shards", "_table", "_sorted", "_counted")
 
     def __init__(self) -> None:
-        self._values: dict[bytes, int | None] = {}
-        # Holds the first len(_sorted) keys of _values, sorted; the rest arrived since.
+        self._shards: list[dict[bytes, int | None]] = [{} for _ in range(SHARDS)]
+        # Indexed by a key's next-to-last byte (0..255): its shard.
+        self._table = [self._shards[b % SHARDS] for b in range(256)]
+        # Holds, sorted, the first _counted[i] keys (insertion order) of each shard i; the rest
+        # arrived since.
         self._sorted: list[bytes] = []
+        self._counted = [0] * SHARDS
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: bytes) -> object:
         """The overlay's value for ``key``: an int, ``None`` (removed), or ``MISSING`` (no entry)."""
-        return self._values.get(key, MISSING)
+        return self._table[key[-2]].get(key, MISSING)
 
     @property
-    def lookup(self) -> Callable[[bytes, object], object]:
-        """The entries' ``dict.get`` (``lookup(key, MISSING)``), for lock-free readers (a
-        segment's read view): ``apply`` changes that dict in place, one C-level ``update`` that
-        a reader sees before or after, never half-way for a key; ``clear`` replaces it, so a
-        holder must take ``lookup`` again after a ``clear``."""
-        return self._values.get
+    def lookup(self) -> list[dict[bytes, int | None]]:
+        """For lock-free readers (a segment's read view): the entries' dicts indexed by a key's
+        next-to-last byte, so ``lookup[key[-2]].get(key, MISSING)`` is ``get(key)`` (``probe_many`` for
+        a list). Read it, never change it. ``apply`` changes the dicts in place, one C-level call
+        that a reader sees before or after, never half-way for a key; ``clear`` replaces them, so
+        a holder must take ``lookup`` again after a ``clear``."""
+        return self._table
 
     def get_many(self, keys: list[bytes]) -> list[object]:
         """``get`` for each key, in order (C-level dict probes)."""
-        keys = keys if isinstance(keys, list) else list(keys)
-        return list(map(self._values.get, keys, repeat(MISSING, len(keys))))
+        return probe_many(self._table, keys if isinstance(keys, list) else list(keys))
 
     def items(
         self, start: bytes | None = None, stop: bytes | None = None
@@ -74,8 +92,8 @@ class AttributeOverlay:
         keys = self._sorted_keys()
         lo = 0 if start is None else bisect_left(keys, start)
         hi = len(keys) if stop is None else bisect_left(keys, stop)
-        # Bind the list and dict now: clear() replaces both, apply() never mutates the list.
-        return _scan(keys, self._values, lo, hi)
+        # Bind the list and table now: clear() replaces both, apply() never mutates the list.
+        return _scan(keys, self._table, lo, hi)
 
     def sorted_items(self) -> tuple[list[bytes], list[int | None]]:
         """Every entry as parallel lists ascending by key, removals included (to flush into the tree).
@@ -83,56 +101,84 @@ class AttributeOverlay:
         Built in steps of at most ``_STEP_KEYS`` keys: the background merge calls this on a full
         overlay, and other threads must get the GIL between steps."""
         keys = list(self._sorted_keys())  # a copy: the caller may keep or change it
-        get, values = self._values.__getitem__, []
+        shard_of, values = self._table.__getitem__, []
         for i in range(0, len(keys), _STEP_KEYS):
-            values.extend(map(get, keys[i:i + _STEP_KEYS]))
+            step = keys[i:i + _STEP_KEYS]
+            values.extend(map(getitem, map(shard_of, map(_SHARD_BYTE, step)), step))
         return keys, values
 
     def copy_values(self) -> dict[bytes, int | None]:
-        """The entries as a new dict (one C-level copy): a snapshot to work on without the lock."""
-        return dict(self._values)
+        """The entries as a new dict (a C-level copy per shard): a snapshot to work on without the lock."""
+        copy: dict[bytes, int | None] = {}
+        for shard in self._shards:
+            copy.update(shard)
+        return copy
 
     def __len__(self) -> int:
-        return len(self._values)
+        return sum(map(len, self._shards))
 
     @property
     def nbytes(self) -> int:
         """Approximate bytes held, for flush thresholds: a fixed cost per entry (``_ENTRY_BYTES``)."""
-        return _BASE_BYTES + _ENTRY_BYTES * len(self._values)
+        return _BASE_BYTES + _ENTRY_BYTES * len(self)
 
     # -- writing -------------------------------------------------------------------------------
-    def apply(self, keys: list[bytes], values: list[int | None]) -> None:
+    def apply(self, keys: Sequence[bytes], values: Sequence[int | None]) -> None:
         """Set ``keys[i]`` to ``values[i]`` (``None`` = removed); a later duplicate key wins."""
         if len(keys) != len(values):
             # Checked first: zip(strict=True) would raise only after a partial update.
             raise ValueError(f"apply got {len(keys)} keys and {len(values)} values")
-        self._values.update(zip(keys, values))
-        # New keys show up as growth of the dict; the sorted list catches up on the next scan.
+        # ONE C-level call (maps drained by a zero-length deque): each key set in its shard, in
+        # order, with no Python loop and no point where another thread runs between two keys.
+        deque(map(setitem, map(self._table.__getitem__, map(_SHARD_BYTE, keys)), keys, values), maxlen=0)
+        # New keys show up as growth of a shard; the sorted list catches up on the next scan.
 
     def clear(self) -> None:
         """Drop everything (after the overlay was flushed into the tree)."""
-        # New objects rather than .clear(): running scans keep iterating the old ones.
-        self._values = {}
-        self._sorted = []
+        # New objects rather than .clear(): running scans and read views keep the old ones.
+        self.__init__()  # type: ignore[misc]
 
     # -- internals -----------------------------------------------------------------------------
     def _sorted_keys(self) -> list[bytes]:
-        keys, values = self._sorted, self._values
-        missing = len(values) - len(keys)
+        """The sorted key list, caught up with the keys applied since it was built (callers
+        serialise this with ``apply``: the segment's lock)."""
+        keys, shards = self._sorted, self._shards
+        sizes = list(map(len, shards))
+        missing = sum(sizes) - len(keys)
         if missing > _STEP_KEYS:  # many new keys (a full overlay): sort in short steps
-            keys = sort_keys(list(values))
-            self._sorted = keys
+            keys = sort_keys(list(chain.from_iterable(shards)))
+            self._sorted, self._counted = keys, sizes
         elif missing:
-            # Entries are never deleted one by one, so the dict's last `missing` keys (insertion
-            # order) are exactly the new ones. Appending them and sorting lets timsort merge the
-            # sorted run with the new run: O(n + k log k), not a full O(n log n) re-sort.
-            keys = keys + list(islice(reversed(values), missing))
+            # Entries are never deleted one by one, so each shard's last (size - counted) keys
+            # (insertion order) are exactly its new ones. Appending them and sorting lets timsort
+            # merge the sorted run with the new ones: O(n + k log k), not a full O(n log n) re-sort.
+            new: list[bytes] = []
+            for shard, size, counted in zip(shards, sizes, self._counted):
+                if size > counted:
+                    new.extend(islice(reversed(shard), size - counted))
+            new.sort()
+            keys = keys + new
             keys.sort()
-            self._sorted = keys
+            self._sorted, self._counted = keys, sizes
         return keys
 
     def __repr__(self) -> str:
         return f"AttributeOverlay({len(self)} entries)"
+
+
+def probe_many(lookup: Sequence[dict[bytes, int | None]], keys: list[bytes]) -> list[object]:
+    """``lookup[key[-2]].get(key, MISSING)`` for each 16-byte key, in order, with ``lookup`` an
+    overlay's ``lookup`` table: C-level steps, no Python loop and one call per key."""
+    if not any(lookup):  # an empty overlay (a read-mostly index): nothing to probe
+        return [MISSING] * len(keys)
+    if len(keys) < 2:  # (an itemgetter of one index returns the item, not a tuple)
+        return [lookup[key[-2]].get(key, MISSING) for key in keys]
+    joined = b"".join(keys)
+    if len(joined) != 16 * len(keys):
+        raise ValueError("probe_many takes 16-byte keys")
+    # The keys' next-to-last bytes in one slice, each key's shard picked in one itemgetter call.
+    shards = itemgetter(*joined[14::16])(lookup)
+    return list(map(dict.get, shards, keys, repeat(MISSING, len(keys))))
 
 
 def sort_keys(keys: list[bytes]) -> list[bytes]:
@@ -167,12 +213,11 @@ def _bucket_sort(keys: list[bytes], out: list[bytes]) -> None:
 
 
 def _scan(
-    keys: list[bytes], values: dict[bytes, int | None], lo: int, hi: int
+    keys: list[bytes], table: list[dict[bytes, int | None]], lo: int, hi: int
 ) -> Iterator[tuple[bytes, int | None]]:
-    get = values.__getitem__
     for i in range(lo, hi):
         key = keys[i]
-        yield key, get(key)
+        yield key, table[key[-2]][key]
 
 
 def merge_scan(

@@ -40,7 +40,7 @@ from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
 from .listing import ListedStorage
 from .merge_worker import DEFAULT_HANG_SECONDS
-from .overlay import AttributeOverlay, merge_scan
+from .overlay import AttributeOverlay, merge_scan, probe_many
 from .poller import SegmentPoller
 from .reader import SegmentReader
 from .segment_merge import BACKPRESSURE_WAIT_SECONDS, MERGE_RETRY_MIN_SECONDS, MERGE_RETRY_SECONDS, BackgroundMerge
@@ -62,9 +62,8 @@ MAX_GROUP_REQUESTS = 4096  #: appends in one group at most
 
 _log = logging.getLogger("attrindex.segment")
 
-# The parts of a read view that hold nothing (a closed handle's, or one whose attributes are not
-# loaded yet): every key falls through them to the view's tree lookups, which raise or load.
-_EMPTY_LOOKUP = {}.get
+# The recent values of a read view that holds nothing (a closed handle's, or one whose attributes
+# are not loaded yet): every key falls through to the view's tree lookups, which raise or load.
 _NO_VALUES = ValueCache(0)  # capacity 0: never holds a value
 
 
@@ -361,6 +360,8 @@ class Segment(BackgroundMerge):
             if header.attribute_count and position >= since:
                 keys, values = decode_attribute_updates(buf, pos, header, position=position - pos, segment=name)
                 overlay.apply(keys, values)
+                if overlay is self._overlay:
+                    self._overlay_filled()
         return replay
 
     def _catch_up(self) -> int:
@@ -505,6 +506,7 @@ class Segment(BackgroundMerge):
                 for request, keys, values, _data, header in planned:  # durable: nothing below raises
                     if keys:
                         self._overlay.apply(keys, values)
+                        self._overlay_filled()  # (before the settle: its caller may read at once)
                     request.settle(AppendResult(header.base_offset, header.last_offset))
                 if was_empty and len(self._overlay):  # flush_seconds counts from here
                     self._dirty_since = time.monotonic()
@@ -582,38 +584,49 @@ class Segment(BackgroundMerge):
     # -- the read view: lock-free reads (docs/design.md, "Reads") --------------------------------
     def _publish_view(self) -> None:
         """Publish what reads look at, in ONE attribute assignment (under ``_lock``): the tuple
-        ``(active overlay's lookup, frozen overlay's lookup or None, the tree's recent values,
-        tree get, tree get_many)``. Readers take no lock: they read ``_view`` once and probe its
+        ``(active overlay's lookup table or None while it is empty, frozen overlay's or None, the
+        tree's recent values, tree get, tree get_many)``. Readers take no lock: they read ``_view`` once and probe its
         parts in that order, so they never see the active overlay of one state with the frozen
         one of another. Called whenever a part is replaced: a freeze, the end of a merge (after
         the tree and its recent values hold the frozen overlay's values, so a read never goes
         back), a rebuild of tier 1, the attributes' lazy load, and close (a view whose lookups
-        raise). Appends change the active overlay's dict in place: they need no publish."""
+        raise). Appends change the active overlay's dicts in place: they publish only when they
+        fill an empty one (``_overlay_filled``), before anyone is told of them."""
         if self._closed:
-            view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._closed_read, self._closed_read)
+            view = (None, None, _NO_VALUES, self._closed_read, self._closed_read)
         elif not self._attributes_loaded or self._tier1_stale:  # the first read loads or rebuilds
-            view = (_EMPTY_LOOKUP, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
+            view = (None, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
         else:
             tree, frozen = self._tree, self._frozen
-            view = (self._overlay.lookup, None if frozen is None else frozen.lookup, tree._values,  # type: ignore[union-attr]
+            overlay = self._overlay  # empty: None, so reads skip it (the read-mostly case)
+            view = (overlay.lookup if len(overlay) else None, None if frozen is None else frozen.lookup,
+                    tree._values,  # type: ignore[union-attr]
                     tree._get_uncached, tree._get_many_canonical)  # type: ignore[union-attr]
         self._view = view
+
+    def _overlay_filled(self) -> None:
+        """After updates were applied to the active overlay (under ``_lock``): publish it if the
+        view skips it as empty. Called before the updates are acknowledged or returned."""
+        if self._attributes_loaded and self._view[0] is None and len(self._overlay):
+            self._publish_view()  # (not while opening: the open publishes when it is done)
 
     def _current_value(self, key: bytes) -> int | None:
         """The current value of one canonical key, without a lock: from one read view, the active
         overlay, the frozen one being merged, the tree's recent values, then the tree (the hot
         path: dict probes, no lists)."""
         active, frozen, recent, tree_get, _tree_get_many = self._view
-        value = active(key, MISSING)
+        if active is not None:  # the overlay's lookup table (``AttributeOverlay.lookup``)
+            value = active[key[-2]].get(key, MISSING)
+            if value is not MISSING:
+                return value  # type: ignore[return-value]
+        if frozen is not None:
+            value = frozen[key[-2]].get(key, MISSING)
+            if value is not MISSING:
+                return value  # type: ignore[return-value]
+        value = recent.young.get(key, MISSING)
         if value is MISSING:
-            if frozen is not None:
-                value = frozen(key, MISSING)
-                if value is not MISSING:
-                    return value  # type: ignore[return-value]
-            value = recent.young.get(key, MISSING)
-            if value is MISSING:
-                return tree_get(key)
-            recent.hits += 1
+            return tree_get(key)
+        recent.hits += 1
         return value  # type: ignore[return-value]
 
     def _current_values(self, keys: list[bytes]) -> list[int | None]:
@@ -621,14 +634,20 @@ class Segment(BackgroundMerge):
         overlay holds go to the tree as one ``get_many``. Every step is one C-level call (``map``,
         ``compress``): no Python loop per key."""
         active, frozen, _recent, _tree_get, tree_get_many = self._view
-        found = list(map(active, keys, repeat(MISSING, len(keys))))
-        missing = list(compress(keys, map(is_, found, repeat(MISSING))))
-        if not missing:
-            return found  # type: ignore[return-value]
+        if active is None:  # an empty overlay: nothing to probe
+            if frozen is None:
+                return list(tree_get_many(keys))
+            found: list[object] = [MISSING] * len(keys)
+            missing = keys
+        else:
+            found = probe_many(active, keys)
+            missing = list(compress(keys, map(is_, found, repeat(MISSING))))
+            if not missing:
+                return found  # type: ignore[return-value]
         if frozen is None:
             fill = dict(zip(missing, tree_get_many(missing)))
         else:
-            older = list(map(frozen, missing, repeat(MISSING, len(missing))))
+            older = probe_many(frozen, missing)
             still = list(compress(missing, map(is_, older, repeat(MISSING))))
             stored = dict(zip(still, tree_get_many(still))) if still else {}
             fill = dict(zip(missing, map(stored.get, missing, older)))

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from attrindex import AttributeIndex, SegmentStore, segment_merge
+from attrindex import AttributeIndex, SegmentStore, segment_merge, write_queue
 from attrindex.errors import InvalidInputError
 from attrindex.tree_index import TreeIndex
 from attrindex.value_cache import MISSING, ValueCache
@@ -358,4 +358,27 @@ def test_a_merge_does_not_cache_its_batch_over_a_newer_version_adopted_meanwhile
     btree.update = original_update
     assert ours.get(key(1)) == 5 and ours.get_many([key(1)]) == [5]
     for index in (ours, theirs):
+        index.close()
+
+
+@pytest.mark.parametrize("updates", [1, 3])
+def test_an_update_is_readable_when_its_writer_is_told(monkeypatch, updates):
+    # The read view skips an empty active overlay; the first update into it publishes the overlay
+    # before the writer is told (the leader settles each request while it still holds the lock,
+    # and a woken writer may read at once). Every read made at a settle must see that update.
+    index = AttributeIndex.open(f"memory://told-{uuid.uuid4().hex}", merge_keys=10**6)
+    seen = []
+    settle = write_queue.WriteRequest.settle
+
+    def settle_and_read(request, result=None, error=None):
+        seen.append((index.get(key(len(seen))), index.get_many([key(len(seen))])))
+        settle(request, result, error)
+
+    monkeypatch.setattr(write_queue.WriteRequest, "settle", settle_and_read)
+    try:
+        for n in range(updates):
+            index.update({key(n): n + 7})
+        assert seen == [(n + 7, [n + 7]) for n in range(updates)]
+    finally:
+        monkeypatch.undo()
         index.close()
