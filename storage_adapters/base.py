@@ -23,6 +23,7 @@ import functools
 import threading
 from typing import Any, Callable, Iterator
 
+from .errors import StorageError
 from .requests import RequestCounter, RequestCounters
 
 
@@ -179,6 +180,11 @@ class ChunkStorage(abc.ABC):
 
 
 _COUNTER_GUARD = threading.Lock()
+
+
+def sealed_chunk_error(path: str) -> StorageError:
+    """What ``append`` to a sealed chunk raises (every appendable backend: nothing was written)."""
+    return StorageError(f"chunk {path!r} is sealed: the next chunk starts after it; nothing appended")
 
 
 def _inner(storage: ChunkStorage) -> ChunkStorage | None:

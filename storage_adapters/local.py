@@ -43,7 +43,7 @@ from typing import Iterator, NamedTuple
 
 from fsspec.implementations.local import LocalFileSystem
 
-from .base import ChunkStorage
+from .base import ChunkStorage, sealed_chunk_error
 from .errors import ChunkExistsError, CorruptDataError, InvalidInputError, StorageError, StorageFullError
 
 COMMIT_SUFFIX = ".commit"
@@ -128,10 +128,6 @@ def _is_sealed(sizes: list[int]) -> bool:
     """Whether committed sizes (newest first) say the chunk is sealed: its newest commit added no
     bytes (appends always add some; ``seal`` repeats the size)."""
     return len(sizes) > 1 and sizes[0] == sizes[1]
-
-
-def _sealed_error(path: str) -> StorageError:
-    return StorageError(f"chunk {path!r} is sealed: the next chunk starts after it; nothing committed")
 
 
 def _xattr_committed(value: bytes) -> list[int]:
@@ -426,7 +422,7 @@ class LocalChunkStorage(ChunkStorage):
                 raise _storage_error(exc, "committed size", path) from exc
             if seen is not None:
                 sizes = seen.sizes
-                return sizes[0], len(sizes) > 1 and sizes[0] == sizes[1]
+                return sizes[0], _is_sealed(sizes)
         target = self._abs(path)
         try:  # (no context manager: on every append's path)
             record = _get_record(target)  # a missing chunk raises FileNotFoundError here
@@ -694,8 +690,8 @@ class LocalChunkStorage(ChunkStorage):
             fd, size, sizes = entry.chunk_fd, seen.size, seen.sizes
             entry.seen = None  # written from here on: look again next time
             _check_committed(path, sizes[0], position)
-            if len(sizes) > 1 and sizes[0] == sizes[1]:
-                raise _sealed_error(path)
+            if _is_sealed(sizes):
+                raise sealed_chunk_error(path)
             self._write_at(fd, path, size, position, data)
             sizes = [position + len(data), *sizes][:XATTR_HISTORY]
             entry.last_record = None
@@ -732,7 +728,7 @@ class LocalChunkStorage(ChunkStorage):
                 sizes = _xattr_committed(record) if record is not None else [0]
                 _check_committed(path, sizes[0], position)
                 if _is_sealed(sizes):
-                    raise _sealed_error(path)
+                    raise sealed_chunk_error(path)
             self._write_at(fd, path, os.fstat(fd).st_size, position, data)
             if xattr:
                 self._commit_xattr(fd, record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
@@ -831,7 +827,7 @@ class LocalChunkStorage(ChunkStorage):
             if sealed:
                 if size == previous:
                     return  # sealed already
-                raise _sealed_error(path)
+                raise sealed_chunk_error(path)
             offset = slot * COMMIT_RECORD_SIZE
             try:
                 _write_all(fd, encode_commit_record(size), offset)

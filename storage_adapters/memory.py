@@ -13,7 +13,7 @@ from typing import Iterator
 
 from fsspec.implementations.memory import MemoryFileSystem
 
-from .base import ChunkStorage, relative_paths
+from .base import ChunkStorage, relative_paths, sealed_chunk_error
 from .errors import ChunkExistsError, StorageError
 
 _LOCKS_GUARD = threading.Lock()
@@ -88,7 +88,9 @@ class MemoryChunkStorage(ChunkStorage):
 
     def seal(self, path: str, size: int) -> None:
         chunk = self.fs.store.get(self._abs(path))
-        held = 0 if chunk is None else _size(chunk)
+        if chunk is None:
+            raise StorageError(f"chunk {path!r} is missing; cannot seal it")
+        held = _size(chunk)
         if held != size:
             raise StorageError(f"chunk {path!r} holds {held} bytes; cannot seal it at {size}")
         setattr(chunk, _SEALED, True)  # the file object itself: a chunk deleted and made again is unsealed
@@ -123,7 +125,7 @@ class MemoryChunkStorage(ChunkStorage):
         target = self._abs(path)
         chunk = self.fs.store.get(target)
         if getattr(chunk, _SEALED, False):
-            raise StorageError(f"chunk {path!r} is sealed: the next chunk starts after it; nothing appended")
+            raise sealed_chunk_error(path)
         size = 0 if chunk is None else _size(chunk)
         if size != position:
             raise StorageError(f"chunk {path!r} holds {size} bytes; cannot append at position {position}")

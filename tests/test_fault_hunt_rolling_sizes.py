@@ -344,3 +344,20 @@ def test_the_next_truncation_deletes_leftover_chunks(backend, tmp_path):
         assert sorted(n for n in os.listdir(tmp_path / "s.seg") if n.startswith("0")) == [
             chunk_name(8), chunk_name(8) + ".commit", chunk_name(12), chunk_name(12) + ".commit"]
     assert RollingSegment(store.open(), "s").read(9, 7) == b"CCCDDDD"
+
+
+@pytest.mark.parametrize("backend", IN_PLACE)
+def test_seal_refuses_a_missing_chunk_or_another_size_and_a_sealed_chunk_refuses_appends(backend, tmp_path):
+    storage = _store(backend, tmp_path).open()
+    with pytest.raises(StorageError):
+        storage.seal("s.seg/00000000000000000000", 0)  # missing: a clear project error, not a crash
+    RollingSegment(storage, "s").append(b"abc")  # chunk 0 holds 3 bytes
+    with pytest.raises(StorageError):
+        storage.seal("s.seg/00000000000000000000", 2)  # not its committed size: nothing sealed
+    assert storage.committed("s.seg/00000000000000000000") == (3, False)
+    storage.seal("s.seg/00000000000000000000", 3)
+    storage.seal("s.seg/00000000000000000000", 3)  # twice: no change
+    assert storage.committed("s.seg/00000000000000000000") == (3, True)
+    with pytest.raises(StorageError, match="is sealed"):
+        storage.append("s.seg/00000000000000000000", 3, b"d")
+    assert storage.committed_size("s.seg/00000000000000000000") == 3
