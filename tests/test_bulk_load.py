@@ -3,6 +3,7 @@ tree's own verify, its shape, reopening, bad input, another writer's race and st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
@@ -41,6 +42,21 @@ VALUES = st.one_of(st.none(), st.integers(min_value=-(1 << 63), max_value=(1 << 
 PAIRS = st.lists(st.tuples(KEYS, VALUES), max_size=300)
 
 
+#: The two sorts of unsorted input: numpy's columns (numpy is installed with the test extras) and
+#: the pure-Python one (``load_numpy`` finding no numpy).
+SORTERS = ["numpy", "python"]
+
+
+@contextlib.contextmanager
+def sorter(name: str):
+    with pytest.MonkeyPatch.context() as patch:
+        if name == "python":
+            patch.setattr(bulk, "load_numpy", lambda: None)
+        else:
+            assert bulk.load_numpy() is not None, "numpy is part of the test extras"
+        yield
+
+
 def new_index(url: str | None = None, storage=None, page_size: int = PAGE_SIZE) -> TreeIndex:
     storage = storage if storage is not None else open_storage(url or f"memory://bulk-{uuid.uuid4().hex}")
     return TreeIndex(storage, page_size=page_size, cache_bytes=1 << 20)
@@ -67,10 +83,16 @@ def check(index: TreeIndex, model: dict) -> None:
     assert report.entries == len(model)
 
 
+@pytest.mark.parametrize("sort", SORTERS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(before=PAIRS, pairs=PAIRS, order=st.sampled_from(["as given", "sorted", "reversed"]),
        existing=st.sampled_from(["empty", "updated", "bulk loaded"]))
-def test_bulk_load_matches_a_dict(before, pairs, order, existing):
+def test_bulk_load_matches_a_dict(sort, before, pairs, order, existing):
+    with sorter(sort):
+        _bulk_load_matches_a_dict(before, pairs, order, existing)
+
+
+def _bulk_load_matches_a_dict(before, pairs, order, existing):
     index = new_index()
     model: dict = {}
     if existing == "updated":
@@ -226,7 +248,10 @@ def test_progress_is_reported_up_to_the_total():
     assert calls[-1] == (200_000, 200_000)
 
 
-def test_unsorted_after_a_sorted_start_and_duplicates_across_chunks():
+@pytest.mark.parametrize("sort", SORTERS)
+def test_unsorted_after_a_sorted_start_and_duplicates_across_chunks(sort, monkeypatch):
+    if sort == "python":
+        monkeypatch.setattr(bulk, "load_numpy", lambda: None)
     n = bulk.READ_CHUNK + 10
     pairs = [(k(i), i) for i in range(n)] + [(k(n - 1), -1), (k(3), -3), (k(n + 5), 5)]
     index = new_index(page_size=4096)
@@ -390,8 +415,9 @@ def _reversed_floats(keys):
                          ids=["floats", "all-tied", "misordered"])
 @pytest.mark.parametrize("shape", ["random", "shared-prefix", "duplicates-and-removals"])
 def test_unsorted_input_sorted_by_float_keys_or_by_the_keys_when_floats_tie(monkeypatch, order_keys, shape):
-    """The fast path sorts by floats; floats that tie (keys differing past 53 bits, repeats) or,
-    were the key function ever misapplied, misorder, fall back to a sort by the keys themselves."""
+    """The pure-Python sort goes by floats; floats that tie (keys differing past 53 bits, repeats)
+    or, were the key function ever misapplied, misorder, fall back to a sort by the keys themselves."""
+    monkeypatch.setattr(bulk, "load_numpy", lambda: None)  # the pure-Python sort
     monkeypatch.setattr(bulk, "_order_keys", order_keys)
     monkeypatch.setattr(bulk, "_PACK_SLICE", 64)  # many slices, and ties across their borders
     rng = random.Random(shape)
@@ -414,14 +440,15 @@ def test_unsorted_input_sorted_by_float_keys_or_by_the_keys_when_floats_tie(monk
     check(index, model)
 
 
+@pytest.mark.parametrize("sort", SORTERS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs=st.lists(st.tuples(PAIRS, st.booleans()), max_size=4), read_chunk=st.integers(1, 9),
        pack_slice=st.integers(1, 9))
-def test_read_pairs_in_small_chunks_matches_a_dict(runs, read_chunk, pack_slice):
+def test_read_pairs_in_small_chunks_matches_a_dict(sort, runs, read_chunk, pack_slice):
     """Input that streams sorted for a while, then turns unsorted in some chunk (the run so far is
     collected with it), read and packed a few pairs at a time: the run is the dict's content."""
     pairs = [pair for run, ascending in runs for pair in (sorted(run, key=lambda p: p[0]) if ascending else run)]
-    with pytest.MonkeyPatch.context() as patch:
+    with sorter(sort), pytest.MonkeyPatch.context() as patch:
         patch.setattr(bulk, "READ_CHUNK", read_chunk)
         patch.setattr(bulk, "_PACK_SLICE", pack_slice)
         run = bulk.read_pairs(iter(pairs))
@@ -429,3 +456,31 @@ def test_read_pairs_in_small_chunks_matches_a_dict(runs, read_chunk, pack_slice)
     assert run.key_list(0, len(run)) == sorted(k for k, v in latest.items() if v is not None)
     assert list(run.values) == [latest[k] for k in run.key_list(0, len(run))]
     assert sorted(run.removed) == run.removed == sorted(k for k, v in latest.items() if v is None)
+
+
+@pytest.mark.parametrize("shape", ["distinct first words", "shared first words", "repeats", "removals"])
+def test_the_numpy_sort_matches_the_python_sort(shape):
+    """numpy's column sort goes by the keys' first 8 bytes unless two keys share them, then by all
+    16; repeats keep input order (the last wins) and removals leave the kept columns. Both sorts
+    give the same run, byte for byte."""
+    rng = random.Random(shape)
+    if shape == "shared first words":  # 8 equal bytes, then the order is in the second word alone
+        universe = [bytes(rng.choice([0, 255]) for _ in range(8)) + rng.randbytes(8) for _ in range(5000)]
+    else:
+        universe = [rng.randbytes(16) for _ in range(5000)]
+    count = 20_000 if shape in ("repeats", "removals") else 5000
+    pairs = [(rng.choice(universe), rng.randrange(-(1 << 63), 1 << 63)) for _ in range(count)]
+    if shape == "removals":
+        pairs = [(key, None if rng.random() < 0.3 else value) for key, value in pairs]
+    pairs += [(universe[0], 1)]  # unsorted from the first chunk on
+    runs = {}
+    for name in SORTERS:
+        with sorter(name):
+            runs[name] = bulk.read_pairs(pairs)
+    latest = dict(pairs)
+    kept = sorted(key for key, value in latest.items() if value is not None)
+    for run in runs.values():
+        assert run.key_list(0, len(run)) == kept
+        assert list(run.values) == [latest[key] for key in kept]
+        assert run.removed == sorted(key for key, value in latest.items() if value is None)
+    assert bytes(runs["numpy"].keys) == bytes(runs["python"].keys)

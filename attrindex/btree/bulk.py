@@ -11,6 +11,8 @@ retried without the caller's input (which may be a one-shot iterator):
    end, in memory, by each key's value as a float (no external sort; a list or mapping given is
    in memory already, a generator's tuples cost about 100 bytes a pair until the sort, and the
    sort keys, floats, 32 bytes a pair while sorting, freed before the tree is built).
+   With numpy installed the unsorted pairs are packed into key and value columns instead and
+   sorted there, in half the time (``column_sort.py``); both sorts give the same run.
    Duplicate keys: the last wins. ``None`` values mean absent: they remove existing keys when
    loading into a non-empty tree and are dropped otherwise. The cyclic garbage collector is
    paused while reading (see :func:`read_pairs`).
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from storage_adapters.errors import InvalidInputError
 
 from ..keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_iter, to_key, to_update
+from .column_sort import ColumnCollector, load_numpy
 from .footer import FOOTER_SIZE, Footer
 from .page import FORMAT_VERSION, HEADER, LEAF, _checksum, _column, encode_index
 
@@ -59,6 +62,7 @@ PROGRESS_EVERY = 1 << 16  #: pairs (or entries) between progress calls
 MAX_UPDATE_BYTES = (1 << 32) - 1  #: the footer's update length is a u32 (about 170M entries)
 _LITTLE = sys.byteorder == "little"
 _CRC = struct.Struct("<I")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 Progress = Callable[[int, int], None]
 
@@ -141,7 +145,7 @@ def _canonical_chunk(chunk: list, first: int) -> tuple[list[bytes], list[int | N
     pairs are canonical already (tuples of 16-byte ``bytes`` and int64 or ``None``): those are
     checked with C-level passes."""
     if set(map(type, chunk)) == {tuple} and set(map(len, chunk)) == {2}:
-        keys, values = map(list, zip(*chunk))
+        keys, values = list(map(_FIRST, chunk)), list(map(_SECOND, chunk))  # zip(*chunk): 1.7x slower
         if set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE}:
             types = set(map(type, values))
             if types <= {int, type(None)}:
@@ -181,8 +185,7 @@ def _read_pairs(pairs: object, progress: Progress | None) -> SortedRun:
     source = pair_iter(pairs, "bulk_load pairs")
     total = len(pairs) if hasattr(pairs, "__len__") else 0  # type: ignore[arg-type]
     run = SortedRun()
-    collected: list[tuple[bytes, int | None]] | None = None  # once the input proved unsorted
-    order: list[float] = []  # collected's keys as sort keys (see _order_keys)
+    collected: ColumnCollector | _PairCollector | None = None  # once the input proved unsorted
     done = 0
     while True:
         chunk = list(itertools.islice(source, READ_CHUNK))
@@ -193,8 +196,7 @@ def _read_pairs(pairs: object, progress: Progress | None) -> SortedRun:
         if progress is not None:
             progress(done, total)
         if collected is not None:
-            collected += chunk if canonical else zip(keys, values)
-            order += _order_keys(keys)
+            collected.add(chunk, keys, values, canonical)
             continue
         if not all(map(operator.lt, keys, keys[1:])):
             unique = dict(zip(keys, values))  # the last value for a key wins
@@ -205,13 +207,36 @@ def _read_pairs(pairs: object, progress: Progress | None) -> SortedRun:
                 run.drop_last(last)
             run.extend(keys, values)
         else:  # out of order: collect everything, sort once at the end
-            collected = run.pairs()
-            collected += zip(keys, values)  # ``keys`` may be deduplicated: not ``chunk``
-            order += _order_keys([pair[0] for pair in collected])
+            collected = _new_collector()
+            before = run.pairs()
+            collected.add(before, [pair[0] for pair in before], [pair[1] for pair in before], True)
+            collected.add(chunk, keys, values, False)  # ``keys`` may be deduplicated: not ``chunk``
             run = SortedRun()
     if collected is not None:
-        _sort_into(run, collected, order, progress)
+        collected.sort_into(run, progress)
     return run
+
+
+def _new_collector() -> ColumnCollector | _PairCollector:
+    """Where unsorted pairs go until the sort: numpy's columns if numpy is installed."""
+    numpy = load_numpy()
+    return _PairCollector() if numpy is None else ColumnCollector(numpy)
+
+
+class _PairCollector:
+    """Unsorted pairs kept as tuples (the caller's, referenced, when canonical) with their keys as
+    floats (``_order_keys``), for the pure-Python sort ``_sort_into``."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[bytes, int | None]] = []
+        self.order: list[float] = []
+
+    def add(self, chunk: list, keys: list[bytes], values: list[int | None], canonical: bool) -> None:
+        self.pairs += chunk if canonical else zip(keys, values)
+        self.order += _order_keys(keys)
+
+    def sort_into(self, run: SortedRun, progress: Progress | None) -> None:
+        _sort_into(run, self.pairs, self.order, progress)
 
 
 def _order_keys(keys: list[bytes]) -> Iterator[float]:
