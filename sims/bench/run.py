@@ -13,7 +13,8 @@ the same seed. Measured for each engine on local disk:
   updates (attrindex then has a non-empty write-ahead overlay, where it has one);
 - durable batched random updates, 1,000 keys per call (``AttributeIndex.update``; one durable
   transaction for the peers) over ``--updates`` keys: keys/s and the latency of each call
-  (p50, p99, max);
+  (p50, p99, max), and the cyclic GC's collections meanwhile (count, longest: each stops every
+  thread of the process);
 - size on disk after the load and after the updates;
 - single-key durable updates, one call / transaction each;
 - 1, 4 and 16 writer threads doing single-key durable updates at once (one handle shared by the
@@ -28,7 +29,9 @@ results.csv.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import gc
 import json
 import os
 import random
@@ -244,6 +247,26 @@ def latencies(prefix: str, seconds: list[float]) -> dict:
             f"{prefix}_max_ms": ordered[-1] * 1e3 if ordered else float("nan")}
 
 
+@contextlib.contextmanager
+def gc_pauses(row: dict, prefix: str):
+    """Record the cyclic GC's collections meanwhile, whichever thread ran them (each holds the
+    GIL: every thread of the process waits), as ``{prefix}_gc_count`` and ``{prefix}_gc_max_ms``."""
+    pauses, started = [], {}
+
+    def callback(phase, info):
+        if phase == "start":
+            started[threading.get_ident()] = time.perf_counter()
+        elif threading.get_ident() in started:
+            pauses.append(time.perf_counter() - started.pop(threading.get_ident()))
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+        row[f"{prefix}_gc_count"] = len(pauses)
+        row[f"{prefix}_gc_max_ms"] = max(pauses, default=0.0) * 1e3
+
+
 def timed_calls(fn, items) -> tuple[float, list[float]]:
     each = []
     clock = time.perf_counter
@@ -291,7 +314,8 @@ def bench_engine(engine, data, args) -> dict:
     row["size_after_load"] = engine.size()
     engine.warm()
     row.update(lookup_rates(engine, probe, args.rounds))
-    t, each = timed_calls(engine.update, batches)
+    with gc_pauses(row, "update"):
+        t, each = timed_calls(engine.update, batches)
     row["updates_per_s"] = sum(map(len, batches)) / t if batches else float("nan")
     row.update(latencies("update", each))
     if isinstance(engine, Attrindex):
@@ -485,6 +509,8 @@ METRICS = [  # label, field, higher is better, scale
     ("  latency per call p50 (ms)", "update_p50_ms", False, 1),
     ("  latency per call p99 (ms)", "update_p99_ms", False, 1),
     ("  latency per call max (ms)", "update_max_ms", False, 1),
+    ("  GC collections meanwhile", "update_gc_count", False, 1),
+    ("  longest GC collection (ms)", "update_gc_max_ms", False, 1),
     ("warm lookups after updates (/s)", "lookups_per_s_after_updates", True, 1),
     ("get_many after updates (us/key)", "get_many_us_per_key_after_updates", False, 1),
     ("single-key durable updates (/s)", "single_per_s", True, 1),
