@@ -24,6 +24,7 @@ import weakref
 from typing import Iterator
 
 from .errors import StorageError, TruncatedError
+from .log.segment_log import LayoutChangedError
 from .merge_worker import MergeWorker, MergeWorkerError, WorkerGaveUpError, WorkerStartError, worker_storage
 from .overlay import AttributeOverlay
 
@@ -348,7 +349,9 @@ class BackgroundMerge:
         start over the older version would lose the updates in between (reads went back). Such a
         cut may also land during the replay (two writers merging and truncating one WAL): the
         read then lists the log again and raises ``TruncatedError``; the newer tree version
-        holds what was cut, so the rebuild starts over from it (bounded).
+        holds what was cut, so the rebuild starts over from it (bounded). Chunks switched under
+        the replay (``LayoutChangedError``) are taken in by a scan of the tail before it starts
+        over likewise.
 
         A failure leaves tier 1 as it was: whole, unless the caller marked it stale
         (``_tier1_stale``: its catch-up stepped over log bytes that tier 1 never replayed). Then
@@ -362,6 +365,12 @@ class BackgroundMerge:
                     rebuilt = self._replayed_from_newest_tree()
                 except TruncatedError:
                     continue  # the failed read re-listed the log: its start moved past this tree version
+                except LayoutChangedError:
+                    # Chunks were switched under the replay (consolidation or log compaction by
+                    # another process): take the new layout (the scan may also reach further; the
+                    # rebuild then replays up to there) and start over.
+                    self._scan_tail(None)
+                    continue
                 # Swapped in whole: a read that fails half-way (in the background merge, which
                 # retries) must not leave tier 1 cleared or missing updates, which would let
                 # conditional appends validate against stale values.

@@ -418,13 +418,23 @@ class RollingSegment:
         """Whether a chunk switch may have happened since this view (then ``refresh``).
 
         Switches are numbered one after another, so on local disk and memory one existence check
-        of the next generation's marker tells. Object stores with a deletion grace keep replaced
+        of the next generation's marker tells (a view of an empty segment lists the markers when
+        that one is absent: see below). Object stores with a deletion grace keep replaced
         chunk names for the grace, so the next chunk's name is found anyway while the view is
         younger than half of it; an older view just says yes (a listing every grace/2 at most).
         """
         if not self.storage.appendable and self.storage.deletion_grace > 0:
             return time.monotonic() - self._view_time >= self.storage.deletion_grace / 2
-        return self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}")
+        generation = self._layout.generation
+        if self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(generation + 1)}"):
+            return True
+        if self._chunks:
+            return False  # its last chunk is found missing once markers above it may go
+        # A view of an empty segment has no last chunk to find missing, which is what lets old
+        # markers go (``_obsolete_names``): ``switch/<g + 1>`` may be deleted while a higher one
+        # (the top one, never deleted) says that something switched. One listing of the markers.
+        listed = self.storage.list_files(f"{self._dir}/{SWITCH_DIR}")
+        return any(_CHUNK_NAME.fullmatch(name) and int(name) > generation for name in listed)
 
     def _check_object_size(self, start: int, stored: int, length: int) -> None:
         # Object chunks are written whole, so each must end where the next begins.

@@ -168,3 +168,34 @@ def test_consolidation_beside_a_writer_and_a_tailing_reader_in_other_processes(b
     seg.compact_chunks(2048)
     fresh = SegmentStore.open(url, storage_options=options).segment("s")
     assert [r.value for r in _read_all(fresh)] == [b"%d" % i for i in range(count)]
+
+
+def test_a_rebuild_of_pending_attributes_takes_in_chunks_switched_under_it(tmp_path):
+    """Another handle consolidates the log while this one replays it to rebuild its pending
+    attribute updates (a tail reader's poll does, after its catch-up stepped over a switch): the
+    replay meets replaced chunks (``LayoutChangedError``), takes in the new layout and starts over,
+    instead of failing the reader's poll."""
+    url = str(tmp_path / "store")
+    writer = SegmentStore.open(url, log_rolling_size=256).segment("s", create=True)
+    model = {}
+    for i in range(60):
+        writer.append([b"%d" % i], [(i % 7, i)])
+        model[i % 7] = i
+    other = SegmentStore.open(url, log_rolling_size=256).segment("s")
+    assert other.get_attribute(0) == model[0]  # attributes loaded: the log replayed from offset 0
+    log, real_batches, switched = other._log, other._log.batches, []
+
+    def batches_after_a_switch(*args, **kwargs):
+        if not switched:
+            switched.append(writer.compact_chunks(2048))  # the chunks this replay planned are replaced
+        return real_batches(*args, **kwargs)
+
+    log.batches = batches_after_a_switch
+    try:
+        with other._lock:
+            other._replay_from_tree(refresh_tree=True)
+    finally:
+        del log.batches
+    assert switched and switched[0] > 0
+    assert [other.get_attribute(k) for k in sorted(model)] == [model[k] for k in sorted(model)]
+    assert [r.value for r in other.read(0, 100)] == [b"%d" % i for i in range(60)]

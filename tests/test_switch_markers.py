@@ -133,6 +133,54 @@ def test_a_stale_appender_and_reader_survive_the_deletion_of_the_marker_they_wou
     check_against(storage, model)
 
 
+@pytest.mark.parametrize("kind", ["memory", "local", "s3"])
+def test_a_view_of_the_empty_segment_sees_the_switches_after_its_marker_was_deleted(kind, tmp_path, request):
+    """A view listed while the segment was empty has no last chunk to find missing: its poll must
+    still see that something was appended and switched, though ``switch/1`` is gone (a tail
+    reader that opened an empty segment waited forever on that, beside consolidation). Its
+    appends go on after the others' (S3 without a deletion grace: the strictest appends)."""
+    s3_options = request.getfixturevalue("s3_options") if kind == "s3" else None
+    storage = _open(kind, tmp_path, s3_options, deletion_grace=0) if kind == "s3" else _open(kind, tmp_path)
+    empty_reader = RollingSegment(storage, "s", rolling_size=ROLL)
+    empty_appender = RollingSegment(storage, "s", rolling_size=ROLL)
+    assert empty_reader.length == 0 and not empty_reader.chunks()
+    assert not empty_reader.poll()  # nothing yet: the listing of switch/ finds no marker either
+    busy, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(10)
+    for _ in range(20):
+        cycle(busy, model, rng, truncate=kind == "s3")  # S3 without grace sweeps after truncations only
+    assert 1 not in markers(storage) and markers(storage)[-1] > 1  # swept; the top one stays
+    assert empty_reader.poll()
+    empty_reader.refresh()
+    start = empty_reader.start_offset
+    assert empty_reader.read(start, len(model) - start) == bytes(model[start:])
+    data = payload(len(model), 100)
+    assert empty_appender.append(data) == len(model)
+    model += data
+    check_against(storage, model)
+
+
+def test_a_tail_reader_of_an_empty_segment_follows_appends_and_consolidation(tmp_path):
+    """The symptom: a reader opened on an empty segment, then another handle appends records
+    across many small chunks and consolidates them (old switch markers deleted); the reader
+    must get every record, in order, within a few polls."""
+    from attrindex import SegmentStore
+
+    url = str(tmp_path / "store")
+    SegmentStore.open(url, log_rolling_size=256).segment("s", create=True)
+    reader = SegmentStore.open(url, log_rolling_size=256).segment("s").reader(offset=0)
+    assert reader.read_batch(timeout=0.05) == []
+    writer = SegmentStore.open(url, log_rolling_size=256).segment("s")
+    for i in range(200):
+        writer.append([b"%d" % i])
+        if i % 20 == 19:
+            writer.compact_chunks(2048)
+    assert 1 not in markers(writer._log.bytes.storage, "s/_log")  # the reader's sign is gone
+    got, deadline = [], time.monotonic() + 10
+    while len(got) < 200 and time.monotonic() < deadline:
+        got += reader.read_batch(max_records=1000, timeout=0.5)
+    assert [(r.offset, r.value) for r in got] == [(i, b"%d" % i) for i in range(200)]
+
+
 @pytest.mark.parametrize("kind", ["memory", "local"])
 def test_a_stale_appender_whose_last_chunk_outlives_the_switches_after_it(kind, tmp_path):
     # The view's last chunk is sealed and kept (never truncated) while the chunks after it are
