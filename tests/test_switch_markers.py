@@ -159,6 +159,28 @@ def test_a_view_of_the_empty_segment_sees_the_switches_after_its_marker_was_dele
     check_against(storage, model)
 
 
+@pytest.mark.parametrize("kind", ["memory", "local"])
+def test_a_failed_look_for_switches_from_an_empty_view_raises_and_the_next_poll_sees_them(kind, tmp_path):
+    """The empty view's listing of ``switch/`` (or its marker check) fails: the poll raises a
+    StorageError (a tail reader's read raises it), never answers "nothing new"; the next poll,
+    with storage back, sees the switches."""
+    inner = _open(kind, tmp_path)
+    storage = FaultyStorage(inner, seed=13)
+    empty_reader = RollingSegment(storage, "s", rolling_size=ROLL)
+    busy, model, rng = RollingSegment(inner, "s", rolling_size=ROLL), bytearray(), random.Random(14)
+    for _ in range(20):
+        cycle(busy, model, rng, truncate=False)
+    assert 1 not in markers(inner)
+    for op in ("exists", "list_files"):
+        storage.script("fail_before", op=op, path_contains=SWITCH_DIR)
+        with pytest.raises(StorageError):
+            empty_reader.poll()
+    assert storage.pending_scripts() == 0
+    assert empty_reader.poll()
+    empty_reader.refresh()
+    assert empty_reader.read(0, len(model)) == bytes(model)
+
+
 def test_a_tail_reader_of_an_empty_segment_follows_appends_and_consolidation(tmp_path):
     """The symptom: a reader opened on an empty segment, then another handle appends records
     across many small chunks and consolidates them (old switch markers deleted); the reader
