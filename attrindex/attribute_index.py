@@ -381,8 +381,10 @@ class AttributeIndex(IndexHandle):
         return len(self)
 
     def _append(self, batch: dict[bytes, int | None]) -> None:
-        keys = sorted(batch) if len(batch) > 1 else list(batch)
-        self._wal._append_replacements(keys, list(map(batch.__getitem__, keys)))  # durable when it returns
+        # In the caller's order: nothing reads a WAL batch's updates in key order (replay applies
+        # them to the overlay, the merge sorts the overlay), and sorting 1,000 random keys took
+        # ~15% of an update's CPU.
+        self._wal._append_replacements(list(batch), list(batch.values()))  # durable when it returns
         self._updates_written += 1
 
     def flush(self) -> None:

@@ -51,7 +51,7 @@ class AttributeOverlay:
     list is never mutated, only replaced, so a scan can keep iterating over the one it started with.
     """
 
-    __slots__ = ("_shards", "_table", "_sorted", "_counted")
+    __slots__ = ("_shards", "_table", "_sorted", "_counted", "_len")
 
     def __init__(self) -> None:
         self._shards: list[dict[bytes, int | None]] = [{} for _ in range(SHARDS)]
@@ -61,6 +61,9 @@ class AttributeOverlay:
         # arrived since.
         self._sorted: list[bytes] = []
         self._counted = [0] * SHARDS
+        # The number of entries, counted once per ``apply``: the write path asks for it several
+        # times per append (thresholds, back-pressure, "was it empty"), 64 dicts summed each time.
+        self._len = 0
 
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: bytes) -> object:
@@ -115,7 +118,7 @@ class AttributeOverlay:
         return copy
 
     def __len__(self) -> int:
-        return sum(map(len, self._shards))
+        return self._len
 
     @property
     def nbytes(self) -> int:
@@ -130,7 +133,10 @@ class AttributeOverlay:
             raise ValueError(f"apply got {len(keys)} keys and {len(values)} values")
         # ONE C-level call (maps drained by a zero-length deque): each key set in its shard, in
         # order, with no Python loop and no point where another thread runs between two keys.
-        deque(map(setitem, map(self._table.__getitem__, map(_SHARD_BYTE, keys)), keys, values), maxlen=0)
+        try:
+            deque(map(setitem, map(self._table.__getitem__, map(_SHARD_BYTE, keys)), keys, values), maxlen=0)
+        finally:  # (a bad key fails part-way: count what went in)
+            self._len = sum(map(len, self._shards))
         # New keys show up as growth of a shard; the sorted list catches up on the next scan.
 
     def clear(self) -> None:

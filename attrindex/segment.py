@@ -461,7 +461,7 @@ class Segment(BackgroundMerge):
 
     def _append_replacements(self, keys: list[bytes], values: list[int | None]) -> AppendResult:
         """``append((), (keys, values))`` for input already checked (``AttributeIndex.update``):
-        ``keys`` sorted, unique 16-byte ``bytes``, ``values`` int64 or ``None``; REPLACE semantics."""
+        ``keys`` unique 16-byte ``bytes`` in any order, ``values`` int64 or ``None``; REPLACE semantics."""
         stamp, batch_id = int(time.time() * 1000), new_batch_id()
         data, header = encode_batch_with_header(self._log.next_offset, (), timestamp=stamp,
                                                 attribute_updates=(keys, values), codec=self.options.codec,

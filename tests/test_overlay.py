@@ -50,6 +50,17 @@ def test_apply_rejects_mismatched_lengths_without_changing_anything():
     assert len(overlay) == 0
 
 
+def test_len_counts_the_keys_an_apply_set_before_it_failed():
+    # len is counted once per apply, not on each call: an apply that fails part-way (a key that
+    # is not bytes) must still be counted for the keys it did set.
+    overlay = AttributeOverlay()
+    overlay.apply([KEYS[0]], [1])
+    with pytest.raises(TypeError):
+        overlay.apply([KEYS[1], 12345, KEYS[2]], [2, 3, 4])  # type: ignore[list-item]
+    assert overlay.get(KEYS[1]) == 2 and overlay.get(KEYS[2]) is MISSING
+    assert len(overlay) == 2 == sum(1 for _ in overlay.items())
+
+
 def test_nbytes_grows_with_entries():
     overlay = AttributeOverlay()
     empty = overlay.nbytes
