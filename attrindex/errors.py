@@ -85,6 +85,13 @@ class WriterConflictError(AttrIndexError):
     writers share one id."""
 
 
+class MergeBacklogError(StorageError):
+    """An update or append was refused, before anything was written: the pending attribute
+    updates (tier 1) exceed ``max_pending_bytes`` and the background merge that would make room
+    keeps failing (its error is the ``__cause__`` and ``stats().merge_error``). Retry once the
+    cause is fixed; every update acknowledged before is durable in the log."""
+
+
 class IndexNotFoundError(AttrIndexError, LookupError):
     """An index opened read-only (``AttributeIndex.open(url, mode="r")``) does not exist at its URL,
     or the URL cannot hold one (a regular file)."""
@@ -107,6 +114,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidValueError",
     "LayoutConflictError",
+    "MergeBacklogError",
     "MissingDependencyError",
     "OffsetOutOfRangeError",
     "OutcomeUnknownError",

@@ -23,7 +23,7 @@ import time
 import weakref
 from typing import Iterator
 
-from .errors import StorageError, TruncatedError
+from .errors import MergeBacklogError, StorageError, TruncatedError
 from .log.segment_log import LayoutChangedError
 from .merge_worker import MergeWorker, MergeWorkerError, WorkerGaveUpError, WorkerStartError, worker_storage
 from .overlay import AttributeOverlay
@@ -312,23 +312,40 @@ class BackgroundMerge:
 
     def _wait_for_room(self) -> None:
         """Back-pressure (under ``_lock``, before an append): while tier 1 holds more than
-        ``max_pending_bytes``, wait for the merge, at most ``BACKPRESSURE_WAIT_SECONDS``. A
-        failing merge does not block appends (they go on; the failure is in ``stats()``)."""
+        ``max_pending_bytes``, wait for the merge, at most ``BACKPRESSURE_WAIT_SECONDS``; a merge
+        that is slow but works then lets the append go on (logged). A merge that fails while tier
+        1 is over the limit refuses the append with ``MergeBacklogError`` before anything is
+        written, so memory stays bounded: an earlier failure is given one more attempt (the
+        retry, at most ``MERGE_RETRY_SECONDS`` away), a failure seen while waiting raises."""
         limit = self.options.max_pending_bytes
-        if self._pending_bytes() <= limit or self._merger is None or self._merge_error is not None:
+        if self._pending_bytes() <= limit or self._merger is None:
             return
         deadline = time.monotonic() + BACKPRESSURE_WAIT_SECONDS
-        failures_seen = self._merge_error
-        while self._pending_bytes() > limit and not self._stopping and self._merge_error is failures_seen:
+        failed_before = self._merge_error  # each failure is a new exception: wait for the next attempt
+        while self._pending_bytes() > limit and not self._stopping:
+            error = self._merge_error
+            if error is not None and error is not failed_before:
+                raise self._backlog_error(error)
             if self._frozen is None:
                 self._freeze()  # the active overlay alone is too big: merge it now
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if error is not None:
+                    raise self._backlog_error(error)
                 _log.warning("segment %r: tier 1 still holds %d bytes (max_pending_bytes %d) after waiting %.0f s "
                              "for the merge; appending anyway", self.name, self._pending_bytes(), limit,
                              BACKPRESSURE_WAIT_SECONDS)
                 return
             self._merged.wait(remaining)
+
+    def _backlog_error(self, error: BaseException) -> MergeBacklogError:
+        exc = MergeBacklogError(
+            f"segment {self.name!r}: refused, nothing was written: the pending attribute updates hold "
+            f"{self._pending_bytes()} bytes, over max_pending_bytes ({self.options.max_pending_bytes}), and merging "
+            f"them into the B+tree keeps failing ({type(error).__name__}: {error}). Every update acknowledged before "
+            f"is durable in the log; retry once the cause is fixed")
+        exc.__cause__ = error
+        return exc
 
     def _rebuild_overlay(self) -> None:
         """The tree covers more of the log than this handle had seen: catch up, replay after it."""

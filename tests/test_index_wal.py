@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from attrindex import AttributeIndex
-from attrindex.errors import CorruptDataError, InvalidInputError, OutcomeUnknownError, StorageError
+from attrindex.errors import CorruptDataError, InvalidInputError, MergeBacklogError, OutcomeUnknownError, StorageError
 from attrindex.tree_index import TreeIndex
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
@@ -323,6 +323,29 @@ def test_a_failed_merge_never_fails_the_durable_update(tmp_path):
     assert AttributeIndex(open_storage(str(tmp_path)), page_size=256).get(1) == 1  # replayed from the WAL
     index.flush()  # the merge retried by hand succeeds now
     assert index.stats().pending_keys == 0 and index.verify().entries == 1
+
+
+def test_updates_over_max_pending_bytes_are_refused_while_merges_keep_failing(tmp_path):
+    """The overlay's memory stays bounded by ``max_pending_bytes`` when the tree cannot be written
+    (a full disk for the tree's chunks): updates are refused with ``MergeBacklogError``, nothing
+    written, instead of piling up in memory; when room comes back they go on."""
+    storage = FaultyStorage(open_storage(str(tmp_path)), seed=4)
+    index = AttributeIndex(storage, page_size=256, merge_keys=10, max_pending_bytes=3_000)
+    storage.script("enospc", op="append", path_contains="attributes.seg", times=1_000_000)
+    done = 0
+    with pytest.raises(MergeBacklogError) as refused:
+        for n in range(10_000):
+            index.update({n: n})
+            done += 1
+    assert done < 10_000 and "StorageFullError" in str(refused.value)
+    assert index.stats().pending_keys < 50  # bounded (~20 keys fill 3,000 bytes), not ~10,000
+    assert index.get(done) is None and index.get_many(range(done)) == list(range(done))
+    storage.enabled = False
+    index.update({done: done})  # the retry makes room again (the update waits for it)
+    index.flush()
+    assert index.stats().pending_keys == 0 and index.verify().entries == done + 1
+    index.close()
+    assert AttributeIndex(open_storage(str(tmp_path)), page_size=256).get_many(range(done + 1)) == list(range(done + 1))
 
 
 # -- the layout written before the WAL -------------------------------------------------------------

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from attrindex import AttributeUpdate, SegmentStore, UpdateType
-from attrindex.errors import BadOffsetError, ConditionalUpdateError, CorruptDataError
+from attrindex.errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, MergeBacklogError
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 from tests.history import Recorder, check, fault_counts, load_history
@@ -221,6 +221,40 @@ def test_a_failing_background_merge_never_fails_appends_and_is_retried(tmp_path,
 
 
 # -- back-pressure -----------------------------------------------------------------------------
+def test_a_merge_that_keeps_failing_refuses_appends_over_max_pending_bytes(tmp_path):
+    """Tier 1 over ``max_pending_bytes`` while every merge fails: the append is refused with
+    ``MergeBacklogError`` before anything is written (memory stays bounded instead of growing with
+    every append), every acknowledged append stays readable, and once the merge succeeds again
+    appends go on."""
+    root = str(tmp_path / "s")
+    faulty = FaultyStorage(open_storage(root), seed=5)
+    store = SegmentStore(faulty, flush_keys=1, max_pending_bytes=2_000)
+    seg = store.segment("s", create=True)
+    faulty.script("fail_before", op="append", path_contains="_attributes", times=1_000_000)
+    acknowledged = 0
+    with pytest.raises(MergeBacklogError) as refused:
+        for n in range(10_000):
+            seg.append([b"r%d" % n], {key(n): n})
+            acknowledged += 1
+    assert acknowledged < 10_000 and "keeps failing" in str(refused.value)
+    assert isinstance(refused.value.__cause__, Exception) and seg.stats().merge_error is not None
+    # Nothing of the refused append was written: not its record, not its attribute.
+    assert seg.stats().pending_bytes <= 2_000 + 1_000
+    assert len(seg.read(0, 100_000)) == acknowledged and seg.get_attribute(key(acknowledged)) is None
+    with pytest.raises(MergeBacklogError):  # still failing: still refused
+        seg.append([b"again"], {key(acknowledged): 1})
+    assert len(seg.read(0, 100_000)) == acknowledged
+    faulty.enabled = False  # the cause is fixed: the retry merges, appends go on
+    assert wait_until(lambda: seg.stats().merge_error is None and seg.stats().pending_attributes == 0)
+    assert seg.append([b"after"], {key(acknowledged): -1}).first_offset == acknowledged
+    store.close()
+    with SegmentStore.open(root) as again:
+        seg = again.segment("s")
+        assert seg.get_attributes([key(i) for i in range(acknowledged)]) == list(range(acknowledged))
+        assert seg.get_attribute(key(acknowledged)) == -1
+        assert [r.value for r in seg.read(0, 100_000)] == [b"r%d" % i for i in range(acknowledged)] + [b"after"]
+
+
 def test_backpressure_blocks_appends_until_the_merge_makes_room(tmp_path):
     store = SegmentStore.open(str(tmp_path / "s"), flush_keys=10, max_pending_bytes=5_000)
     seg = store.segment("s", create=True)
