@@ -313,19 +313,22 @@ class BackgroundMerge:
     def _wait_for_room(self) -> None:
         """Back-pressure (under ``_lock``, before an append): while tier 1 holds more than
         ``max_pending_bytes``, wait for the merge, at most ``BACKPRESSURE_WAIT_SECONDS``; a merge
-        that is slow but works then lets the append go on (logged). A merge that fails while tier
-        1 is over the limit refuses the append with ``MergeBacklogError`` before anything is
-        written, so memory stays bounded: an earlier failure is given one more attempt (the
-        retry, at most ``MERGE_RETRY_SECONDS`` away), a failure seen while waiting raises."""
+        that is slow but works then lets the append go on (logged). A merge that keeps failing
+        while tier 1 is over the limit refuses the append with ``MergeBacklogError`` before
+        anything is written, so memory stays bounded: two failures in a row (one seen when the
+        wait began counts) raise, so one transient failure only delays the append."""
         limit = self.options.max_pending_bytes
         if self._pending_bytes() <= limit or self._merger is None:
             return
         deadline = time.monotonic() + BACKPRESSURE_WAIT_SECONDS
-        failed_before = self._merge_error  # each failure is a new exception: wait for the next attempt
+        seen = self._merge_error  # each failure is a new exception object; a success clears it
+        failures = 0 if seen is None else 1
         while self._pending_bytes() > limit and not self._stopping:
             error = self._merge_error
-            if error is not None and error is not failed_before:
-                raise self._backlog_error(error)
+            if error is not seen:
+                seen, failures = error, (0 if error is None else failures + 1)
+            if failures >= 2:
+                raise self._backlog_error(error)  # type: ignore[arg-type]
             if self._frozen is None:
                 self._freeze()  # the active overlay alone is too big: merge it now
             remaining = deadline - time.monotonic()

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from attrindex import AttributeUpdate, SegmentStore, UpdateType
-from attrindex.errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, MergeBacklogError
+from attrindex.errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, MergeBacklogError, StorageError
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 from tests.history import Recorder, check, fault_counts, load_history
@@ -290,6 +290,42 @@ def test_backpressure_blocks_appends_until_the_merge_makes_room(tmp_path):
     gate.set()  # the merge completes: room again
     assert finished.wait(20)
     thread.join(20)
+    assert seg.get_attributes([key(i) for i in range(n + 1)]) == list(range(n + 1))
+    store.close()
+
+
+def test_one_failed_merge_over_max_pending_bytes_only_delays_the_append(tmp_path):
+    """Back-pressure refuses an append only when the merge fails twice in a row: a merge that
+    fails once and then succeeds (a transient error) makes the waiting append go on."""
+    store = SegmentStore.open(str(tmp_path / "s"), flush_keys=10, max_pending_bytes=5_000)
+    seg = store.segment("s", create=True)
+    gate, entered, calls = threading.Event(), threading.Event(), []
+    inner = seg._index.update_sorted
+
+    def merge_failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            entered.set()
+            assert gate.wait(20)
+            raise StorageError("injected: one failed merge")
+        return inner(*args, **kwargs)
+
+    seg._index.update_sorted = merge_failing_once
+    n = 0
+    while not entered.is_set():  # fill until the thread is stuck in the merge that will fail
+        seg.update_attributes({key(n): n})
+        n += 1
+    while seg.stats().pending_bytes <= 5_000:
+        seg.update_attributes({key(n): n})
+        n += 1
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(seg.update_attributes({key(n): n})))
+    thread.start()
+    time.sleep(0.2)
+    assert not outcome, "an append above max_pending_bytes did not wait"
+    gate.set()  # the merge fails once; its retry succeeds and makes room
+    thread.join(20)
+    assert len(outcome) == 1 and len(calls) >= 2 and seg.stats().merge_error is None
     assert seg.get_attributes([key(i) for i in range(n + 1)]) == list(range(n + 1))
     store.close()
 
