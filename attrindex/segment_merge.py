@@ -25,12 +25,17 @@ from typing import Iterator
 
 from .errors import MergeBacklogError, StorageError, TruncatedError
 from .log.segment_log import LayoutChangedError
-from .merge_worker import MergeWorker, MergeWorkerError, WorkerGaveUpError, WorkerStartError, worker_storage
+from .merge_worker import (MAX_FAILED_MERGES, MAX_FAILED_STARTS, MergeWorker, MergeWorkerError, WorkerGaveUpError,
+                           WorkerStartError, worker_storage)
 from .overlay import AttributeOverlay
 
 MERGE_RETRY_SECONDS = 5.0  #: the longest pause between retries of a failing background merge
 MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background merge (doubling up to the above)
 BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an append waits for a merge to make room in tier 1
+#: Merge failures in a row that refuse an append over ``max_pending_bytes`` (``MergeBacklogError``).
+#: A dying or hanging worker fails at most this many minus one before its own fallback (merging in
+#: the writer's process) runs, so its failures alone never refuse an update.
+BACKPRESSURE_FAILURES = max(MAX_FAILED_MERGES, MAX_FAILED_STARTS)
 #: A background merge of fewer keys runs in this process even with ``merge_process`` (it is brief);
 #: ``flush``, ``close`` and retention always merge in the calling thread (their caller waits anyway).
 MIN_WORKER_KEYS = 10_000
@@ -315,8 +320,8 @@ class BackgroundMerge:
         ``max_pending_bytes``, wait for the merge, at most ``BACKPRESSURE_WAIT_SECONDS``; a merge
         that is slow but works then lets the append go on (logged). A merge that keeps failing
         while tier 1 is over the limit refuses the append with ``MergeBacklogError`` before
-        anything is written, so memory stays bounded: two failures in a row (one seen when the
-        wait began counts) raise, so one transient failure only delays the append."""
+        anything is written, so memory stays bounded: ``BACKPRESSURE_FAILURES`` failures in a
+        row (one recorded when the wait began counts) raise; fewer only delay the append."""
         limit = self.options.max_pending_bytes
         if self._pending_bytes() <= limit or self._merger is None:
             return
@@ -327,7 +332,7 @@ class BackgroundMerge:
             error = self._merge_error
             if error is not seen:
                 seen, failures = error, (0 if error is None else failures + 1)
-            if failures >= 2:
+            if failures >= BACKPRESSURE_FAILURES:
                 raise self._backlog_error(error)  # type: ignore[arg-type]
             if self._frozen is None:
                 self._freeze()  # the active overlay alone is too big: merge it now
