@@ -14,6 +14,7 @@ from .errors import (
     CorruptDataError,
     IndexNotFoundError,
     InvalidInputError,
+    MergeBacklogError,
     MissingDependencyError,
     OutcomeUnknownError,
     RecordTruncatedError,
@@ -135,7 +136,7 @@ def _explain_ours(exc: AttrIndexError, url: str | None) -> Failure:
     if isinstance(exc, OutcomeUnknownError):
         return Failure(f"{located}; the write may or may not have happened: read back before retrying", EXIT_FAILED)
     if isinstance(exc, (ConditionalUpdateError, BadOffsetError, RecordTruncatedError, WriterConflictError,
-                        MissingDependencyError)):
+                        MissingDependencyError, MergeBacklogError)):
         return Failure(text, EXIT_FAILED)  # the message says what to know and do; the store is not to blame
     if isinstance(exc, StorageError):
         return Failure(f"{located}; check the storage, then retry", EXIT_FAILED)

@@ -273,3 +273,17 @@ def test_the_demo_runs_local_masters_with_task_retries(capsys):
     assert _one_error_line(capsys.readouterr().err) == (
         "--master 'local[2,1]' tries each task once, but the demo makes tasks fail on purpose and needs a retry; "
         "give local[2,4] (or leave out the count)")
+
+
+def test_a_refused_update_is_explained_by_its_own_message():
+    """``MergeBacklogError`` already says what happened and what to do (nothing written; retry once
+    the merge's cause is fixed): the line keeps it, without the generic storage hint."""
+    from attrindex.cli_errors import EXIT_FAILED, explain
+    from attrindex.errors import MergeBacklogError, StorageFullError
+
+    refused = MergeBacklogError("segment 'kv/_wal': refused, nothing was written: ... merging them into the B+tree "
+                                "keeps failing (StorageFullError: no space); retry once the cause is fixed")
+    refused.__cause__ = StorageFullError("no space left for append of 'kv.seg/0'")
+    failure = explain(refused, "/data/store")
+    assert failure.code == EXIT_FAILED
+    assert "refused, nothing was written" in failure.message and "check the storage" not in failure.message
