@@ -47,6 +47,14 @@ def check_against(storage, model: bytearray, name="s") -> RollingSegment:
     return fresh
 
 
+def append_and_check(seg: RollingSegment, storage, model: bytearray) -> None:
+    """One more append lands at the model's end, and a fresh handle reads the whole model."""
+    data = payload(len(model), 100)
+    assert seg.append(data) == len(model)
+    model += data
+    check_against(storage, model)
+
+
 def cycle(seg: RollingSegment, model: bytearray, rng: random.Random, *, truncate: bool = True) -> None:
     """Roll at least once and switch; then keep about two chunks (``truncate``). Without
     truncation, consolidate every sealed chunk into one (each switch supersedes the one before)."""
@@ -127,10 +135,7 @@ def test_a_stale_appender_and_reader_survive_the_deletion_of_the_marker_they_wou
     assert reader.poll()
     reader.refresh()
     assert reader.read(reader.start_offset, 10) == bytes(model[reader.start_offset:reader.start_offset + 10])
-    data = payload(len(model), 100)
-    assert stale.append(data) == len(model)
-    model += data
-    check_against(storage, model)
+    append_and_check(stale, storage, model)
 
 
 @pytest.mark.parametrize("kind", ["memory", "local", "s3"])
@@ -153,10 +158,7 @@ def test_a_view_of_the_empty_segment_sees_the_switches_after_its_marker_was_dele
     empty_reader.refresh()
     start = empty_reader.start_offset
     assert empty_reader.read(start, len(model) - start) == bytes(model[start:])
-    data = payload(len(model), 100)
-    assert empty_appender.append(data) == len(model)
-    model += data
-    check_against(storage, model)
+    append_and_check(empty_appender, storage, model)
 
 
 @pytest.mark.parametrize("kind", ["memory", "local"])
@@ -225,10 +227,7 @@ def test_a_stale_appender_whose_last_chunk_outlives_the_switches_after_it(kind, 
     for _ in range(12):  # switch it again and again; each switch retires the one before
         busy.replace_range(chunk.start, chunk.end, bytes(model[chunk.start:chunk.end]))
         busy.truncate(0)  # a truncation step that moves nothing still sweeps
-    data = payload(len(model), 100)
-    assert stale.append(data) == len(model)
-    model += data
-    check_against(storage, model)
+    append_and_check(stale, storage, model)
 
 
 @pytest.mark.parametrize("kind", ["memory", "local"])
@@ -412,7 +411,4 @@ def test_a_segment_deleted_and_made_again_elsewhere_is_not_swept_by_the_old_hori
         if i == 1:
             stale = RollingSegment(storage, "s", rolling_size=ROLL)  # a view of an early generation
         check_against(storage, model)
-    data = payload(len(model), 100)
-    assert stale.append(data) == len(model)
-    model += data
-    check_against(storage, model)
+    append_and_check(stale, storage, model)
