@@ -113,6 +113,22 @@ def test_an_append_to_an_existing_chunk_opens_no_file(tmp_path, monkeypatch):
     assert fresh.read(0, fresh.length) == b"first;second;" + b"".join(b"next-%d;" % i for i in range(5))
 
 
+def test_an_append_to_an_unsealed_last_chunk_stats_only_the_lock_file_and_the_chunk(tmp_path, monkeypatch):
+    """A chunk found unsealed under the lock has no successor and no switch can move it, so the
+    catch-up looks for neither the next chunk nor the next switch marker: two ``stat`` calls an
+    append, the lock file's and the chunk's (docs/storage.md, "Rolling into a new chunk")."""
+    storage = LocalChunkStorage(str(tmp_path))
+    seg = RollingSegment(storage, "s")
+    seg.append(b"first;")
+    stats: list[str] = []
+    real = os.stat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.append(os.path.basename(str(path))), real(path, *a, **k))[1])
+    for i in range(5):
+        seg.append(b"next-%d;" % i)
+    monkeypatch.undo()
+    assert sorted(stats) == sorted([".lock", CHUNK] * 5)
+
+
 def test_an_append_lands_in_the_file_its_chunk_name_leads_to_now(tmp_path):
     """The kept descriptor is checked against the name: a chunk deleted and made again (here by
     hand, as a repair or a segment made again would) is written through a new descriptor."""
