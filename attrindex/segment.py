@@ -480,6 +480,8 @@ class Segment(BackgroundMerge):
             self._ensure_attributes()  # conditions read the current values; tier 1 takes the updates
             self._wait_for_room()
             self._check_open()  # (closed while waiting?)
+            if len(group) == 1 and self._write_lone(group[0]):
+                return
             fresh = False  # whether the view was just caught up with the log's tail
             # The group's batches carry one tag (SegmentLog.lost_commits); a lone batch's own id
             # is random and so already carries one: it is written as encoded, no rebase.
@@ -503,17 +505,43 @@ class Segment(BackgroundMerge):
                     self._catch_up()
                     fresh = True
                     continue
-                was_empty = not len(self._overlay)
-                for request, keys, values, _data, header in planned:  # durable: nothing below raises
-                    if keys:
-                        self._overlay.apply(keys, values)
-                        self._overlay_filled()  # (before the settle: its caller may read at once)
-                    request.settle(AppendResult(header.base_offset, header.last_offset))
-                if was_empty and len(self._overlay):  # flush_seconds counts from here
-                    self._dirty_since = time.monotonic()
-                    self._wake.set()
-                self._after_durable()
+                self._apply_durable(planned)
                 return
+
+    def _write_lone(self, request: WriteRequest) -> bool:
+        """The usual case of ``_write_group``, without planning: one unconditional append whose
+        batch was encoded at the log's current end (a lone writer's update). True once it is
+        durable and applied; False (nothing written) for anything else, which the general loop
+        then does: conditions, an expected offset, a batch encoded at an old end, or a lost race
+        (another writer appended first: the view is caught up, the loop rebases)."""
+        a: _PendingAppend = request.payload
+        encoded = a.encoded
+        if a.updates is not None or a.expected_offset is not None or encoded is None:
+            return False
+        header = encoded[3]
+        if header is None or header.base_offset != self._log.next_offset:
+            return False
+        try:
+            self._log.append_many([encoded[2]], [header])
+        except BadOffsetError:
+            self._catch_up()
+            return False
+        self._apply_durable([(request, encoded[0], encoded[1], encoded[2], header)])
+        return True
+
+    def _apply_durable(self, planned: list) -> None:
+        """After the durable write of ``planned`` (``(request, keys, values, batch, header)``):
+        apply the updates to tier 1, settle each request, wake the merge. Nothing here raises."""
+        was_empty = not len(self._overlay)
+        for request, keys, values, _data, header in planned:
+            if keys:
+                self._overlay.apply(keys, values)
+                self._overlay_filled()  # (before the settle: its caller may read at once)
+            request.settle(AppendResult(header.base_offset, header.last_offset))
+        if was_empty and len(self._overlay):  # flush_seconds counts from here
+            self._dirty_since = time.monotonic()
+            self._wake.set()
+        self._after_durable()
 
     def _plan_group(self, group: list[WriteRequest], fresh: bool, tag: int):
         """``(planned, failures)`` for the group against the current view, or ``None`` when a

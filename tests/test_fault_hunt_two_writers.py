@@ -232,9 +232,26 @@ print("raced", raced[0], flush=True)
 """
 
 
+#: Runs of the two writers until one meets the race: a run ends when either writer has made
+#: ``UPDATES`` updates, and about one run in five ended before any replay met a truncation.
+RACE_ATTEMPTS = 4
+
+
 def test_two_writer_processes_with_worker_merges_never_fail_an_update(tmp_path):
-    path, logs = str(tmp_path / "index"), tmp_path / "history"
-    logs.mkdir()
+    """Every run is checked in full; the test needs one run (of ``RACE_ATTEMPTS``) that raced."""
+    raced = 0
+    for attempt in range(RACE_ATTEMPTS):
+        raced = _run_two_writers(tmp_path / f"run-{attempt}")
+        if raced:
+            break
+    assert raced, f"no replay met a truncation in {RACE_ATTEMPTS} runs: the race was not exercised"
+
+
+def _run_two_writers(base: Path) -> int:
+    """Two writer processes on one index until they raced 3 times or one made ``UPDATES``
+    updates; assert that no update failed or was lost; return how many replays raced."""
+    path, logs = str(base / "index"), base / "history"
+    logs.mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     clients = ["w1", "w2"]
     children = [subprocess.Popen([sys.executable, "-c", _WRITER, path, c, str(UPDATES), "3", str(logs)], cwd=ROOT,
@@ -253,7 +270,6 @@ def test_two_writer_processes_with_worker_merges_never_fail_an_update(tmp_path):
     events = history.load_history(str(logs))
     ops = history.merge_ops(events)
     failed = [(op.id, op.status) for op in ops if op.status != history.OK]
-    assert raced, "no replay met a truncation: the race was not exercised"
     assert not failed, [e.get("error") for e in events if e.get("status") not in (None, history.OK)][:3]
     with AttributeIndex.open(path, page_size=1024) as index:
         markers = {int(op.fields["payloads"][0], 16) for op in ops}
@@ -265,3 +281,4 @@ def test_two_writer_processes_with_worker_merges_never_fail_an_update(tmp_path):
     result = history.check(events, final)
     result.assert_valid()  # every acknowledged update present; each client's sequence one chain
     assert result.ok == len(ops) and report.ok, report.damage
+    return raced

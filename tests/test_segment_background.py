@@ -551,6 +551,41 @@ def test_groups_of_two_handles_racing_revalidate_and_count_exactly(tmp_path):
         assert seg.get_attribute(key(5)) == 600
 
 
+def test_lone_unconditional_appends_of_two_handles_lose_races_and_land_once(tmp_path):
+    """The lone-append path (no conditions, no expected offset: written as encoded, no planning)
+    meets the other handle's appends: its batch was encoded at a stale end, or its write loses
+    the compare-and-append. Either way it is rebased on the true tail; each record is stored once,
+    at the offset its call returned, and the last REPLACE of each key wins."""
+    root = str(tmp_path / "s")
+    stores = [SegmentStore.open(root, flush_keys=50) for _ in range(2)]
+    handles = [stores[0].segment("s", create=True), stores[1].segment("s")]
+    done: list[tuple[bytes, int]] = []
+
+    def writer(h):
+        for i in range(60):
+            payload = b"%d-%d" % (h, i)
+            result = handles[h].append([payload], [(key(h), i), (key(7), h * 1000 + i)])
+            done.append((payload, result.first_offset))
+
+    threads = [threading.Thread(target=writer, args=(h,)) for h in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for store in stores:
+        store.close()
+    with SegmentStore.open(root) as store:
+        seg = store.segment("s")
+        records = seg.read(0, 1000)
+        assert sorted(r.offset for r in records) == list(range(120))
+        stored = {r.offset: r.value for r in records}
+        assert all(stored[offset] == payload for payload, offset in done)
+        assert seg.get_attribute(key(0)) == 59 and seg.get_attribute(key(1)) == 59
+        last = max(done, key=lambda d: d[1])[0]  # the last record's writer set key 7 last
+        h, i = map(int, last.split(b"-"))
+        assert seg.get_attribute(key(7)) == h * 1000 + i
+
+
 def test_the_write_queue_bounds_groups_and_hands_a_failed_write_to_each_member():
     from attrindex.write_queue import WriteQueue, WriteRequest
 
