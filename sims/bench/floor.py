@@ -1,0 +1,117 @@
+"""How close a one-key durable update is to the floor its commit protocol sets (Linux, local disk).
+
+    python -m sims.bench.floor [--rounds 10] [--calls 500] [--dir DIR]
+
+One process, rounds interleaved (so every arm sees the same moment of a noisy disk); per arm the
+median of the rounds' mean µs per call, and its ratio to LMDB's one-key transaction:
+
+* ``lmdb``: ``txn.put`` of one key (sync and metasync on), as in ``sims.bench.run``;
+* ``attrindex``: ``AttributeIndex.update`` of one key (the shipped path);
+* ``floor-v2``: the v2 commit alone (``docs/storage.md``): encode the batch, ``pwrite``,
+  ``sync_file_range``, ``setxattr`` of the record, ``fsync``, and a dict for the overlay;
+* ``floor-v2+checks``: that, plus the checks an append makes for other processes: ``flock`` and
+  its release, a ``stat`` of the lock file and of the chunk, a ``getxattr`` of the record;
+* ``floor-one-write``: a protocol that would keep no separate ordered commit: a preallocated file,
+  ``pwrite`` of the batch and of a 64-byte slot, one ``fdatasync``. It cannot tell a torn newest
+  append from a damaged one after a power loss, which the crash rules require; measured to show
+  what that rule costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+
+from attrindex.log.batch import encode_batch_with_header
+from sims.bench.run import LMDB, Attrindex
+from storage_adapters.local import COMMIT_XATTR, encode_commit_xattr
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = _libc.sync_file_range
+_sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+_WRITE_AND_WAIT = 1 | 2 | 4
+
+
+class Floor:
+    """One bare protocol writing one-key batches to a file of its own in ``directory``."""
+
+    def __init__(self, directory: str, name: str, *, one_write: bool, checks: bool = False):
+        self.one_write, self.checks = one_write, checks
+        self.path = os.path.join(directory, name)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if one_write:  # written, not fallocated: an overwrite needs no journal commit
+            os.pwrite(self.fd, bytes(64 << 20), 0)
+            os.fsync(self.fd)
+        self.lock = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self.position, self.overlay, self.count = 4096, {}, 0
+
+    def update_one(self, key: bytes, value: int) -> None:
+        data, _header = encode_batch_with_header(self.count, (), timestamp=int(time.time() * 1000),
+                                                 attribute_updates=([key], [value]), batch_id=self.count)
+        fd, position = self.fd, self.position
+        if self.checks:
+            fcntl.flock(self.lock, fcntl.LOCK_EX)
+            os.stat(self.path + ".lock")
+            os.stat(self.path)
+            if self.count:
+                os.getxattr(fd, COMMIT_XATTR)
+        os.pwrite(fd, data, position)
+        end = position + len(data)
+        if self.one_write:
+            os.pwrite(fd, end.to_bytes(8, "little") * 8, (self.count % 8) * 64)
+            os.fdatasync(fd)
+        else:
+            _sync_file_range(fd, position, len(data), _WRITE_AND_WAIT)
+            os.setxattr(fd, COMMIT_XATTR, encode_commit_xattr([end, position]))
+            os.fsync(fd)
+        if self.checks:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+        self.position, self.count = end, self.count + 1
+        self.overlay[key] = value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--keys", type=int, default=100_000)
+    parser.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
+    args = parser.parse_args()
+    rng = random.Random(1)
+    pairs = [(rng.randbytes(16), i) for i in range(args.keys)]
+    keys = [k for k, _ in pairs]
+    directory = tempfile.mkdtemp(dir=args.dir)
+    try:
+        lmdb, index = LMDB(f"{directory}/lmdb"), Attrindex(f"{directory}/attrindex")
+        for engine in (lmdb, index):
+            engine.load(pairs)
+        arms = {"lmdb": lmdb.update_one, "attrindex": index.update_one,
+                "floor-v2": Floor(directory, "v2", one_write=False).update_one,
+                "floor-v2+checks": Floor(directory, "v2c", one_write=False, checks=True).update_one,
+                "floor-one-write": Floor(directory, "ow", one_write=True).update_one}
+        means: dict[str, list[float]] = {arm: [] for arm in arms}
+        for _round in range(args.rounds):
+            for arm, update_one in arms.items():
+                calls = [(keys[rng.randrange(len(keys))], rng.randrange(1 << 40)) for _ in range(args.calls)]
+                start = time.perf_counter()
+                for key, value in calls:
+                    update_one(key, value)
+                means[arm].append((time.perf_counter() - start) / args.calls * 1e6)
+        base = statistics.median(means["lmdb"])
+        print(f"{args.rounds} rounds of {args.calls} one-key durable updates, arms interleaved; load {os.getloadavg()[0]:.2f}")
+        for arm, values in means.items():
+            median = statistics.median(values)
+            print(f"{arm:16s} {median:6.0f} µs/call   {base / median:5.2f}x LMDB")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
