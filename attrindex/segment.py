@@ -480,13 +480,18 @@ class Segment(BackgroundMerge):
             self._ensure_attributes()  # conditions read the current values; tier 1 takes the updates
             self._wait_for_room()
             self._check_open()  # (closed while waiting?)
-            if len(group) == 1 and self._write_lone(group[0]):
-                return
             fresh = False  # whether the view was just caught up with the log's tail
             # The group's batches carry one tag (SegmentLog.lost_commits); a lone batch's own id
             # is random and so already carries one: it is written as encoded, no rebase.
             tag = group_tag(group[0].payload.batch_id) if len(group) == 1 else new_batch_id() >> GROUP_TAG_SHIFT
-            for _lap in _bounded_races(self.name):
+            for lap in _bounded_races(self.name):
+                if lap == 0 and len(group) == 1:
+                    lone = self._write_lone(group[0])
+                    if lone is _WRITTEN:
+                        return
+                    if lone is _LOST_RACE:  # a lap like the loop's own lost races
+                        fresh = True
+                        continue
                 outcome = self._plan_group(group, fresh, tag)
                 if outcome is None:  # a failure on a stale view: only the true tail can fail an append
                     self._catch_up()
@@ -508,26 +513,26 @@ class Segment(BackgroundMerge):
                 self._apply_durable(planned)
                 return
 
-    def _write_lone(self, request: WriteRequest) -> bool:
+    def _write_lone(self, request: WriteRequest) -> object:
         """The usual case of ``_write_group``, without planning: one unconditional append whose
-        batch was encoded at the log's current end (a lone writer's update). True once it is
-        durable and applied; False (nothing written) for anything else, which the general loop
-        then does: conditions, an expected offset, a batch encoded at an old end, or a lost race
-        (another writer appended first: the view is caught up, the loop rebases)."""
+        batch was encoded at the log's current end (a lone writer's update). ``_WRITTEN`` once it
+        is durable and applied; ``_LOST_RACE`` (nothing written, the view caught up) when another
+        writer appended first; ``_NOT_LONE`` (nothing done) for what the general loop must plan:
+        conditions, an expected offset, a batch encoded at an old end."""
         a: _PendingAppend = request.payload
         encoded = a.encoded
         if a.updates is not None or a.expected_offset is not None or encoded is None:
-            return False
+            return _NOT_LONE
         header = encoded[3]
         if header is None or header.base_offset != self._log.next_offset:
-            return False
+            return _NOT_LONE
         try:
             self._log.append_many([encoded[2]], [header])
         except BadOffsetError:
             self._catch_up()
-            return False
+            return _LOST_RACE
         self._apply_durable([(request, encoded[0], encoded[1], encoded[2], header)])
-        return True
+        return _WRITTEN
 
     def _apply_durable(self, planned: list) -> None:
         """After the durable write of ``planned`` (``(request, keys, values, batch, header)``):
@@ -1127,6 +1132,9 @@ class _PendingAppend:
     batch_id: int
     #: (keys, values, batch, its header or None) of the last try: a lost race needs only a rebase
     encoded: tuple | None = None
+
+
+_WRITTEN, _LOST_RACE, _NOT_LONE = object(), object(), object()  #: outcomes of ``Segment._write_lone``
 
 
 def _bounded_races(name: str) -> Iterator[int]:
