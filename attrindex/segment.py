@@ -484,14 +484,7 @@ class Segment(BackgroundMerge):
             # The group's batches carry one tag (SegmentLog.lost_commits); a lone batch's own id
             # is random and so already carries one: it is written as encoded, no rebase.
             tag = group_tag(group[0].payload.batch_id) if len(group) == 1 else new_batch_id() >> GROUP_TAG_SHIFT
-            for lap in _bounded_races(self.name):
-                if lap == 0 and len(group) == 1:
-                    lone = self._write_lone(group[0])
-                    if lone is _WRITTEN:
-                        return
-                    if lone is _LOST_RACE:  # a lap like the loop's own lost races
-                        fresh = True
-                        continue
+            for _lap in _bounded_races(self.name):
                 outcome = self._plan_group(group, fresh, tag)
                 if outcome is None:  # a failure on a stale view: only the true tail can fail an append
                     self._catch_up()
@@ -510,50 +503,32 @@ class Segment(BackgroundMerge):
                     self._catch_up()
                     fresh = True
                     continue
-                self._apply_durable(planned)
+                was_empty = not len(self._overlay)
+                for request, keys, values, _data, header in planned:  # durable: nothing below raises
+                    if keys:
+                        self._overlay.apply(keys, values)
+                        self._overlay_filled()  # (before the settle: its caller may read at once)
+                    request.settle(AppendResult(header.base_offset, header.last_offset))
+                if was_empty and len(self._overlay):  # flush_seconds counts from here
+                    self._dirty_since = time.monotonic()
+                    self._wake.set()
+                self._after_durable()
                 return
-
-    def _write_lone(self, request: WriteRequest) -> object:
-        """The usual case of ``_write_group``, without planning: one unconditional append whose
-        batch was encoded at the log's current end (a lone writer's update). ``_WRITTEN`` once it
-        is durable and applied; ``_LOST_RACE`` (nothing written, the view caught up) when another
-        writer appended first; ``_NOT_LONE`` (nothing done) for what the general loop must plan:
-        conditions, an expected offset, a batch encoded at an old end."""
-        a: _PendingAppend = request.payload
-        encoded = a.encoded
-        if a.updates is not None or a.expected_offset is not None or encoded is None:
-            return _NOT_LONE
-        header = encoded[3]
-        if header is None or header.base_offset != self._log.next_offset:
-            return _NOT_LONE
-        try:
-            self._log.append_many([encoded[2]], [header])
-        except BadOffsetError:
-            self._catch_up()
-            return _LOST_RACE
-        self._apply_durable([(request, encoded[0], encoded[1], encoded[2], header)])
-        return _WRITTEN
-
-    def _apply_durable(self, planned: list) -> None:
-        """After the durable write of ``planned`` (``(request, keys, values, batch, header)``):
-        apply the updates to tier 1, settle each request, wake the merge. Nothing here raises."""
-        was_empty = not len(self._overlay)
-        for request, keys, values, _data, header in planned:
-            if keys:
-                self._overlay.apply(keys, values)
-                self._overlay_filled()  # (before the settle: its caller may read at once)
-            request.settle(AppendResult(header.base_offset, header.last_offset))
-        if was_empty and len(self._overlay):  # flush_seconds counts from here
-            self._dirty_since = time.monotonic()
-            self._wake.set()
-        self._after_durable()
 
     def _plan_group(self, group: list[WriteRequest], fresh: bool, tag: int):
         """``(planned, failures)`` for the group against the current view, or ``None`` when a
         member failed and the view may be stale. ``planned``: ``(request, keys, values, batch,
         header)`` of the members that pass, in order; ``failures``: ``(request, error)``."""
-        planned, failures = [], []
         next_offset = self._log.next_offset
+        if len(group) == 1:
+            # A lone writer's usual append (an index update): no conditions, encoded at this end
+            # with its own random id as the tag. Written as encoded, nothing to check or rebase.
+            lone = group[0].payload
+            encoded = lone.encoded
+            if lone.updates is None and lone.expected_offset is None and encoded is not None and \
+                    encoded[3] is not None and encoded[3].base_offset == next_offset:
+                return [(group[0], *encoded)], []
+        planned, failures = [], []
         earlier: dict[bytes, int | None] = {}  # values set by earlier members of the group
 
         def current(keys: list[bytes]) -> list[int | None]:
@@ -1132,9 +1107,6 @@ class _PendingAppend:
     batch_id: int
     #: (keys, values, batch, its header or None) of the last try: a lost race needs only a rebase
     encoded: tuple | None = None
-
-
-_WRITTEN, _LOST_RACE, _NOT_LONE = object(), object(), object()  #: outcomes of ``Segment._write_lone``
 
 
 def _bounded_races(name: str) -> Iterator[int]:

@@ -568,13 +568,13 @@ class RollingSegment:
         except FileNotFoundError:  # deleted by a truncation elsewhere: no longer the last chunk
             self.refresh()
             return
+        if length != last.length:
+            self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
         if not sealed:
             # Still the segment's last chunk: writers seal a chunk before its successor exists, a
             # replacement takes only sealed chunks and a truncation deletes only chunks with a
             # successor. So nothing after it, and no switch, can change where this append goes
             # (docs/storage.md, "Rolling into a new chunk"): no existence checks.
-            if length != last.length:
-                self._chunks[-1] = ChunkInfo(last.start, length, last.name)
             self._tail_sealed = False
             return
         if self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}"):
@@ -582,8 +582,6 @@ class RollingSegment:
             # switches one after another here): chunks after the view's last may have new names.
             self.refresh()
             return
-        if length != last.length:
-            self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
         # Sealed: other writers may have rolled past it. A new chunk starts only where a non-empty
         # one ends (an empty one ends at its own name); the walk goes on past unsealed chunks too,
         # which versions before seals rolled past.

@@ -129,6 +129,37 @@ def test_an_append_to_an_unsealed_last_chunk_stats_only_the_lock_file_and_the_ch
     assert sorted(stats) == sorted([".lock", CHUNK] * 5)
 
 
+def test_a_writer_that_skips_the_switch_check_still_appends_and_reads_beside_a_compaction(tmp_path):
+    """Another handle merges this handle's sealed chunks (a chunk switch) while this handle's
+    last chunk stays unsealed: its appends skip the switch check and land at the right offsets,
+    and its reads of the replaced chunks find them through a refresh. Then a roll by the other
+    handle seals this handle's last chunk: the full walk runs and the next append follows it."""
+    mine = RollingSegment(LocalChunkStorage(str(tmp_path)), "s", rolling_size=8)
+    model = b""
+    for i in range(6):
+        piece = b"m%07d" % i  # one 8-byte append fills a chunk: six sealed chunks and a last one
+        mine.append(piece)
+        model += piece
+    tail = b"tail;"
+    mine.append(tail)
+    model += tail  # the last chunk (unsealed, not full) in this handle's view
+    other = RollingSegment(LocalChunkStorage(str(tmp_path)), "s", rolling_size=8)
+    assert other.compact_chunks(64) == 1  # the sealed chunks switched to one replacement
+    assert mine.append(b"ab") == len(model)  # the view's last chunk is unsealed: no switch check
+    model += b"ab"
+    assert mine.read(0, len(model)) == model  # the replaced chunks: gone by name, found again
+    other.refresh()
+    last = other.chunks()[-1]
+    for piece in (b"x", b"other-1;"):  # the first fills the chunk, the second rolls: a seal first
+        assert other.append(piece) == len(model)
+        model += piece
+    assert other.storage.committed(f"s.seg/{last.name}") == (8, True)
+    assert mine.append(b"cd") == len(model)  # sealed now: the walk finds the other's chunk
+    model += b"cd"
+    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
+    assert fresh.read(0, fresh.length) == model
+
+
 def test_an_append_lands_in_the_file_its_chunk_name_leads_to_now(tmp_path):
     """The kept descriptor is checked against the name: a chunk deleted and made again (here by
     hand, as a repair or a segment made again would) is written through a new descriptor."""
