@@ -33,6 +33,7 @@ import contextlib
 import csv
 import gc
 import json
+import math
 import os
 import random
 import resource
@@ -365,8 +366,7 @@ def progress_bar(desc: str):
     def progress(done: int, total: int) -> None:
         if total and bar.total != total:
             bar.total = total
-        bar.n = done
-        bar.refresh()
+        bar.update(done - bar.n)  # (redrawn at most once per mininterval; a new pass starts back at 0)
 
     return bar, progress
 
@@ -536,6 +536,13 @@ def _ratio(ours: float, theirs: float, higher_better: bool) -> float:
         return float("nan")
 
 
+def _ratio_cell(ours: float, theirs: float, higher_better: bool, width: int) -> str:
+    """The ratio as ``1.23x``, or ``-`` where it means nothing: a side missing or zero (no GC
+    collection in either engine, a merge worker only attrindex has)."""
+    ratio = _ratio(ours, theirs, higher_better)
+    return f"{'-':>{width}} " if not ours or not theirs or math.isnan(ratio) else f"{ratio:>{width}.2f}x"
+
+
 def report(rows, big, args, rounds=None):
     by = {r["engine"]: r for r in rows}
     nan = float("nan")
@@ -550,7 +557,7 @@ def report(rows, big, args, rounds=None):
         o, s, m = (r.get(field, nan) if r.get(field) is not None else nan for r in (ours, sq, lm))
         o, s, m = o * scale, s * scale, m * scale
         print(f"{label:<40}{_num(o):>14}{_num(s):>14}{_num(m):>14}"
-              f"{_ratio(o, s, higher_better):>11.2f}x{_ratio(o, m, higher_better):>9.2f}x")
+              f"{_ratio_cell(o, s, higher_better, 11)}{_ratio_cell(o, m, higher_better, 9)}")
     print("  (ratios: >1 means attrindex is better; RSS includes the data set, generated before the engine starts)")
     if args.repeat > 1 and rounds and rounds.get("attrindex") and rounds.get("lmdb"):
         for label, field, higher_better, _scale in METRICS:
