@@ -570,11 +570,12 @@ class RollingSegment:
             return
         if length != last.length:
             self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
-        if not sealed:
-            # Still the segment's last chunk: writers seal a chunk before its successor exists, a
-            # replacement takes only sealed chunks and a truncation deletes only chunks with a
-            # successor. So nothing after it, and no switch, can change where this append goes
-            # (docs/storage.md, "Rolling into a new chunk"): no existence checks.
+        if not sealed and not (last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}")):
+            # No successor, so still the segment's last chunk: a replacement takes only sealed
+            # chunks and a truncation deletes only chunks with a successor, so no switch can move
+            # it (docs/storage.md, "Rolling into a new chunk"): no switch check. The successor is
+            # looked for: a chunk whose seal record was lost (damage) or that a writer from before
+            # seals rolled past reads unsealed (tests/test_fault_hunt_lost_seal.py).
             self._tail_sealed = False
             return
         if self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}"):
@@ -582,9 +583,9 @@ class RollingSegment:
             # switches one after another here): chunks after the view's last may have new names.
             self.refresh()
             return
-        # Sealed: other writers may have rolled past it. A new chunk starts only where a non-empty
-        # one ends (an empty one ends at its own name); the walk goes on past unsealed chunks too,
-        # which versions before seals rolled past.
+        # Sealed (or unsealed with a successor): other writers may have rolled past it. A new chunk
+        # starts only where a non-empty one ends (an empty one ends at its own name); the walk goes
+        # on past unsealed chunks too, which versions before seals rolled past.
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
             start = last.end
             try:

@@ -113,20 +113,23 @@ def test_an_append_to_an_existing_chunk_opens_no_file(tmp_path, monkeypatch):
     assert fresh.read(0, fresh.length) == b"first;second;" + b"".join(b"next-%d;" % i for i in range(5))
 
 
-def test_an_append_to_an_unsealed_last_chunk_stats_only_the_lock_file_and_the_chunk(tmp_path, monkeypatch):
-    """A chunk found unsealed under the lock has no successor and no switch can move it, so the
-    catch-up looks for neither the next chunk nor the next switch marker: two ``stat`` calls an
-    append, the lock file's and the chunk's (docs/storage.md, "Rolling into a new chunk")."""
+def test_an_append_to_an_unsealed_last_chunk_stats_the_lock_file_the_chunk_and_its_successor(tmp_path, monkeypatch):
+    """No switch can move a chunk found unsealed under the lock, so the catch-up does not look for
+    the next switch marker: three ``stat`` calls an append, the lock file's, the chunk's and the
+    one that finds no chunk after it (a chunk that lost its seal record has one:
+    tests/test_fault_hunt_lost_seal.py; docs/storage.md, "Rolling into a new chunk")."""
     storage = LocalChunkStorage(str(tmp_path))
     seg = RollingSegment(storage, "s")
     seg.append(b"first;")
     stats: list[str] = []
     real = os.stat
     monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.append(os.path.basename(str(path))), real(path, *a, **k))[1])
+    successors = []
     for i in range(5):
+        successors.append("%020d" % seg.length)
         seg.append(b"next-%d;" % i)
     monkeypatch.undo()
-    assert sorted(stats) == sorted([".lock", CHUNK] * 5)
+    assert sorted(stats) == sorted([".lock", CHUNK] * 5 + successors)
 
 
 def test_a_writer_that_skips_the_switch_check_still_appends_and_reads_beside_a_compaction(tmp_path):
