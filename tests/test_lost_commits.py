@@ -83,6 +83,33 @@ def test_lost_log_commit_records_are_reported_and_repair_commits_them_again(tmp_
         assert seg.append([b"next"]).first_offset == 20
 
 
+@pytest.mark.parametrize("damage", [_cut_commit_records, _garble_commit_records])
+def test_an_open_writer_whose_log_lost_commit_records_under_it_is_told_at_once(tmp_path, damage):
+    """The stored end drops below what the handles read as committed. The writer once lost every
+    compare-and-append race there (MAX_APPEND_RACES laps, then 'lost the race to other writers')
+    and a tail reader waited for records it had read; now the first catch-up of each says what
+    happened, nothing is written, and repair keeps every record."""
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as store, SegmentStore.open(root) as other:
+        seg = store.segment("s", create=True)
+        for i in range(20):
+            seg.append([b"r%d" % i], [(1, i)])
+        reader = other.segment("s").reader(0)
+        assert [reader.read(timeout=1).value for _ in range(20)] == [b"r%d" % i for i in range(20)]
+        damage(_last_chunk(root, "s/_log.seg"), 3)
+        with pytest.raises(CorruptDataError, match="committed end is byte .* below byte"):
+            seg.append([b"lost"], [(1, 99)])
+        with pytest.raises(CorruptDataError, match="committed end is byte .* below byte"):
+            reader.read(timeout=1)
+    with SegmentStore.open(root, create=False) as store:
+        assert store.repair_segment("s").cut_at is None
+    assert _records(root) == [b"r%d" % i for i in range(20)]  # nothing of the refused append
+    with SegmentStore.open(root, create=False) as store:
+        seg = store.segment("s")
+        assert seg.get_attribute(1) == 19
+        assert seg.append([b"next"]).first_offset == 20
+
+
 def test_lost_index_commit_records_are_reported_and_repair_commits_them_again(tmp_path):
     root = _index_of_six_versions(tmp_path)
     _cut_commit_records(_last_chunk(root, "attributes.seg"), 3)

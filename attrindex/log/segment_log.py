@@ -231,6 +231,8 @@ class SegmentLog:
                 replaced = self._replaced_under_position()
                 if replaced is not None:
                     self._resync(replaced)
+                if self.position > self.bytes.length:
+                    raise self._end_went_back_error()
                 while self.position < self.bytes.length:
                     chunk = self._chunks[self._chunk_index(self.position)]
                     if chunk.builder is None and chunk.start == self.position:
@@ -243,6 +245,20 @@ class SegmentLog:
                 continue  # chunks were replaced under the scan: sync (and resync) and go on
         raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under a catch-up "
                                  f"{MAX_RESYNCS} times in a row; try again")
+
+    def _end_went_back_error(self) -> CorruptDataError:
+        """The stored log ends below ``position``, which this handle read as committed. Writers
+        only move the end forward (truncation and replacements keep it), so its commit records
+        were lost or damaged. Raised rather than waited out: a writer would lose every
+        compare-and-append race at this position, and a tail reader would wait for bytes it has
+        read already."""
+        return CorruptDataError(
+            f"segment {self.segment!r}: the log's committed end is byte {self.bytes.length}, below byte "
+            f"{self.position}, which this handle had read as committed: its commit records were lost or damaged "
+            f"(or an append it saw was taken back when its sync failed, or the segment was deleted and made "
+            f"again). Nothing was written. SegmentStore.verify_segment reports the damage and repair_segment "
+            f"commits again the whole batches stored after the committed end",
+            segment=self.segment, offset=self.bytes.length)
 
     def _restart_at_start(self) -> None:
         """The bytes this handle stood at were truncated away (retention elsewhere): resync."""
