@@ -129,7 +129,7 @@ class AttributeIndex(IndexHandle):
     def _open_wal(self) -> Segment:
         """The private segment: the WAL at ``NAME/_wal`` and the tree at ``NAME``, replayed."""
         try:
-            return Segment(self._storage, self.wal_name, self._options, tree_name=self._name)
+            wal = Segment(self._storage, self.wal_name, self._options, tree_name=self._name)
         except CorruptDataError as exc:
             external = self._external_checkpoint()
             if external is None:
@@ -139,6 +139,10 @@ class AttributeIndex(IndexHandle):
                 f"before indexes had a write-ahead log: that checkpoint is a position in another log, not in "
                 f"this index's WAL. Open it with attrindex.tree_index.TreeIndex (see docs/design.md, "
                 f"'Write path')") from exc
+        # Tier 1 is the WAL replayed from the tree version just read: merges check that the tree
+        # is still that version (another handle's bulk load is no replay of the WAL).
+        wal._tier1_base = wal._index.checkpoint or 0
+        return wal
 
     def _external_checkpoint(self) -> int | None:
         """The tree's checkpoint if it cannot be a WAL position (no WAL was ever written)."""
@@ -412,10 +416,13 @@ class AttributeIndex(IndexHandle):
         with wal._merge_mutex, wal._lock:  # no merge of this handle's meanwhile
             tree, log = wal._index, wal._log
             # The tree first: another handle may have merged and truncated the WAL below the new
-            # checkpoint, and what it cut is then in the tree.
-            before = tree.checkpoint
+            # checkpoint, and what it cut is then in the tree. Tier 1 holds the WAL from the tree
+            # version it was built on: while the tree is still that version, catching up with the
+            # WAL is enough. Any other version (another handle merged or bulk loaded, or an
+            # earlier refresh adopted it and then failed) rebuilds tier 1 from it: over a bulk
+            # load, tier 1's values from before the load would shadow the loaded ones.
             tree.refresh()
-            if tree.checkpoint == before:
+            if (tree.checkpoint or 0) == wal._tier1_base:
                 seen = log.position
                 wal._catch_up()
                 if log.start_position <= seen:  # nothing this handle had not replayed was cut

@@ -48,6 +48,12 @@ _log = logging.getLogger("attrindex.segment")
 class BackgroundMerge:
     """The merge of tier 1 into the B+tree: the part of ``Segment`` that runs beside appends."""
 
+    #: The tree checkpoint tier 1 was built on: tier 1 holds the log's updates between it and the
+    #: handle's position. Tracked only where another handle may write a tree version that is not
+    #: the log replayed up to its checkpoint (``AttributeIndex.bulk_load``; the index sets it at
+    #: open); None: not tracked. See ``_merge_into_tree``.
+    _tier1_base: int | None = None
+
     # Under ``_lock``: ``_freeze``, ``_merge_due``, ``_needs_merge``. ``_merge_once`` and ``_drain``
     # run with ``_merge_mutex`` held and do the tree's I/O without ``_lock`` (unless the caller holds
     # it: retention), so appends and reads go on while a merge writes.
@@ -101,6 +107,8 @@ class BackgroundMerge:
                     # Dropped only now: the tree and its recent values hold its values already.
                     self._frozen = None
                     self._publish_view()
+                    if self._tier1_base is not None:
+                        self._tier1_base = at  # the active overlay holds the log from ``at`` on
                 self._merges += 1
                 if self._merge_error is not None:
                     _log.info("segment %r: merge into the B+tree succeeded after an earlier failure", self.name)
@@ -128,6 +136,24 @@ class BackgroundMerge:
                 _log.warning("segment %r: the merge worker process could not be started or kept dying or hanging "
                              "(merging in the writer's process from now on): %s", self.name, exc)
                 self._worker_disabled = True
+        base = self._tier1_base
+        if base is not None:
+            # Tier 1 holds the log from ``base`` on. Merged over a newer tree version another
+            # handle wrote, it is right only if that version is the log replayed up to its
+            # checkpoint, as merges write; a bulk load's is not (its pairs are in no log batch),
+            # and tier 1's values from before the load would replace the loaded ones. So if the
+            # tree moved since ``base``, tier 1 is rebuilt from its newest version instead (the
+            # caller's rebuild, as when the tree covers more than ``at``). Also when it covers
+            # exactly ``at``: the merge would then write nothing but put tier 1's values in the
+            # tree's recent-values cache. (The worker replays the log from the tree's own
+            # checkpoint, and its writer drops that cache.)
+            tree = self._index
+            tree.refresh()
+            if (tree.checkpoint or 0) != base:
+                _log.info("segment %r: the B+tree moved from checkpoint %d to %d since the pending updates were "
+                          "read; rebuilding them from the tree instead of merging them", self.name, base,
+                          tree.checkpoint or 0)
+                return False
         return merge_overlay(self._index, frozen, at)
 
     def _merge_worker(self) -> MergeWorker | None:
@@ -218,9 +244,12 @@ class BackgroundMerge:
 
     def _drain(self, *, force: bool = False) -> None:
         """Merge everything this handle has seen, in the calling thread (``_merge_mutex`` held):
-        first what is frozen, then the active overlay. Raises a merge's error."""
+        first what is frozen, then the active overlay. A merge that finds the tree written by
+        another handle rebuilds tier 1 from it instead; the rebuilt tier 1 is merged in the next
+        lap (bounded: other handles that keep merging leave the rest to the next merge). Raises a
+        merge's error."""
         self._ensure_attributes()  # a lazily opened handle: what it merges is the log after the tree
-        for _lap in range(2):
+        for _lap in range(2 + _MAX_TREE_REFRESHES):
             with self._lock:
                 self._settle_tier1()  # (raises if tier 1 cannot be rebuilt: nothing stale is merged)
                 if self._frozen is None:
@@ -387,7 +416,7 @@ class BackgroundMerge:
                 self._index.refresh()
             for _attempt in range(_MAX_TREE_REFRESHES):
                 try:
-                    rebuilt = self._replayed_from_newest_tree()
+                    rebuilt, base = self._replayed_from_newest_tree()
                 except TruncatedError:
                     continue  # the failed read re-listed the log: its start moved past this tree version
                 except LayoutChangedError:
@@ -400,6 +429,8 @@ class BackgroundMerge:
                 # retries) must not leave tier 1 cleared or missing updates, which would let
                 # conditional appends validate against stale values.
                 self._overlay, self._frozen, self._tier1_stale = rebuilt, None, False
+                if self._tier1_base is not None:
+                    self._tier1_base = base
                 self._publish_view()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
                 self._dirty_since = time.monotonic()
                 return
@@ -410,9 +441,10 @@ class BackgroundMerge:
             if self._tier1_stale:
                 self._publish_view()  # reads rebuild first from now on, never serving the stale values
 
-    def _replayed_from_newest_tree(self) -> AttributeOverlay:
+    def _replayed_from_newest_tree(self) -> tuple[AttributeOverlay, int]:
         """One try of ``_replay_from_tree``: a new overlay holding the log's updates between the
-        newest tree version covering the log's start and this handle's position."""
+        newest tree version covering the log's start and this handle's position, and that
+        version's checkpoint."""
         for _attempt in range(_MAX_TREE_REFRESHES):
             checkpoint = self._index.checkpoint or 0
             if checkpoint >= self._log.start_position:
@@ -425,7 +457,7 @@ class BackgroundMerge:
         replay = self._replayer(checkpoint, rebuilt)
         for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
             replay(at, header, buf, pos)
-        return rebuilt
+        return rebuilt, checkpoint
 
 
 def merge_overlay(tree, overlay: AttributeOverlay, at: int) -> bool:
