@@ -378,15 +378,21 @@ def main(argv: list[str]) -> int:
             request = _receive(requests, None)
         except EOFError:
             return 0  # the parent closed the pipe (or died)
+        if request[0] == "stop":
+            return 0
         try:
-            if request[0] == "stop":
-                return 0
-            if request[0] == "open":
-                host = _Host(request[1])
-                _send(answers, ("ok", None))
-            else:
-                checkpoint = host.merge(request[1], request[2])
-                _send(answers, ("ok", (checkpoint, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
-        except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
-            _send(answers, ("error", f"{type(exc).__name__}: {exc}"))
+            try:
+                if request[0] == "open":
+                    host = _Host(request[1])
+                    answer: tuple = ("ok", None)
+                else:
+                    checkpoint = host.merge(request[1], request[2])
+                    answer = ("ok", (checkpoint, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+            except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
+                answer = ("error", f"{type(exc).__name__}: {exc}")
+            _send(answers, answer)
+        except BrokenPipeError:
+            # The parent is gone (killed, or it killed this worker's pipe): nobody to answer.
+            # Exit at once, with no traceback and no second failed flush at interpreter exit.
+            os._exit(0)
 
