@@ -135,10 +135,12 @@ class AttributeIndex(IndexHandle):
             if external is None:
                 raise
             raise InvalidInputError(
-                f"index {self._name!r} at {self._storage.url!r} was written with update(checkpoint={external}) "
-                f"before indexes had a write-ahead log: that checkpoint is a position in another log, not in "
-                f"this index's WAL. Open it with attrindex.tree_index.TreeIndex (see docs/design.md, "
-                f"'Write path')") from exc
+                f"index {self._name!r} at {self._storage.url!r} has a tree with checkpoint {external} but no "
+                f"write-ahead log at {self.wal_name!r}. Either it was written with update(checkpoint={external}) "
+                f"before indexes had a write-ahead log (that checkpoint is a position in another log: open it "
+                f"with attrindex.tree_index.TreeIndex), or its write-ahead log was deleted or not copied with "
+                f"the tree (restore {self.wal_name!r} beside it: the updates after the checkpoint are only "
+                f"there). See docs/design.md, 'Write path'") from exc
         # Tier 1 is the WAL replayed from the tree version just read: merges check that the tree
         # is still that version (another handle's bulk load is no replay of the WAL).
         wal._tier1_base = wal._index.checkpoint or 0

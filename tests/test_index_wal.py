@@ -9,6 +9,7 @@ existed; verify and repair of a damaged WAL and of a damaged tree whose updates 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -372,6 +373,18 @@ def test_a_tree_with_another_logs_checkpoint_is_refused_with_a_clear_error(tmp_p
     with pytest.raises(InvalidInputError, match="checkpoint=500.*TreeIndex"):
         AttributeIndex.open(str(tmp_path))
     assert TreeIndex.open(str(tmp_path)).checkpoint == 500  # still readable as what it is
+
+
+def test_an_index_whose_wal_was_deleted_is_refused_with_an_error_that_names_the_wal(tmp_path):
+    """On disk, a tree whose WAL is gone looks like a tree from before WALs: the error names both
+    causes and the missing WAL, not only the old-format one."""
+    root = str(tmp_path)
+    with AttributeIndex.open(root, page_size=256) as index:
+        index.update({1: 1})
+        index.flush()
+    shutil.rmtree(os.path.join(root, "attributes", "_wal"))
+    with pytest.raises(InvalidInputError, match="no write-ahead log at 'attributes/_wal'.*deleted or not copied"):
+        AttributeIndex.open(root)
 
 
 # -- verify and repair -----------------------------------------------------------------------------
