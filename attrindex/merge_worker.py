@@ -381,15 +381,15 @@ def main(argv: list[str]) -> int:
         if request[0] == "stop":
             return 0
         try:
-            try:
-                if request[0] == "open":
-                    host = _Host(request[1])
-                    answer: tuple = ("ok", None)
-                else:
-                    checkpoint = host.merge(request[1], request[2])
-                    answer = ("ok", (checkpoint, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
-            except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
-                answer = ("error", f"{type(exc).__name__}: {exc}")
+            if request[0] == "open":
+                host = _Host(request[1])
+                answer: tuple = ("ok", None)
+            else:
+                checkpoint = host.merge(request[1], request[2])
+                answer = ("ok", (checkpoint, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
+            answer = ("error", f"{type(exc).__name__}: {exc}")
+        try:
             _send(answers, answer)
         except BrokenPipeError:
             # The parent is gone (killed, or it killed this worker's pipe): nobody to answer.

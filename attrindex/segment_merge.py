@@ -23,6 +23,7 @@ import time
 import weakref
 from typing import Iterator
 
+from .btree.tree import TreeMovedError
 from .errors import MergeBacklogError, StorageError, TruncatedError
 from .log.segment_log import LayoutChangedError
 from .merge_worker import (MAX_FAILED_MERGES, MAX_FAILED_STARTS, MergeWorker, MergeWorkerError, WorkerGaveUpError,
@@ -136,25 +137,20 @@ class BackgroundMerge:
                 _log.warning("segment %r: the merge worker process could not be started or kept dying or hanging "
                              "(merging in the writer's process from now on): %s", self.name, exc)
                 self._worker_disabled = True
-        base = self._tier1_base
-        if base is not None:
-            # Tier 1 holds the log from ``base`` on. Merged over a newer tree version another
-            # handle wrote, it is right only if that version is the log replayed up to its
-            # checkpoint, as merges write; a bulk load's is not (its pairs are in no log batch),
-            # and tier 1's values from before the load would replace the loaded ones. So if the
-            # tree moved since ``base``, tier 1 is rebuilt from its newest version instead (the
-            # caller's rebuild, as when the tree covers more than ``at``). Also when it covers
-            # exactly ``at``: the merge would then write nothing but put tier 1's values in the
-            # tree's recent-values cache. (The worker replays the log from the tree's own
-            # checkpoint, and its writer drops that cache.)
-            tree = self._index
-            tree.refresh()
-            if (tree.checkpoint or 0) != base:
-                _log.info("segment %r: the B+tree moved from checkpoint %d to %d since the pending updates were "
-                          "read; rebuilding them from the tree instead of merging them", self.name, base,
-                          tree.checkpoint or 0)
-                return False
-        return merge_overlay(self._index, frozen, at)
+        # Tier 1 holds the log from ``_tier1_base`` on. Merged over a newer tree version another
+        # handle wrote, it is right only if that version is the log replayed up to its checkpoint,
+        # as merges write; a bulk load's is not (its pairs are in no log batch), and tier 1's
+        # values from before the load would replace the loaded ones. So the tree's own
+        # compare-and-append checks the version (``base``): on another one, seen at once or after
+        # a lost race, nothing is written and the caller rebuilds tier 1 from the newest version,
+        # as when the tree covers more than ``at``. (The worker replays the log from the tree's
+        # own checkpoint.)
+        try:
+            return merge_overlay(self._index, frozen, at, base=self._tier1_base)
+        except TreeMovedError as exc:
+            _log.info("segment %r: %s since the pending updates were read; rebuilding them from the tree instead "
+                      "of merging them", self.name, exc)
+            return False
 
     def _merge_worker(self) -> MergeWorker | None:
         """The worker process host of this handle's merges (``merge_process`` on local disk), or
@@ -460,12 +456,13 @@ class BackgroundMerge:
         return rebuilt, checkpoint
 
 
-def merge_overlay(tree, overlay: AttributeOverlay, at: int) -> bool:
+def merge_overlay(tree, overlay: AttributeOverlay, at: int, base: int | None = None) -> bool:
     """THE merge of tier 1 into the B+tree, whichever process hosts it: ``overlay`` (the log's
     updates up to byte ``at``) as one sorted batch with checkpoint ``at``. False if the tree covers
-    more than ``at`` already (checkpoints only move forward)."""
+    more than ``at`` already (checkpoints only move forward). ``base``: the checkpoint of the tree
+    version ``overlay`` was replayed from; ``TreeMovedError`` on any other version."""
     keys, values = overlay.sorted_items()
-    return tree.update_sorted(keys, values, checkpoint=at)
+    return tree.update_sorted(keys, values, checkpoint=at, base=base)
 
 
 def _merge_loop(ref: "weakref.ref[BackgroundMerge]", wake: threading.Event) -> None:

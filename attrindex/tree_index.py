@@ -319,11 +319,13 @@ class TreeIndex(IndexHandle):
         keys = sorted(batch)
         return self.update_sorted(keys, list(map(batch.__getitem__, keys)), checkpoint=checkpoint)
 
-    def update_sorted(self, keys: list[bytes], values: list[int | None], *, checkpoint: int | None = None) -> bool:
+    def update_sorted(self, keys: list[bytes], values: list[int | None], *, checkpoint: int | None = None,
+                      base: int | None = None) -> bool:
         """``update`` for input already canonical: ``keys`` 16-byte ``bytes``, sorted and unique,
-        ``values`` int64 or ``None``. Not checked (segments merge their checked tier 1 this way)."""
+        ``values`` int64 or ``None``. Not checked (segments merge their checked tier 1 this way).
+        ``base``: see ``BTreeIndex.update`` (``TreeMovedError``)."""
         self._check_writable()
-        written = self._tree.update(keys, values, checkpoint)
+        written = self._tree.update(keys, values, checkpoint, base)
         if checkpoint is not None and written.footer.checkpoint != checkpoint:
             return False
         with self._cache_lock:

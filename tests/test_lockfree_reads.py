@@ -346,8 +346,8 @@ def test_a_merge_does_not_cache_its_batch_over_a_newer_version_adopted_meanwhile
     btree = ours._tree
     original_update = btree.update
 
-    def update_then_adopt(keys, values, checkpoint=None):
-        written = original_update(keys, values, checkpoint)
+    def update_then_adopt(keys, values, checkpoint=None, base=None):
+        written = original_update(keys, values, checkpoint, base)
         theirs.refresh()
         theirs.update({key(1): 5}, checkpoint=20)  # newer, by another handle
         btree.reload()  # adopted by another thread of ours (its cache clear runs now)

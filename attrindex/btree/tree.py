@@ -52,6 +52,11 @@ log = logging.getLogger("attrindex.btree")
 _BISECT_MERGE_LIMIT = 32
 
 
+class TreeMovedError(Exception):
+    """``update(base=...)``: the tree is no longer the version whose checkpoint is ``base`` (another
+    writer wrote one meanwhile); nothing was written. Internal: the merge rebuilds instead."""
+
+
 @attrs.frozen
 class TreeState:
     """A durable version of the tree: its footer, and the segment length it was read or written at.
@@ -511,17 +516,22 @@ class BTreeIndex:
                 stack.extend((depth + 1, o, n) for o, n in zip(reversed(page.offsets), reversed(page.lengths)))
 
     # -- writing -------------------------------------------------------------------------------
-    def update(self, keys: Sequence[bytes], values: Sequence[int | None], checkpoint: int | None = None) -> TreeState:
+    def update(self, keys: Sequence[bytes], values: Sequence[int | None], checkpoint: int | None = None,
+               base: int | None = None) -> TreeState:
         """Apply ``keys[i] -> values[i]`` (``None`` removes); keys sorted, unique. One durable append.
 
         A lost compare-and-append race reloads the tree and applies the batch again. With
         ``checkpoint`` (the log position the batch brings the tree up to), checkpoints only move
         forward: a tree that already covers ``checkpoint`` (another writer got there first) is left
-        as it is, since re-applying older values would undo newer ones.
+        as it is, since re-applying older values would undo newer ones. With ``base``, the batch
+        holds only what changed since the version with that checkpoint: on any other version
+        (another writer's, seen now or after a lost race) ``TreeMovedError``, nothing written.
         """
         with self._write_lock:
             for _ in range(MAX_UPDATE_ATTEMPTS):
                 state = self._state
+                if base is not None and max(state.footer.checkpoint, 0) != base:  # (-1: none yet, as 0)
+                    raise TreeMovedError(f"the tree moved from checkpoint {base} to {state.footer.checkpoint}")
                 if checkpoint is not None and state.footer.checkpoint >= checkpoint:
                     return state
                 try:
