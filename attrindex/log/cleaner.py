@@ -22,11 +22,13 @@ A pass (Kafka's ``LogCleaner.cleanSegments``):
 3. every cleanable chunk from the start up to where the map stopped is rewritten: a record
    survives if it has no key, is past the map's end, or is the latest for its key; a surviving
    tombstone is dropped once it was first cleaned ``tombstone_retention_ms`` ago, unless an
-   older value of its key had to stay (a *pinned* key: see ``KeepRule``). The batch that starts
+   older value of its key had to stay (a *pinned* key: see ``KeepRule``; pins are stored with the
+   checkpoint, because only a pass whose key map holds the key sees that value again). The batch that starts
    the log keeps its base offset (a marker batch, or its first record), so the start offset of
    the log never moves;
 4. consecutive rewritten chunks are grouped up to the rolling size and each group replaces its
-   chunks by ONE chunk (``replace_range``); then the checkpoint moves to where the map stopped.
+   chunks by ONE chunk (``replace_range``); then the checkpoint moves to where the map stopped,
+   carrying the tombstone clock and the pinned keys.
 
 A crash anywhere leaves each group either old or new (``replace_range`` is atomic) and the
 checkpoint behind or at the work done; a pass run again over cleaned chunks changes nothing but
@@ -101,6 +103,10 @@ class OffsetMap:
         self.end_offset = start + len(keys)
         return True
 
+    def __contains__(self, mapped_key) -> bool:
+        """Whether a key (as ``map_keys`` gives it) has a record in the mapped section."""
+        return mapped_key in self._latest
+
     def surviving_offsets(self) -> list[int]:
         """The offsets the map keeps (one per key), ascending: a batch wholly inside the mapped
         section none of whose offsets is here has no record that survives, except keyless ones."""
@@ -166,9 +172,13 @@ class TombstoneClock:
 class KeepRule:
     """What decides survival in one pass: the key map, the time, the tombstone retention and clock.
 
-    ``pinned`` collects keys of which an older record is knowingly left in place (in a chunk the
-    pass cannot rewrite, or a batch whose rewrite would not be smaller): their tombstones must not
-    expire, or the older value would come back.
+    ``pinned`` holds the keys of which an older record is knowingly left in the log (a batch whose
+    rewrite would not be smaller, the log's first record): their tombstones must not expire, or
+    the older value would come back. Such a record looks like the latest of its key to every later
+    pass whose key map does not hold the key, so the pins outlive the pass: they are stored with the
+    checkpoint and come back as ``pinned``, except those of keys in this pass's map (the pass
+    visits every older record of those again and pins what it keeps). ``held`` are keys pinned for
+    this pass only: those of a partly truncated chunk, pinned again by every pass that meets it.
     """
 
     offsets: OffsetMap
@@ -177,6 +187,14 @@ class KeepRule:
     clock: TombstoneClock
     pinned: set = attrs.Factory(set)
     kept_anyway: int = 0  #: records kept although the rule would remove them (pinned cases)
+    held: set = attrs.Factory(set)
+
+    @classmethod
+    def carrying(cls, offsets: OffsetMap, now_ms: int, tombstone_retention_ms: int, clock: TombstoneClock,
+                 pins) -> "KeepRule":
+        """The rule of a pass that starts from a checkpoint's ``pins``: those of keys in the map go
+        (the pass judges their older records again), the others stay."""
+        return cls(offsets, now_ms, tombstone_retention_ms, clock, {k for k in pins if k not in offsets})
 
     def survivors(self, keys: list, tombstones: bytes | None, base_offset: int) -> tuple[list[int], set[int]]:
         """Indexes of the records of a batch that survive, and those of the tombstones that expire.
@@ -194,13 +212,14 @@ class KeepRule:
         dead = [i for i in kept if tombstones[i]]
         times = self.clock.cleaned_at([base_offset + i for i in dead])
         horizon = self.now_ms - self.tombstone_retention_ms
-        expired = {i for i, t in zip(dead, times) if t is not None and t <= horizon and mapped[i] not in self.pinned}
+        expired = {i for i, t in zip(dead, times)
+                   if t is not None and t <= horizon and mapped[i] not in self.pinned and mapped[i] not in self.held}
         if not expired:
             return kept, expired
         return [i for i in kept if i not in expired], expired
 
-    def pin(self, keys: list) -> None:
-        self.pinned.update(k for k in map_keys(keys) if k is not None)
+    def pin(self, keys: list, *, for_this_pass: bool = False) -> None:
+        (self.held if for_this_pass else self.pinned).update(k for k in map_keys(keys) if k is not None)
 
     def keep_anyway(self, keys: list, tombstones: bytes | None, indexes) -> None:
         """Records ``indexes`` of a batch stay although the rule would remove them: pin the keys of
@@ -290,22 +309,28 @@ def empty_batch(next_offset: int, timestamp: int) -> bytes:
     return encode_batch(next_offset, [], timestamp=timestamp)
 
 
-def encode_checkpoint(offset: int, clock: TombstoneClock) -> bytes:
-    """The stored cleaner checkpoint: JSON (the offset and the tombstone clock), a newline, CRC-32."""
-    body = json.dumps({"format": 1, "offset": offset, "clock": clock.entries}).encode()
+CHECKPOINT_FORMAT = 2
+
+
+def encode_checkpoint(offset: int, clock: TombstoneClock, pins=()) -> bytes:
+    """The stored cleaner checkpoint: JSON (the offset, the tombstone clock and the pinned keys in
+    hex, sorted), a newline, CRC-32."""
+    body = json.dumps({"format": CHECKPOINT_FORMAT, "offset": offset, "clock": clock.entries,
+                       "pins": sorted(k.hex() for k in pins)}).encode()
     return body + b"\n" + f"{zlib.crc32(body):08x}".encode()
 
 
-def decode_checkpoint(data: bytes) -> tuple[int, TombstoneClock] | None:
-    """A stored checkpoint, or None if it is torn or damaged (the previous one then counts)."""
+def decode_checkpoint(data: bytes) -> tuple[int, TombstoneClock, frozenset[bytes]] | None:
+    """A stored checkpoint ``(offset, clock, pins)``, or None if it is torn, damaged or of another
+    format (then the previous one counts)."""
     body, _, crc = data.rpartition(b"\n")
     if f"{zlib.crc32(body):08x}".encode() != crc:
         return None
     try:
         fields = json.loads(body)
-        if fields["format"] != 1:
+        if fields["format"] != CHECKPOINT_FORMAT:
             return None
-        return int(fields["offset"]), TombstoneClock(fields["clock"])
+        return int(fields["offset"]), TombstoneClock(fields["clock"]), frozenset(map(bytes.fromhex, fields["pins"]))
     except (ValueError, TypeError, KeyError):
         return None
 
@@ -374,9 +399,10 @@ class LogCleaner:
         self._surviving: list[int] = []
 
     # -- checkpoint ----------------------------------------------------------------------------
-    def load_checkpoint(self) -> tuple[int, TombstoneClock]:
-        """The first offset not yet deduplicated (Kafka's cleaner-offset-checkpoint) and the
-        tombstone clock: from the newest valid checkpoint file (none: offset 0, empty clock)."""
+    def load_checkpoint(self) -> tuple[int, TombstoneClock, frozenset[bytes]]:
+        """The first offset not yet deduplicated (Kafka's cleaner-offset-checkpoint), the tombstone
+        clock and the pinned keys: from the newest valid checkpoint file (none: offset 0, empty
+        clock, no pins)."""
         storage = self.log.storage
         names = sorted((n for n in storage.list_files(self._dir) if len(n) == 20 and n.isdigit()), reverse=True)
         for name in names:
@@ -387,14 +413,16 @@ class LogCleaner:
             if found is not None and found[0] == int(name):
                 return found
             _log.warning("segment %r: cleaner checkpoint %s is damaged; using an older one", self.log.segment, name)
-        return 0, TombstoneClock()
+        return 0, TombstoneClock(), frozenset()
 
-    def _store_checkpoint(self, offset: int, clock: TombstoneClock) -> None:
+    def _store_checkpoint(self, offset: int, clock: TombstoneClock, pins) -> None:
         storage = self.log.storage
         try:
-            storage.create(f"{self._dir}/{chunk_name(offset)}", encode_checkpoint(offset, clock))
+            storage.create(f"{self._dir}/{chunk_name(offset)}", encode_checkpoint(offset, clock, pins))
         except ChunkExistsError:
-            return  # another cleaner got there first with the same offset: its clock is as good
+            # another cleaner got there first with the same offset: it started from the same
+            # checkpoint and mapped the same records, so its clock and pins are as good
+            return
         try:  # older checkpoints are harmless (the newest wins): deleting them is housekeeping
             old = [n for n in storage.list_files(self._dir) if n.isdigit() and int(n) < offset]
             if old:
@@ -439,7 +467,7 @@ class LogCleaner:
         chunk holding it is found by binary search, so only a few chunk summaries are read."""
         self._refresh()
         log = self.log
-        first_dirty, _clock = self.load_checkpoint()
+        first_dirty = self.load_checkpoint()[0]
         start = log.start_position
         sizes = [(c.start, getattr(c, "stored", c.length) - max(0, start - c.start))
                  for c in log.bytes.chunks() if c.end > start]
@@ -466,9 +494,9 @@ class LogCleaner:
         lost = 0
         for _ in range(max_passes):
             self._refresh()
-            first_dirty, clock = self.load_checkpoint()
+            first_dirty, clock, pins = self.load_checkpoint()
             try:
-                done, end = self._pass(first_dirty, clock)
+                done, end, pins_after = self._pass(first_dirty, clock, pins)
             except (LayoutConflictError, LayoutChangedError, TruncatedError) as exc:
                 lost += 1
                 if lost > MAX_LOST_RACES:
@@ -478,16 +506,18 @@ class LogCleaner:
                 continue
             lost = 0
             if end > first_dirty:
-                self._store_checkpoint(end, clock.advanced(end, self.now_ms))
+                self._store_checkpoint(end, clock.advanced(end, self.now_ms), pins_after)
             if done:
                 return max(end, first_dirty)
         raise StorageError(f"segment {self.log.segment!r}: compaction did not finish in {max_passes} passes")
 
-    def _pass(self, first_dirty: int, clock: TombstoneClock) -> tuple[bool, int]:
-        """One pass; ``(whether the dirty section is done, the offset the map stopped at)``."""
+    def _pass(self, first_dirty: int, clock: TombstoneClock, pins: frozenset[bytes]
+              ) -> tuple[bool, int, set[bytes]]:
+        """One pass; ``(whether the dirty section is done, the offset the map stopped at, the
+        pinned keys afterwards)``."""
         spans, partial = self._spans()
         if not spans:
-            return True, first_dirty
+            return True, first_dirty, set(pins)
         self.passes += 1
         offsets = OffsetMap(self.max_map_keys)
         last, complete = self._fill(offsets, spans, first_dirty)
@@ -495,12 +525,12 @@ class LogCleaner:
         end = offsets.end_offset if offsets.end_offset is not None else first_dirty
         if complete:
             end = max(end, spans[-1].next_offset)
-        rule = KeepRule(offsets, self.now_ms, self.tombstone_retention_ms, clock)
+        rule = KeepRule.carrying(offsets, self.now_ms, self.tombstone_retention_ms, clock, pins)
         if partial is not None:
-            self._pin_all(partial, rule)
+            self._pin_all(partial, rule, for_this_pass=True)
         self._clean(spans[:last + 1], rule)
         self.kept_anyway += rule.kept_anyway
-        return complete, end
+        return complete, end, rule.pinned
 
     def _fill(self, offsets: OffsetMap, spans: list[_Span], first_dirty: int) -> tuple[int, bool]:
         """Fill the map from ``first_dirty``; ``(index of the last span to clean, complete)``.
@@ -573,11 +603,12 @@ class LogCleaner:
             self.bytes_read += batch[1].size
             yield batch
 
-    def _pin_all(self, span: _Span, rule: KeepRule) -> None:
+    def _pin_all(self, span: _Span, rule: KeepRule, *, for_this_pass: bool = False) -> None:
         """Pin every key of a chunk the pass cannot rewrite (its old values stay)."""
         for at, header, buf, pos in self.log.batches(span.start, span.end):
             if header.record_count:
-                rule.pin(decode_keys(buf, pos, header, position=at - pos, segment=self.log.segment, verify=False)[0])
+                rule.pin(decode_keys(buf, pos, header, position=at - pos, segment=self.log.segment, verify=False)[0],
+                         for_this_pass=for_this_pass)
 
     def _clean(self, spans: list[_Span], rule: KeepRule) -> None:
         """Rewrite ``spans`` in order, in groups up to the rolling size; replace the groups that changed."""
