@@ -430,11 +430,24 @@ class RollingSegment:
             return True
         if self._chunks:
             return False  # its last chunk is found missing once markers above it may go
-        # A view of an empty segment has no last chunk to find missing, which is what lets old
+        # A view of an empty segment has no last chunk to find missing. That is what lets old
         # markers go (``_obsolete_names``): ``switch/<g + 1>`` may be deleted while a higher one
-        # (the top one, never deleted) says that something switched. One listing of the markers.
-        listed = self.storage.list_files(f"{self._dir}/{SWITCH_DIR}")
-        return any(_CHUNK_NAME.fullmatch(name) and int(name) > generation for name in listed)
+        # (the top one, never deleted) says that something switched. And chunk ``length`` may be
+        # gone already: appended to, rolled past and deleted by retention since this view. One
+        # listing of the segment tells both (any chunk, a newer truncation or a newer switch).
+        listed = self.storage.list_files(self._dir)
+        switch = SWITCH_DIR + "/"
+        truncation = TRUNCATION_DIR + "/"
+        for name in listed:
+            if _CHUNK_NAME.fullmatch(name):
+                return True
+            if name.startswith(switch) and _CHUNK_NAME.fullmatch(name[len(switch):]):
+                if int(name[len(switch):]) > generation:
+                    return True
+            elif name.startswith(truncation) and _CHUNK_NAME.fullmatch(name[len(truncation):]):
+                if int(name[len(truncation):]) > self._start_offset:
+                    return True
+        return False
 
     def _check_object_size(self, start: int, stored: int, length: int) -> None:
         # Object chunks are written whole, so each must end where the next begins.

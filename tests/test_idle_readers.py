@@ -11,7 +11,7 @@ import time
 import pytest
 
 from attrindex import SegmentStore
-from attrindex.errors import InvalidInputError, StorageError
+from attrindex.errors import InvalidInputError, RecordTruncatedError, StorageError
 from storage_adapters import RollingSegment, open_storage
 from storage_adapters.faults import FaultyStorage
 from tests.conftest import make_s3_url
@@ -154,6 +154,40 @@ def test_rolling_poll_sees_growth_and_nothing_else(storage, backend):
         with counting(storage) as log:
             reader.poll()
         assert log.counts == {"GET": 1}, log.lines
+
+
+@pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)
+def test_a_poll_of_an_empty_view_sees_growth_that_retention_deleted_since(storage, backend):
+    writer = RollingSegment(storage, "x", rolling_size=10)
+    reader = RollingSegment(storage, "x", rolling_size=10)
+    assert not reader.poll()
+    for _ in range(4):
+        writer.append(b"0123456789")  # chunk after chunk
+    writer.truncate(20)  # chunk 0, the one an empty view looks for, is gone
+    assert reader.poll()
+    reader.refresh()
+    assert reader.start_offset == 20 and not reader.poll()
+
+
+@pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)
+def test_readers_made_on_an_empty_segment_follow_it_past_retention(storage_url):
+    """A reader of a handle that saw the segment empty must not wait for ever once retention in
+    another handle deleted the chunk the empty view polls: it reads what came, or is told."""
+    url, options = storage_url
+    with SegmentStore.open(url, storage_options=options, log_rolling_size=512) as a, \
+            SegmentStore.open(url, storage_options=options, log_rolling_size=512, min_poll_interval=0.01,
+                              max_poll_interval=0.2) as b:
+        writer = a.segment("u", create=True)
+        follower = b.segment("u")
+        from_start, from_later = follower.reader(0), follower.reader(30)
+        assert from_start.read(timeout=0.1) is None
+        for i in range(40):
+            writer.append([b"%02d" % i + b"x" * 60])
+        assert writer.apply_retention(max_bytes=2048) > 0
+        writer.append([b"more"])
+        assert from_later.read(timeout=30).value.startswith(b"30")
+        with pytest.raises(RecordTruncatedError, match=f"records start at {writer.start_offset}"):
+            from_start.read(timeout=30)
 
 
 @pytest.mark.parametrize("backend", ["memory"], indirect=True)
