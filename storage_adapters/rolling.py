@@ -199,6 +199,9 @@ class RollingSegment:
         self._tail_sealed = False  #: whether the view's last chunk was sealed when last looked at (``_rolls``)
         self._closed = False
         self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
+        #: bumped whenever the view is reloaded or cut (refresh, truncation, replacement, deletion):
+        #: a layer above that keeps its own copy of ``chunks()`` compares it to know the copy is stale
+        self.view_changes = 0
         self._doomed: dict[str, float] = {}  #: dead object chunk -> monotonic time it was known dead
         self._listed: dict[str, int] = {}  #: the files of the listing behind the view
         self._listed_at = float("-inf")  #: monotonic time before the listing behind ``_listed`` began
@@ -271,6 +274,7 @@ class RollingSegment:
                 view = self._load_view()
                 if view is not None:
                     self._chunks, self._start_offset, self._markers, self._layout, self._tail_sealed = view
+                    self.view_changes += 1
                     self._view_time = self._listed_at = started
                     self._note_dead_objects()
                     return
@@ -752,6 +756,7 @@ class RollingSegment:
             else:
                 self.storage.delete([f"{self._dir}/{c.name}" for c in dead])
             self._chunks = self._chunks[len(dead):]
+            self.view_changes += 1
         self._delete_doomed_objects()
 
     def _defers_deletion(self) -> bool:
@@ -929,6 +934,7 @@ class RollingSegment:
         gone, dropped = {c.name for c in chunks}, set(markers)
         with self._mutex:
             self._chunks = [c for c in self._chunks if c.name not in gone or c is self._chunks[-1]]
+            self.view_changes += 1
             self._markers = [m for m in self._markers if m not in dropped]
 
     def _obsolete_names(self) -> list[str]:
@@ -1177,6 +1183,7 @@ class RollingSegment:
         if any(c.start == offset and c.name == chunk_name(offset) for c in self._chunks):
             # Not replaced: keep the view up to our chunk, which the caller adds back.
             self._chunks = [c for c in self._chunks if c.end <= offset]
+            self.view_changes += 1
             return False
         return True
 
@@ -1276,6 +1283,7 @@ class RollingSegment:
             self.storage.remove_directory(self._dir)
             _SWEEPS.forget((self.storage.url, self._dir))
             self._chunks, self._start_offset, self._markers, self._layout = [], 0, [], _Layout()
+            self.view_changes += 1
             self._tail_sealed = False
             self._doomed.clear()
 

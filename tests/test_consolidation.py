@@ -199,3 +199,27 @@ def test_a_rebuild_of_pending_attributes_takes_in_chunks_switched_under_it(tmp_p
     assert switched and switched[0] > 0
     assert [other.get_attribute(k) for k in sorted(model)] == [model[k] for k in sorted(model)]
     assert [r.value for r in other.read(0, 100)] == [b"%d" % i for i in range(60)]
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
+def test_a_handle_follows_consolidation_and_retention_that_a_read_of_its_own_met(storage_url):
+    """A read that finds chunks gone reloads the byte stream's view on its own; every later
+    lookup of the handle (start, time index, chunk list, readers) must follow that view, not
+    fail for ever on the chunks it remembered (``LayoutChangedError`` on every call). (On object
+    stores replaced chunks stay readable for the deletion grace: no read finds them gone.)"""
+    url, options = storage_url
+    with SegmentStore.open(url, storage_options=options, log_rolling_size=400) as a, \
+            SegmentStore.open(url, storage_options=options, log_rolling_size=400) as b:
+        writer = a.segment("u", create=True)
+        for i in range(30):
+            writer.append([b"%03d" % i + b"x" * 100], timestamp=1000 + i)
+        follower = b.segment("u")
+        assert [r.offset for r in follower.read(25, 2)] == [25, 26]
+        assert writer.apply_retention(start_offset=6) > 0
+        assert writer.compact_chunks(target_size=2000) > 0
+        assert [r.offset for r in follower.read(10, 2)] == [10, 11]  # this read reloads b's view
+        for _ in range(2):
+            assert follower.start_offset == writer.start_offset
+            assert follower.offset_for_timestamp(1012) == 12
+            assert follower.chunk_offsets() == writer.chunk_offsets()
+            assert follower.reader(timestamp=1011).read(timeout=5).offset == 11

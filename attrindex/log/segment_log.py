@@ -34,7 +34,7 @@ import bisect
 import logging
 import contextlib
 import re
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import attrs
 
@@ -54,6 +54,7 @@ DEFAULT_INDEX_INTERVAL_BYTES = 4096
 #: ``_READ_SLACK`` so that the batch crossing the budget comes in the same request.
 _READ_WINDOW = 8 << 20
 _READ_SLACK = 256 << 10
+_T = TypeVar("_T")
 MAX_RESYNCS = 10  #: layout changes one catch-up or read follows before it gives up
 _GAP_NAME = re.compile(r"(\d{20})-(\d{20})")
 _NO_TIMESTAMP = -(1 << 63)
@@ -121,6 +122,7 @@ class SegmentLog:
         self.resyncs = 0  #: times ``position`` moved because the bytes under it changed (replacement, truncation)
         self._position_chunk = ""  #: name of the chunk in which ``position`` was reached
         self._prefetched: tuple[int, int, bytes] | None = None  #: (start, end, bytes) read by open_at
+        self._synced_view = -1  #: ``bytes.view_changes`` when the chunk list was last aligned with it
 
     # -- positions and chunks ------------------------------------------------------------------
     @property
@@ -130,6 +132,7 @@ class SegmentLog:
     def _sync_chunks(self) -> None:
         """Align the chunk list with the byte stream's (new chunks, grown last chunk, truncation,
         replacements); if the chunk holding ``position`` was replaced, resync inside it."""
+        self._synced_view = self.bytes.view_changes
         stored = self.bytes.chunks()
         mine = self._chunks
         if len(stored) == len(mine) and all(a.name == b.name and a.start == b.start for a, b in zip(stored, mine)):
@@ -145,6 +148,23 @@ class SegmentLog:
             known.end = info.end
             chunks.append(known)
         self._chunks = chunks
+
+    def _in_current_view(self, plan: Callable[[], _T]) -> _T:
+        """``plan()``, which walks the chunk list, on a list that follows the byte stream's view.
+
+        The byte stream reloads its view by itself when a read finds a chunk gone (replaced or
+        truncated by another handle), so the list is aligned first whenever that view changed,
+        and ``plan`` runs again when it meets a layout change on the way (bounded)."""
+        for _attempt in range(MAX_RESYNCS):
+            if self.bytes.view_changes != self._synced_view:
+                self._sync_chunks()
+            try:
+                return plan()
+            except LayoutChangedError:
+                if self.bytes.view_changes == self._synced_view:
+                    self.bytes.refresh()  # the chunks changed, yet no read reloaded the view: look again
+        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under this handle "
+                                 f"{MAX_RESYNCS} times in a row while it planned a read; try again")
 
     def _replaced_under_position(self) -> _Chunk | None:
         """The chunk holding ``position`` strictly inside it if ``position`` was reached in another
@@ -582,6 +602,9 @@ class SegmentLog:
         needs no lock."""
         if offset >= self.next_offset:
             return []
+        return self._in_current_view(lambda: self._plan_read(offset))
+
+    def _plan_read(self, offset: int) -> list[tuple[int, int, str]]:
         i = self._chunk_for_offset(offset)
         chunk, summary = self._chunks[i], self.summary(i)
         first = chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start
@@ -642,6 +665,9 @@ class SegmentLog:
         """Byte position of the batch holding record ``offset`` (``position`` if it is past the end)."""
         if offset >= self.next_offset:
             return self.position
+        return self._in_current_view(lambda: self._batch_position(offset))
+
+    def _batch_position(self, offset: int) -> int:
         i = self._chunk_for_offset(offset)
         chunk, summary = self._chunks[i], self.summary(i)
         start = max(chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start,
@@ -666,6 +692,9 @@ class SegmentLog:
     @property
     def start_offset(self) -> int:
         """Record offset of the first readable record (``next_offset`` when none is left)."""
+        return self._in_current_view(self._start_offset)
+
+    def _start_offset(self) -> int:
         start = self.start_position
         if start >= self.position:
             return self.next_offset
@@ -685,6 +714,9 @@ class SegmentLog:
         """The first record offset whose timestamp is ``>= timestamp``, or ``None`` if there is none."""
         if self.max_timestamp < timestamp:
             return None
+        return self._in_current_view(lambda: self._offset_for_timestamp(timestamp))
+
+    def _offset_for_timestamp(self, timestamp: int) -> int | None:
         first = self._chunk_index(self.start_position)
         for i in range(first, len(self._chunks)):
             summary = self.summary(i)
@@ -752,8 +784,10 @@ class SegmentLog:
     # -- retention -----------------------------------------------------------------------------
     def chunk_summaries(self) -> list[ChunkSummary]:
         """Summaries of the readable chunks, oldest first."""
-        first = self._chunk_index(self.start_position)
-        return [self.summary(i) for i in range(first, len(self._chunks))]
+        def summaries() -> list[ChunkSummary]:
+            first = self._chunk_index(self.start_position)
+            return [self.summary(i) for i in range(first, len(self._chunks))]
+        return self._in_current_view(summaries)
 
     def truncate_at(self, position: int) -> None:
         """Make bytes below ``position`` (a batch start) unreadable, deleting the chunks wholly
