@@ -896,7 +896,7 @@ class Segment(BackgroundMerge):
                 data = self._log.bytes.read(start, run[-1].stored_end - start)  # without the lock: appends go on
                 with self._lock:
                     self._check_open()
-                    self._log.replace_range(start, end, data)
+                    self._log.replace_range(start, end, data, expected=[c.name for c in run])
                 merged += 1
             except (LayoutConflictError, HoleError, TruncatedError, InvalidInputError) as exc:
                 # Changed meanwhile (compaction, retention elsewhere) or holding repaired gaps.

@@ -1042,7 +1042,7 @@ class RollingSegment:
             _log.warning("segment %r: could not delete truncated chunks or markers (retried later): %s", self.name, exc)
 
     # -- replacing chunks ----------------------------------------------------------------------
-    def replace_range(self, start: int, end: int, data: bytes) -> None:
+    def replace_range(self, start: int, end: int, data: bytes, *, expected: list[str] | None = None) -> None:
         """Atomically replace the sealed chunks covering exactly ``[start, end)`` by one chunk holding ``data``.
 
         ``start`` and ``end`` must be chunk boundaries of this handle's view (``chunks()``), at or
@@ -1050,11 +1050,13 @@ class RollingSegment:
         if shorter, ``[start + len(data), end)`` becomes a hole (reads touching it raise
         ``HoleError``; ``holes()`` lists them). Offsets never move.
 
-        It is a compare-and-swap on the chunks this handle's view shows in the range: if another
-        handle or process replaced or truncated them first, ``LayoutConflictError`` and nothing
-        changed. Readers and writers elsewhere see the old chunks or the new one, never a mix;
-        a crash at any point leaves one of the two, and the leftovers are deleted by the next
-        replacement or truncation.
+        It is a compare-and-swap on the chunks in the range: ``expected``, the names of the chunks
+        the caller planned with (default: those this handle's view shows now). If another handle
+        or process replaced or truncated them first, ``LayoutConflictError`` and nothing changed;
+        so too when the view was reloaded since the caller planned (a read or a replacement of
+        this handle looks again) and the range is no longer made of those chunks. Readers and
+        writers elsewhere see the old chunks or the new one, never a mix; a crash at any point
+        leaves one of the two, and the leftovers are deleted by the next replacement or truncation.
         """
         self._check_open()
         data = b"" if isinstance(data, (bytes, bytearray, memoryview)) and not len(data) else _as_bytes(data)
@@ -1065,7 +1067,12 @@ class RollingSegment:
             raise InvalidInputError(f"segment {self.name!r}: replace_range needs start < end and at most "
                                     f"end - start bytes; got [{start}, {end}) with {len(data)} bytes")
         with self._mutex:
-            expected = [c.name for c in self._sealed_run(self._chunks, self._start_offset, start, end, InvalidInputError)]
+            if expected is None:
+                expected = [c.name for c in self._sealed_run(self._chunks, self._start_offset, start, end,
+                                                             InvalidInputError)]
+            elif not expected or not all(isinstance(n, str) for n in expected):
+                raise InvalidInputError(f"replace_range expected must be a non-empty list of chunk names, "
+                                        f"got {expected!r:.100}")
             locked = self.storage.lock(self._dir) if self.storage.appendable else contextlib.nullcontext()
             with locked:
                 self._replace_locked(start, end, data, expected)

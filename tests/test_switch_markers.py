@@ -163,7 +163,7 @@ def test_a_view_of_the_empty_segment_sees_the_switches_after_its_marker_was_dele
 
 @pytest.mark.parametrize("kind", ["memory", "local"])
 def test_a_failed_look_for_switches_from_an_empty_view_raises_and_the_next_poll_sees_them(kind, tmp_path):
-    """The empty view's listing of ``switch/`` (or its marker check) fails: the poll raises a
+    """The empty view's listing of the segment (or its marker check) fails: the poll raises a
     StorageError (a tail reader's read raises it), never answers "nothing new"; the next poll,
     with storage back, sees the switches."""
     inner = _open(kind, tmp_path)
@@ -173,8 +173,8 @@ def test_a_failed_look_for_switches_from_an_empty_view_raises_and_the_next_poll_
     for _ in range(20):
         cycle(busy, model, rng, truncate=False)
     assert 1 not in markers(inner)
-    for op in ("exists", "list_files"):
-        storage.script("fail_before", op=op, path_contains=SWITCH_DIR)
+    for op, where in (("exists", SWITCH_DIR), ("list_files", None)):
+        storage.script("fail_before", op=op, path_contains=where)
         with pytest.raises(StorageError):
             empty_reader.poll()
     assert storage.pending_scripts() == 0

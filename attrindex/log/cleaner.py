@@ -371,6 +371,7 @@ class _Span:
     base_offset: int
     next_offset: int
     stored: int  #: bytes stored (a hole is not)
+    name: str = ""  #: the chunk's name in the view the pass planned with
 
 
 class LogCleaner:
@@ -459,7 +460,7 @@ class LogCleaner:
                 partial = _Span(log.start_position, end, summary.base_offset, summary.next_offset, 0)
                 continue
             stored = stored_sizes.get(start, end - start)
-            out.append(_Span(start, end, summary.base_offset, summary.next_offset, stored))
+            out.append(_Span(start, end, summary.base_offset, summary.next_offset, stored, chunks[i].name))
         return out, partial
 
     def dirty_bytes(self) -> tuple[int, int]:
@@ -688,7 +689,8 @@ class LogCleaner:
                 self._pin_all(span, rule)
             self.bytes_after += sum(span.stored for span, _pieces, _changed in group)
             return
-        self.log.replace_range(start, end, data)  # atomic, and a conflict if the view is stale
+        # atomic, and a conflict unless the range still holds the chunks this pass planned with
+        self.log.replace_range(start, end, data, expected=[span.name for span, _pieces, _changed in group])
         self.chunks_cleaned += len(group)
         self.bytes_after += len(data)
 

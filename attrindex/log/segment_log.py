@@ -733,20 +733,21 @@ class SegmentLog:
         return None
 
     # -- replacing chunks ----------------------------------------------------------------------
-    def replace_range(self, start: int, end: int, data: bytes) -> None:
-        """Replace the sealed log chunks covering exactly ``[start, end)`` (as this handle's view has
-        them) by one chunk holding ``data``: whole record batches from ``start`` on, keeping their
-        base offsets; the bytes after them up to ``end`` become a hole that readers step over.
+    def replace_range(self, start: int, end: int, data: bytes, *, expected: list[str] | None = None) -> None:
+        """Replace the sealed log chunks covering exactly ``[start, end)`` by one chunk holding
+        ``data``: whole record batches from ``start`` on, keeping their base offsets; the bytes
+        after them up to ``end`` become a hole that readers step over.
 
         ``data`` is checked first (whole valid batches, offsets rising, within the range); then
-        ``RollingSegment.replace_range`` switches atomically (``LayoutConflictError`` if another
-        handle replaced or truncated those chunks first). The new chunk's index file is written and
-        the old chunks' are deleted (best effort: index files are derived data).
+        ``RollingSegment.replace_range`` switches atomically if the range still holds the chunks
+        ``expected`` (the names the caller planned with; default: this handle's chunk list), else
+        ``LayoutConflictError``: another handle replaced or truncated them first. The new chunk's
+        index file is written and the old chunks' are deleted (best effort: derived data).
         """
         data = bytes(data)
-        old = [c.name for c in self._chunks if start <= c.start < end]
+        old = [c.name for c in self._chunks if start <= c.start < end] if expected is None else list(expected)
         summary = self._summarize(start, end, data)
-        self.bytes.replace_range(start, end, data)
+        self.bytes.replace_range(start, end, data, expected=old or None)
         self._sync_chunks()
         new = self._chunks[self._chunk_index(start)]
         new.summary = summary
