@@ -25,12 +25,12 @@ import attrs
 
 from storage_adapters import ChunkStorage
 from storage_adapters.requests import RequestCounters
-from storage_adapters.rolling import validate_segment_name
+from storage_adapters.rolling import SEGMENT_SUFFIX, RollingSegment, validate_segment_name
 
 from .tree_index import TreeIndex
 from .listing import ListedStorage
 from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError,
-                     StreamNotFoundError)
+                     StorageError, StreamNotFoundError)
 from .log.cleanup_policy import CONFIG_DIR, load_policy, policy_from_options, store_policy
 from .locations import open_location
 from .segment import Segment, SegmentOptions
@@ -223,16 +223,36 @@ class SegmentStore:
         return sorted(names)
 
     def delete_segment(self, name: str) -> None:
-        """Delete a segment and everything it holds (its handle, if open, is closed first)."""
+        """Delete a segment and everything it holds (its handle, if open, is closed first).
+
+        Every file of the segment goes (log, indexes, gaps, attributes, configuration, cleaner
+        checkpoints), its marker last; segments nested below the name (``name/0``) stay. If
+        anything cannot be deleted, ``StorageError`` names it and the segment still exists:
+        call ``delete_segment`` again once the cause is fixed. A name made again afterwards is
+        a new, empty segment."""
         validate_name(name)
         with self._lock:
             segment = self._segments.pop(name, None)
         if segment is not None and not segment.closed:
             segment._closed = True
             segment._publish_view()  # its reads raise from now on
-        for part in ("_log.seg", "_index", "_gaps", "_attributes.seg"):
-            self.storage.remove_directory(f"{name}/{part}")
+        parts = self._segment_parts(name)
+        for part in sorted(parts - {SEGMENT_MARKER}):
+            if part.endswith(SEGMENT_SUFFIX):
+                RollingSegment.remove(self.storage, f"{name}/{part[:-len(SEGMENT_SUFFIX)]}")
+            else:
+                self.storage.remove_directory(f"{name}/{part}")
+                self.storage.delete([f"{name}/{part}"])  # a file rather than a directory
+        left = self._segment_parts(name) - {SEGMENT_MARKER}
+        if left:
+            raise StorageError(f"segment {name!r}: could not delete {sorted(left)} (the segment still exists; "
+                               f"delete it again once the cause is fixed)")
         self.storage.delete([f"{name}/{SEGMENT_MARKER}"])
+
+    def _segment_parts(self, name: str) -> set[str]:
+        """The top entries of segment ``name``'s files: those starting with ``_`` (segment names
+        never do, so nested segments are not among them)."""
+        return {path.split("/", 1)[0] for path in self.storage.list_files(name) if path.startswith("_")}
 
     # -- streams -------------------------------------------------------------------------------
     def create_stream(self, name: str, segments: int) -> list[str]:

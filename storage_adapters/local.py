@@ -35,6 +35,7 @@ import secrets
 import shutil
 import stat
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -515,7 +516,15 @@ class LocalChunkStorage(ChunkStorage):
             prefix = directory.rstrip("/") + "/"
             for name in [n for n in self._locks if n == directory or n.startswith(prefix)]:
                 self._close_if_idle(name)
-        shutil.rmtree(self._abs(directory), ignore_errors=True)
+        def refuse(_function, path, exc) -> None:
+            if not isinstance(exc, FileNotFoundError):  # gone already: that is what was asked
+                raise _storage_error(exc, "delete", os.path.relpath(path, self.root)) from exc
+
+        target = self._abs(directory)
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(target, onexc=refuse)
+        else:
+            shutil.rmtree(target, onerror=lambda function, path, info: refuse(function, path, info[1]))
 
     def _let_go(self, path: str) -> None:
         """Close the descriptor kept open on chunk ``path`` (being deleted), so that its space comes

@@ -1287,12 +1287,19 @@ class RollingSegment:
         """Delete the segment and all its chunks; the handle then sees an empty segment."""
         self._check_open()
         with self._mutex:
-            self.storage.remove_directory(self._dir)
-            _SWEEPS.forget((self.storage.url, self._dir))
+            self.remove(self.storage, self.name)
             self._chunks, self._start_offset, self._markers, self._layout = [], 0, [], _Layout()
             self.view_changes += 1
             self._tail_sealed = False
             self._doomed.clear()
+
+    @staticmethod
+    def remove(storage: ChunkStorage, name: str) -> None:
+        """Delete segment ``name`` of ``storage`` whole, without a handle (none can be opened on a
+        damaged one): ``StorageError`` if anything stays. Handles elsewhere see it empty."""
+        directory = validate_segment_name(name) + SEGMENT_SUFFIX
+        storage.remove_directory(directory)
+        _SWEEPS.forget((storage.url, directory))
 
     def close(self) -> None:
         """Forget the handle's view; later calls raise ``StorageError``. Data is already durable."""

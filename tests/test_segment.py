@@ -14,6 +14,7 @@ from attrindex.errors import (
     InvalidInputError,
     RecordTruncatedError,
     SegmentNotFoundError,
+    StorageError,
 )
 from attrindex.log.batch import available_codecs
 
@@ -285,6 +286,76 @@ def test_stats_and_uuid_keys(store):
     stats = seg.stats()
     assert (stats.next_offset, stats.start_offset, stats.max_timestamp, stats.pending_attributes) == (2, 0, 1000, 1)
     assert seg.get_attribute(writer) == 2
+
+
+def test_a_deleted_segment_leaves_nothing_that_a_new_one_of_its_name_would_see(storage_url):
+    store = reopen(storage_url, log_rolling_size=300)
+    seg = store.segment("s", create=True, cleanup_policy="compact")
+    nested = store.segment("s/0", create=True)
+    nested.append([b"nested"])
+    for i in range(20):
+        seg.append([Record(b"v%d" % i + b"." * 60, b"k%d" % (i % 3))], [(key(i % 4), i)], timestamp=1)
+    seg.flush()
+    seg.compact(min_lag_ms=0)  # a cleaner checkpoint and cleaned chunks
+    seg.apply_retention(start_offset=5)
+    assert {p.split("/", 1)[0] for p in store.storage.list_files("s")} >= {"_config", "_cleaner", "_log.seg"}
+    store.delete_segment("s")
+    assert {p.split("/", 1)[0] for p in store.storage.list_files("s")} == {"0"}  # the nested segment stays
+    with pytest.raises(SegmentNotFoundError):
+        store.segment("s")
+    again = store.segment("s", create=True)
+    assert (again.next_offset, again.start_offset, again.read(0)) == (0, 0, [])
+    assert again.cleanup_policy().cleanup_policy == "delete"  # not the deleted segment's policy
+    assert again.get_attributes([key(i) for i in range(4)]) == [None] * 4
+    assert again.append([b"first"]).first_offset == 0
+    assert [r.value for r in store.segment("s/0").read(0)] == [b"nested"]
+    store.close()
+
+
+@pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)
+def test_a_delete_that_fails_part_way_raises_and_can_be_done_again(storage_url, backend):
+    from storage_adapters import open_storage
+    from storage_adapters.faults import FaultyStorage
+
+    url, options = storage_url
+    storage = FaultyStorage(open_storage(url, **options), seed=1)
+    store = SegmentStore(storage)
+    seg = store.segment("s", create=True, cleanup_policy="compact")
+    seg.append([Record(b"old", b"k")], [(key(1), 1)])
+    seg.flush()
+    storage.script("fail_before", op="remove_directory", path_contains="_log")
+    with pytest.raises(StorageError):
+        store.delete_segment("s")
+    store.segment("s")  # still there, to be deleted again
+    store.delete_segment("s")
+    assert store.segment("s", create=True).read(0) == []
+
+
+def test_a_local_file_that_cannot_be_deleted_fails_the_delete(tmp_path):
+    """``rm`` refused (an immutable file, a read-only mount, EACCES): the delete raises instead of
+    reporting success over files that a segment made again under the name would serve."""
+    import subprocess
+
+    url = str(tmp_path / "store")
+    with SegmentStore.open(url) as store:
+        store.segment("s", create=True).append([b"acknowledged"])
+    chunk = next(p for p in (tmp_path / "store" / "s" / "_log.seg").iterdir() if p.name.isdigit())
+    made_immutable = subprocess.run(["chattr", "+i", str(chunk)], capture_output=True).returncode == 0
+    if not made_immutable:  # without chattr (or not root): a directory without write permission
+        chunk.parent.chmod(0o500)
+    try:
+        with SegmentStore.open(url) as store:
+            with pytest.raises(StorageError, match="delete"):
+                store.delete_segment("s")
+            assert [r.value for r in store.segment("s").read(0)] == [b"acknowledged"]  # reported, not hidden
+    finally:
+        if made_immutable:
+            subprocess.run(["chattr", "-i", str(chunk)], check=True)
+        else:
+            chunk.parent.chmod(0o700)
+    with SegmentStore.open(url) as store:
+        store.delete_segment("s")
+        assert store.segment("s", create=True).read(0) == []
 
 
 def test_read_before_start_after_retention(store):
