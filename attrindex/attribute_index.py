@@ -27,6 +27,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import validate_segment_name
 
+from .arguments import check_progress
 from .btree.bulk import read_pairs
 from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
@@ -479,6 +480,7 @@ class AttributeIndex(IndexHandle):
     @staticmethod
     def _verify(storage: ChunkStorage, name: str, options: SegmentOptions,
                 progress: Callable[[int, int], None] | None) -> IndexVerifyReport:
+        check_progress(progress)
         wal_report = verify_segment(storage, f"{name}/{WAL_NAME}", options, tree_name=name)
         tree = wal_report.attributes
         if tree is None:  # the tree could not be read at all: its damage is in the WAL report's

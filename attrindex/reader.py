@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Iterator
 
+from .arguments import check_timeout
 from .errors import InvalidInputError
 from .log.batch import Record
 
@@ -95,14 +96,3 @@ class SegmentReader:
             if record is None:
                 return
             yield record
-
-
-def check_timeout(timeout: object, name: str = "timeout") -> None:
-    """A wait limit: ``None`` (no limit) or a finite number of seconds >= 0, else ``InvalidInputError``."""
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise InvalidInputError(f"{name} must be a number of seconds or None, got {type(timeout).__name__}: {timeout!r}")
-    if not 0 <= timeout <= threading.TIMEOUT_MAX:  # also refuses nan, which compares false
-        raise InvalidInputError(f"{name} must be a finite number of seconds >= 0 (at most "
-                                f"{threading.TIMEOUT_MAX:.0f}) or None, got {timeout!r}")

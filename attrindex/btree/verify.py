@@ -19,6 +19,7 @@ import attrs
 from storage_adapters import RollingSegment
 from storage_adapters.errors import CorruptDataError, OffsetOutOfRangeError, StorageError
 
+from ..arguments import check_progress
 from ..damage import Damage
 from ..keys import MIN_KEY
 from .footer import FOOTER_SIZE, Footer, decode_footer, find_last_footer, lost_commits
@@ -71,6 +72,7 @@ def verify_index(segment: RollingSegment, progress: Callable[[int, int], None] |
     decodes (the version ``repair`` would keep). ``progress(pages_done, pages_total)`` is called as
     live pages are checked. Raises only for storage failures, never for damage.
     """
+    check_progress(progress)
     segment.refresh()
     for _ in range(_ATTEMPTS):
         try:
