@@ -701,6 +701,8 @@ class LocalChunkStorage(ChunkStorage):
             _check_committed(path, sizes[0], position)
             if _is_sealed(sizes):
                 raise sealed_chunk_error(path)
+            if size > position:
+                _refuse_unprovable_overwrite(fd, path, seen.record, size, position, data)
             self._write_at(fd, path, size, position, data)
             sizes = [position + len(data), *sizes][:XATTR_HISTORY]
             entry.last_record = None
@@ -738,7 +740,10 @@ class LocalChunkStorage(ChunkStorage):
                 _check_committed(path, sizes[0], position)
                 if _is_sealed(sizes):
                     raise sealed_chunk_error(path)
-            self._write_at(fd, path, os.fstat(fd).st_size, position, data)
+            size = os.fstat(fd).st_size
+            if xattr and size > position:
+                _refuse_unprovable_overwrite(fd, path, record, size, position, data)
+            self._write_at(fd, path, size, position, data)
             if xattr:
                 self._commit_xattr(fd, record, [position + len(data), *sizes][:XATTR_HISTORY], position, len(data))
                 if record is None and self.sync:
@@ -877,6 +882,22 @@ def _refuse_lost_record(target: str) -> bytes | None:
             f"run storage_adapters.local.restore_commit_records on the copy, then verify and repair "
             f"(docs/storage.md, 'Copying a store')")
     return None
+
+
+def _refuse_unprovable_overwrite(fd: int, path: str, record: bytes | None, size: int, position: int,
+                                 data: bytes) -> None:
+    """Before a v2 chunk's bytes past the committed end ``position`` are overwritten: they are a
+    torn append only if its record is intact. A damaged record proves no end at all (it reads as
+    0), so the bytes there may be acknowledged appends: writing other bytes over them is refused;
+    the same bytes (a repair committing them again) are not."""
+    if record is None or decode_commit_xattr(record) is not None:
+        return
+    stored = os.pread(fd, min(size - position, len(data)), position)
+    if stored != data[:len(stored)]:
+        raise CorruptDataError(
+            f"chunk {path!r}: its commit record is damaged, so the {size - position} bytes stored after byte "
+            f"{position} may be acknowledged appends; refusing to write other bytes over them. Verify and "
+            f"repair the segment (attrindex segment verify / repair)")
 
 
 def _mark_committed(target: str) -> None:

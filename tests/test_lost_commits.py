@@ -149,3 +149,24 @@ def test_one_lost_log_commit_record_under_merged_attributes_is_damage_and_repair
         seg = store.segment("s")
         assert seg.get_attribute(1) == 4
         assert seg.append([b"next"]).first_offset == 5
+
+
+@pytest.mark.parametrize("appends", [1, 2, 3])
+def test_a_raw_append_never_overwrites_bytes_a_damaged_record_cannot_account_for(tmp_path, appends):
+    """The storage layer is public API: a zeroed commit record reads as 'nothing committed', and
+    an append at the start must not write over the acknowledged appends stored there."""
+    from storage_adapters import RollingSegment, open_storage
+
+    with open_storage(str(tmp_path)) as storage:
+        writer = RollingSegment(storage, "s", rolling_size=1 << 20)
+        acknowledged = b"".join(b"append-%d;" % i for i in range(appends))
+        for i in range(appends):
+            writer.append(b"append-%d;" % i)
+        garble_commit_records(os.path.join(str(tmp_path), "s.seg", "0" * 20), 1)
+        stale = RollingSegment(storage, "s", rolling_size=1 << 20)  # sees a committed length of 0
+        with pytest.raises(CorruptDataError, match="commit record is damaged"):
+            stale.append(b"overwrite", expected_offset=stale.length)
+        with open(os.path.join(str(tmp_path), "s.seg", "0" * 20), "rb") as f:
+            assert f.read() == acknowledged
+        stale.append(acknowledged, expected_offset=0)  # the same bytes again (what repair does): accepted
+        assert RollingSegment(storage, "s", rolling_size=1 << 20).read(0, len(acknowledged)) == acknowledged
