@@ -1,14 +1,17 @@
-"""attrindex against sqlite3 and LMDB: same data, same machine, same disk, one run.
+"""attrindex against sqlite3, LMDB, RocksDB and LevelDB: same data, same machine, same disk, one run.
 
     python -m sims.bench.run [--keys 1000000] [--updates N] [--big-keys 10000000] [--out sims/out/bench]
     python -m sims.bench.run --keys 100000 --big-keys 0          # a quick run (about a minute)
     python -m sims.bench.run --big-keys 0 --repeat 3              # medians of 3 rounds (a shared machine)
 
 Each engine runs in a child process of its own (its peak RSS is its own), on data generated from
-the same seed. Measured for each engine on local disk:
+the same seed. Every write is durable: sqlite3 ``synchronous=FULL``, LMDB ``sync=True``, RocksDB
+(``rocksdict``) and LevelDB (``plyvel``) with ``sync=True`` on every write, attrindex's default.
+Measured for each engine on local disk:
 
-- bulk load of N random (16-byte key, int64) pairs: one transaction (sqlite3, LMDB), one
-  ``bulk_load`` (attrindex; ``update`` where the index has no ``bulk_load``);
+- bulk load of N random (16-byte key, int64) pairs: one transaction (sqlite3, LMDB), one write
+  batch (RocksDB, LevelDB), one ``bulk_load`` (attrindex; ``update`` where the index has no
+  ``bulk_load``);
 - warm random point lookups and ``get_many`` of 1,000 keys, after the load and again after the
   updates (attrindex then has a non-empty write-ahead overlay, where it has one);
 - durable batched random updates, 1,000 keys per call (``AttributeIndex.update``; one durable
@@ -22,8 +25,9 @@ the same seed. Measured for each engine on local disk:
 - peak RSS of the child (and of the data alone, measured before the engine starts).
 
 Then, for attrindex alone at ``--big-keys``: the bulk load, and cold lookups with a page cache that
-holds only the index pages (storage reads per lookup). Prints a table with ratios and writes
-results.csv.
+holds only the index pages (storage reads per lookup). Prints a table with ratios to each peer
+and to the best peer of each row, and writes results.csv. A peer whose package is missing
+(``pip install '.[sims]'``) is skipped with a note.
 """
 
 from __future__ import annotations
@@ -176,6 +180,89 @@ class LMDB:
         return disk_bytes(self.path)
 
 
+def _int64(value: int) -> bytes:
+    return value.to_bytes(8, "little", signed=True)
+
+
+class RocksDB:
+    """RocksDB through ``rocksdict`` (raw bytes), every write ``sync=True``."""
+
+    name = "rocksdb"
+    package = "rocksdict"
+
+    def __init__(self, directory: str):
+        from rocksdict import Options, Rdict, WriteOptions
+
+        self.path = directory
+        self.db = Rdict(directory, Options(raw_mode=True))
+        self.sync = WriteOptions()
+        self.sync.sync = True
+
+    def _batch(self, pairs):
+        from rocksdict import WriteBatch
+
+        batch = WriteBatch(raw_mode=True)
+        for k, v in pairs:
+            batch.put(k, _int64(v))
+        self.db.write(batch, self.sync)
+
+    load = update = _batch
+
+    def warm(self):
+        sum(1 for _ in self.db.keys())
+
+    def lookups(self, keys):
+        get = self.db.get
+        return [get(k) for k in keys]
+
+    def get_many(self, keys):
+        return timed(self.db.get, keys)  # RocksDB's MultiGet
+
+    def update_one(self, key, value):
+        self.db.put(key, _int64(value), self.sync)
+
+    def size(self):
+        self.db.flush()
+        return disk_bytes(self.path)
+
+
+class LevelDB:
+    """LevelDB through ``plyvel``, every write ``sync=True``."""
+
+    name = "leveldb"
+    package = "plyvel"
+
+    def __init__(self, directory: str):
+        import plyvel
+
+        self.path = directory
+        self.db = plyvel.DB(directory, create_if_missing=True)
+
+    def _batch(self, pairs):
+        with self.db.write_batch(sync=True) as batch:
+            for k, v in pairs:
+                batch.put(k, _int64(v))
+
+    load = update = _batch
+
+    def warm(self):
+        sum(1 for _ in self.db.iterator(include_value=False))
+
+    def lookups(self, keys):
+        get = self.db.get
+        return [get(k) for k in keys]
+
+    def get_many(self, keys):
+        get = self.db.get
+        return timed(lambda: [get(k) for k in keys])
+
+    def update_one(self, key, value):
+        self.db.put(key, _int64(value), sync=True)
+
+    def size(self):
+        return disk_bytes(self.path)
+
+
 class Attrindex:
     name = "attrindex"
 
@@ -218,7 +305,9 @@ class Attrindex:
         return None
 
 
-ENGINES = {"sqlite3": SQLite, "lmdb": LMDB, "attrindex": Attrindex}
+ENGINES = {"sqlite3": SQLite, "lmdb": LMDB, "rocksdb": RocksDB, "leveldb": LevelDB, "attrindex": Attrindex}
+PEERS = [name for name in ENGINES if name != "attrindex"]
+PACKAGES = {"lmdb": "lmdb", "rocksdb": "rocksdict", "leveldb": "plyvel"}  #: peers that need a package
 
 
 # -- data, the same in every child ---------------------------------------------------------------
@@ -459,7 +548,7 @@ def main(argv=None) -> int:
         return run_child(args)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="attrindex-bench-", dir=args.dir)
-    engines = [name for name in args.engines.split(",") if name != "lmdb" or _lmdb_installed()]
+    engines = [name for name in args.engines.split(",") if _installed(name)]
     rounds: dict[str, list[dict]] = {name: [] for name in engines}
     big = {}
     try:
@@ -480,11 +569,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def _lmdb_installed() -> bool:
+def _installed(engine: str) -> bool:
+    package = PACKAGES.get(engine)
+    if package is None:
+        return True
     try:
-        import lmdb  # noqa: F401
+        __import__(package)
     except ImportError:
-        print("lmdb: not installed, skipped")
+        print(f"{engine}: {package} is not installed (pip install '.[sims]'), skipped")
         return False
     return True
 
@@ -543,28 +635,47 @@ def _ratio_cell(ours: float, theirs: float, higher_better: bool, width: int) -> 
     return f"{'-':>{width}} " if not ours or not theirs or math.isnan(ratio) else f"{ratio:>{width}.2f}x"
 
 
+def best_peer(by: dict, field: str, higher_better: bool) -> tuple[str, float]:
+    """The peer with the best value of ``field`` (its name and value), or ``("", nan)``."""
+    values = [(name, by[name][field]) for name in PEERS
+              if name in by and by[name].get(field) is not None and not math.isnan(by[name][field])]
+    if not values:
+        return "", float("nan")
+    return (max if higher_better else min)(values, key=lambda item: item[1])
+
+
 def report(rows, big, args, rounds=None):
     by = {r["engine"]: r for r in rows}
     nan = float("nan")
-    ours, sq, lm = by.get("attrindex", {}), by.get("sqlite3", {}), by.get("lmdb", {})
+    ours = by.get("attrindex", {})
+    sq, lm = by.get("sqlite3", {}), by.get("lmdb", {})
+    peers = [name for name in PEERS if name in by]
     print(f"\n{args.keys:,} random 16-byte keys, int64 values; {args.updates:,} updates in calls of {BATCH}; "
-          f"local disk; each engine in its own process"
+          f"local disk; each engine in its own process; every write durable"
           + (f"; each cell the median of {args.repeat} rounds, engine order rotated" if args.repeat > 1 else "") + "\n")
-    head = f"{'metric':<40}{'attrindex':>14}{'sqlite3':>14}{'lmdb':>14}{'vs sqlite3':>12}{'vs lmdb':>10}"
+    head = (f"{'metric':<40}{'attrindex':>12}" + "".join(f"{name:>12}" for name in peers)
+            + "".join(f"{'vs ' + name:>12}" for name in peers) + f"{'vs best':>10}  best peer")
     print(head)
     print("-" * len(head))
     for label, field, higher_better, scale in METRICS:
-        o, s, m = (r.get(field, nan) if r.get(field) is not None else nan for r in (ours, sq, lm))
-        o, s, m = o * scale, s * scale, m * scale
-        print(f"{label:<40}{_num(o):>14}{_num(s):>14}{_num(m):>14}"
-              f"{_ratio_cell(o, s, higher_better, 11)}{_ratio_cell(o, m, higher_better, 9)}")
+        o = ours.get(field) if ours.get(field) is not None else nan
+        theirs = [(by[name].get(field) if by[name].get(field) is not None else nan) for name in peers]
+        best_name, best = best_peer(by, field, higher_better)
+        o, best = o * scale, best * scale
+        theirs = [t * scale for t in theirs]
+        print(f"{label:<40}{_num(o):>12}" + "".join(f"{_num(t):>12}" for t in theirs)
+              + "".join(_ratio_cell(o, t, higher_better, 11) for t in theirs)
+              + _ratio_cell(o, best, higher_better, 9) + f"  {best_name}")
     print("  (ratios: >1 means attrindex is better; RSS includes the data set, generated before the engine starts)")
-    if args.repeat > 1 and rounds and rounds.get("attrindex") and rounds.get("lmdb"):
+    if args.repeat > 1 and rounds and rounds.get("attrindex") and peers:
         for label, field, higher_better, _scale in METRICS:
             if field in SPREAD:
-                ratios = [_ratio(o.get(field, nan), m.get(field, nan), higher_better)
-                          for o, m in zip(rounds["attrindex"], rounds["lmdb"])]
-                print(f"  {label.strip()} vs lmdb, round by round: " + ", ".join(f"{r:.2f}x" for r in ratios))
+                ratios = []
+                for i, o in enumerate(rounds["attrindex"]):
+                    same_round = {name: rounds[name][i] for name in peers if i < len(rounds.get(name, []))}
+                    ratios.append(_ratio(o.get(field, nan), best_peer(same_round, field, higher_better)[1],
+                                         higher_better))
+                print(f"  {label.strip()} vs the best peer, round by round: " + ", ".join(f"{r:.2f}x" for r in ratios))
     cpu = {name: by[name].get("load_cpu_s", nan) for name in by}
     print("bulk load, CPU seconds (steadier than wall time on a busy machine): "
           + ", ".join(f"{name} {seconds:.2f}" for name, seconds in cpu.items()))
