@@ -15,6 +15,10 @@ median of the rounds' mean µs per call, and its ratio to LMDB's one-key transac
   ``pwrite`` of the batch and of a 64-byte slot, one ``fdatasync``. It cannot tell a torn newest
   append from a damaged one after a power loss, which the crash rules require; measured to show
   what that rule costs.
+* ``floor-chain``: the commit of docs/decisions/0001 (the chain of frames is the record): a
+  pre-written file, ``pwrite`` of the batch, one ``fdatasync``;
+* ``floor-chain-dsync``: the same with one ``pwritev2(RWF_DSYNC)`` instead of write + sync;
+* ``rocksdb``, ``leveldb``: one ``put`` with ``sync=True`` (``rocksdict``, ``plyvel``), where installed.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import tempfile
 import time
 
 from attrindex.log.batch import encode_batch_with_header
-from sims.bench.run import LMDB, Attrindex
+from sims.bench.run import LMDB, Attrindex, LevelDB, RocksDB, _installed
 from storage_adapters.local import COMMIT_XATTR, encode_commit_xattr
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -42,8 +46,9 @@ _WRITE_AND_WAIT = 1 | 2 | 4
 class Floor:
     """One bare protocol writing one-key batches to a file of its own in ``directory``."""
 
-    def __init__(self, directory: str, name: str, *, one_write: bool, checks: bool = False):
-        self.one_write, self.checks = one_write, checks
+    def __init__(self, directory: str, name: str, *, one_write: bool, checks: bool = False, slot: bool = True,
+                 dsync: bool = False):
+        self.one_write, self.checks, self.slot, self.dsync = one_write, checks, slot, dsync
         self.path = os.path.join(directory, name)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         if one_write:  # written, not fallocated: an overwrite needs no journal commit
@@ -62,10 +67,14 @@ class Floor:
             os.stat(self.path)
             if self.count:
                 os.getxattr(fd, COMMIT_XATTR)
-        os.pwrite(fd, data, position)
         end = position + len(data)
-        if self.one_write:
-            os.pwrite(fd, end.to_bytes(8, "little") * 8, (self.count % 8) * 64)
+        if self.dsync:
+            os.pwritev(fd, [data], position, os.RWF_DSYNC)
+        else:
+            os.pwrite(fd, data, position)
+        if self.one_write and not self.dsync:
+            if self.slot:
+                os.pwrite(fd, end.to_bytes(8, "little") * 8, (self.count % 8) * 64)
             os.fdatasync(fd)
         else:
             _sync_file_range(fd, position, len(data), _WRITE_AND_WAIT)
@@ -90,12 +99,16 @@ def main() -> None:
     directory = tempfile.mkdtemp(dir=args.dir)
     try:
         lmdb, index = LMDB(f"{directory}/lmdb"), Attrindex(f"{directory}/attrindex")
-        for engine in (lmdb, index):
+        peers = [cls(f"{directory}/{cls.name}") for cls in (RocksDB, LevelDB) if _installed(cls.name)]
+        for engine in (lmdb, index, *peers):
             engine.load(pairs)
         arms = {"lmdb": lmdb.update_one, "attrindex": index.update_one,
+                **{peer.name: peer.update_one for peer in peers},
                 "floor-v2": Floor(directory, "v2", one_write=False).update_one,
                 "floor-v2+checks": Floor(directory, "v2c", one_write=False, checks=True).update_one,
-                "floor-one-write": Floor(directory, "ow", one_write=True).update_one}
+                "floor-one-write": Floor(directory, "ow", one_write=True).update_one,
+                "floor-chain": Floor(directory, "chain", one_write=True, slot=False).update_one,
+                "floor-chain-dsync": Floor(directory, "dsync", one_write=True, dsync=True).update_one}
         means: dict[str, list[float]] = {arm: [] for arm in arms}
         for _round in range(args.rounds):
             for arm, update_one in arms.items():
@@ -106,9 +119,11 @@ def main() -> None:
                 means[arm].append((time.perf_counter() - start) / args.calls * 1e6)
         base = statistics.median(means["lmdb"])
         print(f"{args.rounds} rounds of {args.calls} one-key durable updates, arms interleaved; load {os.getloadavg()[0]:.2f}")
+        best = min((statistics.median(means[p.name]), p.name) for p in peers) if peers else None
         for arm, values in means.items():
             median = statistics.median(values)
-            print(f"{arm:16s} {median:6.0f} µs/call   {base / median:5.2f}x LMDB")
+            versus = f"   {best[0] / median:5.2f}x {best[1]} (the best peer)" if best else ""
+            print(f"{arm:18s} {median:6.0f} µs/call   {base / median:5.2f}x LMDB{versus}")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
