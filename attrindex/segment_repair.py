@@ -234,7 +234,8 @@ def _give_up(log: SegmentLog, scan: LogScan, length: int) -> tuple[tuple[LostRan
     The tail goes first: its append fails if another writer appended meanwhile, before anything
     else is written. A repair interrupted later leaves damage that the next one finds again.
     """
-    lost, cut = [], None
+    lost: list[LostRange] = []
+    cut: int | None = None
     tail = scan.damaged[-1] if scan.damaged and scan.damaged[-1].next_offset is None else None
     if tail is not None:
         resume, exact = resume_offset(log, tail.start, tail.first_offset)
