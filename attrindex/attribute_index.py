@@ -512,8 +512,9 @@ class AttributeIndex(IndexHandle):
         The tree rolls back to its newest version whose footer and every live page verify (its
         footer appended again; ``CorruptDataError`` if none is left: rebuild the index from its
         source); opening then replays the WAL after that version's checkpoint, so updates the WAL
-        still holds come back. Then the WAL is cut at its first damaged batch (``report.wal`` says
-        what was lost); the tree is never rebuilt from the WAL (it holds what was merged before).
+        still holds come back. Then the WAL's damaged batches become gaps, its intact ones are kept
+        and a damaged tail is cut (``report.wal`` says what was lost); the tree is never rebuilt
+        from the WAL (it holds what was merged before).
         Whole appends whose commit records were lost are committed again, losing nothing.
         """
         return cls._repair(_storage(storage, storage_options, name), name, SegmentOptions())

@@ -197,7 +197,7 @@ def _print_damage(damage: list, url: str) -> int:
     for found in damage:
         print(f"damaged: {found.where} bytes [{found.start}, {found.end}): {found.reason}")
     print(f"attrindex: error: verify found {len(damage)} damaged range(s) at {url}; "
-          f"'repair' cuts them away (it says exactly what is lost)", file=sys.stderr)
+          f"'repair' gives up the damaged bytes and keeps the rest (it says exactly what is lost)", file=sys.stderr)
     return EXIT_DAMAGED
 
 
@@ -744,8 +744,8 @@ def _add_segment_commands(commands) -> None:
 
     action("verify", _segment_verify, "read every committed byte of the segment, print every damaged range; "
                                       "exit 3 if any")
-    action("repair", _segment_repair, "cut the log at its first damaged batch, printing exactly which offsets "
-                                      "are lost; offsets are never reused")
+    action("repair", _segment_repair, "make each damaged range of the log a gap, keeping every intact batch, "
+                                      "printing exactly which offsets are lost; offsets are never reused")
     action("list", _segment_list, "print the names of the segments in the store", named=False).add_argument(
         "--prefix", default="", metavar="P", help="only the segments under this path, e.g. orders")
 

@@ -2,11 +2,13 @@
 
 Both work from storage alone, so they work on a segment that ``SegmentStore.segment`` refuses to
 open. ``verify_segment`` reads every committed byte and reports every damaged range.
-``repair_segment`` cuts the log at the first damaged batch: it appends a record-less batch whose
-base offset lies above every offset the damaged bytes could have held (so no acknowledged offset
-is ever reused), records the damaged bytes as gaps that readers step over, and makes the
-attributes consistent with the kept log (rebuilt from the log when the tree covers cut-off bytes
-or is itself damaged; the log is the source of truth). Stop the segment's writers first.
+``repair_segment`` gives up only the damaged bytes: each damaged range becomes a gap that readers
+step over, and every intact batch after it is kept (its offsets are above every offset the damaged
+bytes could have held). A damaged tail (no valid batch after it) is cut: a record-less batch is
+appended whose base offset lies above every offset the damaged bytes could have held, so no
+acknowledged offset is ever reused. The attributes are made consistent with the kept batches
+(rebuilt from the log when the tree covers damaged bytes or is itself damaged; the log is the
+source of truth). Stop the segment's writers first.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .damage import Damage
 from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
 from .log.batch import encode_batch
 from .log.segment_log import INDEX_DIR, SegmentLog
-from .log.verify import scan_log, resume_offset
+from .log.verify import LogScan, scan_log, resume_offset
 from .segment import ATTRIBUTES_NAME, Segment, SegmentOptions
 
 _log = logging.getLogger("attrindex.segment")
@@ -51,33 +53,47 @@ class SegmentVerifyReport:
 
 
 @attrs.frozen
+class LostRange:
+    """Damaged log bytes ``[start, end)`` a repair gave up (stepped over as gaps from then on), and
+    the record offsets ``offsets`` they could have held: no record will ever be read or written at
+    one of them. ``exact`` False: the range's end is a safe upper bound (a damaged tail whose
+    headers could not all be read), and some of those offsets may never have held a record."""
+
+    start: int
+    end: int
+    offsets: range
+    exact: bool = True
+
+
+@attrs.frozen
 class SegmentRepairReport:
-    """What ``SegmentStore.repair_segment`` did. Offsets ``lost_offsets`` are gone for good."""
+    """What ``SegmentStore.repair_segment`` did. The offsets in ``lost_offsets`` are gone for good;
+    every other record is kept."""
 
     segment: str
     damage: list[Damage]  #: what verification found before the repair
-    cut_at: int | None  #: log byte where the log was cut (None: the log was not cut)
-    lost_bytes: int  #: committed log bytes cut off (kept on storage, stepped over as gaps)
+    cut_at: int | None  #: log byte where the damaged tail was cut (None: the log's tail was intact)
+    lost_bytes: int  #: committed log bytes given up (kept on storage, stepped over as gaps)
     first_lost_offset: int | None  #: first record offset lost (None: none)
-    resume_offset: int | None  #: the next record gets this offset (None: the log was not cut)
+    resume_offset: int | None  #: the next record gets this offset (None: no batch was given up)
     resume_exact: bool  #: False: ``resume_offset`` is a safe upper bound (damaged headers)
     index_files_deleted: int  #: chunk index files deleted (derived data, rebuilt on use)
     attributes_rebuilt: bool  #: the attribute index was rebuilt from the log
     attributes: str  #: what happened to the attributes, and why
     recommitted_bytes: int = 0  #: whole batches after the committed end whose lost commit records were written again
+    lost: tuple[LostRange, ...] = ()  #: every damaged range given up, in log order
+    kept_after_damage: int = 0  #: intact batches after the first damaged one, all kept
 
     @property
-    def lost_offsets(self) -> range:
-        """Every record offset the repair gave up: no record will ever be read or written there.
-        With ``resume_exact`` False some of them may never have held a record."""
-        if self.first_lost_offset is None or self.resume_offset is None:
-            return range(0)
-        return range(self.first_lost_offset, self.resume_offset)
+    def lost_offsets(self) -> tuple[range, ...]:
+        """The record offsets the repair gave up, one range per damaged range, in order (empty:
+        none). With ``resume_exact`` False some of the last range's may never have held a record."""
+        return tuple(r.offsets for r in self.lost)
 
     @property
     def repaired(self) -> bool:
         """Whether anything was changed."""
-        return (self.cut_at is not None or self.index_files_deleted > 0 or self.attributes_rebuilt
+        return (bool(self.lost) or self.index_files_deleted > 0 or self.attributes_rebuilt
                 or self.recommitted_bytes > 0)
 
 
@@ -169,7 +185,8 @@ def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions, tree
 
 def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
                    tree_name: str | None = None, rebuild_attributes: bool = True) -> SegmentRepairReport:
-    """Cut the log at its first damaged batch (if any) and make the attributes consistent with it.
+    """Turn every damaged range of the log into a gap, keeping every intact batch; cut a damaged
+    tail above every offset it could have held; make the attributes consistent with the kept batches.
 
     ``tree_name`` as for ``verify_segment``. ``rebuild_attributes=False`` never rebuilds the
     B+tree from the log (the plain index's tree holds what was merged before its WAL began, so
@@ -182,19 +199,17 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
         recommitted = _recommit(log, covered)
         scan = scan_log(log)
         log_start, length = log.bytes.start_offset, log.bytes.length
-        cut, first_lost, resume, exact = scan.first_damage, None, None, True
-        if cut is not None:
-            first_lost = scan.offset_at_damage or 0
-            resume, exact = resume_offset(log, cut, first_lost)
-            _cut(log, cut, length, resume)
-        deleted = _delete_index_files(log, scan.damage, cut)
+        lost, cut = _give_up(log, scan, length)
+        deleted = _delete_index_files(log, scan.damage, lost)
     finally:
         log.close()
     attribute_damage = _verify_attributes(storage, name, options, tree_name)[1]
-    rebuilt, attributes = _repair_attributes(storage, name, options, cut, log_start, length,
+    rebuilt, attributes = _repair_attributes(storage, name, options, scan.first_damage, log_start, length,
                                              bool(attribute_damage), tree_name, rebuild_attributes)
-    report = SegmentRepairReport(name, scan.damage + attribute_damage, cut, 0 if cut is None else length - cut,
-                                 first_lost, resume, exact, deleted, rebuilt, attributes, recommitted)
+    resume = None if not lost else lost[-1].offsets.stop if cut is not None else scan.next_offset
+    report = SegmentRepairReport(name, scan.damage + attribute_damage, cut, sum(r.end - r.start for r in lost),
+                                 lost[0].offsets.start if lost else None, resume, all(r.exact for r in lost),
+                                 deleted, rebuilt, attributes, recommitted, lost, scan.batches_after_damage)
     if report.repaired:
         _log.warning("segment %r repaired: %s", name, describe_repair(report))
     return report
@@ -213,6 +228,29 @@ def _recommit(log: SegmentLog, covered: int) -> int:
     return len(data)
 
 
+def _give_up(log: SegmentLog, scan: LogScan, length: int) -> tuple[tuple[LostRange, ...], int | None]:
+    """Make gaps of the damaged ranges, cutting a damaged tail; return them and the cut (or None).
+
+    The tail goes first: its append fails if another writer appended meanwhile, before anything
+    else is written. A repair interrupted later leaves damage that the next one finds again.
+    """
+    lost: list[LostRange] = []
+    cut: int | None = None
+    tail = scan.damaged[-1] if scan.damaged and scan.damaged[-1].next_offset is None else None
+    if tail is not None:
+        resume, exact = resume_offset(log, tail.start, tail.first_offset)
+        _cut(log, tail.start, length, resume)
+        cut = tail.start
+    for damaged in scan.damaged:
+        if damaged is tail:
+            lost.append(LostRange(tail.start, length, range(tail.first_offset, resume), exact))
+            continue
+        for start, end in damaged.pieces:  # each within one chunk
+            log.record_gap(start, end)
+        lost.append(LostRange(damaged.start, damaged.end, range(damaged.first_offset, damaged.next_offset)))
+    return tuple(lost), cut
+
+
 def _cut(log: SegmentLog, cut: int, length: int, resume: int) -> None:
     """Continue the log after ``length`` at offset ``resume`` and mark ``[cut, length)`` as gaps."""
     empty = encode_batch(resume, [], timestamp=int(time.time() * 1000))
@@ -228,39 +266,44 @@ def _cut(log: SegmentLog, cut: int, length: int, resume: int) -> None:
             log.record_gap(low, high)
 
 
-def _delete_index_files(log: SegmentLog, damage: list[Damage], cut: int | None) -> int:
-    """Delete damaged chunk index files and those of chunks the cut runs through (derived data)."""
+def _delete_index_files(log: SegmentLog, damage: list[Damage], lost: tuple[LostRange, ...]) -> int:
+    """Delete damaged chunk index files and those of chunks holding bytes given up (derived data:
+    rebuilt on use, with the gaps as record-less bytes)."""
     doomed = {d.where for d in damage if f"/{INDEX_DIR}/" in d.where}
-    if cut is not None:
-        doomed |= {f"{log.segment}/{INDEX_DIR}/{c.name}" for c in log.bytes.chunks() if c.end > cut}
+    doomed |= {f"{log.segment}/{INDEX_DIR}/{c.name}" for c in log.bytes.chunks()
+               if any(r.start < c.end and c.start < r.end for r in lost)}
     existing = {f"{log.segment}/{INDEX_DIR}/{n}" for n in log.storage.list_files(f"{log.segment}/{INDEX_DIR}")}
     doomed &= existing
     log.storage.delete(sorted(doomed))
     return len(doomed)
 
 
-def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions, cut: int | None,
+def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions, first_damage: int | None,
                        log_start: int, length: int, damaged: bool, tree_name: str | None = None,
                        rebuild: bool = True) -> tuple[bool, str]:
-    """Make the attributes consistent with the kept log; return (rebuilt, explanation)."""
+    """Make the attributes consistent with the kept batches; return (rebuilt, explanation).
+
+    The tree holds the updates of the log up to its checkpoint: if that lies past the first damaged
+    byte, it may hold updates of batches given up, so it is rebuilt from the kept batches. Below
+    it, the tail replayed on open steps over the gaps like any reader."""
     checkpoint = None if damaged else _checkpoint(storage, name, options, tree_name)
-    kept_end = length if cut is None else cut
+    kept_end = length if first_damage is None else first_damage
     beyond_cut = checkpoint is not None and checkpoint > kept_end
     if not damaged and not beyond_cut:
-        return False, f"kept: they cover the log up to byte {checkpoint or 0}, within the kept log"
+        return False, f"kept: they cover the log up to byte {checkpoint or 0}, before any damaged byte"
     why = ("the attribute index is damaged" if damaged else
-           f"the attribute index covers the log up to byte {checkpoint}, beyond the kept log's end at {kept_end}")
+           f"the attribute index covers the log up to byte {checkpoint}, past its first damaged byte {kept_end}")
     if (log_start > 0 or not rebuild) and damaged:
         rolled = _roll_back_index(storage, name, log_start, tree_name)
         if rolled is not None:
             return False, f"{why}: {rolled}"
     if not rebuild:
-        return False, (f"{why}: kept, the log is not its whole source (an update of a cut-off batch that was "
+        return False, (f"{why}: kept, the log is not its whole source (an update of a lost batch that was "
                        f"merged before may remain)" if not damaged else f"{why}: no intact version is left")
     if log_start > 0:
         return False, (f"{why}, but retention removed the log below byte {log_start}, so the attributes cannot "
                        f"be rebuilt from it; the index's values up to its checkpoint are kept"
-                       + (" (updates from cut-off batches may remain in it)" if beyond_cut else ""))
+                       + (" (updates from lost batches may remain in it)" if beyond_cut else ""))
     RollingSegment(storage, _tree_name(name, tree_name)).delete()
     segment = Segment(storage, name, options, tree_name=tree_name)  # an empty index: the whole log is replayed
     try:
@@ -268,7 +311,7 @@ def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
         segment.flush()
     finally:
         segment.close()
-    return True, f"{why}: rebuilt from the whole log ({keys} keys)"
+    return True, f"{why}: rebuilt from the whole log, lost batches left out ({keys} keys)"
 
 
 def _roll_back_index(storage: ChunkStorage, name: str, log_start: int, tree_name: str | None = None) -> str | None:
@@ -291,16 +334,21 @@ def describe_repair(report: SegmentRepairReport) -> str:
     if report.recommitted_bytes:
         parts.append(f"{report.recommitted_bytes} bytes of whole batches whose commit records were lost committed "
                      "again (nothing lost)")
-    if report.cut_at is not None:
-        lost = report.lost_offsets
-        bound = "" if report.resume_exact else " (an upper bound: some damaged headers could not be read)"
-        offsets = f"offsets {lost.start}..{lost.stop - 1} lost" if lost else "no offsets lost"
-        parts.append(f"log cut at byte {report.cut_at} ({report.lost_bytes} bytes); {offsets}; appends resume "
-                     f"at offset {report.resume_offset}{bound}")
+    for lost in report.lost:
+        offsets = (f"offset {lost.offsets.start} lost" if len(lost.offsets) == 1 else
+                   f"offsets {lost.offsets.start}..{lost.offsets.stop - 1} lost" if lost.offsets else "no offsets lost")
+        if lost.start == report.cut_at:
+            bound = "" if lost.exact else " (an upper bound: some damaged headers could not be read)"
+            parts.append(f"damaged tail cut at log byte {lost.start} ({lost.end - lost.start} bytes): {offsets}; "
+                         f"appends resume at offset {report.resume_offset}{bound}")
+        else:
+            parts.append(f"log bytes [{lost.start}, {lost.end}) damaged, now a gap: {offsets}")
+    if report.lost and report.kept_after_damage:
+        parts.append(f"{report.kept_after_damage} intact batches after the first damaged one kept")
     if report.index_files_deleted:
         parts.append(f"{report.index_files_deleted} chunk index files deleted (rebuilt on use)")
     parts.append(f"attributes {report.attributes}")
     return "; ".join(parts)
 
 
-__all__ = ["SegmentRepairReport", "SegmentVerifyReport", "describe_repair", "repair_segment", "verify_segment"]
+__all__ = ["LostRange", "SegmentRepairReport", "SegmentVerifyReport", "describe_repair", "repair_segment", "verify_segment"]

@@ -651,6 +651,16 @@ class RollingSegment:
                     if expected_offset is not None:
                         raise BadOffsetError(self.name, expected_offset, self.length) from None
                     continue
+            if grace > 0 and time.monotonic() - self._view_time >= grace / 2:
+                # The create was slow (a paused process, a slow network): the grace may have passed
+                # before it landed, on a name a truncation or a switch had freed meanwhile.
+                if not self._created_live(path, offset):
+                    self._delete_quietly(path)
+                    if expected_offset is not None:
+                        raise BadOffsetError(self.name, expected_offset, self.length, "offset was truncated or replaced")
+                    continue
+                self._after_durable_append()
+                return offset
             start_offset = self._start_offset
             if grace <= 0:
                 start_offset = self._stored_start_offset_after_write(path)
@@ -719,6 +729,20 @@ class RollingSegment:
                 "bytes: another writer may have overwritten this append (the store ignores If-None-Match and "
                 "single_writer=True promised one writing process)") from error
         return "theirs"
+
+    def _created_live(self, path: str, offset: int) -> bool:
+        """After a create at ``offset`` whose view aged past half the deletion grace before it
+        returned: refresh (one LIST) and say whether the new chunk is live (else it landed on a
+        name freed by a truncation or a switch meanwhile, below the start offset or shadowed by a
+        replacement: nobody would ever read it). A failed listing is an unknown outcome."""
+        try:
+            self.refresh()
+        except StorageError as exc:
+            raise OutcomeUnknownError(
+                f"segment {self.name!r}: {path!r} was written after a delay that may have outlasted the deletion "
+                f"grace, and whether it is live could not be checked ({exc}); read the segment before appending "
+                "again") from exc
+        return any(c.start == offset and c.name == chunk_name(offset) for c in self._chunks)
 
     def _stored_start_offset_after_write(self, path: str) -> int:
         """The stored truncation offset, read after a durable create (so a failure is an unknown outcome)."""

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from storage_adapters import BadOffsetError, RollingSegment, chunk_name, rolling
+from storage_adapters.faults import FaultyStorage
 from storage_adapters.memory import MemoryChunkStorage
 
 GRACE = 10.0
@@ -139,3 +140,88 @@ def test_a_stale_handle_never_recreates_a_name_freed_after_the_grace(monkeypatch
     assert chunk_name(2) not in storage.list_files("s.seg")
     assert stale.append(b"X") == 5
     assert RollingSegment(storage, "s").read(4, 2) == b"eX"
+
+
+# -- a create delayed past the grace -------------------------------------------------------------
+class _DelayedCreate(FaultyStorage):
+    """A handle's view of ``inner`` whose next chunk create is delayed (a GC pause, a slow network):
+    ``meanwhile`` runs first, standing for what the rest of the world does while the PUT is on its
+    way. No fault is injected otherwise."""
+
+    def __init__(self, inner, meanwhile):
+        super().__init__(inner, seed=0)
+        self.meanwhile = meanwhile
+
+    def create(self, path, data):
+        if self.meanwhile is not None and "/" not in path.split(".seg/", 1)[1]:
+            hook, self.meanwhile = self.meanwhile, None
+            hook()
+        super().create(path, data)
+
+
+def _object_storage(request, store: str):
+    if store == "memory":
+        return ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
+    from storage_adapters import open_storage
+
+    from .conftest import make_s3_url
+
+    options = request.getfixturevalue("s3_options")
+    return open_storage(make_s3_url(options), **options, deletion_grace=GRACE)
+
+
+@pytest.mark.parametrize("store", ["memory", "s3"])
+@pytest.mark.parametrize("conditional", [False, True])
+def test_a_create_delayed_past_the_grace_is_never_acknowledged_at_a_dead_name(monkeypatch, request, store,
+                                                                               conditional):
+    """The stale handle's view is young when its PUT is sent; while the PUT is delayed, its next name
+    (2) is taken, truncated away and, the grace having passed, deleted; then the PUT lands on the
+    freed name. The append is made again at the end (or refused as a conditional one), never
+    acknowledged at the dead name."""
+    monkeypatch.setattr(rolling, "time", _Clock)
+    storage = _object_storage(request, store)
+    owner = RollingSegment(storage, "s")
+    owner.append(b"a")
+    owner.append(b"b")
+
+    def meanwhile():
+        owner.append(b"c")  # takes the stale handle's next name
+        owner.append(b"d")
+        owner.truncate(4)
+        _Clock.now += GRACE
+        owner.append(b"e")  # the grace has passed: deletes the dead chunks, name 2 is free again
+        assert chunk_name(2) not in storage.list_files("s.seg")
+
+    stale = RollingSegment(_DelayedCreate(storage, meanwhile), "s")  # its view: length 2, just taken
+    if conditional:
+        with pytest.raises(BadOffsetError):
+            stale.append(b"X", expected_offset=2)
+        expected = b"e"
+    else:
+        assert stale.append(b"X") == 5
+        expected = b"eX"
+    fresh = RollingSegment(storage, "s")
+    assert (fresh.start_offset, fresh.length, fresh.read(4, len(expected))) == (4, 4 + len(expected), expected)
+    assert chunk_name(2) not in storage.list_files("s.seg")  # the create at the dead name was undone
+
+
+@pytest.mark.parametrize("store", ["memory", "s3"])
+@pytest.mark.parametrize("delay, requests", [(GRACE / 2 - 0.5, {"PUT": 1}), (GRACE / 2, {"PUT": 1, "LIST": 1})])
+def test_a_create_is_checked_only_when_its_view_aged_past_half_the_grace_meanwhile(monkeypatch, request, store,
+                                                                                delay, requests):
+    """The cost of the check: none while the view is younger than half the grace when the PUT
+    returns (the normal append stays one PUT), one LIST (a refresh) once it is not."""
+    monkeypatch.setattr(rolling, "time", _Clock)
+    storage = _object_storage(request, store)
+    seg = RollingSegment(storage, "s")
+    seg.append(b"aa")
+
+    def meanwhile():
+        _Clock.now += delay
+
+    slow = RollingSegment(_DelayedCreate(storage, meanwhile), "s")
+    before = storage.requests
+    assert slow.append(b"bb") == 2
+    spent = {kind: n for kind, n in (storage.requests - before).by_kind().items() if n}
+    assert spent == requests
+    assert RollingSegment(storage, "s").read(0, 4) == b"aabb"

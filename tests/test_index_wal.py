@@ -482,7 +482,7 @@ def test_the_cli_repairs_a_damaged_wal(tmp_path, capsys):
     assert main(["index", "verify", root]) == 3
     assert "damaged: attributes/_wal" in capsys.readouterr().out
     assert main(["index", "repair", root]) == 0
-    assert capsys.readouterr().out.startswith("repaired the write-ahead log: log cut at byte")
+    assert capsys.readouterr().out.startswith("repaired the write-ahead log: damaged tail cut at log byte")
     assert main(["index", "verify", root]) == 0
     assert main(["index", "repair", root]) == 0
     assert "nothing was changed" in capsys.readouterr().out

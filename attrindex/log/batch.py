@@ -694,6 +694,14 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
     )
 
 
+def claimed_size(buf, pos: int = 0) -> int | None:
+    """The size field of the batch header at ``buf[pos]`` checked against nothing but the magic:
+    what a header that fails its checksum still claims (None without the magic or a whole header)."""
+    if len(buf) - pos < BATCH_HEADER_SIZE or bytes(buf[pos:pos + len(BATCH_MAGIC)]) != BATCH_MAGIC:
+        return None
+    return _HEADER.unpack_from(buf, pos)[3]
+
+
 def _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts) -> str:
     if version != BATCH_VERSION:
         return f"unknown format version {version}"

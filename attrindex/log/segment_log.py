@@ -10,7 +10,8 @@ Byte layout of segment ``NAME`` (see docs/format.md)::
 
     NAME/_log.seg/<20-digit byte position>   chunks of record batches (RollingSegment)
     NAME/_index/<chunk name>                 sparse index of a sealed chunk (named like the chunk)
-    NAME/_gaps/<20-digit start>-<20-digit end>   damaged bytes cut off by an explicit repair
+    NAME/_gaps/<20-digit start>-<20-digit end>   damaged bytes given up by an explicit repair
+    NAME/_gaps/<start>-<end>.<20-digit generation>   the same, in a replacement chunk of that generation
 
 Chunks may be replaced (``replace_range``: consolidation, key-based compaction): byte positions
 stay logical, a replacement chunk holds whole batches from its start and maybe a hole after them,
@@ -23,7 +24,10 @@ newest valid commit record; objects are whole), so nothing below it is a torn ta
 batch anywhere below it, the end of the last chunk included, is ``CorruptDataError`` naming the
 segment, chunk and byte, on open and on read; such a segment refuses appends. Only an explicit
 repair (``attrindex.segment_repair``) records a gap marker, which readers then step over; markers
-left by older versions (which cut garbage tails) are honoured the same way.
+left by older versions (which cut garbage tails) are honoured the same way. A marker names byte
+positions of the chunk that held them when it was recorded (plain, or a replacement of the
+generation its name gives): once a replacement of a later generation covers them (log compaction
+rewrites the batches around a gap), the marker is void, since a kept batch may now start there.
 
 This class is not thread-safe on its own; ``Segment`` serialises writers and catch-ups.
 """
@@ -56,7 +60,7 @@ _READ_WINDOW = 8 << 20
 _READ_SLACK = 256 << 10
 _T = TypeVar("_T")
 MAX_RESYNCS = 10  #: layout changes one catch-up or read follows before it gives up
-_GAP_NAME = re.compile(r"(\d{20})-(\d{20})")
+_GAP_NAME = re.compile(r"(\d{20})-(\d{20})(?:\.(\d{20}))?")
 _NO_TIMESTAMP = -(1 << 63)
 _ERROR_PREFIX = re.compile(r"^(segment '.*?': )?record batch at offset \d+: ")
 
@@ -108,7 +112,9 @@ class SegmentLog:
         self.interval = index_interval_bytes
         self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size)
         self._chunks: list[_Chunk] = []
-        self._gaps: dict[int, int] = {}  #: recorded gaps, {start: end}: skipped even where bytes look valid
+        #: recorded gaps, {start: (end, generation, marker name)}: skipped even where bytes look valid,
+        #: while the chunk holding them is of that generation (``_recorded_gap``)
+        self._gaps: dict[int, tuple[int, int, str]] = {}
         self._load_gaps()  # only a repair (writers stopped) adds gaps, so loading once is enough
         #: index file names listed at open, and the log length then: a chunk sealed before it
         #: whose file is not listed has none, and is rebuilt without asking storage for it
@@ -209,24 +215,38 @@ class SegmentLog:
             return hole[1]
         if position not in self._gaps:
             self._load_gaps()
-        return self._gaps.get(position)
+        return self._recorded_gap(position)
+
+    def _recorded_gap(self, position: int) -> int | None:
+        """End of the recorded gap starting at ``position`` if it is in force: the chunk holding it
+        is still of the generation it was recorded in (a later replacement rewrote those bytes)."""
+        gap = self._gaps.get(position)
+        if gap is None:
+            return None
+        chunk = self.bytes.chunk_at(position)
+        return gap[0] if chunk is not None and chunk.generation == gap[1] else None
 
     def _load_gaps(self) -> None:
         for name in self.storage.list_files(f"{self.segment}/{GAP_DIR}"):
             match = _GAP_NAME.fullmatch(name)
             if match and int(match[2]) > int(match[1]):  # an empty range would not move a scan
-                self._gaps[int(match[1])] = int(match[2])
+                self._gaps[int(match[1])] = (int(match[2]), int(match[3] or 0), name)
 
     def gaps(self) -> dict[int, int]:
-        """Every recorded gap, ``{start: end}`` (reloaded from storage)."""
+        """Every recorded gap in force in this handle's view, ``{start: end}`` (reloaded from storage)."""
         self._gaps.clear()
         self._load_gaps()
-        return dict(self._gaps)
+        return {start: end for start, (end, _gen, _name) in self._gaps.items()
+                if self._recorded_gap(start) is not None}
 
     def record_gap(self, start: int, end: int) -> None:
-        """Record log bytes ``[start, end)`` as cut off by a repair: readers step over them."""
-        self.storage.put_marker(f"{self.segment}/{GAP_DIR}/{chunk_name(start)}-{chunk_name(end)}")
-        self._gaps[start] = end
+        """Record log bytes ``[start, end)`` (within one chunk of this handle's view) as given up by a
+        repair: readers step over them while that chunk is in force."""
+        chunk = self.bytes.chunk_at(start)
+        generation = chunk.generation if chunk is not None else 0
+        name = f"{chunk_name(start)}-{chunk_name(end)}" + (f".{chunk_name(generation)}" if generation else "")
+        self.storage.put_marker(f"{self.segment}/{GAP_DIR}/{name}")
+        self._gaps[start] = (end, generation, name)
 
     def _feed_gap(self, chunk: _Chunk, start: int, end: int) -> None:
         """Account garbage bytes in a chunk's summary as a record-less batch (it holds no records)."""
@@ -296,7 +316,7 @@ class SegmentLog:
     def _scan_chunk(self, chunk: _Chunk, visit: BatchVisitor | None, seen: int) -> tuple[int, bool]:
         """Scan ``chunk`` from ``position``; return (batches seen, whether scanning stopped)."""
         for at, header, buf, pos in self._walk(self.position, chunk.end):
-            if header is None or at in self._gaps:  # a recorded gap, or corruption
+            if header is None or (at in self._gaps and self._recorded_gap(at) is not None):  # a gap, or corruption
                 self._invalid_at(chunk, at, buf if header is None else "")
                 return seen, False
             if visit is not None:
@@ -584,7 +604,7 @@ class SegmentLog:
         position = start
         while position < end:
             for at, header, buf, pos in self._walk(position, end, names, window):
-                if header is None or at in self._gaps:
+                if header is None or (at in self._gaps and self._recorded_gap(at) is not None):
                     gap_end = self._gap_at(at)
                     if gap_end is None:
                         raise self.corruption(at, buf)
@@ -806,12 +826,12 @@ class SegmentLog:
         before it: the chunk list forgets the chunks once they are gone)."""
         doomed = [c.name for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
         return ([f"{self.segment}/{INDEX_DIR}/{name}" for name in doomed]
-                + [f"{self.segment}/{GAP_DIR}/{chunk_name(s)}-{chunk_name(e)}" for s, e in self._gaps.items()
+                + [f"{self.segment}/{GAP_DIR}/{name}" for _s, (e, _gen, name) in self._gaps.items()
                    if e <= position])
 
     def forget_below(self, position: int) -> None:
         """After the byte stream was truncated at ``position``: drop the gaps and chunks below it."""
-        self._gaps = {s: e for s, e in self._gaps.items() if e > position}
+        self._gaps = {s: gap for s, gap in self._gaps.items() if gap[0] > position}
         self._sync_chunks()
 
     def delete_derived(self, paths: list[str]) -> None:

@@ -1,9 +1,10 @@
 """Reading every committed byte of a segment log: what ``verify`` reports and ``repair`` cuts.
 
 ``scan_log`` walks every chunk batch by batch (header and payload checksums), steps over gaps
-recorded by earlier repairs, resynchronises after damage at the next valid batch, and checks the
-chunk index files and gap markers. ``resume_offset`` finds the record offset a repaired log may
-continue from: above every offset the damaged bytes could have held.
+recorded by earlier repairs, finds where each damaged range ends (``DamagedRange``: what a repair
+turns into a gap) and checks the chunk index files and gap markers. ``resume_offset`` finds the
+record offset a log whose damaged tail was cut may continue from: above every offset the damaged
+bytes could have held.
 """
 
 from __future__ import annotations
@@ -14,13 +15,32 @@ from storage_adapters.rolling import chunk_name
 
 from ..damage import Damage
 from ..errors import CorruptDataError
-from .batch import BATCH_HEADER_SIZE, BATCH_MAGIC, check_batch, decode_attribute_updates, read_header
+from .batch import (BATCH_HEADER_SIZE, BATCH_MAGIC, BatchHeader, check_batch, claimed_size, decode_attribute_updates,
+                    read_header)
 from .segment_log import GAP_DIR, INDEX_DIR, LOG_DIR, SegmentLog
 from .sparse_index import decode_chunk_index
 
 #: Most records one stored byte can stand for: zstd's densest block (4 bytes -> 128 KiB) packs
 #: fewer than 2**15 one-byte records per byte, and every record takes at least one payload byte.
 RECORDS_PER_BYTE_BOUND = 1 << 17
+
+
+@attrs.frozen
+class DamagedRange:
+    """Damaged log bytes with no valid batch among them, and the record offsets they could hold.
+
+    ``pieces`` are the damaged byte ranges it is made of (each within one chunk; recorded gaps and
+    replacement holes between them are not part of it). The records it held had offsets from
+    ``first_offset`` (the next offset after the last valid batch before it; 0 if none) up to
+    ``next_offset``, the base offset of the first valid batch after it, exclusive: offsets only
+    grow along the log. ``next_offset`` is None when no valid batch follows: the log's damaged tail.
+    """
+
+    start: int
+    end: int
+    first_offset: int
+    next_offset: int | None
+    pieces: tuple[tuple[int, int], ...]
 
 
 @attrs.frozen
@@ -35,36 +55,106 @@ class LogScan:
     index_files: int  #: chunk index files checked
     first_damage: int | None  #: log byte of the first damaged batch (None: none)
     offset_at_damage: int | None  #: the record offset the first damaged batch would have started at
+    damaged: tuple[DamagedRange, ...] = ()  #: the damaged log ranges, in order
+    next_offset: int | None = None  #: the next offset after the last valid batch (None: none was read)
+    batches_after_damage: int = 0  #: valid batches read after the first damaged one
 
 
 def _chunk_where(log: SegmentLog, start: int) -> str:
     return f"{log.segment}/{LOG_DIR} chunk {chunk_name(start)}"
 
 
-def _next_valid(buf: bytes, pos: int, position: int) -> int:
-    """Position in ``buf`` of the next whole valid batch after ``pos`` (``len(buf)`` if none)."""
-    i = buf.find(BATCH_MAGIC, pos + 1)
-    while i != -1:  # bounded: every lap moves i forward
+def _whole_batch(buf: bytes, i: int, position: int) -> BatchHeader | None:
+    """The header of a whole batch at ``buf[i]`` whose header and payload checksums hold, else None."""
+    try:
+        header = read_header(buf, i, position=position)
+        if header is not None:
+            check_batch(buf, i, header, position=position)
+        return header
+    except CorruptDataError:
+        return None
+
+
+def _frames_to(buf: bytes, i: int, stops: set[int], floor: int) -> bool:
+    """Whether batch headers whose own checksums hold, with offsets that never go back (from
+    ``floor``), lead from ``buf[i]`` exactly to the end of ``buf`` or to a position in ``stops``."""
+    while i < len(buf) and i not in stops:  # bounded: i moves forward by a header's size (> 0)
         try:
-            header = read_header(buf, i, position=position)
-            if header is not None:
-                check_batch(buf, i, header, position=position)
-                return i
+            header = read_header(buf, i, partial=True)
         except CorruptDataError:
-            pass
-        i = buf.find(BATCH_MAGIC, i + 1)
-    return len(buf)
+            return False
+        if header is None or i + header.size > len(buf) or header.base_offset < floor:
+            return False
+        floor, i = header.next_offset, i + header.size
+    return True
+
+
+def _resync(buf: bytes, pos: int, position: int, stops: set[int], floor: int) -> int:
+    """Where in ``buf`` valid batches start again after damage at ``pos`` whose extent is unknown
+    (its header fails its checksum): the first whole valid batch whose offsets do not go back and
+    from which batch headers frame the rest of the chunk exactly (to its end, or to a recorded gap
+    in ``stops``), and that does not lie inside the size the damaged header still claims. Bytes
+    inside the damaged batch that look like a batch (a record holding an encoded batch) are thus
+    not taken for one: a frame from them runs into the rest of the damaged batch, or, if they end
+    where it ends, they lie inside its claimed size (unless that very field was damaged too).
+    ``len(buf)`` (or the first stop) if there is none: the rest of the chunk is damaged."""
+    limit = min([len(buf)] + [s for s in stops if s > pos])
+    claimed = claimed_size(buf, pos)
+    first = pos + claimed if claimed is not None and BATCH_HEADER_SIZE <= claimed <= limit - pos else pos + 1
+    i = buf.find(BATCH_MAGIC, first, limit)
+    while i != -1:  # bounded: every lap moves i forward
+        header = _whole_batch(buf, i, position)
+        if header is not None and header.base_offset >= floor and _frames_to(buf, i, stops, floor):
+            return i
+        i = buf.find(BATCH_MAGIC, i + 1, limit)
+    return limit
+
+
+class _Ranges:
+    """Builds ``DamagedRange``s: consecutive damaged pieces with no valid batch between them are one."""
+
+    def __init__(self) -> None:
+        self.done: list[DamagedRange] = []
+        self.open: DamagedRange | None = None
+
+    def damaged(self, start: int, end: int, first_offset: int) -> None:
+        if self.open is None:
+            self.open = DamagedRange(start, end, first_offset, None, ((start, end),))
+        else:
+            self.open = attrs.evolve(self.open, end=end, pieces=self.open.pieces + ((start, end),))
+
+    def valid(self, base_offset: int) -> None:
+        if self.open is not None:
+            self.done.append(attrs.evolve(self.open, next_offset=base_offset))
+            self.open = None
+
+    def all(self) -> tuple[DamagedRange, ...]:
+        return tuple(self.done + ([self.open] if self.open is not None else []))
 
 
 def scan_log(log: SegmentLog) -> LogScan:
-    """Read every committed byte of ``log`` and report each damaged range."""
+    """Read every committed byte of ``log`` and report each damaged range.
+
+    A damaged batch whose header checksum holds spans exactly the size its header gives (and its
+    offsets are known); one whose header is damaged spans up to the next batch found by
+    ``_resync``, or the chunk's end. Chunk starts are batch boundaries (no batch spans chunks).
+    """
     log.bytes.refresh()
     gaps = log.gaps()
     damage: list[Damage] = []
+    ranges = _Ranges()
     position = start = log.bytes.start_offset
     next_offset = None
     first_damage = offset_at_damage = None
-    batches = records = read = used_gaps = 0
+    batches = records = read = used_gaps = after_damage = 0
+
+    def damaged(at: int, end: int, reason: str, chunk_start: int) -> None:
+        nonlocal first_damage, offset_at_damage
+        damage.append(Damage(_chunk_where(log, chunk_start), at, end, reason))
+        ranges.damaged(at, end, next_offset if next_offset is not None else 0)
+        if first_damage is None:
+            first_damage, offset_at_damage = at, next_offset if next_offset is not None else 0
+
     for chunk in log.bytes.chunks():
         if position >= chunk.end:
             continue
@@ -72,12 +162,11 @@ def scan_log(log: SegmentLog) -> LogScan:
         try:  # a replacement chunk's hole (after its stored bytes) holds nothing to check
             buf = log.bytes.read(low, max(low, min(chunk.end, chunk.stored_end)) - low)
         except CorruptDataError as exc:  # the storage itself says the chunk is damaged (short, say)
-            damage.append(Damage(_chunk_where(log, chunk.start), position, chunk.end, str(exc)))
-            if first_damage is None:
-                first_damage, offset_at_damage = position, next_offset if next_offset is not None else 0
+            damaged(position, chunk.end, str(exc), chunk.start)
             position = chunk.end
             continue
         read += len(buf)
+        stops = {g - low for g in gaps if low < g < low + len(buf)}
         pos = position - low
         while pos < len(buf):  # bounded: every lap moves pos forward
             at = low + pos
@@ -85,9 +174,11 @@ def scan_log(log: SegmentLog) -> LogScan:
                 used_gaps += 1
                 pos = gaps[at] - low
                 continue
+            header = None
             try:
-                header = read_header(buf, pos, position=low, segment=log.segment)
-                if header is None:
+                header = read_header(buf, pos, position=low, segment=log.segment, partial=True)
+                if header is None or pos + header.size > len(buf):
+                    header = None  # its size runs past the chunk: the header cannot be trusted
                     raise CorruptDataError(f"a batch runs past byte {chunk.end}, the end of its chunk")
                 check_batch(buf, pos, header, position=low, segment=log.segment)
                 # decodes the updates and length-checks every record column (decompressing)
@@ -96,14 +187,17 @@ def scan_log(log: SegmentLog) -> LogScan:
                     raise CorruptDataError(f"base offset {header.base_offset} is below the previous batch's "
                                            f"next offset {next_offset}")
             except CorruptDataError as exc:
-                end = min([_next_valid(buf, pos, low)] + [g - low for g in gaps if at < g < low + len(buf)])
-                damage.append(Damage(_chunk_where(log, chunk.start), at, low + end, str(exc)))
-                if first_damage is None:
-                    first_damage, offset_at_damage = at, next_offset if next_offset is not None else 0
+                floor = next_offset if next_offset is not None else 0
+                # Its header's own checksum holds: exactly this batch is damaged; else find where batches resume.
+                end = pos + header.size if header is not None else _resync(buf, pos, low, stops, floor)
+                damaged(at, low + end, str(exc), chunk.start)
+                if header is not None and header.base_offset >= floor:
+                    next_offset = header.next_offset  # the offsets the damaged batch held
                 pos = end
                 continue
-            if next_offset is None and first_damage is None:
-                next_offset = header.base_offset
+            ranges.valid(header.base_offset)
+            if first_damage is not None:
+                after_damage += 1
             batches, records = batches + 1, records + header.record_count
             next_offset = header.next_offset
             pos += header.size
@@ -111,7 +205,7 @@ def scan_log(log: SegmentLog) -> LogScan:
     damage += _check_gaps(log, gaps)
     index_damage, index_files = _check_index_files(log)
     return LogScan(damage + index_damage, batches, records, read, used_gaps, index_files, first_damage,
-                   offset_at_damage)
+                   offset_at_damage, ranges.all(), next_offset, after_damage)
 
 
 def _check_gaps(log: SegmentLog, gaps: dict[int, int]) -> list[Damage]:
@@ -179,4 +273,4 @@ def resume_offset(log: SegmentLog, start: int, first_lost: int) -> tuple[int, bo
     return best + unknown * RECORDS_PER_BYTE_BOUND, False
 
 
-__all__ = ["LogScan", "RECORDS_PER_BYTE_BOUND", "resume_offset", "scan_log"]
+__all__ = ["DamagedRange", "LogScan", "RECORDS_PER_BYTE_BOUND", "resume_offset", "scan_log"]
