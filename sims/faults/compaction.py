@@ -1,7 +1,7 @@
 """The compaction soak: writers, a compactor, a consolidator with retention and a tail reader race
 on one compacted segment, over ``FaultyStorage``, SIGKILLed at random; the changelog checker after.
 
-    python -m sims.faults.compaction [--local 20] [--s3 5] [--ops 60] [--kills 6] [--seed 0]
+    python -m sims.faults.compaction [--local 20] [--s3 5] [--ops 60] [--s3-ops 20] [--kills 6] [--seed 0]
 
 Each round creates a segment with cleanup policy ``compact`` or ``delete,compact`` (alternating;
 the latter with ``retention_bytes``), tiny log chunks, ``min_compaction_lag_ms`` 0 and a tiny
@@ -40,7 +40,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 
@@ -427,9 +429,13 @@ def run_round(url: str, options: dict, scratch: str, *, seed: int, variant: str,
             violations.append(f"client {client} ({clients[client]}) exited {proc.returncode}:\n{err[-2000:]}")
             del procs[client]
         else:
+            if "Traceback" in err:  # a background thread's exception (a merge, a poll) is no quiet event
+                violations.append(f"client {client} ({clients[client]}) printed:\n{err[-2000:]}")
             del procs[client]
 
     recorder, topped = Recorder(os.path.join(history, "driver.jsonl"), "driver"), 0
+    hook, threading.excepthook = threading.excepthook, lambda args: violations.append(
+        f"driver thread {args.thread.name}: {args.exc_type.__name__}: {args.exc_value}")
     try:
         phase = "run"
         while True:
@@ -475,6 +481,18 @@ def run_round(url: str, options: dict, scratch: str, *, seed: int, variant: str,
     events = load_history(history)
     figures = {"kills": sum(killed.values()), "top_ups": topped,
                **{f"kills_{role}": n for role, n in killed.items()}}
+    try:
+        _judge_round(url, options, seed, retains, events, figures, violations)
+    except Exception as exc:  # noqa: BLE001 - reading, compacting or deleting with no faults must work
+        violations.append(f"judging the round: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}")
+        figures["violations"] = violations
+    finally:
+        threading.excepthook = hook
+    return figures
+
+
+def _judge_round(url: str, options: dict, seed: int, retains: bool, events: list[dict], figures: dict,
+                 violations: list[str]) -> None:
     if not any(v.startswith("client ") for v in violations):  # (after a deadline: to see what else is wrong)
         for stage, state in (("concurrent", final_state(url, options)),
                              ("quiet", _quiet_compaction(url, options, retains))):
@@ -500,7 +518,6 @@ def run_round(url: str, options: dict, scratch: str, *, seed: int, variant: str,
     figures["lookups"] = sum(1 for op in ops_done if op.kind == "lookup")
     figures.update({f"fault_{k}": v for k, v in fault_counts(events).items()})
     figures["violations"] = violations
-    return figures
 
 
 # ------------------------------------------------------------------------------- the soak
@@ -568,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--local", type=int, default=20, help="rounds on local disk (default 20)")
     parser.add_argument("--s3", type=int, default=5, help="rounds on S3 (moto on 127.0.0.1; default 5)")
-    parser.add_argument("--ops", type=int, default=60, help="appends per writer per round (default 60)")
+    parser.add_argument("--ops", type=int, default=60, help="appends per writer per round on local disk (default 60)")
+    parser.add_argument("--s3-ops", type=int, default=20, help="appends per writer per round on S3 (default 20)")
     parser.add_argument("--kills", type=int, default=6, help="SIGKILLs per round (default 6)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -578,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
         for backend, rounds in (("local", args.local), ("s3", args.s3)):
             if not rounds:
                 continue
-            totals = soak(backend, rounds, args.ops, args.kills, args.seed, scratch)
-            print(f"\ncompaction soak ({backend}, seed {args.seed}, {args.ops} appends per writer, "
+            ops = args.ops if backend == "local" else args.s3_ops
+            totals = soak(backend, rounds, ops, args.kills, args.seed, scratch)
+            print(f"\ncompaction soak ({backend}, seed {args.seed}, {ops} appends per writer, "
                   f"{args.kills} kills per round)")
             for name in TOTALS:
                 print(f"  {name:<32}{totals[name]:>10,}")
