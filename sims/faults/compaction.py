@@ -9,7 +9,8 @@ the latter with ``retention_bytes``), tiny log chunks, ``min_compaction_lag_ms``
 ``FaultyStorage``:
 
 - two **writers** appending batches of 1-4 keyed records (a few hot keys, so compaction has work,
-  and many cold ones, so that survivors sit around superseded records in one batch; some tombstones; small and big values; every record's unique id in its ``id`` header) with an
+  and many cold ones, so that survivors sit around superseded records in one batch; some
+  tombstones; small and big values; every record's unique id in its ``id`` header) with an
   ACCUMULATE counter, some conditional (``expected_offset``);
 - a **compactor** looping ``compact(min_lag_ms=0)`` (on ``delete,compact`` it applies retention
   first);
@@ -544,7 +545,8 @@ def start_moto() -> tuple[subprocess.Popen, dict]:
     raise RuntimeError("moto did not start")
 
 
-TOTALS = ("rounds", "kills", "top_ups", "appends_ok", "appends_failed", "appends_unknown", "records_written", "stored_quiet",
+TOTALS = ("rounds", "kills", "kills_writer", "kills_compactor", "kills_consolidator", "kills_reader", "top_ups",
+          "appends_ok", "appends_failed", "appends_unknown", "records_written", "stored_quiet",
           "compact_calls", "compact_effective", "compact_failed", "records_compacted", "kept_anyway",
           "consolidate_calls", "consolidate_effective", "retention_effective", "compact_retention",
           "tombstones_expired_concurrent", "tombstones_expired_quiet", "reader_seen", "reader_restarts", "lookups",
