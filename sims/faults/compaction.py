@@ -21,8 +21,9 @@ the latter with ``retention_bytes``), tiny log chunks, ``min_compaction_lag_ms``
 
 Every operation and sighting goes to ``tests.history``'s JSON lines. The driver SIGKILLs a random
 live client ``--kills`` times and restarts it (a writer's new life does the operations left; the
-reader's resumes after the last record it recorded). Once the writers are done and a compaction, a
-consolidation (and a retention) made progress, the others stop; the driver appends an end record,
+reader's resumes after the last record it recorded). Once the writers are done, a compaction (and
+a retention) made progress and a consolidation ran (the driver appends hot keys while one is
+missing), the others stop; the driver appends an end record,
 the reader must reach it, and ``tests.changelog_history.check_changelog`` runs over the log as
 stored (read with no faults, ``verify_segment``, a fresh reader reading the same), then again after
 quiet compactions that let every tombstone expire. Last, ``delete_segment`` under faults, repeated
@@ -313,11 +314,12 @@ def _start(config_path: str, role: str, client: str, seed: int) -> subprocess.Po
 
 
 def _progress(history: str, retains: bool) -> list[str]:
-    """What has not happened yet of: a compaction that cleaned, a consolidation that merged, (a
-    retention that deleted)."""
+    """What has not happened yet of: a compaction that cleaned, a consolidation that ran (a merge
+    needs small chunks side by side, which a compactor that keeps up may never leave), (a retention
+    that deleted)."""
     ops = merge_ops(load_history(history))
     done = {op.kind: True for op in ops if op.status == "ok" and (
-        op.result.get("cleaned") or op.result.get("merged") or op.result.get("deleted"))}
+        op.kind == "consolidate" or op.result.get("cleaned") or op.result.get("deleted"))}
     if any(op.status == "ok" and op.result.get("retention") for op in ops):
         done["retention"] = True
     wanted = ["compact", "consolidate"] + (["retention"] if retains else [])
@@ -443,6 +445,14 @@ def run_round(url: str, options: dict, scratch: str, *, seed: int, variant: str,
             if time.monotonic() > stop_at:
                 violations.append(f"round did not finish within {deadline} s (phase {phase}, running "
                                   f"{sorted(procs)}, missing progress {_progress(history, retains)})")
+                for client, proc in procs.items():  # where each one is: faulthandler's stacks on SIGUSR1
+                    proc.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                for client, proc in procs.items():
+                    proc.kill()
+                    violations.append(f"client {client} ({clients[client]}) at the deadline:\n"
+                                      f"{proc.communicate()[1][-6000:]}")
+                procs.clear()
                 break
             time.sleep(rng.uniform(0.05, 0.3))
             for client in [c for c, p in procs.items() if p.poll() is not None]:
@@ -611,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--role":
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks where a late client is
         _role, config_file, client_name, client_seed = sys.argv[2:6]
         with open(config_file, encoding="utf-8") as config_handle:
             ROLE_RUNNERS[_role](json.load(config_handle), client_name, int(client_seed))
