@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import attrs
 
@@ -80,12 +80,20 @@ class Recorder:
         """Record how operation ``op_id`` ended (``ok``, ``failed`` or ``unknown``)."""
         self._write({"phase": "end", "op": op_id, "status": status, **fields})
 
+    def event(self, phase: str, **fields: Any) -> None:
+        """Record an event that is no operation (``phase`` names it: what a tail reader saw, a
+        violation the client noticed itself)."""
+        self._write({"phase": phase, **fields})
+
     @contextlib.contextmanager
-    def operation(self, kind: str, *, queued: bool = False, **fields: Any) -> Iterator[dict]:
+    def operation(self, kind: str, *, queued: bool = False, judge: Callable[[Exception], str] | None = None,
+                  **fields: Any) -> Iterator[dict]:
         """Record ``kind`` around a block; put result fields into the yielded dict. An exception
         from the block is classified (``classify``), recorded and swallowed: the caller goes on.
         ``queued``: the client keeps what a failed call did not write and sends it later (an
-        ``EventWriter`` flush), so a storage error is no definite failure but ``unknown``."""
+        ``EventWriter`` flush), so a storage error is no definite failure but ``unknown``.
+        ``judge``: returns a note (a violation) for a project error this call must never raise
+        (``""`` if it may)."""
         op_id = self.invoke(kind, **fields)
         result: dict = {}
         try:
@@ -94,6 +102,8 @@ class Recorder:
             status, note = classify(exc)
             if queued and isinstance(exc, StorageError):
                 status = UNKNOWN
+            if not note and judge is not None:
+                note = judge(exc)
             self.end(op_id, status, error=f"{type(exc).__name__}: {exc}"[:300], note=note)
         else:
             self.end(op_id, OK, **result)
