@@ -29,8 +29,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from .attributes import AttributesDataSource, lookup
 from .events import EventsDataSource, PlainEventsDataSource
 from .ingest import CommitLedger, write_token
+from .threads import activate
 
-__all__ = ["register", "lookup", "session", "write_summary", "EventsDataSource", "AttributesDataSource"]
+__all__ = ["register", "activate", "lookup", "session", "write_summary", "EventsDataSource", "AttributesDataSource"]
 
 FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
@@ -44,7 +45,13 @@ def register(spark, *, filter_pushdown: bool = False) -> None:
     keep the read planned for a filtered query on the DataFrame the filter was applied to, so a
     later query on that same DataFrame without the filter reads the filtered rows (docs/spark.md).
     The ``startingTimestamp``/``endingTimestamp`` read options use the time index either way.
+
+    It also lets reads and writes run from any thread of the driver (``attrindex.spark.threads``):
+    Spark looks a Python data source up in the calling JVM thread's active session only.
     """
+    from . import threads
+
+    threads.install()
     if filter_pushdown:
         spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
         spark.dataSource.register(EventsDataSource)
