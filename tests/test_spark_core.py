@@ -34,7 +34,8 @@ from attrindex.spark.ingest import (
     write_token,
 )
 from attrindex.spark.options import Options
-from attrindex.spark.scan import ScanBounds, ScanRange, _split, plan_scan, scan
+from attrindex.log.columnar import records_to_arrow
+from attrindex.spark.scan import READ_CHUNK, ScanBounds, ScanRange, _split, plan_scan, scan
 from storage_adapters import open_storage
 
 BASE_TS = 1_700_000_000_000
@@ -593,11 +594,14 @@ def run_scan(store, ranges, bounds) -> list[tuple[str, int, int, bytes]]:
     out = []
     for scan_range in ranges:
         batches = list(scan(store, scan_range, bounds))
-        assert all(0 < len(b) for b in batches)
-        for records in batches:
-            for r in records:
-                assert scan_range.start <= r.offset < scan_range.end
-                out.append((scan_range.segment, r.offset, r.timestamp, r.value))
+        assert all(0 < b.num_rows for b in batches)
+        assert all(b.num_rows >= READ_CHUNK for b in batches[:-1])  # small stored batches are joined
+        for batch in batches:
+            offsets, values = batch.column(0).to_pylist(), batch.column(3).to_pylist()
+            stamps = batch.column(1).cast(pa.int64()).to_pylist()
+            for offset, stamp, value in zip(offsets, stamps, values):
+                assert scan_range.start <= offset < scan_range.end
+                out.append((scan_range.segment, offset, stamp, value))
     return out
 
 
@@ -896,13 +900,13 @@ def test_event_columns_errors():
     assert arrow.event_columns(batch, "v2", None, "dup", None).timestamps == [1, 2]  # exact name first
 
 
-def test_records_batch_round_trip():
+def test_events_batch_round_trip():
     records = [
         Record(b"a", b"k1", 1_700_000_000_123, (("h", b"1"), ("g", b"")), 10),
         Record(b"", None, 0, (), 11),
         Record(b"\x00\xff", b"k3", 5, (("x", b"y"),), 12),
     ]
-    batch = arrow.records_batch("st/1", records)
+    batch = arrow.events_batch("st/1", records_to_arrow(records))
     assert batch.schema == arrow.EVENT_SCHEMA
     assert batch.column(0).to_pylist() == ["st/1"] * 3
     assert batch.column(1).to_pylist() == [10, 11, 12]
@@ -911,13 +915,14 @@ def test_records_batch_round_trip():
     assert cols.keys == [r.key for r in records]
     assert cols.timestamps == [r.timestamp for r in records]
     assert cols.headers == [r.headers for r in records]
-    plain = arrow.records_batch("s", [Record(b"v", None, 9, (), 0)])
+    plain = arrow.events_batch("s", records_to_arrow([Record(b"v", None, 9, (), 0)]))
     assert plain.column(5).to_pylist() == [[]]
-    assert arrow.records_batch("s", []).num_rows == 0
+    assert arrow.events_batch("s", records_to_arrow([])).num_rows == 0
+    assert arrow.events_batch("", records_to_arrow(records)).column(0).to_pylist() == [""] * 3
 
 
-def test_records_batch_round_trip_through_a_stream():
-    """Rows from event_columns written by write_direct read back as the same records_batch rows."""
+def test_events_batch_round_trip_through_a_stream():
+    """Rows from event_columns written by write_direct read back as the same events_batch rows."""
     url = f"memory://rt-{uuid.uuid4().hex}"
     source = pa.RecordBatch.from_pydict({
         "value": pa.array([b"a", b"b", b"c"]),
@@ -931,7 +936,7 @@ def test_records_batch_round_trip_through_a_stream():
         cols = arrow.event_columns(source, "value", "key", "timestamp", "headers")
         assert write_direct(target, write_token("rt"), 0, 0, 0, [cols]).written == 3
         with SegmentStore.open(url) as store:
-            batch = arrow.records_batch("rt/0", store.segment("rt/0").read(0, 10))
+            batch = arrow.events_batch("rt/0", store.segment("rt/0").read_arrow().to_batches()[0])
         assert batch.select(["value", "key", "timestamp", "headers"]).to_pydict() == source.to_pydict()
         assert batch.column(1).to_pylist() == [0, 1, 2]
     finally:

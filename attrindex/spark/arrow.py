@@ -15,7 +15,6 @@ import pyarrow.compute as pc
 
 from ..errors import InvalidInputError, InvalidKeyError
 from ..keys import to_key
-from ..log.batch import Record
 from .ingest import EventColumns
 
 HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
@@ -71,23 +70,19 @@ def _millis(column: pa.Array) -> list:
     return column.to_pylist()
 
 
-def records_batch(segment: str, records: Sequence[Record]) -> pa.RecordBatch:
-    """Records of one segment as a batch of ``EVENT_SCHEMA`` rows (columns by one transpose)."""
-    n = len(records)
-    values, keys, stamps, headers, offsets = zip(*records) if n else ((),) * 5
-    if any(headers):
-        header_column = pa.array([[{"key": k, "value": v} for k, v in h] for h in headers], HEADERS_TYPE)
-    else:  # n empty lists: all offsets zero, no Python object per row
-        header_column = pa.ListArray.from_arrays(pa.array([0] * (n + 1), pa.int32()),
-                                                 pa.array([], HEADERS_TYPE.value_type))
-    micros = pc.multiply(pa.array(stamps, pa.int64()), 1000).cast(pa.timestamp("us", tz="UTC"))
+def events_batch(segment: str, batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch of records of ``segment`` (``attrindex.log.columnar.RECORD_SCHEMA``) as a batch of
+    ``EVENT_SCHEMA`` rows: the segment's name in front, timestamps in microseconds. Column
+    operations only; the values' bytes are not copied."""
+    from ..log.columnar import constant_strings
+
     return pa.RecordBatch.from_arrays([
-        pa.array([segment] * n, pa.string()),
-        pa.array(offsets, pa.int64()),
-        micros,
-        pa.array(keys, pa.binary()),
-        pa.array(values, pa.binary()),
-        header_column,
+        constant_strings(segment, batch.num_rows),
+        batch.column(0),
+        batch.column(1).cast(EVENT_SCHEMA.field("timestamp").type),
+        batch.column(2),
+        batch.column(3),
+        batch.column(4),
     ], schema=EVENT_SCHEMA)
 
 

@@ -264,13 +264,13 @@ class _RangePartition(InputPartition):
 
 
 def _read_range(settings: ReadSettings, bounds: ScanBounds, scan_range: ScanRange):
-    from .arrow import records_batch
+    from .arrow import events_batch
 
     if scan_range is None:  # Spark reads one partition None when partitions() found nothing
         return
     with settings.open_store() as store:
-        for records in scan(store, scan_range, bounds):
-            yield records_batch(scan_range.segment, records)
+        for batch in scan(store, scan_range, bounds):
+            yield events_batch(scan_range.segment, batch)
 
 
 class EventsReader(DataSourceReader):
