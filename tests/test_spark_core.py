@@ -455,6 +455,28 @@ def test_staged_attempt_cut_into_many_files_publishes_in_row_order(storage_url, 
     check_record_contents(records, 2)
 
 
+def test_staged_publish_appends_whole_staged_batches(storage_url, monkeypatch):
+    """The commit publishes each staged batch with one write_many of its columns: a call per row
+    (EventWriter.write) cost several microseconds a row in the driver, which runs every row."""
+    from attrindex.writer import EventWriter
+
+    url, options = storage_url
+    target = target_for(storage_url, segments=2, batch_events=4)
+    token = write_token("whole-batches")
+    report = stage_attempt(target, token, 0, 0, 0, rows("w", 50, per_batch=9))
+    calls = []
+    monkeypatch.setattr(EventWriter, "write", lambda *a, **k: pytest.fail("publish wrote one row at a time"))
+    original = EventWriter.write_many
+    monkeypatch.setattr(EventWriter, "write_many", lambda self, values, *a, **k: (calls.append(len(values)),
+                                                                                 original(self, values, *a, **k))[1])
+    summary = commit_write(target, token, 0, [report], staged=True)
+    # 9-row input batches are staged in batches of at most 4 (4, 4, 1), the last 5 rows as 4, 1
+    assert summary["published"] == 50 and sum(calls) == 50 and len(calls) == 5 * 3 + 2
+    records = stream_records(url, options, "events")
+    assert sorted(r.value for _, r in records) == sorted(values_of("w", 50))
+    check_record_contents(records, 2)
+
+
 @pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
 def test_adopt_manifest_keeps_the_first(storage):
     ledger = CommitLedger(storage, "events")
