@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import random
+import time
 import uuid
 import zlib
 
@@ -475,6 +476,41 @@ def test_staged_publish_appends_whole_staged_batches(storage_url, monkeypatch):
     records = stream_records(url, options, "events")
     assert sorted(r.value for _, r in records) == sorted(values_of("w", 50))
     check_record_contents(records, 2)
+
+
+@pytest.mark.parametrize("keys", [pa.array(["a", None, "b", "cc", "a"]), pa.array([7, 8, None, 10, 11], pa.int64()),
+                                  None])
+def test_staging_from_arrow_columns_stages_what_event_columns_stage(storage_url, keys):
+    """The Spark source stages Arrow rows column by column (arrow_columns): the staged records are
+    those of the Record path (event_columns), null timestamps getting the staging time."""
+    from attrindex.log.batch import decode_records, iter_batches
+
+    url, options = storage_url
+    columns = {"value": pa.array(["v0", "v1", "v2", "v3", "v4"]),
+               "ts": pa.array([5_000, None, 7_000, 5_000, 9_000], pa.timestamp("us", tz="UTC"))}
+    if keys is not None:
+        columns["key"] = keys
+    batch = pa.RecordBatch.from_pydict(columns)
+    key = "key" if keys is not None else None
+    target = target_for(storage_url, segments=2, batch_events=2)
+
+    def staged(items):
+        report = stage_attempt(target, write_token(uuid.uuid4().hex), 0, 0, 0, items)
+        with SegmentStore.open(url, storage_options=options) as store:
+            out = []
+            for path, size in report.staged:
+                data = store.storage.read(path, 0, size)
+                for pos, header in iter_batches(data):
+                    out += [(r.value, r.key, r.timestamp) for r in decode_records(data, pos, header)]
+            return out
+
+    before = int(time.time() * 1000)
+    by_arrow = staged([arrow.arrow_columns(batch, "value", key, "ts")])
+    by_records = staged([arrow.event_columns(batch, "value", key, "ts", None)])
+    after = int(time.time() * 1000)
+    assert [r for i, r in enumerate(by_arrow) if i != 1] == [r for i, r in enumerate(by_records) if i != 1]
+    assert by_arrow[1][:2] == by_records[1][:2] and before <= by_arrow[1][2] <= after
+    assert by_arrow[0] == (b"v0", None if keys is None else (b"a" if keys.type == pa.string() else b"7"), 5)
 
 
 @pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)

@@ -55,8 +55,8 @@ from .batch import (
     new_batch_id,
 )
 
-__all__ = ["RECORD_SCHEMA", "HEADERS_TYPE", "constant_strings", "decode_arrow", "records_to_arrow", "empty_batch",
-           "within_times"]
+__all__ = ["RECORD_SCHEMA", "HEADERS_TYPE", "constant_strings", "decode_arrow", "encode_arrow", "records_to_arrow",
+           "empty_batch", "within_times"]
 
 HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 TIMESTAMP_TYPE = pa.timestamp("ms", tz="UTC")
@@ -280,3 +280,89 @@ def records_to_arrow(records) -> "pa.RecordBatch":
         pa.array(values, pa.binary()),
         pa.array([[{"key": k, "value": v} for k, v in h] for h in headers], HEADERS_TYPE),
     ], schema=RECORD_SCHEMA)
+
+
+# ------------------------------------------------------------------------------------- encoding
+
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+_VARINT_LIMITS = [np.uint64(1) << np.uint64(7 * k) for k in range(1, 10)]
+
+
+def _encode_varints(values) -> bytes:
+    """The varints of ``values`` (uint64) back to back, as ``varint.encode_varints`` writes them."""
+    n = values.size
+    if n == 0:
+        return b""
+    if int(values.max()) < 0x80:
+        return values.astype(np.uint8).tobytes()
+    widths = np.ones(n, np.int64)
+    for limit in _VARINT_LIMITS:
+        widths += values >= limit
+    ends = np.cumsum(widths)
+    starts = ends - widths
+    out = np.empty(int(ends[-1]), np.uint8)
+    for k in range(int(widths.max())):
+        take = widths > k
+        group = ((values[take] >> np.uint64(7 * k)) & np.uint64(0x7F)).astype(np.uint8)
+        group[widths[take] > k + 1] |= 0x80
+        out[starts[take] + k] = group
+    return out.tobytes()
+
+
+def _lengths(array) -> "np.ndarray":
+    """The byte lengths of a binary array's items (nulls: 0), as uint64."""
+    offsets = np.frombuffer(array.buffers()[1], np.int32, len(array) + 1, array.offset * 4)
+    return np.diff(offsets).astype(np.uint64)
+
+
+def _blob(array) -> bytes:
+    """The bytes of a binary array's items back to back (nulls hold none)."""
+    offsets = np.frombuffer(array.buffers()[1], np.int32, len(array) + 1, array.offset * 4)
+    data = array.buffers()[2]
+    return b"" if data is None else data.to_pybytes()[int(offsets[0]):int(offsets[-1])]
+
+
+def encode_arrow(values, keys=None, timestamps=None, *, timestamp: int, base_offset: int = 0,
+                 codec=Codec.NONE, batch_id: int | None = None) -> bytes:
+    """The batch ``encode_batch`` makes of these records, byte for byte, built from columns:
+    ``values`` a binary array without nulls, ``keys`` a binary array (null: no key) or ``None``,
+    ``timestamps`` int64 ms (numpy or Arrow, nulls: ``timestamp``) or ``None``; no headers, no
+    tombstones, no attribute updates (``encode_batch`` takes those)."""
+    n = len(values)
+    if not pa.types.is_binary(values.type) or (keys is not None and not pa.types.is_binary(keys.type)):
+        raise InvalidInputError("encode_arrow takes binary values and keys (cast strings first)")
+    if values.null_count:
+        raise InvalidInputError("encode_arrow: values must not be null (tombstones go through encode_batch)")
+    if keys is not None and len(keys) != n or timestamps is not None and len(timestamps) != n:
+        raise InvalidInputError("encode_arrow: the columns must have the same length")
+    if n == 0 or base_offset < 0 or base_offset + n > _I64_MAX:
+        raise InvalidInputError(f"encode_arrow needs records and offsets within int64, got {n} from {base_offset}")
+    codec = codec_for(codec)
+    batch_id = new_batch_id() if batch_id is None else batch_id
+    flags = int(codec)
+    parts = [_encode_varints(_lengths(values)), _blob(values)]
+    if keys is not None and keys.null_count < n:
+        flags |= FLAG_KEYS
+        codes = _lengths(keys) + np.uint64(1)
+        if keys.null_count:
+            codes[~np.asarray(keys.is_valid())] = 0
+        parts += [_encode_varints(codes), _blob(keys)]
+    first_ts = max_ts = timestamp
+    if timestamps is not None:
+        if isinstance(timestamps, (pa.Array, pa.ChunkedArray)):
+            timestamps = timestamps.fill_null(timestamp).to_numpy(zero_copy_only=False)
+        stamps = np.asarray(timestamps, np.int64)
+        first_ts, max_ts = int(stamps[0]), int(stamps.max())
+        if max_ts != first_ts or int(stamps.min()) != first_ts:
+            flags |= FLAG_TIMESTAMPS
+            deltas = stamps - np.int64(first_ts)  # wraps to int64, as the record encoder's deltas do
+            zigzag = (deltas << np.int64(1)) ^ (deltas >> np.int64(63))
+            parts.append(_encode_varints(zigzag.view(np.uint64)))
+    payload = b"".join(parts)
+    stored = payload if codec == Codec.NONE else _compress(codec, payload)
+    size = BATCH_HEADER_SIZE + len(stored)
+    if len(payload) > 0xFFFFFFFF or size > 0xFFFFFFFF:
+        raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, len(payload))} bytes")
+    head = _HEADER.pack(BATCH_MAGIC, BATCH_VERSION, flags, size, n, 0, len(payload), base_offset, first_ts, max_ts,
+                        batch_id, zlib.crc32(stored), 0)[:BATCH_HEADER_SIZE - 4]
+    return b"".join([head, zlib.crc32(head).to_bytes(4, "little"), stored])

@@ -10,6 +10,8 @@ from __future__ import annotations
 import uuid
 from typing import Sequence
 
+import attrs
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -44,6 +46,50 @@ def event_columns(batch: pa.RecordBatch, value: str, key: str | None, timestamp:
         headers=[tuple((h["key"], h["value"] or b"") for h in row) if row else () for row in
                  column_named(batch, headers).to_pylist()] if headers else None,
     )
+
+
+@attrs.frozen
+class ArrowColumns:
+    """Rows of events as Arrow columns, for writes that encode batches column by column (the
+    staged mode): binary payloads without nulls, binary routing keys (null: none) or ``None``,
+    int64 ms timestamps (null: the batch's time) or ``None``. No headers."""
+
+    values: pa.Array
+    keys: pa.Array | None = None
+    timestamps: pa.Array | None = None
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def encode(self, start: int, stop: int, timestamp: int) -> bytes:
+        """Rows ``start..stop-1`` as one record batch (``encode_batch``'s bytes), numbered from 0;
+        rows without a timestamp get ``timestamp``."""
+        from ..log.columnar import encode_arrow
+
+        n = stop - start
+        return encode_arrow(self.values.slice(start, n), None if self.keys is None else self.keys.slice(start, n),
+                            None if self.timestamps is None else self.timestamps.slice(start, n), timestamp=timestamp)
+
+
+def arrow_columns(batch: pa.RecordBatch, value: str, key: str | None, timestamp: str | None) -> ArrowColumns:
+    """The events of one batch of input rows as ``ArrowColumns``: the columns ``event_columns``
+    reads, converted in Arrow (routing keys as the bytes the writer hashes: strings as UTF-8,
+    integers as their decimal text)."""
+    values = column_named(batch, value)
+    if values.null_count:
+        raise InvalidInputError(f"the value column {value!r} holds nulls; every event needs a payload")
+    keys = stamps = None
+    if key:
+        keys = column_named(batch, key)
+        if pa.types.is_integer(keys.type):
+            keys = keys.cast(pa.string())
+        keys = keys.cast(pa.binary())
+    if timestamp:
+        stamps = column_named(batch, timestamp)
+        if pa.types.is_timestamp(stamps.type):
+            stamps = pc.cast(stamps, pa.timestamp("ms"), safe=False)
+        stamps = stamps.cast(pa.int64())
+    return ArrowColumns(values.cast(pa.binary()), keys, stamps)
 
 
 def column_named(batch: pa.RecordBatch, name: str) -> pa.Array:

@@ -255,12 +255,10 @@ def stage_attempt(target: StreamTarget, token: uuid.UUID, version: int, partitio
         pending: list[bytes] = []
         size = 0
         for columns in batches:
-            records = [Record(v, _routing_bytes(k), t, tuple(h)) for v, k, t, h in columns.records()]
-            for start in range(0, len(records), target.batch_events):
-                chunk = records[start:start + target.batch_events]
-                pending.append(encode_batch(0, chunk, timestamp=_now_ms()))
-                size += len(pending[-1])
-                report.rows += len(chunk)
+            for rows, data in _staged_batches(columns, target.batch_events):
+                pending.append(data)
+                size += len(data)
+                report.rows += rows
                 if size >= STAGED_FILE_BYTES:
                     report.staged.append(_stage_file(store.storage, prefix, len(report.staged), pending))
                     pending, size = [], 0
@@ -269,6 +267,22 @@ def stage_attempt(target: StreamTarget, token: uuid.UUID, version: int, partitio
         if pending or not report.staged:
             report.staged.append(_stage_file(store.storage, prefix, len(report.staged), pending))
     return report
+
+
+def _staged_batches(columns, batch_events: int) -> Iterator[tuple[int, bytes]]:
+    """``(rows, batch bytes)`` of ``columns`` cut into batches of at most ``batch_events`` rows:
+    ``EventColumns`` through ``Record``s, column-encoded columns (``encode(start, stop, now)``,
+    the Spark data source's Arrow rows) without a Python object per row."""
+    n = len(columns)
+    if isinstance(columns, EventColumns):
+        records = [Record(v, _routing_bytes(k), t, tuple(h)) for v, k, t, h in columns.records()]
+        for start in range(0, n, batch_events):
+            chunk = records[start:start + batch_events]
+            yield len(chunk), encode_batch(0, chunk, timestamp=_now_ms())
+        return
+    for start in range(0, n, batch_events):
+        stop = min(n, start + batch_events)
+        yield stop - start, columns.encode(start, stop, _now_ms())
 
 
 def _stage_file(storage, prefix: str, n: int, batches: list[bytes]) -> list:
