@@ -779,10 +779,12 @@ class Segment(BackgroundMerge):
         stored batch, decoded column by column without a Python object per record.
 
         ``offset`` defaults to ``start_offset`` and ``end`` to ``next_offset`` as of this call;
-        records appended later are not included. An offset below ``start_offset`` raises
-        ``RecordTruncatedError``. Needs numpy and pyarrow (the ``arrow`` extra).
+        records appended later are not included. The arguments are checked and the read planned
+        here; an offset below ``start_offset`` raises ``RecordTruncatedError`` now, or while
+        iterating if retention removes the records meanwhile. Needs numpy and pyarrow (the
+        ``arrow`` extra).
         """
-        from .log.columnar import decode_arrow, pa
+        from .log.columnar import decode_arrow
 
         if offset is not None and (type(offset) is not int or offset < 0):
             raise InvalidInputError(f"offset must be an int >= 0 or None, got {offset!r:.60}")
@@ -796,12 +798,17 @@ class Segment(BackgroundMerge):
                 raise RecordTruncatedError(self.name, offset, start)
             stop = self._log.next_offset if end is None else min(end, self._log.next_offset)
             if offset >= stop:
-                return
+                return iter(())
             try:
                 ranges = self._log.plan_read(offset)
             except LayoutChangedError:
                 self._catch_up()
                 ranges = self._log.plan_read(offset)
+        return self._planned_arrow_batches(ranges, offset, stop, decode_arrow)
+
+    def _planned_arrow_batches(self, ranges, offset: int, stop: int, decode_arrow) -> Iterator[Any]:
+        from .log.columnar import pa
+
         last, shared = None, None
         try:
             for at, header, buf, pos in self._log.planned_batches(ranges, offset, DEFAULT_READ_BYTES):

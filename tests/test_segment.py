@@ -405,6 +405,10 @@ def test_read_arrow_gives_the_rows_read_gives(storage_url):
             seg.read_arrow(-1)
         with pytest.raises(InvalidInputError):
             seg.read_arrow(0, 0)
+        with pytest.raises(InvalidInputError):  # checked at the call, before any iteration
+            seg.arrow_batches(0, -5)
+        with pytest.raises(RecordTruncatedError):
+            seg.arrow_batches(10)
 
 
 def test_a_reader_reads_arrow_batches_and_waits_at_the_tail(store):
