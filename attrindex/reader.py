@@ -42,14 +42,25 @@ class SegmentReader:
         check_timeout(timeout)
         if self._next < len(self._buffer):
             return self._take()
+        return self._wait_for(self._fetch_records, timeout)
+
+    def _fetch_records(self) -> Record | None:
+        records = self.segment._read(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
+        if not records:
+            return None
+        self._buffer, self._next = records, 0
+        return self._take()
+
+    def _wait_for(self, fetch, timeout: float | None):
+        """``fetch()``'s first answer that is not ``None``, waiting between tries as ``read``
+        describes; ``None`` on timeout, cancellation or a closed segment."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._cancelled.is_set():
             if self.segment.closed:
                 return None
-            records = self.segment._read(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
-            if records:
-                self._buffer, self._next = records, 0
-                return self._take()
+            found = fetch()
+            if found is not None:
+                return found
             remaining = _WAIT_SLICE if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 return None
@@ -58,6 +69,38 @@ class SegmentReader:
                 continue
             self.segment._wait(self.position, remaining, self._cancelled)
         return None
+
+    def read_arrow(self, max_records: int = 65536, timeout: float | None = None):
+        """Up to ``max_records`` records as one ``pyarrow.RecordBatch`` (the schema of
+        ``Segment.arrow_batches``), decoded column by column: what is readable now, else waits as
+        ``read`` does; a batch without rows on timeout or once cancelled. Needs numpy and pyarrow."""
+        from .log.columnar import empty_batch, records_to_arrow
+
+        if type(max_records) is not int or max_records < 1:
+            raise InvalidInputError(f"max_records must be an int >= 1, got {max_records!r}")
+        check_timeout(timeout)
+        if self._next < len(self._buffer):  # records an earlier read() fetched come first
+            records = self._buffer[self._next:self._next + max_records]
+            self._next += len(records)
+            self.position = records[-1].offset + 1
+            return records_to_arrow(records)
+        found = self._wait_for(lambda: self._fetch_arrow(max_records), timeout)
+        return empty_batch() if found is None else found
+
+    def _fetch_arrow(self, max_records: int):
+        from .log.columnar import pa
+
+        batches, rows = [], 0
+        for batch in self.segment.arrow_batches(self.position):
+            batches.append(batch.slice(0, max_records - rows))
+            rows += batches[-1].num_rows
+            if rows >= max_records:
+                break
+        if not rows:
+            return None
+        out = batches[0] if len(batches) == 1 else pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+        self.position = out.column(0)[-1].as_py() + 1
+        return out
 
     def read_batch(self, max_records: int = _FETCH_RECORDS, timeout: float | None = None) -> list[Record]:
         """Up to ``max_records`` records: what is buffered or readable now, else waits as ``read``."""

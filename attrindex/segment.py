@@ -773,6 +773,75 @@ class Segment(BackgroundMerge):
                 self._catch_up()
                 raise RecordTruncatedError(self.name, offset, self._log.start_offset) from None
 
+    def arrow_batches(self, offset: int | None = None, end: int | None = None) -> Iterator[Any]:
+        """The records in ``[offset, end)`` as ``pyarrow.RecordBatch``es of
+        ``attrindex.log.columnar.RECORD_SCHEMA`` (offset, timestamp, key, value, headers), one per
+        stored batch, decoded column by column without a Python object per record.
+
+        ``offset`` defaults to ``start_offset`` and ``end`` to ``next_offset`` as of this call;
+        records appended later are not included. The arguments are checked and the read planned
+        here; an offset below ``start_offset`` raises ``RecordTruncatedError`` now, or while
+        iterating if retention removes the records meanwhile. Needs numpy and pyarrow (the
+        ``arrow`` extra).
+        """
+        from .log.columnar import decode_arrow
+
+        if offset is not None and (type(offset) is not int or offset < 0):
+            raise InvalidInputError(f"offset must be an int >= 0 or None, got {offset!r:.60}")
+        if end is not None and (type(end) is not int or end < 0):
+            raise InvalidInputError(f"end must be an int >= 0 or None, got {end!r:.60}")
+        with self._lock:  # only to plan: the reads and decoding run without it, beside appends
+            self._check_open()
+            start = self._log.start_offset
+            offset = start if offset is None else offset
+            if offset < start:
+                raise RecordTruncatedError(self.name, offset, start)
+            stop = self._log.next_offset if end is None else min(end, self._log.next_offset)
+            if offset >= stop:
+                return iter(())
+            try:
+                ranges = self._log.plan_read(offset)
+            except LayoutChangedError:
+                self._catch_up()
+                ranges = self._log.plan_read(offset)
+        return self._planned_arrow_batches(ranges, offset, stop, decode_arrow)
+
+    def _planned_arrow_batches(self, ranges, offset: int, stop: int, decode_arrow) -> Iterator[Any]:
+        from .log.columnar import pa
+
+        last, shared = None, None
+        try:
+            for at, header, buf, pos in self._log.planned_batches(ranges, offset, DEFAULT_READ_BYTES):
+                if header.base_offset >= stop:
+                    return
+                if buf is not last:
+                    last, shared = buf, pa.py_buffer(buf) if type(buf) is bytes else None
+                batch = decode_arrow(buf, pos, header, position=at - pos, segment=self.name, verify=False,
+                                     buffer=shared)
+                skip, keep = max(0, offset - header.base_offset), min(header.record_count, stop - header.base_offset)
+                yield batch if skip == 0 and keep == header.record_count else batch.slice(skip, keep - skip)
+        except TruncatedError:  # another handle's retention deleted the chunk under this stale view
+            with self._lock:
+                self._catch_up()
+                raise RecordTruncatedError(self.name, offset, self._log.start_offset) from None
+
+    def read_arrow(self, offset: int | None = None, max_records: int | None = None) -> Any:
+        """The records from ``offset`` (default ``start_offset``) to the end as of this call, at most
+        ``max_records`` of them, as a ``pyarrow.Table`` (see ``arrow_batches``). For pandas:
+        ``segment.read_arrow().to_pandas()``; Polars: ``polars.from_arrow(...)``."""
+        from .log.columnar import RECORD_SCHEMA, pa
+
+        if max_records is not None and (type(max_records) is not int or max_records < 1):
+            raise InvalidInputError(f"max_records must be an int >= 1 or None, got {max_records!r:.60}")
+        batches, rows = [], 0
+        for batch in self.arrow_batches(offset):
+            if max_records is not None and rows + batch.num_rows >= max_records:
+                batches.append(batch.slice(0, max_records - rows))
+                break
+            batches.append(batch)
+            rows += batch.num_rows
+        return pa.Table.from_batches(batches, schema=RECORD_SCHEMA)
+
     def reader(self, offset: int | None = None, timestamp: int | None = None) -> SegmentReader:
         """A reader from ``offset``, or from the first record with timestamp ``>= timestamp``, or
         (neither given) from the first record still stored. It follows the tail as records come."""

@@ -434,3 +434,77 @@ def test_writers_move_the_checkpoint_once_the_log_grew_a_chunk(tmp_path):
     with SegmentStore.open(root, log_rolling_size=4096) as store:
         seg = store.segment("s")
         assert seg.stats().attribute_checkpoint == seg._log.position > first + 4096
+
+
+def _records_as_rows(records) -> list[tuple]:
+    return [(r.offset, r.timestamp, r.key, r.value, [{"key": k, "value": v} for k, v in r.headers]) for r in records]
+
+
+def _table_rows(table) -> list[tuple]:
+    columns = [table.column(n).to_pylist() for n in ("offset", "key", "value", "headers")]
+    stamps = table.column("timestamp").cast("int64").to_pylist()
+    return [(o, t, k, v, h) for o, t, (k, v, h) in zip(columns[0], stamps, zip(*columns[1:]))]
+
+
+def test_read_arrow_gives_the_rows_read_gives(storage_url):
+    """Arrow reads across chunks, from any offset, with a limit, over offsets that compaction
+    left gaps in, and after retention, agree with ``read``."""
+    pytest.importorskip("pyarrow")
+    with reopen(storage_url, log_rolling_size=4096) as store:
+        seg = store.segment("s", create=True, cleanup_policy="compact")
+        for i in range(60):
+            seg.append([Record(b"v%d-%d" % (i, j) * (1 + j), b"k%d" % (j % 4), 1000 + i * 7 + j,
+                               [("n", b"%d" % j)] if i % 7 == 0 else ()) for j in range(9)], timestamp=5)
+        seg.append([Record(None, b"k1")], timestamp=9)  # a tombstone: a null value
+        everything = seg.read(0, 10_000)
+        assert _table_rows(seg.read_arrow()) == _records_as_rows(everything)
+        for offset, limit in ((0, 1), (5, 17), (300, None), (540, 1000), (541, None)):
+            assert _table_rows(seg.read_arrow(offset, limit)) == _records_as_rows(seg.read(offset, limit or 10_000))
+        assert sum(b.num_rows for b in seg.arrow_batches(100, 200)) == 100
+        assert seg.read_arrow().schema.names == ["offset", "timestamp", "key", "value", "headers"]
+        seg.compact(min_lag_ms=0)
+        compacted = seg.read(0, 10_000)
+        assert len(compacted) < len(everything)  # offsets now jump over gaps
+        assert _table_rows(seg.read_arrow()) == _records_as_rows(compacted)
+        assert _table_rows(seg.read_arrow(compacted[1].offset - 1 if compacted[1].offset > 1 else 0, 3)) == \
+            _records_as_rows(seg.read(compacted[1].offset - 1 if compacted[1].offset > 1 else 0, 3))
+        seg.apply_retention(start_offset=300)
+        with pytest.raises(RecordTruncatedError):
+            seg.read_arrow(10)
+        assert _table_rows(seg.read_arrow()) == _records_as_rows(seg.read(seg.start_offset, 10_000))
+        with pytest.raises(InvalidInputError):
+            seg.read_arrow(-1)
+        with pytest.raises(InvalidInputError):
+            seg.read_arrow(0, 0)
+        with pytest.raises(InvalidInputError):  # checked at the call, before any iteration
+            seg.arrow_batches(0, -5)
+        with pytest.raises(RecordTruncatedError):
+            seg.arrow_batches(10)
+
+
+def test_a_reader_reads_arrow_batches_and_waits_at_the_tail(store):
+    pytest.importorskip("pyarrow")
+    seg = store.segment("s", create=True)
+    for i in range(5):
+        seg.append([b"%d-%d" % (i, j) for j in range(10)], timestamp=i)
+    reader = seg.reader(offset=3)
+    first = reader.read_arrow(max_records=20)
+    assert first.column("offset").to_pylist() == list(range(3, 23)) and reader.position == 23
+    assert reader.read().offset == 23  # record reads and Arrow reads share the position
+    assert reader.read_arrow(max_records=5).column("offset").to_pylist() == list(range(24, 29))
+    assert reader.read_arrow(timeout=0).column("value").to_pylist() == [b"%d-%d" % divmod(o, 10) for o in range(29, 50)]
+    assert reader.read_arrow(timeout=0).num_rows == 0  # at the tail: nothing within the timeout
+    appended = threading.Event()
+
+    def append_later():
+        appended.wait(10)
+        seg.append([b"late"], timestamp=9)
+
+    thread = threading.Thread(target=append_later)
+    thread.start()
+    appended.set()
+    late = reader.read_arrow(timeout=60)  # woken by the append, long before the timeout
+    thread.join()
+    assert late.column("value").to_pylist() == [b"late"] and late.column("offset").to_pylist() == [50]
+    reader.cancel()
+    assert reader.read_arrow().num_rows == 0

@@ -304,3 +304,22 @@ def test_the_demo_pipeline_proves_exactly_once(spark, tmp_path):
     print_report(report, say=lines.append)
     text = "\n".join(lines)
     assert "[5/5] report" in text and "exactly once         yes: 0 duplicates, 0 missing" in text
+
+
+def test_reads_and_writes_from_other_threads_find_the_formats(spark, tmp_path):
+    """Spark looks Python data sources up in the calling JVM thread's active session only, and a
+    new Python thread gets a JVM thread without one: register() makes these calls set it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = str(tmp_path / "store")
+    df = events_df(spark, rows=2000, partitions=2)  # made in the main thread
+
+    def write_and_read(n):
+        write(df, url, f"s{n}", segments=2, writeId=f"w{n}")
+        attributes = spark.createDataFrame([(n, n * 10)], "key long, value long")
+        attributes.write.format("attrindex.attributes").option("path", url).option("segment", f"a{n}") \
+            .mode("append").save()
+        return read(spark, url, f"s{n}").count(), attrindex.spark.write_summary(url, f"s{n}", f"w{n}")["rows"]
+
+    with ThreadPoolExecutor(2) as pool:  # fresh threads: their JVM threads have no active session
+        assert list(pool.map(write_and_read, range(2))) == [(2000, 2000), (2000, 2000)]

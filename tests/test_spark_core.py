@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import random
+import time
 import uuid
 import zlib
 
@@ -34,7 +35,8 @@ from attrindex.spark.ingest import (
     write_token,
 )
 from attrindex.spark.options import Options
-from attrindex.spark.scan import ScanBounds, ScanRange, _split, plan_scan, scan
+from attrindex.log.columnar import records_to_arrow
+from attrindex.spark.scan import READ_CHUNK, ScanBounds, ScanRange, _split, plan_scan, scan
 from storage_adapters import open_storage
 
 BASE_TS = 1_700_000_000_000
@@ -454,6 +456,63 @@ def test_staged_attempt_cut_into_many_files_publishes_in_row_order(storage_url, 
     check_record_contents(records, 2)
 
 
+def test_staged_publish_appends_whole_staged_batches(storage_url, monkeypatch):
+    """The commit publishes each staged batch with one write_many of its columns: a call per row
+    (EventWriter.write) cost several microseconds a row in the driver, which runs every row."""
+    from attrindex.writer import EventWriter
+
+    url, options = storage_url
+    target = target_for(storage_url, segments=2, batch_events=4)
+    token = write_token("whole-batches")
+    report = stage_attempt(target, token, 0, 0, 0, rows("w", 50, per_batch=9))
+    calls = []
+    monkeypatch.setattr(EventWriter, "write", lambda *a, **k: pytest.fail("publish wrote one row at a time"))
+    original = EventWriter.write_many
+    monkeypatch.setattr(EventWriter, "write_many", lambda self, values, *a, **k: (calls.append(len(values)),
+                                                                                 original(self, values, *a, **k))[1])
+    summary = commit_write(target, token, 0, [report], staged=True)
+    # 9-row input batches are staged in batches of at most 4 (4, 4, 1), the last 5 rows as 4, 1
+    assert summary["published"] == 50 and sum(calls) == 50 and len(calls) == 5 * 3 + 2
+    records = stream_records(url, options, "events")
+    assert sorted(r.value for _, r in records) == sorted(values_of("w", 50))
+    check_record_contents(records, 2)
+
+
+@pytest.mark.parametrize("keys", [pa.array(["a", None, "b", "cc", "a"]), pa.array([7, 8, None, 10, 11], pa.int64()),
+                                  None])
+def test_staging_from_arrow_columns_stages_what_event_columns_stage(storage_url, keys):
+    """The Spark source stages Arrow rows column by column (arrow_columns): the staged records are
+    those of the Record path (event_columns), null timestamps getting the staging time."""
+    from attrindex.log.batch import decode_records, iter_batches
+
+    url, options = storage_url
+    columns = {"value": pa.array(["v0", "v1", "v2", "v3", "v4"]),
+               "ts": pa.array([5_000, None, 7_000, 5_000, 9_000], pa.timestamp("us", tz="UTC"))}
+    if keys is not None:
+        columns["key"] = keys
+    batch = pa.RecordBatch.from_pydict(columns)
+    key = "key" if keys is not None else None
+    target = target_for(storage_url, segments=2, batch_events=2)
+
+    def staged(items):
+        report = stage_attempt(target, write_token(uuid.uuid4().hex), 0, 0, 0, items)
+        with SegmentStore.open(url, storage_options=options) as store:
+            out = []
+            for path, size in report.staged:
+                data = store.storage.read(path, 0, size)
+                for pos, header in iter_batches(data):
+                    out += [(r.value, r.key, r.timestamp) for r in decode_records(data, pos, header)]
+            return out
+
+    before = int(time.time() * 1000)
+    by_arrow = staged([arrow.arrow_columns(batch, "value", key, "ts")])
+    by_records = staged([arrow.event_columns(batch, "value", key, "ts", None)])
+    after = int(time.time() * 1000)
+    assert [r for i, r in enumerate(by_arrow) if i != 1] == [r for i, r in enumerate(by_records) if i != 1]
+    assert by_arrow[1][:2] == by_records[1][:2] and before <= by_arrow[1][2] <= after
+    assert by_arrow[0] == (b"v0", None if keys is None else (b"a" if keys.type == pa.string() else b"7"), 5)
+
+
 @pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
 def test_adopt_manifest_keeps_the_first(storage):
     ledger = CommitLedger(storage, "events")
@@ -593,11 +652,14 @@ def run_scan(store, ranges, bounds) -> list[tuple[str, int, int, bytes]]:
     out = []
     for scan_range in ranges:
         batches = list(scan(store, scan_range, bounds))
-        assert all(0 < len(b) for b in batches)
-        for records in batches:
-            for r in records:
-                assert scan_range.start <= r.offset < scan_range.end
-                out.append((scan_range.segment, r.offset, r.timestamp, r.value))
+        assert all(0 < b.num_rows for b in batches)
+        assert all(b.num_rows >= READ_CHUNK for b in batches[:-1])  # small stored batches are joined
+        for batch in batches:
+            offsets, values = batch.column(0).to_pylist(), batch.column(3).to_pylist()
+            stamps = batch.column(1).cast(pa.int64()).to_pylist()
+            for offset, stamp, value in zip(offsets, stamps, values):
+                assert scan_range.start <= offset < scan_range.end
+                out.append((scan_range.segment, offset, stamp, value))
     return out
 
 
@@ -896,13 +958,13 @@ def test_event_columns_errors():
     assert arrow.event_columns(batch, "v2", None, "dup", None).timestamps == [1, 2]  # exact name first
 
 
-def test_records_batch_round_trip():
+def test_events_batch_round_trip():
     records = [
         Record(b"a", b"k1", 1_700_000_000_123, (("h", b"1"), ("g", b"")), 10),
         Record(b"", None, 0, (), 11),
         Record(b"\x00\xff", b"k3", 5, (("x", b"y"),), 12),
     ]
-    batch = arrow.records_batch("st/1", records)
+    batch = arrow.events_batch("st/1", records_to_arrow(records))
     assert batch.schema == arrow.EVENT_SCHEMA
     assert batch.column(0).to_pylist() == ["st/1"] * 3
     assert batch.column(1).to_pylist() == [10, 11, 12]
@@ -911,13 +973,14 @@ def test_records_batch_round_trip():
     assert cols.keys == [r.key for r in records]
     assert cols.timestamps == [r.timestamp for r in records]
     assert cols.headers == [r.headers for r in records]
-    plain = arrow.records_batch("s", [Record(b"v", None, 9, (), 0)])
+    plain = arrow.events_batch("s", records_to_arrow([Record(b"v", None, 9, (), 0)]))
     assert plain.column(5).to_pylist() == [[]]
-    assert arrow.records_batch("s", []).num_rows == 0
+    assert arrow.events_batch("s", records_to_arrow([])).num_rows == 0
+    assert arrow.events_batch("", records_to_arrow(records)).column(0).to_pylist() == [""] * 3
 
 
-def test_records_batch_round_trip_through_a_stream():
-    """Rows from event_columns written by write_direct read back as the same records_batch rows."""
+def test_events_batch_round_trip_through_a_stream():
+    """Rows from event_columns written by write_direct read back as the same events_batch rows."""
     url = f"memory://rt-{uuid.uuid4().hex}"
     source = pa.RecordBatch.from_pydict({
         "value": pa.array([b"a", b"b", b"c"]),
@@ -931,7 +994,7 @@ def test_records_batch_round_trip_through_a_stream():
         cols = arrow.event_columns(source, "value", "key", "timestamp", "headers")
         assert write_direct(target, write_token("rt"), 0, 0, 0, [cols]).written == 3
         with SegmentStore.open(url) as store:
-            batch = arrow.records_batch("rt/0", store.segment("rt/0").read(0, 10))
+            batch = arrow.events_batch("rt/0", store.segment("rt/0").read_arrow().to_batches()[0])
         assert batch.select(["value", "key", "timestamp", "headers"]).to_pydict() == source.to_pydict()
         assert batch.column(1).to_pylist() == [0, 1, 2]
     finally:

@@ -640,6 +640,28 @@ class SegmentLog:
         their start (records already returned are skipped by offset)."""
         out: list[Record] = []
         budget = max_bytes
+        for at, header, buf, pos in self.planned_batches(ranges, offset, max_bytes):
+            # planned_batches() verified the checksums already
+            records = decode_records(buf, pos, header, position=at - pos, segment=self.segment, verify=False)
+            wanted = out[-1].offset + 1 if out else offset
+            if header.base_offset < wanted:
+                records = records[wanted - header.base_offset:]
+            out.extend(records)
+            budget -= header.size
+            if len(out) >= max_records or budget <= 0:
+                if not whole_batches:
+                    del out[max_records:]
+                return out
+        return out
+
+    def planned_batches(self, ranges: list[tuple[int, int, str]], offset: int, max_bytes: int = _READ_WINDOW
+                        ) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
+        """The verified batches within ``ranges`` that hold records from ``offset`` on, in offset
+        order, as ``(position, header, buffer, pos)``; the first may start below ``offset``.
+        Reads in windows of about ``max_bytes``. Safe while another thread appends; chunks
+        replaced meanwhile are read anew from their start, and batches whose records were yielded
+        already are skipped by offset."""
+        wanted = offset
         window = min(_READ_WINDOW, max_bytes) + _READ_SLACK
         pending = list(ranges)
         for _attempt in range(MAX_RESYNCS):
@@ -647,22 +669,12 @@ class SegmentLog:
                 while pending:
                     start, end, name = pending[0]
                     for at, header, buf, pos in self.batches(start, end, names={name}, window=window):
-                        wanted = out[-1].offset + 1 if out else offset
                         if header.next_offset <= wanted or not header.record_count:
                             continue
-                        # batches() verified the checksums already
-                        records = decode_records(buf, pos, header, position=at - pos, segment=self.segment,
-                                                 verify=False)
-                        if header.base_offset < wanted:
-                            records = records[wanted - header.base_offset:]
-                        out.extend(records)
-                        budget -= header.size
-                        if len(out) >= max_records or budget <= 0:
-                            if not whole_batches:
-                                del out[max_records:]
-                            return out
+                        yield at, header, buf, pos
+                        wanted = header.next_offset
                     pending.pop(0)
-                return out
+                return
             except LayoutChangedError:
                 pending = self._replan(pending)
         raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under a read "

@@ -29,8 +29,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
 from .attributes import AttributesDataSource, lookup
 from .events import EventsDataSource, PlainEventsDataSource
 from .ingest import CommitLedger, write_token
+from .threads import activate
 
-__all__ = ["register", "lookup", "session", "write_summary", "EventsDataSource", "AttributesDataSource"]
+__all__ = ["register", "activate", "lookup", "session", "write_summary", "EventsDataSource", "AttributesDataSource"]
 
 FILTER_PUSHDOWN_CONF = "spark.sql.python.filterPushdown.enabled"
 
@@ -44,7 +45,13 @@ def register(spark, *, filter_pushdown: bool = False) -> None:
     keep the read planned for a filtered query on the DataFrame the filter was applied to, so a
     later query on that same DataFrame without the filter reads the filtered rows (docs/spark.md).
     The ``startingTimestamp``/``endingTimestamp`` read options use the time index either way.
+
+    It also lets reads and writes run from any thread of the driver (``attrindex.spark.threads``):
+    Spark looks a Python data source up in the calling JVM thread's active session only.
     """
+    from . import threads
+
+    threads.install()
     if filter_pushdown:
         spark.conf.set(FILTER_PUSHDOWN_CONF, "true")
         spark.dataSource.register(EventsDataSource)
@@ -75,11 +82,41 @@ def session(master: str = "local[*]", app_name: str = "attrindex", conf: Mapping
     return spark
 
 
-def write_summary(url: str, stream: str, write_id: str, storage_options: Mapping[str, Any] | None = None) -> dict | None:
+def write_summary(url: str, stream: str, write_id: str, storage_options: Mapping[str, Any] | None = None, *,
+                  spark=None) -> dict | None:
     """What the commit of batch write ``write_id`` to ``stream`` recorded (rows, rows written,
-    rows an earlier attempt had written, ...), or ``None`` if no such write was committed."""
+    rows an earlier attempt had written, ...), or ``None`` if no such write was committed.
+
+    With a Spark Connect session (``spark``, else the active one when PySpark runs as a Connect
+    client) the store is read on the cluster, as reads and writes do, so the client need not
+    reach it; otherwise here. Nothing is created: a missing store raises ``StreamNotFoundError``.
+    """
+    from . import remote
+
+    if spark is None:
+        spark = _active_connect_session()
+    return remote.run(spark, committed_summary, url, stream, write_id, dict(storage_options or {}))
+
+
+def committed_summary(url: str, stream: str, write_id: str, storage_options: dict) -> dict | None:
+    """``write_summary``'s storage work, in the process that runs it."""
+    from ..errors import StoreNotFoundError, StreamNotFoundError
     from ..store import SegmentStore
 
-    with SegmentStore.open(url, storage_options=dict(storage_options or {})) as store:
-        store.stream_segments(stream)
-        return CommitLedger(store.storage, stream).committed(write_token(write_id), 0)
+    try:
+        with SegmentStore.open(url, storage_options=storage_options, create=False) as store:
+            store.stream_segments(stream)
+            return CommitLedger(store.storage, stream).committed(write_token(write_id), 0)
+    except StoreNotFoundError as exc:
+        raise StreamNotFoundError(f"stream {stream!r} does not exist: {exc}") from None
+
+
+def _active_connect_session():
+    """The active session if this process is a Spark Connect client, else ``None``."""
+    from pyspark.sql.utils import is_remote
+
+    if not is_remote():
+        return None
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession()

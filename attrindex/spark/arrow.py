@@ -10,12 +10,13 @@ from __future__ import annotations
 import uuid
 from typing import Sequence
 
+import attrs
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import InvalidInputError, InvalidKeyError
 from ..keys import to_key
-from ..log.batch import Record
 from .ingest import EventColumns
 
 HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
@@ -47,6 +48,50 @@ def event_columns(batch: pa.RecordBatch, value: str, key: str | None, timestamp:
     )
 
 
+@attrs.frozen
+class ArrowColumns:
+    """Rows of events as Arrow columns, for writes that encode batches column by column (the
+    staged mode): binary payloads without nulls, binary routing keys (null: none) or ``None``,
+    int64 ms timestamps (null: the batch's time) or ``None``. No headers."""
+
+    values: pa.Array
+    keys: pa.Array | None = None
+    timestamps: pa.Array | None = None
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def encode(self, start: int, stop: int, timestamp: int) -> bytes:
+        """Rows ``start..stop-1`` as one record batch (``encode_batch``'s bytes), numbered from 0;
+        rows without a timestamp get ``timestamp``."""
+        from ..log.columnar import encode_arrow
+
+        n = stop - start
+        return encode_arrow(self.values.slice(start, n), None if self.keys is None else self.keys.slice(start, n),
+                            None if self.timestamps is None else self.timestamps.slice(start, n), timestamp=timestamp)
+
+
+def arrow_columns(batch: pa.RecordBatch, value: str, key: str | None, timestamp: str | None) -> ArrowColumns:
+    """The events of one batch of input rows as ``ArrowColumns``: the columns ``event_columns``
+    reads, converted in Arrow (routing keys as the bytes the writer hashes: strings as UTF-8,
+    integers as their decimal text)."""
+    values = column_named(batch, value)
+    if values.null_count:
+        raise InvalidInputError(f"the value column {value!r} holds nulls; every event needs a payload")
+    keys = stamps = None
+    if key:
+        keys = column_named(batch, key)
+        if pa.types.is_integer(keys.type):
+            keys = keys.cast(pa.string())
+        keys = keys.cast(pa.binary())
+    if timestamp:
+        stamps = column_named(batch, timestamp)
+        if pa.types.is_timestamp(stamps.type):
+            stamps = pc.cast(stamps, pa.timestamp("ms"), safe=False)
+        stamps = stamps.cast(pa.int64())
+    return ArrowColumns(values.cast(pa.binary()), keys, stamps)
+
+
 def column_named(batch: pa.RecordBatch, name: str) -> pa.Array:
     index = batch.schema.get_field_index(name)
     if index < 0:  # Spark's column names are case-insensitive by default
@@ -71,23 +116,19 @@ def _millis(column: pa.Array) -> list:
     return column.to_pylist()
 
 
-def records_batch(segment: str, records: Sequence[Record]) -> pa.RecordBatch:
-    """Records of one segment as a batch of ``EVENT_SCHEMA`` rows (columns by one transpose)."""
-    n = len(records)
-    values, keys, stamps, headers, offsets = zip(*records) if n else ((),) * 5
-    if any(headers):
-        header_column = pa.array([[{"key": k, "value": v} for k, v in h] for h in headers], HEADERS_TYPE)
-    else:  # n empty lists: all offsets zero, no Python object per row
-        header_column = pa.ListArray.from_arrays(pa.array([0] * (n + 1), pa.int32()),
-                                                 pa.array([], HEADERS_TYPE.value_type))
-    micros = pc.multiply(pa.array(stamps, pa.int64()), 1000).cast(pa.timestamp("us", tz="UTC"))
+def events_batch(segment: str, batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch of records of ``segment`` (``attrindex.log.columnar.RECORD_SCHEMA``) as a batch of
+    ``EVENT_SCHEMA`` rows: the segment's name in front, timestamps in microseconds. Column
+    operations only; the values' bytes are not copied."""
+    from ..log.columnar import constant_strings
+
     return pa.RecordBatch.from_arrays([
-        pa.array([segment] * n, pa.string()),
-        pa.array(offsets, pa.int64()),
-        micros,
-        pa.array(keys, pa.binary()),
-        pa.array(values, pa.binary()),
-        header_column,
+        constant_strings(segment, batch.num_rows),
+        batch.column(0),
+        batch.column(1).cast(EVENT_SCHEMA.field("timestamp").type),
+        batch.column(2),
+        batch.column(3),
+        batch.column(4),
     ], schema=EVENT_SCHEMA)
 
 

@@ -168,24 +168,29 @@ class AttributesDataSource(DataSource):
 def lookup(df, key_col: str, url: str, segment: str, value_col: str = "value", storage_options=None):
     """``df`` with a column ``value_col`` (long): the value of ``key_col`` in ``segment``'s
     attributes, null where the key is absent (or null). Runs as ``mapInArrow``, one store handle
-    per partition, one batched lookup per Arrow batch."""
-    from ..store import SegmentStore
+    per partition, one batched lookup per Arrow batch.
+
+    The segment must exist (``SegmentNotFoundError`` now, not from every task). That check runs
+    where reads do: on the driver of a classic session, on the cluster under Spark Connect (the
+    client need not reach the store). Nothing is created: a missing store is a missing segment.
+    """
+    from . import remote
 
     check_key_column(df.schema, key_col, "lookup")
     if value_col.lower() in (f.name.lower() for f in df.schema.fields):
         raise InvalidInputError(f"lookup: the DataFrame has a column {value_col!r} already; pick another value_col")
     options = dict(storage_options or {})
     refuse_single_writer(options, "lookup")
-    with SegmentStore.open(url, storage_options=options) as store:
-        store.segment(segment)  # SegmentNotFoundError on the driver, not in every task
+    remote.run(df.sparkSession, check_segment, url, segment, options)
     schema = StructType([*df.schema.fields, StructField(value_col, LongType(), nullable=True)])  # df.schema stays as is
 
     def look_up(batches):
         import pyarrow as pa
 
+        from ..store import SegmentStore
         from .arrow import attribute_keys, column_named
 
-        with SegmentStore.open(url, storage_options=options) as opened:
+        with SegmentStore.open(url, storage_options=options, create=False) as opened:
             handle = opened.segment(segment)
             for batch in batches:
                 keys = attribute_keys(column_named(batch, key_col), key_col)
@@ -195,3 +200,16 @@ def lookup(df, key_col: str, url: str, segment: str, value_col: str = "value", s
                 yield batch.append_column(value_col, pa.array(values, pa.int64()))
 
     return df.mapInArrow(look_up, schema)
+
+
+def check_segment(url: str, segment: str, storage_options: dict) -> None:
+    """``SegmentNotFoundError`` unless segment ``segment`` exists in the store at ``url`` (which is
+    opened without creating anything)."""
+    from ..errors import SegmentNotFoundError, StoreNotFoundError
+    from ..store import SegmentStore
+
+    try:
+        with SegmentStore.open(url, storage_options=storage_options, create=False) as store:
+            store.segment(segment)
+    except StoreNotFoundError as exc:
+        raise SegmentNotFoundError(f"segment {segment!r} does not exist: {exc}") from None

@@ -169,14 +169,18 @@ class EventsWriter(DataSourceArrowWriter):
 def _write_task(settings: WriteSettings, token: uuid.UUID, version: int, iterator, skip: bool) -> ingest.TaskReport:
     from pyspark import TaskContext
 
-    from .arrow import event_columns
+    from .arrow import arrow_columns, event_columns
 
     context = TaskContext.get()
     partition, attempt = context.partitionId(), context.attemptNumber()
     if skip:
         return ingest.TaskReport(partition, attempt, already_committed=True)
     s = settings
-    batches = (event_columns(b, s.value_column, s.key_column, s.timestamp_column, s.headers_column) for b in iterator)
+    if s.staged and not s.headers_column:  # staged batches are encoded from the Arrow columns
+        batches = (arrow_columns(b, s.value_column, s.key_column, s.timestamp_column) for b in iterator)
+    else:
+        batches = (event_columns(b, s.value_column, s.key_column, s.timestamp_column, s.headers_column)
+                   for b in iterator)
     if s.staged:
         return ingest.stage_attempt(s.target, token, version, partition, attempt, batches, s.faults)
     return ingest.write_direct(s.target, token, version, partition, attempt, batches, s.faults)
@@ -264,13 +268,13 @@ class _RangePartition(InputPartition):
 
 
 def _read_range(settings: ReadSettings, bounds: ScanBounds, scan_range: ScanRange):
-    from .arrow import records_batch
+    from .arrow import events_batch
 
     if scan_range is None:  # Spark reads one partition None when partitions() found nothing
         return
     with settings.open_store() as store:
-        for records in scan(store, scan_range, bounds):
-            yield records_batch(scan_range.segment, records)
+        for batch in scan(store, scan_range, bounds):
+            yield events_batch(scan_range.segment, batch)
 
 
 class EventsReader(DataSourceReader):

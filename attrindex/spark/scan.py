@@ -13,7 +13,6 @@ from typing import Iterator
 
 import attrs
 
-from ..log.batch import Record
 from ..store import SegmentStore
 
 READ_CHUNK = 10_000  #: records fetched per read call while scanning
@@ -100,21 +99,27 @@ def _split(name: str, first: int, last: int, chunks: list[tuple[int, int]], max_
     return out
 
 
-def scan(store: SegmentStore, scan_range: ScanRange, bounds: ScanBounds) -> Iterator[list[Record]]:
-    """The records of ``scan_range`` that satisfy ``bounds``, in lists of up to ``READ_CHUNK``."""
+def scan(store: SegmentStore, scan_range: ScanRange, bounds: ScanBounds) -> Iterator:
+    """The records of ``scan_range`` that satisfy ``bounds`` as ``pyarrow.RecordBatch``es of
+    ``attrindex.log.columnar.RECORD_SCHEMA`` (decoded column by column), each of at least
+    ``READ_CHUNK`` records but the last (stored batches are joined up to that size)."""
+    import pyarrow as pa
+
+    from ..log.columnar import within_times
+
     segment = store.segment(scan_range.segment)
-    offset = scan_range.start
+    if segment.next_offset < scan_range.end:
+        segment.refresh()
     lo, hi = bounds.time_min, bounds.time_max
-    while offset < scan_range.end:
-        if segment.next_offset < scan_range.end:
-            segment.refresh()
-        records = segment.read(offset, min(READ_CHUNK, scan_range.end - offset))
-        if records and records[-1].offset >= scan_range.end:  # offsets jump over gaps (compaction, repairs)
-            records = [r for r in records if r.offset < scan_range.end]
-        if not records:
-            return
-        offset = records[-1].offset + 1
+    pending, rows = [], 0
+    for batch in segment.arrow_batches(scan_range.start, scan_range.end):
         if lo is not None or hi is not None:
-            records = [r for r in records if (lo is None or r.timestamp >= lo) and (hi is None or r.timestamp < hi)]
-        if records:
-            yield records
+            batch = within_times(batch, lo, hi)
+        if batch.num_rows:
+            pending.append(batch)
+            rows += batch.num_rows
+        if rows >= READ_CHUNK:
+            yield pending[0] if len(pending) == 1 else pa.Table.from_batches(pending).combine_chunks().to_batches()[0]
+            pending, rows = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else pa.Table.from_batches(pending).combine_chunks().to_batches()[0]

@@ -9,7 +9,8 @@ One Spark task's work, in process: ``attrindex.spark.ingest.write_direct`` (or, 
 batches of --batch rows (Spark's default Arrow batch), to a 4-segment stream on local disk. The
 events are those of ``sims.spark.run``: key 'user-<i % 50000>', a 100-byte payload, a timestamp
 in ms. They are built in Python as ``EventColumns``; ``--arrow`` builds Arrow batches instead and
-times their conversion (``attrindex.spark.arrow.event_columns``) as part of the task.
+times their conversion as part of the task, as the data source does it (``event_columns`` for a
+direct write, ``arrow_columns``, encoded column by column, for a staged one).
 ``--others N`` starts N more processes that write the same rows to the same stream at the same
 time, as the other tasks of a Spark job do (they are not profiled).
 
@@ -66,10 +67,13 @@ def make_batches(rows: int, batch: int, arrow: bool) -> list:
 
 def task(target: ingest.StreamTarget, batches: list, mode: str, arrow: bool, partition: int = 0) -> int:
     """Task ``partition``'s write (and the driver's commit of it); the rows written."""
-    if arrow:
-        from attrindex.spark.arrow import event_columns
+    if arrow:  # as the data source converts: staged rows stay Arrow columns, direct rows become lists
+        from attrindex.spark.arrow import arrow_columns, event_columns
 
-        batches = (event_columns(b, "value", "key", "ts", None) for b in batches)
+        if mode == "staged":
+            batches = (arrow_columns(b, "value", "key", "ts") for b in batches)
+        else:
+            batches = (event_columns(b, "value", "key", "ts", None) for b in batches)
     token = ingest.write_token(f"profile-{target.stream}-{partition}")  # one write per task
     if mode == "direct":
         report = ingest.write_direct(target, token, 0, partition, 0, batches)
