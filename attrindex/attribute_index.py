@@ -288,7 +288,11 @@ class AttributeIndex(IndexHandle):
         if frozen is not None and len(frozen):
             pending = frozen.copy_values()
             pending.update(active)
-        stored = tree.get_many(sort_keys(list(pending))) if pending else []
+        # From the tree itself, not through its recent-values cache: a merge makes its version
+        # current before it refreshes that cache, so in between the cache answers the previous
+        # version's values (a key about to be written still cached as absent) under the new
+        # version's entry count. The tree answers every key from one version, checked below.
+        stored = tree._tree.get_many(sort_keys(list(pending))) if pending else []
         if tree._tree.state.footer_offset != version.footer_offset:
             return None
         present = sum(v is not None for v in pending.values())
