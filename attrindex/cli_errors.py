@@ -49,6 +49,7 @@ Errors are one line on stderr: attrindex: error: WHAT; WHAT TO DO. --debug adds 
 _CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
                 "ClientConnectorError", "ServerDisconnectedError", "ConnectionError"}
+_SILENT = {"ReadTimeoutError", "ServerTimeoutError"}  # connected, but no answer within the read timeout
 _S3_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
 
 
@@ -95,6 +96,10 @@ def explain(exc: BaseException, url: str | None = None, endpoint: str | None = N
     if any(_s3_client_error(e, _UNREACHABLE) for e in chain):
         return Failure(f"cannot reach the S3 endpoint {server} for {url or 'the store'}: {_one_line(str(chain[-1]))}; "
                        "check -o endpoint_url=... and the network, then retry", EXIT_FAILED)
+    if not isinstance(exc, OutcomeUnknownError) and any(_s3_client_error(e, _SILENT) for e in chain):
+        return Failure(f"the S3 endpoint {server} did not answer for {url or 'the store'} within the read timeout "
+                       "(every attempt); check the endpoint, or give it longer with -o read_timeout=SECONDS "
+                       "(and -o max_attempts=N)", EXIT_FAILED)
     if any(_missing_bucket(e) for e in chain):
         bucket = url.split("://", 1)[1].split("/", 1)[0] if url and "://" in url else "BUCKET"
         return Failure(f"S3 bucket {bucket!r} does not exist ({url} at {server}); create it first "

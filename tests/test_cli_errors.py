@@ -183,8 +183,13 @@ def test_limit_below_one_is_refused(tmp_path, capsys):
 
 def test_storage_options_take_json_and_s3_clients_fail_fast(capsys):
     assert failing_fast("/tmp/x", {}) == {}
-    options = failing_fast("s3://b/p", {"key": "k", "config_kwargs": {"connect_timeout": 10}})
-    assert options["config_kwargs"] == {"connect_timeout": 10, "retries": {"total_max_attempts": 2, "mode": "standard"}}
+    assert failing_fast("s3://b/p", {"key": "k"}) == {"key": "k", "connect_timeout": 2, "read_timeout": 10,
+                                                     "max_attempts": 2}
+    # the user's settings win, under attrindex's names or botocore's own (in config_kwargs)
+    assert failing_fast("s3://b/p", {"connect_timeout": "10", "read_timeout": "60"}) == {
+        "connect_timeout": "10", "read_timeout": "60", "max_attempts": 2}
+    assert failing_fast("s3://b/p", {"config_kwargs": {"connect_timeout": 10, "retries": {"max_attempts": 9}}}) == {
+        "config_kwargs": {"connect_timeout": 10, "retries": {"max_attempts": 9}}, "read_timeout": 10}
     assert main(["index", "get", "memory://x", "1", "-o", "client_kwargs={not json"]) == 2
     assert "cannot read '{not json' as JSON" in capsys.readouterr().err
 
@@ -224,6 +229,34 @@ def test_an_unreachable_s3_endpoint_fails_within_seconds(argv):
     line = _one_error_line(done.stderr)
     assert line.startswith(f"cannot reach the S3 endpoint {endpoint} for s3://b/x: ") and "check -o endpoint_url" in line
     assert elapsed < 8, elapsed  # botocore's defaults took 12 s on a refused connection
+
+
+@pytest.mark.parametrize("argv", [["index", "get", "s3://b/x", "1"], ["index", "put", "s3://b/x", "1=1"],
+                                  ["segment", "append", "s3://b/x", "s", "--create", "v"],
+                                  ["segment", "read", "s3://b/x", "s"]])
+def test_a_silent_s3_endpoint_fails_after_the_read_timeout_of_each_attempt(silent_endpoint, argv):
+    # The endpoint accepts connections and never answers: each attempt waits out the read
+    # timeout (given short here), and nothing retries botocore's attempts again (this took 607 s
+    # with the command line's defaults of the time; with today's at most 25 s: see below).
+    done = _run(*argv, "-o", f"endpoint_url={silent_endpoint.url}", "-o", "key=k", "-o", "secret=s",
+                "-o", "read_timeout=0.5")
+    assert done.returncode == 1
+    assert _one_error_line(done.stderr) == (
+        f"the S3 endpoint {silent_endpoint.url} did not answer for s3://b/x within the read timeout (every attempt); "
+        "check the endpoint, or give it longer with -o read_timeout=SECONDS (and -o max_attempts=N)")
+    assert silent_endpoint.requests == 2  # the command line's 2 attempts of one request
+
+
+def test_the_command_lines_s3_requests_are_bounded_by_default_and_can_be_given_longer(silent_endpoint):
+    from storage_adapters import open_storage
+
+    given = {"endpoint_url": silent_endpoint.url, "key": "k", "secret": "s"}
+    fast = open_storage("s3://b/x", **failing_fast("s3://b/x", given))
+    assert fast.worst_case_seconds <= 30  # 2 attempts x (2 s + 10 s) + back-off
+    patient = open_storage("s3://b/x", **failing_fast("s3://b/x", {**given, "read_timeout": "120", "max_attempts": "3"}))
+    assert patient.fs.s3.meta.config.read_timeout == 120 and patient.max_attempts == 3
+    fast.close()
+    patient.close()
 
 
 @pytest.mark.parametrize("argv", [["index", "put", "{url}", "1=1"], ["segment", "append", "{url}", "s", "--create", "v"],
