@@ -16,6 +16,7 @@ See docs/design.md, "Write path". The helpers other modules import from here are
 
 from __future__ import annotations
 
+import os
 import contextlib
 import logging
 import threading
@@ -164,14 +165,15 @@ class AttributeIndex(IndexHandle):
     @classmethod
     def open(
         cls,
-        url: str,
+        url: str | os.PathLike[str],
         name: str = "attributes",
         *,
         mode: str = "a",
         storage_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> "AttributeIndex":
-        """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path, ``s3://``.
+        """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path (``str`` or
+        ``os.PathLike``), ``s3://``.
 
         ``mode="a"`` (the default) opens the index or creates it; ``mode="r"`` opens an existing
         index read-only (nothing is written, not even a merge): a missing one (a mistyped path, an
@@ -473,7 +475,7 @@ class AttributeIndex(IndexHandle):
         return self._verify(self._storage, self._name, self._options, progress)
 
     @classmethod
-    def verify_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+    def verify_at(cls, storage: str | os.PathLike[str] | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None,
                   progress: Callable[[int, int], None] | None = None) -> IndexVerifyReport:
         """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
@@ -507,7 +509,7 @@ class AttributeIndex(IndexHandle):
         return report
 
     @classmethod
-    def repair_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+    def repair_at(cls, storage: str | os.PathLike[str] | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None) -> WalIndexRepairReport:
         """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -46,6 +47,34 @@ def test_memory_url_is_shared_within_the_process():
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/x", "hdfs://host/path", "ftp://h/p"])
+class _PathLike:
+    """An ``os.PathLike`` that is not a ``pathlib.Path`` (as third-party path classes are)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def __fspath__(self) -> str:
+        return self._path
+
+
+@pytest.mark.parametrize("as_path", [pathlib.Path, _PathLike], ids=["pathlib.Path", "os.PathLike"])
+def test_every_os_pathlike_opens_as_its_local_path(tmp_path, as_path):
+    from attrindex import AttributeIndex, SegmentStore
+
+    with open_storage(as_path(str(tmp_path / "raw"))) as storage:
+        assert isinstance(storage, LocalChunkStorage) and storage.root == str(tmp_path / "raw")
+    with AttributeIndex.open(as_path(str(tmp_path / "attrs"))) as idx:
+        idx.update({1: 10})
+    with AttributeIndex.open(str(tmp_path / "attrs"), mode="r") as idx:  # the same index as by its str
+        assert idx.get(1) == 10
+    assert AttributeIndex.verify_at(as_path(str(tmp_path / "attrs"))).ok
+    assert not AttributeIndex.repair_at(as_path(str(tmp_path / "attrs"))).rolled_back
+    with SegmentStore.open(as_path(str(tmp_path / "events"))) as store:
+        store.segment("s", create=True).append([b"v"])
+    with SegmentStore.open(str(tmp_path / "events"), create=False) as store:
+        assert [r.value for r in store.segment("s").read(0)] == [b"v"]
+
+
 def test_unknown_scheme_is_a_clear_error(url):
     with pytest.raises(UnsupportedSchemeError) as caught:
         open_storage(url)
