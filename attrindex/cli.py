@@ -39,6 +39,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.rows < 1000:
         raise InvalidInputError(f"--rows must be at least 1000, got {args.rows}")
+    if args.path is not None:
+        check_url(args.path)
     return demo_main(args.path, _user_storage_options(args.storage_option), args.rows, args.master)
 
 
@@ -122,8 +124,17 @@ def failing_fast(url: str, options: dict[str, Any]) -> dict[str, Any]:
     return {**defaults, **options}
 
 
+def check_url(url: str) -> str:
+    """A storage URL given on the command line, refused if nothing could outlive the command:
+    a ``memory://`` store lives inside one process and is gone when the command exits."""
+    if url.split("://", 1)[0].lower() == "memory" and "://" in url:
+        raise InvalidInputError(f"{url!r}: a memory:// store lives only inside one process, so what this command "
+                                "wrote would be gone when it exits; give a directory or s3://bucket/prefix")
+    return url
+
+
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    return failing_fast(args.url, _user_storage_options(args.storage_option))
+    return failing_fast(check_url(args.url), _user_storage_options(args.storage_option))
 
 
 def s3_endpoint(options: dict[str, Any]) -> str | None:
@@ -260,7 +271,7 @@ def _add_index_commands(commands) -> None:
         parser = actions.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
                                     epilog=KEYS_HELP + "\n" + EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
         _debug_option(parser)
-        parser.add_argument("url", help="storage URL: a directory, file://, memory:// or s3://bucket/prefix")
+        parser.add_argument("url", help="storage URL: a directory, file:// or s3://bucket/prefix")
         parser.add_argument("--name", default="attributes", help="the index's segment name (default: attributes)")
         parser.add_argument("--page-size", type=int, default=32768, help="page size for new pages (default 32768)")
         parser.add_argument("-o", "--storage-option", action="append", default=[], metavar="NAME=VALUE",
@@ -677,7 +688,7 @@ def _add_segment_commands(commands) -> None:
                                     epilog=(epilog + "\n" if epilog else "") + EXIT_CODES_HELP,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         _debug_option(parser)
-        parser.add_argument("url", metavar="URL", help="storage URL: a directory, file://, memory:// or s3://bucket/prefix")
+        parser.add_argument("url", metavar="URL", help="storage URL: a directory, file:// or s3://bucket/prefix")
         if named:
             parser.add_argument("name", metavar="NAME", help="the segment's name, e.g. orders or orders/0")
         parser.add_argument("-o", "--storage-option", action="append", default=[], metavar="NAME=VALUE",

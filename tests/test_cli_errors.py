@@ -190,8 +190,20 @@ def test_storage_options_take_json_and_s3_clients_fail_fast(capsys):
         "connect_timeout": "10", "read_timeout": "60", "max_attempts": 2}
     assert failing_fast("s3://b/p", {"config_kwargs": {"connect_timeout": 10, "retries": {"max_attempts": 9}}}) == {
         "config_kwargs": {"connect_timeout": 10, "retries": {"max_attempts": 9}}, "read_timeout": 10}
-    assert main(["index", "get", "memory://x", "1", "-o", "client_kwargs={not json"]) == 2
+    assert main(["index", "get", "/nonexistent/x", "1", "-o", "client_kwargs={not json"]) == 2
     assert "cannot read '{not json' as JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["index", "put", "memory://x", "1=1"], ["index", "get", "MEMORY://x", "1"],
+                                  ["index", "verify", "memory://x"], ["segment", "append", "memory://x", "s", "--create", "v"],
+                                  ["segment", "list", "memory://x"], ["demo", "--path", "memory://x", "--rows", "1000"]])
+def test_a_memory_store_is_refused_since_it_would_die_with_the_command(capsys, argv):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert _one_error_line(captured.err).endswith(
+        "a memory:// store lives only inside one process, so what this command wrote would be gone when it exits; "
+        "give a directory or s3://bucket/prefix")
 
 
 def _closed_port() -> int:
