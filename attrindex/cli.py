@@ -26,6 +26,7 @@ from .cli_errors import (
     EXIT_DAMAGED,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    OutputError,
     explain,
 )
 from .errors import AttrIndexError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError
@@ -847,6 +848,33 @@ def _stop_writing_output() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+class _Output:
+    """Standard output as the commands write it: a write or flush that fails (other than a closed
+    pipe) raises ``OutputError``, so the failure is told apart from the store's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _show_debug_logs() -> None:
     if getattr(_show_debug_logs, "done", False):  # main() may run many times in one process (tests)
         return
@@ -872,6 +900,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the parsed command; every failure ends as one line on stderr and an exit code
     (``cli_errors``), with the traceback too under ``--debug``."""
     debug = getattr(args, "debug", False)
+    stdout = sys.stdout
+    sys.stdout = _Output(stdout)  # type: ignore[assignment]
     try:
         code = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
@@ -887,7 +917,11 @@ def run(args: argparse.Namespace) -> int:
         failure = explain(exc, *_where(args))
         log.debug("exit %d: %r", failure.code, exc)
         print(f"attrindex: error: {failure.message}", file=sys.stderr)
+        if isinstance(exc, OutputError):
+            _stop_writing_output()  # what is still buffered would fail again at the interpreter's exit
         return failure.code
+    finally:
+        sys.stdout = stdout
 
 
 def main(argv: Sequence[str] | None = None) -> int:

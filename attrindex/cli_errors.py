@@ -53,6 +53,11 @@ _SILENT = {"ReadTimeoutError", "ServerTimeoutError"}  # connected, but no answer
 _S3_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
 
 
+class OutputError(Exception):
+    """Writing the command's own output (standard output) failed: a full disk under a redirection,
+    a closed terminal. Not the store's failure; ``__cause__`` is the ``OSError``."""
+
+
 @attrs.frozen
 class Failure:
     """What the command prints (after ``attrindex: error: ``) and the exit code it returns."""
@@ -89,6 +94,11 @@ def explain(exc: BaseException, url: str | None = None, endpoint: str | None = N
     (S3 ``endpoint`` if one was given)."""
     where = f" at {url}" if url else ""
     server = endpoint or "the default AWS endpoint"
+    if isinstance(exc, OutputError):
+        cause = exc.__cause__
+        reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else _one_line(str(cause)))
+        return Failure(f"cannot write the output: {reason}; check where standard output goes (a full disk, "
+                       "a closed terminal), then retry", EXIT_FAILED)
     chain = list(_chain(exc))
     if any(_s3_client_error(e, _CREDENTIALS) for e in chain):
         return Failure(f"no S3 credentials found for {url or 'the store'} ({server}); set AWS_ACCESS_KEY_ID and "

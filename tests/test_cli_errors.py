@@ -158,6 +158,25 @@ def test_scan_into_a_closed_pipe_exits_141_quietly(tmp_path):
     assert scan.stderr.read() == b""
 
 
+@pytest.mark.parametrize("argv", [["segment", "read", "{url}", "s"], ["segment", "read", "{url}", "s", "--format", "json"],
+                                  ["index", "scan", "{url}"], ["index", "get", "{url}", "1"],
+                                  ["segment", "tail", "{url}", "s", "--timeout", "0"]])
+def test_a_failing_standard_output_is_blamed_on_the_output_not_the_store(tmp_path, argv):
+    url = str(tmp_path / "store")
+    with AttributeIndex.open(url) as index:
+        index.update({1: 1})
+    from attrindex import SegmentStore
+
+    with SegmentStore.open(url) as store:
+        store.segment("s", create=True).append([b"a", b"b"])
+    with open("/dev/full", "w") as full:  # every write: ENOSPC
+        done = subprocess.run([*CLI, *[a.replace("{url}", url) for a in argv]], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=_env(), timeout=60)
+    assert done.returncode == 1
+    assert _one_error_line(done.stderr) == ("cannot write the output: No space left on device; check where standard "
+                                            "output goes (a full disk, a closed terminal), then retry")
+
+
 def test_negative_keys_reach_the_key_check_instead_of_being_options(tmp_path, capsys):
     url = str(tmp_path)
     assert main(["index", "put", url, "-5=1"]) == 2
