@@ -460,6 +460,37 @@ def _ranges(ranges: list[list[int]]) -> str:
     return ", ".join(f"{first}..{last}" for first, last in ranges)
 
 
+_POLICY_OPTIONS = {"cleanup_policy": "--cleanup-policy", "min_compaction_lag_ms": "--min-compaction-lag",
+                   "tombstone_retention_ms": "--tombstone-retention", "retention_ms": "--retention",
+                   "retention_bytes": "--retention-bytes"}
+
+
+def _policy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The cleanup-policy options given (``CleanupPolicy``'s names), checked before anything is opened."""
+    from .log.cleanup_policy import policy_from_options
+
+    options: dict[str, Any] = {}
+    if args.cleanup_policy is not None:
+        options["cleanup_policy"] = args.cleanup_policy
+    for name, text in (("min_compaction_lag_ms", args.min_compaction_lag),
+                       ("tombstone_retention_ms", args.tombstone_retention), ("retention_ms", args.retention)):
+        if text is not None:
+            options[name] = None if name == "retention_ms" and text.lower() == "none" else parse_duration(text)
+    if args.retention_bytes is not None:
+        options["retention_bytes"] = None if args.retention_bytes.lower() == "none" else parse_size(args.retention_bytes)
+    policy_from_options(options)  # bad values: InvalidInputError now, naming the field
+    return options
+
+
+def _shown_policy(policy) -> str:
+    def ms(value: int | None) -> str:
+        return "none" if value is None else f"{value:,} ms"
+
+    return (f"cleanup_policy {policy.cleanup_policy}, min_compaction_lag {ms(policy.min_compaction_lag_ms)}, "
+            f"tombstone_retention {ms(policy.tombstone_retention_ms)}, retention {ms(policy.retention_ms)}, "
+            f"retention_bytes {'none' if policy.retention_bytes is None else f'{policy.retention_bytes:,}'}")
+
+
 def _segment_append(args: argparse.Namespace) -> int:
     from .log.batch import Record, codec_for
 
@@ -469,7 +500,16 @@ def _segment_append(args: argparse.Namespace) -> int:
     updates = _attribute_updates(args.attribute)
     codec = None if args.codec is None else codec_for(args.codec)
     key = None if args.key is None else args.key.encode("utf-8", "surrogateescape")
-    if args.values:
+    policy = _policy_options(args)
+    if policy and not args.create:
+        raise InvalidInputError(f"{', '.join(_POLICY_OPTIONS[n] for n in policy)} set the policy of a segment "
+                                "'append --create' creates; 'attrindex segment configure' changes an existing one's")
+    if args.tombstone:
+        if key is None or args.values:
+            raise InvalidInputError("--tombstone appends one tombstone (a record with no value: it deletes its key "
+                                    "when the segment is compacted) and needs --key and no VALUE")
+        values: Any = [None]
+    elif args.values:
         values = [v.encode("utf-8", "surrogateescape") for v in args.values]
     else:
         values = _stdin_values()
@@ -479,9 +519,11 @@ def _segment_append(args: argparse.Namespace) -> int:
     with _open_store(args, writes=True, create=args.create,
                      missing=f"give --create to create the store and segment {args.name!r}") as store:
         try:
-            segment = store.segment(args.name, create=args.create)
+            segment = store.segment(args.name, create=args.create, **policy)
         except SegmentNotFoundError as exc:
             raise SegmentNotFoundError(f"{exc} (give --create to create it)") from None
+        except InvalidInputError as exc:  # a policy unlike the existing segment's
+            raise InvalidInputError(str(exc).replace("Segment.configure", "'attrindex segment configure'")) from None
         expected = args.expected_offset
         pending = updates
         try:
@@ -634,6 +676,32 @@ def _segment_compact(args: argparse.Namespace) -> int:
     return 0
 
 
+def _segment_configure(args: argparse.Namespace) -> int:
+    options = _policy_options(args)
+    with _open_store(args, writes=True) as store:
+        segment = store.segment(args.name)
+        if not options:
+            print(_shown_policy(segment.cleanup_policy()))
+            return 0
+        policy = segment.configure(**options)
+    print(f"configured: {_shown_policy(policy)}")
+    return 0
+
+
+def _add_policy_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cleanup-policy", choices=("delete", "compact", "delete,compact"),
+                        help="delete: retention only (the default); compact: keep the latest record of each key "
+                             "('segment compact'); delete,compact: both")
+    parser.add_argument("--min-compaction-lag", metavar="DURATION",
+                        help="records younger than this are never compacted: 90s, 15m, 12h, 7d (default 0)")
+    parser.add_argument("--tombstone-retention", metavar="DURATION",
+                        help="keep a tombstone this long after compaction first rewrote it (default 1d)")
+    parser.add_argument("--retention", metavar="DURATION",
+                        help="with delete,compact: the age limit 'segment compact' applies first, or 'none'")
+    parser.add_argument("--retention-bytes", metavar="SIZE",
+                        help="with delete,compact: the size limit 'segment compact' applies first, or 'none'")
+
+
 def _segment_list(args: argparse.Namespace) -> int:
     from .store import validate_name
 
@@ -713,6 +781,10 @@ def _add_segment_commands(commands) -> None:
     append.add_argument("--timestamp", type=int, metavar="MS", help="record timestamp in ms since the epoch (default: now)")
     append.add_argument("--batch", type=int, default=1000, metavar="N",
                         help="records per append when reading stdin (default 1000)")
+    append.add_argument("--tombstone", action="store_true",
+                        help="append one tombstone for --key instead of values: a record with no value, which "
+                             "deletes the key when a compacting segment is compacted")
+    _add_policy_options(append)  # for a segment --create creates
 
     read = action("read", _segment_read, "print records, from the first one still stored or from --offset/--timestamp",
                   epilog=_READ_FORMATS_HELP)
@@ -752,6 +824,11 @@ def _add_segment_commands(commands) -> None:
                          help="leave records younger than this: 90s, 15m, 12h, 7d (default: the segment's policy)")
     compact.add_argument("--tombstone-retention", metavar="DURATION",
                          help="remove tombstones first cleaned longer ago than this (default: the segment's policy, 1d)")
+
+    configure = action("configure", _segment_configure,
+                       "change the segment's cleanup policy (the options not given keep their values), or "
+                       "print it when no option is given")
+    _add_policy_options(configure)
 
     consolidate = action("consolidate", _segment_consolidate,
                          "merge runs of small log chunks (one object per append on S3) into large ones; "

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from attrindex import SegmentStore
+from attrindex import Record, SegmentStore
 from attrindex.cli import main, parse_duration, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -469,3 +469,64 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
         "d or w (e.g. 90s, 15m, 12h, 7d), or plain milliseconds\n"
     done = _run("segment", "stats", "gs://bucket/x", "s")
     assert (done.returncode, done.stderr.count("\n"), "Traceback" in done.stderr) == (2, 1, False)
+
+
+# -- log compaction from the command line ----------------------------------------------------------
+
+def test_a_compacted_segment_is_created_fed_tombstones_configured_and_compacted_from_the_command_line(tmp_path, capsys):
+    url = str(tmp_path / "store")
+    assert main(["segment", "append", url, "users", "--create", "--cleanup-policy", "compact",
+                 "--tombstone-retention", "0", "--key", "alice", "v1", "v2"]) == 0
+    assert main(["segment", "append", url, "users", "--key", "bob", "b1"]) == 0
+    assert main(["segment", "append", url, "users", "--key", "alice", "--tombstone"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "appended 1 records at offsets 3..3"
+    with SegmentStore.open(url, log_rolling_size=64) as store:  # one more record seals the chunk: compactable
+        seg = store.segment("users")
+        assert seg.read(3)[0].value is None and seg.read(3)[0].key == b"alice"
+        seg.append([Record(b"c1", b"carol")])
+    assert main(["segment", "configure", url, "users"]) == 0
+    assert capsys.readouterr().out == ("cleanup_policy compact, min_compaction_lag 0 ms, tombstone_retention 0 ms, "
+                                       "retention none, retention_bytes none\n")
+    assert main(["segment", "compact", url, "users"]) == 0  # keeps the tombstone a first time
+    assert main(["segment", "compact", url, "users"]) == 0  # then removes it (retention 0)
+    capsys.readouterr()
+    assert main(["segment", "read", url, "users"]) == 0
+    assert [line.split("\t")[2:] for line in capsys.readouterr().out.splitlines()] == [["bob", "b1"], ["carol", "c1"]]
+    assert main(["segment", "configure", url, "users", "--cleanup-policy", "delete,compact", "--min-compaction-lag", "1h",
+                 "--retention", "7d", "--retention-bytes", "1GiB"]) == 0
+    assert capsys.readouterr().out == ("configured: cleanup_policy delete,compact, min_compaction_lag 3,600,000 ms, "
+                                       "tombstone_retention 0 ms, retention 604,800,000 ms, "
+                                       "retention_bytes 1,073,741,824\n")
+    with SegmentStore.open(url, create=False) as store:
+        policy = store.segment("users").cleanup_policy()
+    assert (policy.cleanup_policy, policy.min_compaction_lag_ms, policy.retention_bytes) == ("delete,compact",
+                                                                                             3_600_000, 1 << 30)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--key", "k", "--tombstone", "v"], "--tombstone appends one tombstone"),
+    (["--tombstone"], "--tombstone appends one tombstone"),
+    (["--cleanup-policy", "compact", "--key", "k", "v"], "--cleanup-policy set the policy of a segment 'append --create'"),
+    (["--create", "--cleanup-policy", "delete", "--key", "k", "v"], "change it with 'attrindex segment configure'"),
+    (["--create", "--min-compaction-lag", "soon", "--key", "k", "v"], "cannot read 'soon' as a duration"),
+])
+def test_bad_compaction_input_is_refused_before_anything_is_written(tmp_path, capsys, argv, message):
+    url = str(tmp_path / "store")
+    assert main(["segment", "append", url, "users", "--create", "--cleanup-policy", "compact", "--key", "k", "v"]) == 0
+    capsys.readouterr()
+    assert main(["segment", "append", url, "users", *argv]) == 2
+    assert message in capsys.readouterr().err
+    with SegmentStore.open(url, create=False) as store:
+        assert store.segment("users").next_offset == 1
+
+
+def test_configure_refuses_a_missing_segment_and_an_unknown_policy(tmp_path, capsys):
+    url = str(tmp_path / "store")
+    assert main(["segment", "append", url, "s", "--create", "v"]) == 0
+    assert main(["segment", "configure", url, "nope", "--cleanup-policy", "compact"]) == 4
+    with pytest.raises(SystemExit):
+        main(["segment", "configure", url, "s", "--cleanup-policy", "shred"])
+    capsys.readouterr()
+    assert main(["segment", "configure", url, "s", "--cleanup-policy", "compact"]) == 0
+    assert main(["segment", "append", url, "s", "keyless"]) == 2  # a compacting segment needs keys
+    assert "has no key" in capsys.readouterr().err
