@@ -11,8 +11,10 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 import uuid
 from typing import Any, Iterator, Sequence
@@ -491,6 +493,24 @@ def _shown_policy(policy) -> str:
             f"retention_bytes {'none' if policy.retention_bytes is None else f'{policy.retention_bytes:,}'}")
 
 
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C inside the block is held until the block is done, then raised: an append is either
+    done or never started when the command stops, so what it reports as appended is exact."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # (Ctrl-C is ignored, or handled by whoever runs this)
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
+
 def _segment_append(args: argparse.Namespace) -> int:
     from .log.batch import Record, codec_for
 
@@ -529,21 +549,32 @@ def _segment_append(args: argparse.Namespace) -> int:
         try:
             for batch in _batches(values, args.batch):
                 records = batch if key is None else [Record(value=v, key=key) for v in batch]
-                result = segment.append(records, pending, expected, timestamp=args.timestamp, codec=codec)
-                pending = []
-                if expected is not None:  # keep the whole run contiguous, as the user asked for the first offset
-                    expected = result.last_offset + 1
-                count += result.record_count
-                if ranges and ranges[-1][1] + 1 == result.first_offset:
-                    ranges[-1][1] = result.last_offset
-                else:
-                    ranges.append([result.first_offset, result.last_offset])
+                with _interrupts_held():  # (a Ctrl-C meanwhile is raised after the bookkeeping too)
+                    result = segment.append(records, pending, expected, timestamp=args.timestamp, codec=codec)
+                    pending = []
+                    if expected is not None:  # keep the whole run contiguous, as the user asked for the first offset
+                        expected = result.last_offset + 1
+                    count += result.record_count
+                    if ranges and ranges[-1][1] + 1 == result.first_offset:
+                        ranges[-1][1] = result.last_offset
+                    else:
+                        ranges.append([result.first_offset, result.last_offset])
         except (AttrIndexError, OSError):
             if count:  # the earlier batches are durable: say so next to the error
                 print(f"attrindex: appended {count} records at offsets {_ranges(ranges)} before the error below", file=sys.stderr)
             raise
+        except KeyboardInterrupt:  # between two appends (_interrupts_held): count is exact
+            given = "VALUEs" if args.values else "lines of the input"
+            if count:
+                print(f"attrindex: interrupted: appended {count} records at offsets {_ranges(ranges)}, the first "
+                      f"{count} {given}; nothing after them was appended (resume from the {_ordinal(count + 1)})",
+                      file=sys.stderr)
+            else:
+                print("attrindex: interrupted: nothing was appended", file=sys.stderr)
+            raise
         if pending:  # no records at all: the attribute updates go alone
-            segment.append((), pending, expected, timestamp=args.timestamp, codec=codec)
+            with _interrupts_held():
+                segment.append((), pending, expected, timestamp=args.timestamp, codec=codec)
         next_offset = segment.next_offset
     with_updates = f" with {len(updates)} attribute update(s)" if updates else ""
     if count:
@@ -551,6 +582,10 @@ def _segment_append(args: argparse.Namespace) -> int:
     else:
         print(f"appended 0 records{with_updates}; next offset {next_offset}")
     return 0
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _read_start(segment, args: argparse.Namespace) -> int | None:

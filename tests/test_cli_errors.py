@@ -4,11 +4,13 @@ convention for every command, ``--debug`` for the traceback, and no silent empty
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -175,6 +177,45 @@ def test_a_failing_standard_output_is_blamed_on_the_output_not_the_store(tmp_pat
     assert done.returncode == 1
     assert _one_error_line(done.stderr) == ("cannot write the output: No space left on device; check where standard "
                                             "output goes (a full disk, a closed terminal), then retry")
+
+
+# Installed as sitecustomize in the child: says when attrindex starts loading, then holds that
+# import for a while, so the test's Ctrl-C lands inside it.
+_SLOW_IMPORT = """
+import sys, time
+
+class _Announce:
+    def find_spec(self, name, path=None, target=None):
+        if name == "attrindex.errors":
+            sys.meta_path.remove(self)
+            sys.stderr.write("importing attrindex\\n")
+            sys.stderr.flush()
+            time.sleep(30)
+        return None
+
+sys.meta_path.insert(0, _Announce())
+"""
+
+
+def test_ctrl_c_while_the_library_loads_exits_130_quietly(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_IMPORT)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    # What the console script runs (its entry point, checked below), before attrindex is imported.
+    command = subprocess.Popen([sys.executable, "-c", "import sys, attrindex_command; sys.exit(attrindex_command.main())",
+                                "segment", "list", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert command.stderr.readline() == "importing attrindex\n"
+        command.send_signal(signal.SIGINT)
+        assert command.wait(timeout=30) == 130
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+    assert command.stderr.read() == "" and command.stdout.read() == ""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"attrindex": "attrindex_command:main"}
 
 
 def test_negative_keys_reach_the_key_check_instead_of_being_options(tmp_path, capsys):
