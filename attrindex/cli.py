@@ -775,7 +775,10 @@ def _segment_repair(args: argparse.Namespace) -> int:
 
     with _open_store(args, writes=True) as store:
         report = store.repair_segment(args.name)
-    print(describe_repair(report))
+    if not report.repaired:
+        print("ok: no damage found; nothing was changed")
+    else:
+        print(f"repaired: {describe_repair(report)}")
     return 0
 
 
