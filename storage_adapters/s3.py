@@ -19,8 +19,9 @@ timeouts; a retried create that finds its own object is settled by reading it ba
 ``RollingSegment``). These are the only retries of a request: s3fs's own retry loop, which would
 run botocore's attempts again up to five times (25 for a read), is turned off, so an endpoint that
 accepts connections and never answers fails a request after ``max_attempts`` read timeouts plus
-back-off (``worst_case_seconds``: under 2 minutes with the defaults, if the connection is made). A response body that breaks off
-part-way (which botocore does not retry) is read again, up to ``max_attempts`` times in all.
+back-off (``worst_case_seconds``: under 2 minutes with the defaults, if the connection is made).
+A response body that breaks off part-way (which botocore does not retry) is read again, up to
+``max_attempts`` times in all.
 ``deletion_grace`` (seconds a truncated chunk's name stays occupied before it is deleted, default
 900; see docs/storage.md).
 """
