@@ -46,7 +46,6 @@ def test_memory_url_is_shared_within_the_process():
     assert RollingSegment(open_storage("memory://other-root"), "s").length == 0
 
 
-@pytest.mark.parametrize("url", ["gs://bucket/x", "hdfs://host/path", "ftp://h/p"])
 class _PathLike:
     """An ``os.PathLike`` that is not a ``pathlib.Path`` (as third-party path classes are)."""
 
@@ -75,6 +74,7 @@ def test_every_os_pathlike_opens_as_its_local_path(tmp_path, as_path):
         assert [r.value for r in store.segment("s").read(0)] == [b"v"]
 
 
+@pytest.mark.parametrize("url", ["gs://bucket/x", "hdfs://host/path", "ftp://h/p"])
 def test_unknown_scheme_is_a_clear_error(url):
     with pytest.raises(UnsupportedSchemeError) as caught:
         open_storage(url)
