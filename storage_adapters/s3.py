@@ -16,14 +16,15 @@ Storage options of this backend (the rest go to ``s3fs.S3FileSystem``): ``connec
 ``read_timeout`` (seconds, default 10 and 20), ``max_attempts`` (default 5: botocore's standard
 retry mode, exponential backoff with jitter on 500/503/SlowDown/throttling, connection errors and
 timeouts; a retried create that finds its own object is settled by reading it back, see
-``RollingSegment``). These are the only retries of a request: s3fs's own retry loop, which would
-run botocore's attempts again up to five times (25 for a read), is turned off, so an endpoint that
-accepts connections and never answers fails a request after ``max_attempts`` read timeouts plus
-back-off (``worst_case_seconds``: under 2 minutes with the defaults, if the connection is made).
-A response body that breaks off part-way (which botocore does not retry) is read again, up to
+``RollingSegment``) and ``deletion_grace`` (seconds a truncated chunk's name stays occupied before
+it is deleted, default 900; see docs/storage.md).
+
+botocore's attempts are the only retries of a request: s3fs's own retry loop, which would run them
+again up to five times (25 for a read), is turned off, so an endpoint that accepts connections and
+never answers fails a request after ``max_attempts`` read timeouts plus back-off
+(``worst_case_seconds``: under 2 minutes with the defaults, if the connection is made). A request
+whose response breaks off part-way (which botocore does not retry) is sent again, up to
 ``max_attempts`` times in all.
-``deletion_grace`` (seconds a truncated chunk's name stays occupied before it is deleted, default
-900; see docs/storage.md).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     import botocore.exceptions
 
     return (OSError, botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
-            aiohttp.ClientError, asyncio.TimeoutError)
+            aiohttp.ClientError, asyncio.TimeoutError, *_broken_off_errors())
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -300,7 +301,9 @@ class S3ChunkStorage(ChunkStorage):
 
     def _again(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         """``call(*args, **kwargs)``, tried again (up to ``max_attempts`` in all) while its response
-        breaks off part-way; for requests that may be repeated (reads, listings, deletions)."""
+        breaks off part-way (as s3fs's own retry loop did). Reads, listings and deletions may be
+        repeated; so may a create: a repeat that finds its own first try landed gets 412, which
+        ``RollingSegment`` settles by reading the chunk back."""
         broken = _broken_off_errors()
         for attempt in range(1, self.max_attempts + 1):
             try:
@@ -390,7 +393,7 @@ class S3ChunkStorage(ChunkStorage):
         self._client()
         with s3_errors("create", self._abs(path), write=True):
             try:
-                self.fs.pipe_file(self._abs(path), bytes(data), mode="create")
+                self._again(self.fs.pipe_file, self._abs(path), bytes(data), mode="create")
             except OSError as exc:
                 if is_precondition_failed(exc):
                     raise ChunkExistsError(self._abs(path)) from None
