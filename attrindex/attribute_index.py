@@ -16,6 +16,7 @@ See docs/design.md, "Write path". The helpers other modules import from here are
 
 from __future__ import annotations
 
+import os
 import contextlib
 import logging
 import threading
@@ -165,14 +166,15 @@ class AttributeIndex(IndexHandle):
     @classmethod
     def open(
         cls,
-        url: str,
+        url: str | os.PathLike[str],
         name: str = "attributes",
         *,
         mode: str = "a",
         storage_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> "AttributeIndex":
-        """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path, ``s3://``.
+        """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path (``str`` or
+        ``os.PathLike``), ``s3://``.
 
         ``mode="a"`` (the default) opens the index or creates it; ``mode="r"`` opens an existing
         index read-only (nothing is written, not even a merge): a missing one (a mistyped path, an
@@ -289,7 +291,11 @@ class AttributeIndex(IndexHandle):
         if frozen is not None and len(frozen):
             pending = frozen.copy_values()
             pending.update(active)
-        stored = tree.get_many(sort_keys(list(pending))) if pending else []
+        # From the tree itself, not through its recent-values cache: a merge makes its version
+        # current before it refreshes that cache, so in between the cache answers the previous
+        # version's values (a key about to be written still cached as absent) under the new
+        # version's entry count. The tree answers every key from one version, checked below.
+        stored = tree._tree.get_many(sort_keys(list(pending))) if pending else []
         if tree._tree.state.footer_offset != version.footer_offset:
             return None
         present = sum(v is not None for v in pending.values())
@@ -470,7 +476,7 @@ class AttributeIndex(IndexHandle):
         return self._verify(self._storage, self._name, self._options, progress)
 
     @classmethod
-    def verify_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+    def verify_at(cls, storage: str | os.PathLike[str] | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None,
                   progress: Callable[[int, int], None] | None = None) -> IndexVerifyReport:
         """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
@@ -505,7 +511,7 @@ class AttributeIndex(IndexHandle):
         return report
 
     @classmethod
-    def repair_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+    def repair_at(cls, storage: str | os.PathLike[str] | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None) -> WalIndexRepairReport:
         """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it.
 

@@ -11,8 +11,10 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 import uuid
 from typing import Any, Iterator, Sequence
@@ -26,6 +28,7 @@ from .cli_errors import (
     EXIT_DAMAGED,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
+    OutputError,
     explain,
 )
 from .errors import AttrIndexError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError
@@ -39,6 +42,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.rows < 1000:
         raise InvalidInputError(f"--rows must be at least 1000, got {args.rows}")
+    if args.path is not None:
+        check_url(args.path)
     return demo_main(args.path, _user_storage_options(args.storage_option), args.rows, args.master)
 
 
@@ -83,10 +88,13 @@ def _parse_value(text: str) -> int | None:
         raise InvalidInputError(f"cannot read {text!r} as a value: give an integer, or 'none' to remove") from None
 
 
-# The command line's S3 clients fail fast: a mistyped endpoint or a dead network is reported in
-# a few seconds, not after botocore's default 60 s connect timeout and 5 attempts with back-off.
-# Options the user gives (-o config_kwargs={...}) win over these.
-S3_CLIENT_CONFIG = {"connect_timeout": 2, "retries": {"total_max_attempts": 2, "mode": "standard"}}
+# The command line's S3 requests fail fast: a mistyped endpoint, a dead network or an endpoint
+# that never answers is reported within seconds (at most 2 attempts of a 2 s connect timeout and
+# a 10 s read timeout: 25 s), not after the library's defaults (5 attempts of 10 s and 20 s).
+# Options the user gives (-o read_timeout=60, or botocore's own names in -o config_kwargs={...})
+# win over these.
+S3_FAIL_FAST = {"connect_timeout": 2, "read_timeout": 10, "max_attempts": 2}
+_BOTOCORE_NAMES = {"connect_timeout": "connect_timeout", "read_timeout": "read_timeout", "max_attempts": "retries"}
 
 
 def _user_storage_options(pairs: list[str]) -> dict[str, Any]:
@@ -108,17 +116,28 @@ def _user_storage_options(pairs: list[str]) -> dict[str, Any]:
 
 
 def failing_fast(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus ``S3_CLIENT_CONFIG`` if ``url`` is on S3 (the user's settings win)."""
+    """``options`` plus ``S3_FAIL_FAST`` if ``url`` is on S3 (the user's settings win)."""
     if "://" not in url or url.split("://", 1)[0].lower() not in ("s3", "s3a"):
         return options
     given = options.get("config_kwargs", {})
     if not isinstance(given, dict):
         raise InvalidInputError(f"storage option 'config_kwargs' must be a JSON object, got {given!r}")
-    return {**options, "config_kwargs": {**S3_CLIENT_CONFIG, **given}}
+    defaults = {name: value for name, value in S3_FAIL_FAST.items()
+                if name not in options and _BOTOCORE_NAMES[name] not in given}
+    return {**defaults, **options}
+
+
+def check_url(url: str) -> str:
+    """A storage URL given on the command line, refused if nothing could outlive the command:
+    a ``memory://`` store lives inside one process and is gone when the command exits."""
+    if url.split("://", 1)[0].lower() == "memory" and "://" in url:
+        raise InvalidInputError(f"{url!r}: a memory:// store lives only inside one process, so what this command "
+                                "wrote would be gone when it exits; give a directory or s3://bucket/prefix")
+    return url
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    return failing_fast(args.url, _user_storage_options(args.storage_option))
+    return failing_fast(check_url(args.url), _user_storage_options(args.storage_option))
 
 
 def s3_endpoint(options: dict[str, Any]) -> str | None:
@@ -255,7 +274,7 @@ def _add_index_commands(commands) -> None:
         parser = actions.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
                                     epilog=KEYS_HELP + "\n" + EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
         _debug_option(parser)
-        parser.add_argument("url", help="storage URL: a directory, file://, memory:// or s3://bucket/prefix")
+        parser.add_argument("url", help="storage URL: a directory, file:// or s3://bucket/prefix")
         parser.add_argument("--name", default="attributes", help="the index's segment name (default: attributes)")
         parser.add_argument("--page-size", type=int, default=32768, help="page size for new pages (default 32768)")
         parser.add_argument("-o", "--storage-option", action="append", default=[], metavar="NAME=VALUE",
@@ -443,6 +462,55 @@ def _ranges(ranges: list[list[int]]) -> str:
     return ", ".join(f"{first}..{last}" for first, last in ranges)
 
 
+_POLICY_OPTIONS = {"cleanup_policy": "--cleanup-policy", "min_compaction_lag_ms": "--min-compaction-lag",
+                   "tombstone_retention_ms": "--tombstone-retention", "retention_ms": "--retention",
+                   "retention_bytes": "--retention-bytes"}
+
+
+def _policy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The cleanup-policy options given (``CleanupPolicy``'s names), checked before anything is opened."""
+    from .log.cleanup_policy import policy_from_options
+
+    options: dict[str, Any] = {}
+    if args.cleanup_policy is not None:
+        options["cleanup_policy"] = args.cleanup_policy
+    for name, text in (("min_compaction_lag_ms", args.min_compaction_lag),
+                       ("tombstone_retention_ms", args.tombstone_retention), ("retention_ms", args.retention)):
+        if text is not None:
+            options[name] = None if name == "retention_ms" and text.lower() == "none" else parse_duration(text)
+    if args.retention_bytes is not None:
+        options["retention_bytes"] = None if args.retention_bytes.lower() == "none" else parse_size(args.retention_bytes)
+    policy_from_options(options)  # bad values: InvalidInputError now, naming the field
+    return options
+
+
+def _shown_policy(policy) -> str:
+    def ms(value: int | None) -> str:
+        return "none" if value is None else f"{value:,} ms"
+
+    return (f"cleanup_policy {policy.cleanup_policy}, min_compaction_lag {ms(policy.min_compaction_lag_ms)}, "
+            f"tombstone_retention {ms(policy.tombstone_retention_ms)}, retention {ms(policy.retention_ms)}, "
+            f"retention_bytes {'none' if policy.retention_bytes is None else f'{policy.retention_bytes:,}'}")
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C inside the block is held until the block is done, then raised: an append is either
+    done or never started when the command stops, so what it reports as appended is exact."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # (Ctrl-C is ignored, or handled by whoever runs this)
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
+
+
 def _segment_append(args: argparse.Namespace) -> int:
     from .log.batch import Record, codec_for
 
@@ -452,7 +520,16 @@ def _segment_append(args: argparse.Namespace) -> int:
     updates = _attribute_updates(args.attribute)
     codec = None if args.codec is None else codec_for(args.codec)
     key = None if args.key is None else args.key.encode("utf-8", "surrogateescape")
-    if args.values:
+    policy = _policy_options(args)
+    if policy and not args.create:
+        raise InvalidInputError(f"{', '.join(_POLICY_OPTIONS[n] for n in policy)} set the policy of a segment "
+                                "'append --create' creates; 'attrindex segment configure' changes an existing one's")
+    if args.tombstone:
+        if key is None or args.values:
+            raise InvalidInputError("--tombstone appends one tombstone (a record with no value: it deletes its key "
+                                    "when the segment is compacted) and needs --key and no VALUE")
+        values: Any = [None]
+    elif args.values:
         values = [v.encode("utf-8", "surrogateescape") for v in args.values]
     else:
         values = _stdin_values()
@@ -462,29 +539,42 @@ def _segment_append(args: argparse.Namespace) -> int:
     with _open_store(args, writes=True, create=args.create,
                      missing=f"give --create to create the store and segment {args.name!r}") as store:
         try:
-            segment = store.segment(args.name, create=args.create)
+            segment = store.segment(args.name, create=args.create, **policy)
         except SegmentNotFoundError as exc:
             raise SegmentNotFoundError(f"{exc} (give --create to create it)") from None
+        except InvalidInputError as exc:  # a policy unlike the existing segment's
+            raise InvalidInputError(str(exc).replace("Segment.configure", "'attrindex segment configure'")) from None
         expected = args.expected_offset
         pending = updates
         try:
             for batch in _batches(values, args.batch):
                 records = batch if key is None else [Record(value=v, key=key) for v in batch]
-                result = segment.append(records, pending, expected, timestamp=args.timestamp, codec=codec)
-                pending = []
-                if expected is not None:  # keep the whole run contiguous, as the user asked for the first offset
-                    expected = result.last_offset + 1
-                count += result.record_count
-                if ranges and ranges[-1][1] + 1 == result.first_offset:
-                    ranges[-1][1] = result.last_offset
-                else:
-                    ranges.append([result.first_offset, result.last_offset])
+                with _interrupts_held():  # (a Ctrl-C meanwhile is raised after the bookkeeping too)
+                    result = segment.append(records, pending, expected, timestamp=args.timestamp, codec=codec)
+                    pending = []
+                    if expected is not None:  # keep the whole run contiguous, as the user asked for the first offset
+                        expected = result.last_offset + 1
+                    count += result.record_count
+                    if ranges and ranges[-1][1] + 1 == result.first_offset:
+                        ranges[-1][1] = result.last_offset
+                    else:
+                        ranges.append([result.first_offset, result.last_offset])
         except (AttrIndexError, OSError):
             if count:  # the earlier batches are durable: say so next to the error
                 print(f"attrindex: appended {count} records at offsets {_ranges(ranges)} before the error below", file=sys.stderr)
             raise
+        except KeyboardInterrupt:  # between two appends (_interrupts_held): count is exact
+            given = "VALUEs" if args.values else "lines of the input"
+            if count:
+                print(f"attrindex: interrupted: appended {count} records at offsets {_ranges(ranges)}, the first "
+                      f"{count} {given}; nothing after them was appended (resume from the {_ordinal(count + 1)})",
+                      file=sys.stderr)
+            else:
+                print("attrindex: interrupted: nothing was appended", file=sys.stderr)
+            raise
         if pending:  # no records at all: the attribute updates go alone
-            segment.append((), pending, expected, timestamp=args.timestamp, codec=codec)
+            with _interrupts_held():
+                segment.append((), pending, expected, timestamp=args.timestamp, codec=codec)
         next_offset = segment.next_offset
     with_updates = f" with {len(updates)} attribute update(s)" if updates else ""
     if count:
@@ -492,6 +582,10 @@ def _segment_append(args: argparse.Namespace) -> int:
     else:
         print(f"appended 0 records{with_updates}; next offset {next_offset}")
     return 0
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _read_start(segment, args: argparse.Namespace) -> int | None:
@@ -617,6 +711,32 @@ def _segment_compact(args: argparse.Namespace) -> int:
     return 0
 
 
+def _segment_configure(args: argparse.Namespace) -> int:
+    options = _policy_options(args)
+    with _open_store(args, writes=True) as store:
+        segment = store.segment(args.name)
+        if not options:
+            print(_shown_policy(segment.cleanup_policy()))
+            return 0
+        policy = segment.configure(**options)
+    print(f"configured: {_shown_policy(policy)}")
+    return 0
+
+
+def _add_policy_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cleanup-policy", choices=("delete", "compact", "delete,compact"),
+                        help="delete: retention only (the default); compact: keep the latest record of each key "
+                             "('segment compact'); delete,compact: both")
+    parser.add_argument("--min-compaction-lag", metavar="DURATION",
+                        help="records younger than this are never compacted: 90s, 15m, 12h, 7d (default 0)")
+    parser.add_argument("--tombstone-retention", metavar="DURATION",
+                        help="keep a tombstone this long after compaction first rewrote it (default 1d)")
+    parser.add_argument("--retention", metavar="DURATION",
+                        help="with delete,compact: the age limit 'segment compact' applies first, or 'none'")
+    parser.add_argument("--retention-bytes", metavar="SIZE",
+                        help="with delete,compact: the size limit 'segment compact' applies first, or 'none'")
+
+
 def _segment_list(args: argparse.Namespace) -> int:
     from .store import validate_name
 
@@ -655,7 +775,10 @@ def _segment_repair(args: argparse.Namespace) -> int:
 
     with _open_store(args, writes=True) as store:
         report = store.repair_segment(args.name)
-    print(describe_repair(report))
+    if not report.repaired:
+        print("ok: no damage found; nothing was changed")
+    else:
+        print(f"repaired: {describe_repair(report)}")
     return 0
 
 
@@ -672,7 +795,7 @@ def _add_segment_commands(commands) -> None:
                                     epilog=(epilog + "\n" if epilog else "") + EXIT_CODES_HELP,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         _debug_option(parser)
-        parser.add_argument("url", metavar="URL", help="storage URL: a directory, file://, memory:// or s3://bucket/prefix")
+        parser.add_argument("url", metavar="URL", help="storage URL: a directory, file:// or s3://bucket/prefix")
         if named:
             parser.add_argument("name", metavar="NAME", help="the segment's name, e.g. orders or orders/0")
         parser.add_argument("-o", "--storage-option", action="append", default=[], metavar="NAME=VALUE",
@@ -696,6 +819,10 @@ def _add_segment_commands(commands) -> None:
     append.add_argument("--timestamp", type=int, metavar="MS", help="record timestamp in ms since the epoch (default: now)")
     append.add_argument("--batch", type=int, default=1000, metavar="N",
                         help="records per append when reading stdin (default 1000)")
+    append.add_argument("--tombstone", action="store_true",
+                        help="append one tombstone for --key instead of values: a record with no value, which "
+                             "deletes the key when a compacting segment is compacted")
+    _add_policy_options(append)  # for a segment --create creates
 
     read = action("read", _segment_read, "print records, from the first one still stored or from --offset/--timestamp",
                   epilog=_READ_FORMATS_HELP)
@@ -735,6 +862,11 @@ def _add_segment_commands(commands) -> None:
                          help="leave records younger than this: 90s, 15m, 12h, 7d (default: the segment's policy)")
     compact.add_argument("--tombstone-retention", metavar="DURATION",
                          help="remove tombstones first cleaned longer ago than this (default: the segment's policy, 1d)")
+
+    configure = action("configure", _segment_configure,
+                       "change the segment's cleanup policy (the options not given keep their values), or "
+                       "print it when no option is given")
+    _add_policy_options(configure)
 
     consolidate = action("consolidate", _segment_consolidate,
                          "merge runs of small log chunks (one object per append on S3) into large ones; "
@@ -831,6 +963,33 @@ def _stop_writing_output() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+class _Output:
+    """Standard output as the commands write it: a write or flush that fails (other than a closed
+    pipe) raises ``OutputError``, so the failure is told apart from the store's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputError(exc) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _show_debug_logs() -> None:
     if getattr(_show_debug_logs, "done", False):  # main() may run many times in one process (tests)
         return
@@ -856,6 +1015,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the parsed command; every failure ends as one line on stderr and an exit code
     (``cli_errors``), with the traceback too under ``--debug``."""
     debug = getattr(args, "debug", False)
+    stdout = sys.stdout
+    sys.stdout = _Output(stdout)  # type: ignore[assignment]
     try:
         code = args.run(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
@@ -871,7 +1032,11 @@ def run(args: argparse.Namespace) -> int:
         failure = explain(exc, *_where(args))
         log.debug("exit %d: %r", failure.code, exc)
         print(f"attrindex: error: {failure.message}", file=sys.stderr)
+        if isinstance(exc, OutputError):
+            _stop_writing_output()  # what is still buffered would fail again at the interpreter's exit
         return failure.code
+    finally:
+        sys.stdout = stdout
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -49,7 +49,13 @@ Errors are one line on stderr: attrindex: error: WHAT; WHAT TO DO. --debug adds 
 _CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
 _UNREACHABLE = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError",
                 "ClientConnectorError", "ServerDisconnectedError", "ConnectionError"}
+_SILENT = {"ReadTimeoutError", "ServerTimeoutError"}  # connected, but no answer within the read timeout
 _S3_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3")
+
+
+class OutputError(Exception):
+    """Writing the command's own output (standard output) failed: a full disk under a redirection,
+    a closed terminal. Not the store's failure; ``__cause__`` is the ``OSError``."""
 
 
 @attrs.frozen
@@ -88,6 +94,11 @@ def explain(exc: BaseException, url: str | None = None, endpoint: str | None = N
     (S3 ``endpoint`` if one was given)."""
     where = f" at {url}" if url else ""
     server = endpoint or "the default AWS endpoint"
+    if isinstance(exc, OutputError):
+        cause = exc.__cause__
+        reason = (cause.strerror if isinstance(cause, OSError) and cause.strerror else _one_line(str(cause)))
+        return Failure(f"cannot write the output: {reason}; check where standard output goes (a full disk, "
+                       "a closed terminal), then retry", EXIT_FAILED)
     chain = list(_chain(exc))
     if any(_s3_client_error(e, _CREDENTIALS) for e in chain):
         return Failure(f"no S3 credentials found for {url or 'the store'} ({server}); set AWS_ACCESS_KEY_ID and "
@@ -95,6 +106,10 @@ def explain(exc: BaseException, url: str | None = None, endpoint: str | None = N
     if any(_s3_client_error(e, _UNREACHABLE) for e in chain):
         return Failure(f"cannot reach the S3 endpoint {server} for {url or 'the store'}: {_one_line(str(chain[-1]))}; "
                        "check -o endpoint_url=... and the network, then retry", EXIT_FAILED)
+    if not isinstance(exc, OutcomeUnknownError) and any(_s3_client_error(e, _SILENT) for e in chain):
+        return Failure(f"the S3 endpoint {server} did not answer for {url or 'the store'} within the read timeout "
+                       "(every attempt); check the endpoint, or give it longer with -o read_timeout=SECONDS "
+                       "(and -o max_attempts=N)", EXIT_FAILED)
     if any(_missing_bucket(e) for e in chain):
         bucket = url.split("://", 1)[1].split("/", 1)[0] if url and "://" in url else "BUCKET"
         return Failure(f"S3 bucket {bucket!r} does not exist ({url} at {server}); create it first "

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -329,6 +330,15 @@ def _output_to(log_path: str) -> Iterator[None]:
             os.close(fd)
 
 
+def list_command(url: str, storage_options: dict, prefix: str) -> str:
+    """The command listing a run's segments, ready to paste into a shell: the URL and every storage
+    option the demo was given (``-o NAME=VALUE``, nested ones as JSON), quoted where needed."""
+    words = ["attrindex", "segment", "list", url, "--prefix", prefix]
+    for name, value in storage_options.items():
+        words += ["-o", f"{name}={value if isinstance(value, str) else json.dumps(value)}"]
+    return shlex.join(words)
+
+
 def _start_spark(master: str, log_path: str):
     import attrindex.spark as ais
 
@@ -379,5 +389,5 @@ def main(path: str | None, storage_options: dict, rows: int, master: str = "loca
         if started_here:
             spark.stop()
     print_report(report, say)
-    say(f"attrindex demo: the store is kept: attrindex segment list {url} --prefix {report.prefix}")
+    say(f"attrindex demo: the store is kept: {list_command(url, storage_options, report.prefix)}")
     return EXIT_OK if report.exactly_once and not report.lookup_mismatches else EXIT_DAMAGED

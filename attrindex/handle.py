@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Self
 
 from storage_adapters.rolling import validate_segment_name
@@ -24,7 +25,7 @@ class IndexHandle:
         raise NotImplementedError
 
     @classmethod
-    def _open_at(cls, url: str, name: str, mode: str, storage_options: Mapping[str, Any] | None,
+    def _open_at(cls, url: str | os.PathLike[str], name: str, mode: str, storage_options: Mapping[str, Any] | None,
                  options: dict[str, Any]) -> Self:
         """``open``'s work for every index class: the storage at ``url``, the index ``name`` in it
         (created in mode "a" after a handle built with ``options`` checked them), read-only in "r"."""

@@ -25,7 +25,7 @@ INDEX_CREATED_MARKER = "_created"
 log = logging.getLogger(__name__)
 
 
-def open_location(url: str, storage_options: Mapping[str, Any] | None, *, what: str,
+def open_location(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None, *, what: str,
                   not_found: type[Exception]) -> ChunkStorage:
     """``open_storage(url, **storage_options)``, refusing a local path that cannot be a directory.
 

@@ -15,6 +15,7 @@ in names starting with ``_``, which segment names may not use, so no two segment
 
 from __future__ import annotations
 
+import os
 import inspect
 import logging
 import re
@@ -90,9 +91,9 @@ class SegmentStore:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, url: str, storage_options: Mapping[str, Any] | None = None, *, create: bool = True,
+    def open(cls, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *, create: bool = True,
              **options: Any) -> "SegmentStore":
-        """Open the store at ``url`` (``memory://``, ``file://`` or a path, ``s3://``).
+        """Open the store at ``url`` (``memory://``, ``file://`` or a path: ``str`` or ``os.PathLike``, ``s3://``).
 
         ``create=True`` (the default) creates the store if it is missing, by writing its ``_store``
         marker; ``create=False`` opens an existing store only, and a missing one (a mistyped path,

@@ -8,6 +8,7 @@ helpers (``_canonical_batch``, ``key_list``) and ``IndexStats`` live here too.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping  # (isinstance checks: typing.Mapping's is ~5x slower, on every update)
 from itertools import compress, repeat
@@ -82,7 +83,7 @@ def _canonical_batch(updates) -> dict[bytes, int | None]:
     return canonical
 
 
-def _storage(storage: str | ChunkStorage, options: Mapping[str, Any] | None, name: str) -> ChunkStorage:
+def _storage(storage: str | os.PathLike[str] | ChunkStorage, options: Mapping[str, Any] | None, name: str) -> ChunkStorage:
     """The storage an index-at classmethod works on: a URL must hold the index ``name``."""
     validate_segment_name(name)
     if isinstance(storage, ChunkStorage):
@@ -198,7 +199,7 @@ class TreeIndex(IndexHandle):
     @classmethod
     def open(
         cls,
-        url: str,
+        url: str | os.PathLike[str],
         name: str = "attributes",
         *,
         mode: str = "a",
@@ -423,7 +424,7 @@ class TreeIndex(IndexHandle):
         return verify_index(self._segment, progress)
 
     @classmethod
-    def verify_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+    def verify_at(cls, storage: str | os.PathLike[str] | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None,
                   progress: Callable[[int, int], None] | None = None) -> VerifyReport:
         """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
@@ -445,7 +446,7 @@ class TreeIndex(IndexHandle):
         return report
 
     @classmethod
-    def repair_at(cls, storage: str | ChunkStorage, name: str = "attributes", *,
+    def repair_at(cls, storage: str | os.PathLike[str] | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None) -> IndexRepairReport:
         """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it."""
         with RollingSegment(_storage(storage, storage_options, name), name) as segment:

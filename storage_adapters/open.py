@@ -13,19 +13,21 @@ from .errors import InvalidInputError, MissingDependencyError, UnsupportedScheme
 SUPPORTED_SCHEMES = ("file", "memory", "s3")
 
 
-def open_storage(url: str, *, single_writer: bool = False, **storage_options: Any) -> ChunkStorage:
+def open_storage(url: str | os.PathLike[str], *, single_writer: bool = False, **storage_options: Any) -> ChunkStorage:
     """Open chunk storage rooted at ``url``.
 
-    ``url`` is ``memory://name``, ``file:///abs/dir`` or a plain directory path, or
-    ``s3://bucket/prefix``. ``storage_options`` go to the filesystem (for S3: ``endpoint_url``,
+    ``url`` is ``memory://name``, ``file:///abs/dir`` or a plain directory path (a ``str`` or any
+    ``os.PathLike``, such as ``pathlib.Path``), or ``s3://bucket/prefix``. ``storage_options`` go to the filesystem (for S3: ``endpoint_url``,
     ``key``, ``secret``, ``client_kwargs``, ...). ``single_writer=True`` declares that exactly one
     process writes each segment, which lets S3-compatible stores that ignore ``If-None-Match`` be used.
     Local disk takes two options: ``sync`` (default True): False skips fsync, so writes survive a
     killed process but not a power loss or an OS crash; ``commit_format`` of new chunks, ``"xattr"``
     (default: one fsync per append) or ``"sidecar"`` (the v1 format, two; docs/storage.md).
     """
+    if isinstance(url, os.PathLike):  # a local path, as the standard library takes them
+        url = os.fsdecode(os.fspath(url))
     if not isinstance(url, str) or not url.strip():
-        raise InvalidInputError(f"storage URL must be a non-empty string, got {url!r}")
+        raise InvalidInputError(f"storage URL must be a non-empty string or os.PathLike, got {url!r}")
     protocol, path = split_protocol(url)
     if protocol in (None, "file", "local"):
         sync = _flag(storage_options.pop("sync", True), "sync")

@@ -13,11 +13,18 @@ pages only, an existence check one ``HeadObject``, a create one ``PutObject``, a
 counted from botocore's ``before-send`` event into ``requests``.
 
 Storage options of this backend (the rest go to ``s3fs.S3FileSystem``): ``connect_timeout`` and
-``read_timeout`` (seconds, default 10 and 60), ``max_attempts`` (default 5: botocore's standard
-retry mode, exponential backoff with jitter on 500/503/SlowDown/throttling and connection errors;
-a retried create that finds its own object is settled by reading it back, see ``RollingSegment``),
-``deletion_grace`` (seconds a truncated chunk's name stays occupied before it is deleted, default
-900; see docs/storage.md).
+``read_timeout`` (seconds, default 10 and 20), ``max_attempts`` (default 5: botocore's standard
+retry mode, exponential backoff with jitter on 500/503/SlowDown/throttling, connection errors and
+timeouts; a retried create that finds its own object is settled by reading it back, see
+``RollingSegment``) and ``deletion_grace`` (seconds a truncated chunk's name stays occupied before
+it is deleted, default 900; see docs/storage.md).
+
+botocore's attempts are the only retries of a request: s3fs's own retry loop, which would run them
+again up to five times (25 for a read), is turned off, so an endpoint that accepts connections and
+never answers fails a request after ``max_attempts`` read timeouts plus back-off
+(``worst_case_seconds``: under 2 minutes with the defaults, if the connection is made). A request
+whose response breaks off part-way (which botocore does not retry) is sent again, up to
+``max_attempts`` times in all.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ _SESSION_GUARD = threading.Lock()
 _SESSION: list[Any] = []  # one aiobotocore session for the process: clients share its loaded models
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
-DEFAULT_READ_TIMEOUT = 60.0
+DEFAULT_READ_TIMEOUT = 20.0
 DEFAULT_MAX_ATTEMPTS = 5
 #: Seconds a chunk made dead by a truncation keeps its name before it is deleted (docs/storage.md).
 DEFAULT_DELETION_GRACE = 900.0
@@ -61,6 +68,17 @@ _OPERATION_KINDS = {
     "AbortMultipartUpload": "DELETE",
 }
 _METHOD_KINDS = {"GET": "GET", "HEAD": "HEAD", "DELETE": "DELETE", "PUT": "PUT", "POST": "PUT"}
+#: botocore's standard retry mode waits at most 2**(n-1) s (jittered) before its attempt n + 1,
+#: and never more than this.
+_MAX_BACKOFF_SECONDS = 20.0
+
+
+def worst_case_seconds(connect_timeout: float, read_timeout: float, max_attempts: int) -> float:
+    """The longest one S3 request can take to fail against an endpoint that never answers: every
+    attempt waits out both timeouts (a slow connect, then a silent server), with botocore's
+    back-off between attempts."""
+    backoff = sum(min(_MAX_BACKOFF_SECONDS, 2.0 ** n) for n in range(max_attempts - 1))
+    return max_attempts * (connect_timeout + read_timeout) + backoff
 
 
 def is_precondition_failed(exc: BaseException) -> bool:
@@ -124,7 +142,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     import botocore.exceptions
 
     return (OSError, botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
-            aiohttp.ClientError, asyncio.TimeoutError)
+            aiohttp.ClientError, asyncio.TimeoutError, *_broken_off_errors())
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -136,6 +154,33 @@ def _http_status(exc: BaseException) -> int | None:
             return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _broken_off_errors() -> tuple[type[BaseException], ...]:
+    """A response that broke off part-way (its body, or unreadable XML from a throttled store),
+    which botocore's retries do not cover: the request is tried again by ``_again``."""
+    import botocore.exceptions
+    from botocore.parsers import ResponseParserError
+    from urllib3.exceptions import IncompleteRead
+
+    broken: tuple[type[BaseException], ...] = (IncompleteRead, ResponseParserError)
+    try:
+        from aiohttp import ClientPayloadError
+    except ImportError:  # pragma: no cover - aiohttp comes with aiobotocore
+        pass
+    else:
+        broken += (ClientPayloadError,)
+    return broken + tuple(getattr(botocore.exceptions, name) for name in ("ResponseStreamingError",)
+                          if hasattr(botocore.exceptions, name))
+
+
+def _without_expect_continue(request: Any, **_: Any) -> None:
+    """botocore asks for ``Expect: 100-continue`` on every PUT with a body, and aiohttp waits for
+    the ``100 Continue`` with no timeout at all (its read timeout starts once the body is sent):
+    a PUT to an endpoint that never answers would wait for ever. The header is dropped (it is
+    not signed), so the body goes at once and the read timeout bounds the wait for the answer.
+    The cost: a create refused with 412 has sent its body (a lost race, rare)."""
+    request.headers.pop("Expect", None)
 
 
 def _never_sent(exc: BaseException) -> bool:
@@ -214,6 +259,13 @@ class S3ChunkStorage(ChunkStorage):
         options.pop("skip_instance_cache", None)
         options["use_listings_cache"] = False
         self.fs = s3fs.S3FileSystem(**options, config_kwargs=config, skip_instance_cache=True, session=session)
+        self.fs.retries = 1  # botocore's attempts are the retries (the module docstring)
+        retries = config.get("retries") or {}  # botocore's "max_attempts" there counts the retries only
+        self.max_attempts = int(retries.get("total_max_attempts", retries.get("max_attempts", max_attempts - 1) + 1))
+        #: the longest one request can take to fail on a silent endpoint (``worst_case_seconds``)
+        self.worst_case_seconds = worst_case_seconds(float(config.get("connect_timeout", connect_timeout)),
+                                                     float(config.get("read_timeout", read_timeout)),
+                                                     self.max_attempts)
         self.single_writer = single_writer
         self._endpoint = str(options.get("endpoint_url") or options.get("client_kwargs", {}).get("endpoint_url") or "aws")
         self._hooked: Any = None
@@ -227,6 +279,7 @@ class S3ChunkStorage(ChunkStorage):
         client = self.fs.s3 if hasattr(self.fs, "call_s3") else None
         if client is not None and client is not self._hooked:
             client.meta.events.register("before-send.s3", self._count_request)
+            client.meta.events.register("before-send.s3", _without_expect_continue)
             self._hooked = client
         return client
 
@@ -244,7 +297,21 @@ class S3ChunkStorage(ChunkStorage):
 
     def _call(self, method: str, **kwargs: Any) -> Any:
         self._client()
-        return self.fs.call_s3(method, **kwargs)
+        return self._again(self.fs.call_s3, method, **kwargs)
+
+    def _again(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``, tried again (up to ``max_attempts`` in all) while its response
+        breaks off part-way (as s3fs's own retry loop did). Reads, listings and deletions may be
+        repeated; so may a create: a repeat that finds its own first try landed gets 412, which
+        ``RollingSegment`` settles by reading the chunk back."""
+        broken = _broken_off_errors()
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return call(*args, **kwargs)
+            except broken:
+                if attempt >= self.max_attempts:
+                    raise
+                _log.info("S3 response broke off part-way; trying again (%d of %d)", attempt + 1, self.max_attempts)
 
     @property
     def _native(self) -> bool:
@@ -287,12 +354,13 @@ class S3ChunkStorage(ChunkStorage):
         self._client()
         with s3_errors("read", self._abs(path), missing=True):
             try:
-                data = self.fs.cat_file(self._abs(path), start=start, end=end)
+                data = self._again(self.fs.cat_file, self._abs(path), start=start, end=end)
             except FileNotFoundError:
                 raise
-            except OSError:
+            except OSError as exc:
                 # S3 refuses a range that starts past the end (416); the other backends give b"".
-                if start >= self.fs.size(self._abs(path)):  # a missing file raises FileNotFoundError here
+                # (Only an answer can be that refusal: a timeout is an OSError too.)
+                if _http_status(exc) is not None and start >= self.fs.size(self._abs(path)):
                     return b""
                 raise
         self.request_counter.add_bytes(read=len(data))
@@ -325,7 +393,7 @@ class S3ChunkStorage(ChunkStorage):
         self._client()
         with s3_errors("create", self._abs(path), write=True):
             try:
-                self.fs.pipe_file(self._abs(path), bytes(data), mode="create")
+                self._again(self.fs.pipe_file, self._abs(path), bytes(data), mode="create")
             except OSError as exc:
                 if is_precondition_failed(exc):
                     raise ChunkExistsError(self._abs(path)) from None

@@ -58,6 +58,63 @@ def s3_options(s3_endpoint):
     return {"endpoint_url": s3_endpoint, "key": S3_KEY, "secret": S3_SECRET}
 
 
+class SilentEndpoint:
+    """A TCP server on 127.0.0.1 that accepts every connection, reads what is sent and never
+    answers: an S3 endpoint that hangs. ``requests`` counts the HTTP request lines received."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._requests = 0
+        self._connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def requests(self) -> int:
+        with self._lock:
+            return self._requests
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                connection, _ = self._server.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                self._connections.append(connection)
+            threading.Thread(target=self._drain, args=(connection,), daemon=True).start()
+
+    def _drain(self, connection: socket.socket) -> None:
+        while True:
+            try:
+                data = connection.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            with self._lock:
+                self._requests += data.count(b" HTTP/1.1\r\n")
+
+    def close(self) -> None:
+        self._server.close()
+        with self._lock:
+            for connection in self._connections:
+                connection.close()
+
+
+@pytest.fixture
+def silent_endpoint():
+    """A ``SilentEndpoint``, closed after the test."""
+    endpoint = SilentEndpoint()
+    yield endpoint
+    endpoint.close()
+
+
 def make_s3_url(s3_options) -> str:
     """A new bucket on the moto server; returns ``s3://bucket/prefix``."""
     import boto3

@@ -4,11 +4,13 @@ convention for every command, ``--debug`` for the traceback, and no silent empty
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,64 @@ def test_scan_into_a_closed_pipe_exits_141_quietly(tmp_path):
     assert scan.stderr.read() == b""
 
 
+@pytest.mark.parametrize("argv", [["segment", "read", "{url}", "s"], ["segment", "read", "{url}", "s", "--format", "json"],
+                                  ["index", "scan", "{url}"], ["index", "get", "{url}", "1"],
+                                  ["segment", "tail", "{url}", "s", "--timeout", "0"]])
+def test_a_failing_standard_output_is_blamed_on_the_output_not_the_store(tmp_path, argv):
+    url = str(tmp_path / "store")
+    with AttributeIndex.open(url) as index:
+        index.update({1: 1})
+    from attrindex import SegmentStore
+
+    with SegmentStore.open(url) as store:
+        store.segment("s", create=True).append([b"a", b"b"])
+    with open("/dev/full", "w") as full:  # every write: ENOSPC
+        done = subprocess.run([*CLI, *[a.replace("{url}", url) for a in argv]], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=_env(), timeout=60)
+    assert done.returncode == 1
+    assert _one_error_line(done.stderr) == ("cannot write the output: No space left on device; check where standard "
+                                            "output goes (a full disk, a closed terminal), then retry")
+
+
+# Installed as sitecustomize in the child: says when attrindex starts loading, then holds that
+# import for a while, so the test's Ctrl-C lands inside it.
+_SLOW_IMPORT = """
+import sys, time
+
+class _Announce:
+    def find_spec(self, name, path=None, target=None):
+        if name == "attrindex.errors":
+            sys.meta_path.remove(self)
+            sys.stderr.write("importing attrindex\\n")
+            sys.stderr.flush()
+            time.sleep(30)
+        return None
+
+sys.meta_path.insert(0, _Announce())
+"""
+
+
+def test_ctrl_c_while_the_library_loads_exits_130_quietly(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_IMPORT)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    # What the console script runs (its entry point, checked below), before attrindex is imported.
+    command = subprocess.Popen([sys.executable, "-c", "import sys, attrindex_command; sys.exit(attrindex_command.main())",
+                                "segment", "list", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert command.stderr.readline() == "importing attrindex\n"
+        command.send_signal(signal.SIGINT)
+        assert command.wait(timeout=30) == 130
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+    assert command.stderr.read() == "" and command.stdout.read() == ""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"attrindex": "attrindex_command:main"}
+
+
 def test_negative_keys_reach_the_key_check_instead_of_being_options(tmp_path, capsys):
     url = str(tmp_path)
     assert main(["index", "put", url, "-5=1"]) == 2
@@ -183,10 +243,27 @@ def test_limit_below_one_is_refused(tmp_path, capsys):
 
 def test_storage_options_take_json_and_s3_clients_fail_fast(capsys):
     assert failing_fast("/tmp/x", {}) == {}
-    options = failing_fast("s3://b/p", {"key": "k", "config_kwargs": {"connect_timeout": 10}})
-    assert options["config_kwargs"] == {"connect_timeout": 10, "retries": {"total_max_attempts": 2, "mode": "standard"}}
-    assert main(["index", "get", "memory://x", "1", "-o", "client_kwargs={not json"]) == 2
+    assert failing_fast("s3://b/p", {"key": "k"}) == {"key": "k", "connect_timeout": 2, "read_timeout": 10,
+                                                     "max_attempts": 2}
+    # the user's settings win, under attrindex's names or botocore's own (in config_kwargs)
+    assert failing_fast("s3://b/p", {"connect_timeout": "10", "read_timeout": "60"}) == {
+        "connect_timeout": "10", "read_timeout": "60", "max_attempts": 2}
+    assert failing_fast("s3://b/p", {"config_kwargs": {"connect_timeout": 10, "retries": {"max_attempts": 9}}}) == {
+        "config_kwargs": {"connect_timeout": 10, "retries": {"max_attempts": 9}}, "read_timeout": 10}
+    assert main(["index", "get", "/nonexistent/x", "1", "-o", "client_kwargs={not json"]) == 2
     assert "cannot read '{not json' as JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["index", "put", "memory://x", "1=1"], ["index", "get", "MEMORY://x", "1"],
+                                  ["index", "verify", "memory://x"], ["segment", "append", "memory://x", "s", "--create", "v"],
+                                  ["segment", "list", "memory://x"], ["demo", "--path", "memory://x", "--rows", "1000"]])
+def test_a_memory_store_is_refused_since_it_would_die_with_the_command(capsys, argv):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert _one_error_line(captured.err).endswith(
+        "a memory:// store lives only inside one process, so what this command wrote would be gone when it exits; "
+        "give a directory or s3://bucket/prefix")
 
 
 def _closed_port() -> int:
@@ -224,6 +301,34 @@ def test_an_unreachable_s3_endpoint_fails_within_seconds(argv):
     line = _one_error_line(done.stderr)
     assert line.startswith(f"cannot reach the S3 endpoint {endpoint} for s3://b/x: ") and "check -o endpoint_url" in line
     assert elapsed < 8, elapsed  # botocore's defaults took 12 s on a refused connection
+
+
+@pytest.mark.parametrize("argv", [["index", "get", "s3://b/x", "1"], ["index", "put", "s3://b/x", "1=1"],
+                                  ["segment", "append", "s3://b/x", "s", "--create", "v"],
+                                  ["segment", "read", "s3://b/x", "s"]])
+def test_a_silent_s3_endpoint_fails_after_the_read_timeout_of_each_attempt(silent_endpoint, argv):
+    # The endpoint accepts connections and never answers: each attempt waits out the read
+    # timeout (given short here), and nothing retries botocore's attempts again (this took 607 s
+    # with the command line's defaults of the time; with today's at most 25 s: see below).
+    done = _run(*argv, "-o", f"endpoint_url={silent_endpoint.url}", "-o", "key=k", "-o", "secret=s",
+                "-o", "read_timeout=0.5")
+    assert done.returncode == 1
+    assert _one_error_line(done.stderr) == (
+        f"the S3 endpoint {silent_endpoint.url} did not answer for s3://b/x within the read timeout (every attempt); "
+        "check the endpoint, or give it longer with -o read_timeout=SECONDS (and -o max_attempts=N)")
+    assert silent_endpoint.requests == 2  # the command line's 2 attempts of one request
+
+
+def test_the_command_lines_s3_requests_are_bounded_by_default_and_can_be_given_longer(silent_endpoint):
+    from storage_adapters import open_storage
+
+    given = {"endpoint_url": silent_endpoint.url, "key": "k", "secret": "s"}
+    fast = open_storage("s3://b/x", **failing_fast("s3://b/x", given))
+    assert fast.worst_case_seconds <= 30  # 2 attempts x (2 s + 10 s) + back-off
+    patient = open_storage("s3://b/x", **failing_fast("s3://b/x", {**given, "read_timeout": "120", "max_attempts": "3"}))
+    assert patient.fs.s3.meta.config.read_timeout == 120 and patient.max_attempts == 3
+    fast.close()
+    patient.close()
 
 
 @pytest.mark.parametrize("argv", [["index", "put", "{url}", "1=1"], ["segment", "append", "{url}", "s", "--create", "v"],

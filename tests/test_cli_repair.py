@@ -42,6 +42,8 @@ def test_segment_verify_finds_damage_and_repair_says_what_is_lost(tmp_path, caps
     _segment_with_records(root)
     assert main(["segment", "verify", root, "s"]) == 0
     assert capsys.readouterr().out.startswith("ok: 40 batches, 40 records")
+    assert main(["segment", "repair", root, "s"]) == 0  # a healthy segment: said plainly
+    assert capsys.readouterr().out == "ok: no damage found; nothing was changed\n"
 
     last = _chunks(root, "s/_log.seg")[-1]
     _flip(last, os.path.getsize(last) // 2)
@@ -54,6 +56,7 @@ def test_segment_verify_finds_damage_and_repair_says_what_is_lost(tmp_path, caps
 
     assert main(["segment", "repair", root, "s"]) == 0
     said = capsys.readouterr().out
+    assert said.startswith("repaired: "), said
     lost = re.search(r"log bytes \[\d+, \d+\) damaged, now a gap: offset (\d+) lost", said)
     assert lost, said
     victim = int(lost[1])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from attrindex import SegmentStore
+from attrindex import Record, SegmentStore
 from attrindex.cli import main, parse_duration, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -469,3 +469,135 @@ def test_bad_input_in_a_real_process_has_no_traceback(tmp_path):
         "d or w (e.g. 90s, 15m, 12h, 7d), or plain milliseconds\n"
     done = _run("segment", "stats", "gs://bucket/x", "s")
     assert (done.returncode, done.stderr.count("\n"), "Traceback" in done.stderr) == (2, 1, False)
+
+
+# -- log compaction from the command line ----------------------------------------------------------
+
+def test_a_compacted_segment_is_created_fed_tombstones_configured_and_compacted_from_the_command_line(tmp_path, capsys):
+    url = str(tmp_path / "store")
+    assert main(["segment", "append", url, "users", "--create", "--cleanup-policy", "compact",
+                 "--tombstone-retention", "0", "--key", "alice", "v1", "v2"]) == 0
+    assert main(["segment", "append", url, "users", "--key", "bob", "b1"]) == 0
+    assert main(["segment", "append", url, "users", "--key", "alice", "--tombstone"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "appended 1 records at offsets 3..3"
+    with SegmentStore.open(url, log_rolling_size=64) as store:  # one more record seals the chunk: compactable
+        seg = store.segment("users")
+        assert seg.read(3)[0].value is None and seg.read(3)[0].key == b"alice"
+        seg.append([Record(b"c1", b"carol")])
+    assert main(["segment", "configure", url, "users"]) == 0
+    assert capsys.readouterr().out == ("cleanup_policy compact, min_compaction_lag 0 ms, tombstone_retention 0 ms, "
+                                       "retention none, retention_bytes none\n")
+    assert main(["segment", "compact", url, "users"]) == 0  # keeps the tombstone a first time
+    assert main(["segment", "compact", url, "users"]) == 0  # then removes it (retention 0)
+    capsys.readouterr()
+    assert main(["segment", "read", url, "users"]) == 0
+    assert [line.split("\t")[2:] for line in capsys.readouterr().out.splitlines()] == [["bob", "b1"], ["carol", "c1"]]
+    assert main(["segment", "configure", url, "users", "--cleanup-policy", "delete,compact", "--min-compaction-lag", "1h",
+                 "--retention", "7d", "--retention-bytes", "1GiB"]) == 0
+    assert capsys.readouterr().out == ("configured: cleanup_policy delete,compact, min_compaction_lag 3,600,000 ms, "
+                                       "tombstone_retention 0 ms, retention 604,800,000 ms, "
+                                       "retention_bytes 1,073,741,824\n")
+    with SegmentStore.open(url, create=False) as store:
+        policy = store.segment("users").cleanup_policy()
+    assert (policy.cleanup_policy, policy.min_compaction_lag_ms, policy.retention_bytes) == ("delete,compact",
+                                                                                             3_600_000, 1 << 30)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--key", "k", "--tombstone", "v"], "--tombstone appends one tombstone"),
+    (["--tombstone"], "--tombstone appends one tombstone"),
+    (["--cleanup-policy", "compact", "--key", "k", "v"], "--cleanup-policy set the policy of a segment 'append --create'"),
+    (["--create", "--cleanup-policy", "delete", "--key", "k", "v"], "change it with 'attrindex segment configure'"),
+    (["--create", "--min-compaction-lag", "soon", "--key", "k", "v"], "cannot read 'soon' as a duration"),
+])
+def test_bad_compaction_input_is_refused_before_anything_is_written(tmp_path, capsys, argv, message):
+    url = str(tmp_path / "store")
+    assert main(["segment", "append", url, "users", "--create", "--cleanup-policy", "compact", "--key", "k", "v"]) == 0
+    capsys.readouterr()
+    assert main(["segment", "append", url, "users", *argv]) == 2
+    assert message in capsys.readouterr().err
+    with SegmentStore.open(url, create=False) as store:
+        assert store.segment("users").next_offset == 1
+
+
+def test_configure_refuses_a_missing_segment_and_an_unknown_policy(tmp_path, capsys):
+    url = str(tmp_path / "store")
+    assert main(["segment", "append", url, "s", "--create", "v"]) == 0
+    assert main(["segment", "configure", url, "nope", "--cleanup-policy", "compact"]) == 4
+    with pytest.raises(SystemExit):
+        main(["segment", "configure", url, "s", "--cleanup-policy", "shred"])
+    capsys.readouterr()
+    assert main(["segment", "configure", url, "s", "--cleanup-policy", "compact"]) == 0
+    assert main(["segment", "append", url, "s", "keyless"]) == 2  # a compacting segment needs keys
+    assert "has no key" in capsys.readouterr().err
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------------
+
+def _wait_for_offset(url: str, name: str, offset: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with SegmentStore.open(url, create=False) as store:
+                if store.segment(name).next_offset >= offset:
+                    return
+        except LookupError:  # not created yet
+            pass
+        assert time.monotonic() < deadline, f"{name} never reached offset {offset}"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_during_a_stdin_append_says_exactly_which_lines_landed(tmp_path):
+    url = str(tmp_path / "store")
+    append = subprocess.Popen([*CLI, "segment", "append", url, "s", "--create", "--batch", "10"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        append.stdin.write("".join(f"line {i}\n" for i in range(25)))
+        append.stdin.flush()
+        _wait_for_offset(url, "s", 20)  # two batches of 10 landed; 5 lines wait for the third
+        append.send_signal(signal.SIGINT)
+        assert append.wait(timeout=30) == 130
+    finally:
+        if append.poll() is None:
+            append.kill()
+            append.wait()
+    err = append.stderr.read()
+    assert err == ("attrindex: interrupted: appended 20 records at offsets 0..19, the first 20 lines of the input; "
+                   "nothing after them was appended (resume from the 21st)\n")
+    with SegmentStore.open(url, create=False) as store:
+        assert [r.value for r in store.segment("s").read(0)] == [f"line {i}".encode() for i in range(20)]
+
+
+def test_ctrl_c_while_appending_reports_what_the_store_holds(tmp_path):
+    # Ctrl-C lands wherever the child is: reading stdin or inside an append (held until the append
+    # is done). Either way the count it reports is exactly what the store holds.
+    url = str(tmp_path / "store")
+    append = subprocess.Popen([*CLI, "segment", "append", url, "s", "--create", "--batch", "50"], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    feeder = threading.Thread(target=lambda: _feed(append.stdin, 200_000), daemon=True)
+    feeder.start()
+    try:
+        _wait_for_offset(url, "s", 1)
+        append.send_signal(signal.SIGINT)
+        assert append.wait(timeout=60) == 130
+    finally:
+        if append.poll() is None:
+            append.kill()
+            append.wait()
+    err = append.stderr.read()
+    match = re.fullmatch(r"attrindex: interrupted: appended (\d+) records at offsets 0\.\.(\d+), the first \1 lines "
+                         r"of the input; nothing after them was appended \(resume from the \d+\w\w\)\n", err)
+    assert match, err
+    with SegmentStore.open(url, create=False) as store:
+        assert store.segment("s").next_offset == int(match[1]) == int(match[2]) + 1
+
+
+def _feed(stream, lines: int) -> None:
+    try:
+        for i in range(0, lines, 1000):
+            stream.write("".join(f"v{j}\n" for j in range(i, i + 1000)))
+        stream.close()
+    except (BrokenPipeError, OSError, ValueError):  # the child stopped reading
+        pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -13,7 +14,9 @@ import pytest
 
 from attrindex import SegmentStore
 from attrindex.cli import main as cli_main
-from attrindex.demo import _output_to, main
+from attrindex.demo import _output_to, list_command, main
+
+from tests.conftest import make_s3_url
 
 ROWS = 1000
 
@@ -67,3 +70,19 @@ def test_spark_start_up_output_goes_to_the_log_not_the_terminal(tmp_path, capfd)
     out, err = capfd.readouterr()
     assert (out, err) == ("attrindex's own line\n", "")
     assert log.read_text().split("\n") == ["jvm out", "WARN jvm start-up", "later", ""]
+
+
+def test_the_closing_hint_pastes_as_is_with_the_storage_options_given(s3_options, capsys):
+    # The demo's last line names the command listing its run; on S3 it needs the -o options the
+    # demo was given (the endpoint and credentials here; nested ones as JSON).
+    url = make_s3_url(s3_options)
+    options = {**s3_options, "client_kwargs": {"region_name": "us-east-1"}}
+    with SegmentStore.open(url, options) as store:
+        store.segment("run-1/events/0", create=True).append([b"e"])
+    hint = list_command(url, options, "run-1")
+    words = shlex.split(hint)
+    assert words[:3] == ["attrindex", "segment", "list"] and "-o" in words
+    capsys.readouterr()
+    assert cli_main(words[1:]) == 0
+    assert capsys.readouterr().out == "run-1/events/0\n"
+    assert list_command("/tmp/a b", {}, "run-2") == "attrindex segment list '/tmp/a b' --prefix run-2"

@@ -504,30 +504,62 @@ def test_bulk_load_of_bad_input_writes_nothing(bad):
 def test_len_is_exact_while_background_merges_write_the_tree():
     # Every update inserts 10 new keys, and merges run beside the reads (merge_keys=25): a count
     # taking the tree's entries from one version and its lookups from another would be off by
-    # the keys of a merge (not a multiple of 10, or going back).
+    # the keys of a merge (not a multiple of 10, or going back). A short switch interval makes
+    # the threads interleave at fine grain, as a loaded machine does now and then.
     import threading
 
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        for _round in range(5):
+            index = AttributeIndex.open(f"memory://wal-len-{uuid.uuid4().hex}", page_size=256, merge_keys=25)
+            done = threading.Event()
+
+            def writer():
+                for n in range(300):
+                    index.update({n * 10 + i: n for i in range(10)})
+                done.set()
+
+            thread = threading.Thread(target=writer)
+            thread.start()
+            seen = [0]
+            while not done.is_set():
+                count = len(index)
+                assert count % 10 == 0 and count >= seen[-1], seen[-5:] + [count]
+                seen.append(count)
+            thread.join()
+            assert len(index) == 3000
+            index.close()
+    finally:
+        sys.setswitchinterval(interval)
     index = AttributeIndex.open(f"memory://wal-len-{uuid.uuid4().hex}", page_size=256, merge_keys=25)
-    done = threading.Event()
-
-    def writer():
-        for n in range(300):
-            index.update({n * 10 + i: n for i in range(10)})
-        done.set()
-
-    thread = threading.Thread(target=writer)
-    thread.start()
-    seen = [0]
-    while not done.is_set():
-        count = len(index)
-        assert count % 10 == 0 and count >= seen[-1], seen[-5:] + [count]
-        seen.append(count)
-    thread.join()
+    index.update({n: n for n in range(3000)})
     assert len(index) == 3000 and index.verify().ok
     index.bulk_load({5: 5}, progress=None)  # beside the merge thread: no deadlock
     assert len(index) == 3000 and index.get(5) == 5
     index.repair()  # closes the private segment (joins its merge thread) and reopens it
     assert len(index) == 3000
+    index.close()
+
+
+def test_len_counted_while_a_merge_makes_its_version_current_is_exact():
+    # The moment the race above needs, made to happen: a merge has made its tree version current
+    # (its entry count includes the merged keys) but not yet refreshed the tree's recent-values
+    # cache, which still says "absent" for those keys (a count before the merge looked them up).
+    index = AttributeIndex.open(f"memory://wal-len-{uuid.uuid4().hex}", merge_keys=10**6, merge_process=False)
+    index.update({n: n for n in range(10)})
+    assert len(index) == 10  # looks the 10 pending keys up in the tree: absent, and cached so
+    tree = index._wal._index._tree
+    write_version, counts = tree.update, []
+
+    def write_version_then_count(*args, **kwargs):
+        written = write_version(*args, **kwargs)
+        counts.append(len(index))  # the new version is current; the merge has not returned
+        return written
+
+    tree.update = write_version_then_count
+    index.flush()
+    assert counts == [10] and len(index) == 10
     index.close()
 
 

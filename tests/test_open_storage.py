@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -43,6 +44,34 @@ def test_memory_url_is_shared_within_the_process():
     RollingSegment(open_storage("memory://shared-root"), "s").append(b"data")
     assert RollingSegment(open_storage("memory://shared-root"), "s").read(0, 4) == b"data"
     assert RollingSegment(open_storage("memory://other-root"), "s").length == 0
+
+
+class _PathLike:
+    """An ``os.PathLike`` that is not a ``pathlib.Path`` (as third-party path classes are)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def __fspath__(self) -> str:
+        return self._path
+
+
+@pytest.mark.parametrize("as_path", [pathlib.Path, _PathLike], ids=["pathlib.Path", "os.PathLike"])
+def test_every_os_pathlike_opens_as_its_local_path(tmp_path, as_path):
+    from attrindex import AttributeIndex, SegmentStore
+
+    with open_storage(as_path(str(tmp_path / "raw"))) as storage:
+        assert isinstance(storage, LocalChunkStorage) and storage.root == str(tmp_path / "raw")
+    with AttributeIndex.open(as_path(str(tmp_path / "attrs"))) as idx:
+        idx.update({1: 10})
+    with AttributeIndex.open(str(tmp_path / "attrs"), mode="r") as idx:  # the same index as by its str
+        assert idx.get(1) == 10
+    assert AttributeIndex.verify_at(as_path(str(tmp_path / "attrs"))).ok
+    assert not AttributeIndex.repair_at(as_path(str(tmp_path / "attrs"))).rolled_back
+    with SegmentStore.open(as_path(str(tmp_path / "events"))) as store:
+        store.segment("s", create=True).append([b"v"])
+    with SegmentStore.open(str(tmp_path / "events"), create=False) as store:
+        assert [r.value for r in store.segment("s").read(0)] == [b"v"]
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/x", "hdfs://host/path", "ftp://h/p"])
@@ -191,6 +220,64 @@ def test_s3_unreachable_endpoint_is_a_storage_error():
         with pytest.raises(StorageError) as caught:
             call()
         assert not isinstance(caught.value, (OSError, OutcomeUnknownError))
+
+
+def test_a_silent_s3_endpoint_fails_each_request_after_max_attempts_read_timeouts(silent_endpoint):
+    # The endpoint accepts connections and never answers. botocore's attempts are the only
+    # retries: s3fs's own loop used to run them again 5 times (25 for a read), so a CLI with 2
+    # attempts of 60 s took 607 s to give up on one listing.
+    storage = open_storage("s3://silent/data", endpoint_url=silent_endpoint.url, key=S3_KEY, secret=S3_SECRET,
+                           read_timeout=0.3, max_attempts=2)
+    assert storage.max_attempts == 2 and storage.worst_case_seconds == 2 * (10 + 0.3) + 1
+    calls = {"list": lambda: storage.list_files("s.seg"), "read": lambda: storage.read("s.seg/x", 0, 1),
+             "exists": lambda: storage.exists("s.seg/x"), "create": lambda: storage.create("s.seg/x", b"x")}
+    for name, call in calls.items():
+        before = silent_endpoint.requests
+        with pytest.raises(StorageError, match="ReadTimeoutError"):
+            call()  # the create: its probe's PUT, which waited for ever for a "100 Continue"
+        assert silent_endpoint.requests - before == 2, name
+    storage.close()
+
+
+def test_s3_requests_are_bounded_by_default(silent_endpoint):
+    storage = open_storage("s3://silent/data", endpoint_url=silent_endpoint.url, key=S3_KEY, secret=S3_SECRET)
+    config = storage.fs.s3.meta.config
+    assert (config.connect_timeout, config.read_timeout, config.retries["total_max_attempts"]) == (10, 20, 5)
+    assert storage.fs.retries == 1  # no retry loop of s3fs's on top of botocore's attempts
+    assert storage.worst_case_seconds <= 165  # 5 x (10 + 20) s + back-off; it was 25 x 60 s and more
+    raised = open_storage("s3://silent/data", endpoint_url=silent_endpoint.url, key=S3_KEY, secret=S3_SECRET,
+                          read_timeout=120, max_attempts=3)
+    assert raised.worst_case_seconds == 3 * 130 + 1 + 2
+    legacy = open_storage("s3://silent/data", endpoint_url=silent_endpoint.url, key=S3_KEY, secret=S3_SECRET,
+                          config_kwargs={"retries": {"max_attempts": 1}})  # botocore's: retries after the first
+    assert legacy.max_attempts == 2
+    for opened in (storage, raised, legacy):
+        opened.close()
+
+
+def test_an_s3_response_that_breaks_off_is_read_again(s3_options):
+    import aiohttp
+
+    storage = open_storage(make_s3_url(s3_options), **s3_options, max_attempts=3)
+    storage.create("d/chunk", b"payload")
+    events = storage.fs.s3.meta.events
+    broken = []
+
+    def break_off(http_response, **_):
+        if len(broken) < 2:
+            broken.append(1)
+            raise aiohttp.ClientPayloadError("Response payload is not completed")
+
+    events.register("after-call.s3.GetObject", break_off)
+    try:
+        assert storage.read("d/chunk", 0, 7) == b"payload" and len(broken) == 2
+        broken.clear()
+        storage.max_attempts = 2
+        with pytest.raises(StorageError, match="ClientPayloadError"):
+            storage.read("d/chunk", 0, 7)
+    finally:
+        events.unregister("after-call.s3.GetObject", break_off)
+    storage.close()
 
 
 def test_s3_lost_response_to_a_create_is_an_unknown_outcome(s3_options):

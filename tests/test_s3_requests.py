@@ -69,6 +69,34 @@ def test_segment_and_writer_appends_are_one_put(s3_options):
     assert store.stats().requests == segment.stats().requests == store.storage.requests
 
 
+def test_the_first_append_of_a_process_to_a_bucket_also_probes_conditional_writes(s3_options):
+    # docs/cost.md: the exclusive-create probe (once per bucket and process) comes with the first
+    # create: a PUT, a second PUT that S3 refuses with 412, and a DELETE; then one PUT an append.
+    store = SegmentStore.open(make_s3_url(s3_options), s3_options)  # a new bucket: not probed yet
+    segment = store.segment("orders", create=True)
+    before = store.stats().requests
+    segment.append([b"one record"])
+    first = store.stats().requests - before
+    assert (first.put, first.delete) == (3, 1), first.by_kind()
+    before = store.stats().requests
+    segment.append([b"another"])
+    assert _only(store.stats().requests - before, put=1)
+    store.close()
+
+
+def test_the_cost_pages_first_example_holds_on_s3(s3_options):
+    from tests.test_docs_examples import ROOT, examples
+
+    page = "docs/cost.md"
+    code = examples(page, (ROOT / page).read_text())[0].code
+    opening = 'SegmentStore.open("memory://cost-demo")'
+    assert opening in code
+    namespace = {"URL": make_s3_url(s3_options), "OPTIONS": s3_options}  # a new bucket: not probed yet
+    exec(compile(code.replace(opening, "SegmentStore.open(URL, OPTIONS)"), page, "exec"), namespace)
+    assert namespace["spent"].put == 1
+    namespace["store"].close()
+
+
 def test_index_update_of_1000_keys_is_about_one_put(s3_options):
     storage = open_storage(make_s3_url(s3_options), **s3_options)
     index = AttributeIndex(storage, "i")

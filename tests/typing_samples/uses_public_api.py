@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import uuid
 
 from attrindex import (AppendResult, AttributeIndex, AttributeUpdate, EventWriter, IndexStats, Record, Segment,
@@ -23,6 +24,12 @@ def index_use(url: str) -> tuple[int | None, list[int | None], int]:
         checkpoint: int | None = idx.checkpoint
         idx.refresh()
         return one, many, stats.entry_count + report.pages + len(pairs) + len(idx) + (checkpoint or 0)
+
+
+def path_like(root: pathlib.Path) -> int:
+    with AttributeIndex.open(root / "attrs") as idx, SegmentStore.open(root / "events") as store:
+        store.segment("s", create=True)
+        return len(idx) + len(open_storage(root / "raw").list_files("")) + AttributeIndex.verify_at(root / "attrs").pages
 
 
 def read_only(url: str) -> bool:
