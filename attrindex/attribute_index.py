@@ -274,7 +274,7 @@ class AttributeIndex(IndexHandle):
         and the overlays (they change only with the position, a merge or a rebuild)."""
         wal = self._wal
         frozen = wal._frozen
-        return (wal._log.position, wal._index._tree.state.footer_offset, id(wal._overlay), len(wal._overlay),
+        return (wal._log.position, wal._index.version.footer_offset, id(wal._overlay), len(wal._overlay),
                 id(frozen), 0 if frozen is None else len(frozen))
 
     def _count_snapshot(self, position: int, frozen: AttributeOverlay | None, active: dict) -> int | None:
@@ -284,19 +284,18 @@ class AttributeIndex(IndexHandle):
         Any tree version up to ``position`` overlaid with tier 1 as of ``position`` is the state at
         ``position``: a merge landing meanwhile moves into the tree only what tier 1 overrides."""
         tree = self._wal._index
-        version = tree._tree.state
+        version = tree.version
         if version.footer.checkpoint > position:
             return None
         pending = active
         if frozen is not None and len(frozen):
             pending = frozen.copy_values()
             pending.update(active)
-        # From the tree itself, not through its recent-values cache: a merge makes its version
-        # current before it refreshes that cache, so in between the cache answers the previous
-        # version's values (a key about to be written still cached as absent) under the new
-        # version's entry count. The tree answers every key from one version, checked below.
-        stored = tree._tree.get_many(sort_keys(list(pending))) if pending else []
-        if tree._tree.state.footer_offset != version.footer_offset:
+        # Not through the recent-values cache, which may still answer the previous version's
+        # values under this version's entry count (a key about to be written cached as absent).
+        # The tree answers every key from one version, checked below.
+        stored = tree.get_many_uncached(sort_keys(list(pending))) if pending else []
+        if tree.version.footer_offset != version.footer_offset:
             return None
         present = sum(v is not None for v in pending.values())
         return version.footer.entry_count + present - sum(v is not None for v in stored)
@@ -306,7 +305,7 @@ class AttributeIndex(IndexHandle):
         wal = self._wal
         wal._settle_tier1()
         tree = wal._index
-        entries = tree._tree.state.footer.entry_count
+        entries = tree.version.footer.entry_count
         pending, now = wal._pending_items()
         if not pending:
             return entries

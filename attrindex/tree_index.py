@@ -372,6 +372,18 @@ class TreeIndex(IndexHandle):
             self._external_change()
 
     @property
+    def version(self):
+        """The tree version this handle reads now (its footer and the footer's offset): two reads
+        that see the same ``footer_offset`` read the same tree."""
+        return self._tree.state
+
+    def get_many_uncached(self, keys: list[bytes]) -> list[int | None]:
+        """Values of sorted canonical ``keys`` read from the B+tree's pages of one version, never
+        through the recent-values cache (which a merge refreshes only after its version became
+        current: in between it answers the previous version's values)."""
+        return self._tree.get_many(keys)
+
+    @property
     def checkpoint(self) -> int | None:
         """The checkpoint stored by the last update that gave one (``None`` if none ever did)."""
         self._check_open()
