@@ -33,6 +33,7 @@ import time
 import attrs
 
 from .base import ChunkStorage
+from .framing import Framing
 from .errors import (
     BadOffsetError,
     ChunkExistsError,
@@ -183,10 +184,14 @@ class RollingSegment:
     so a handle that is behind gets ``BadOffsetError`` (and is refreshed), never a bad write.
     """
 
-    def __init__(self, storage: ChunkStorage, name: str, rolling_size: int = DEFAULT_ROLLING_SIZE):
+    def __init__(self, storage: ChunkStorage, name: str, rolling_size: int = DEFAULT_ROLLING_SIZE, *,
+                 framing: Framing | None = None):
         if not isinstance(rolling_size, int) or rolling_size <= 0:
             raise InvalidInputError(f"rolling_size must be a positive int, got {rolling_size!r}")
         self.storage = storage
+        #: How the owner's appends are framed (storage_adapters/framing.py): what tells the
+        #: committed length of a chunk appended to in place
+        self.framing = framing
         self.name = validate_segment_name(name)
         self.rolling_size = rolling_size
         self._dir = name + SEGMENT_SUFFIX
