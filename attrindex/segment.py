@@ -246,9 +246,6 @@ class Segment(BackgroundMerge):
             self._tree.refresh()  # type: ignore[union-attr]
             if (self._tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
                 raise TruncatedError(self.name, checkpoint, 0, self._log.start_position, self._log.bytes.length)
-        lost = self._log.lost_commits(covered=checkpoint)
-        if lost is not None:
-            raise self._log.lost_commits_error(*lost)
         if checkpoint > self._log.bytes.length:
             raise self._beyond_log_error(checkpoint)
         _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
@@ -340,9 +337,6 @@ class Segment(BackgroundMerge):
         else:
             raise StorageError(f"segment {self.name!r}: retention in another handle kept moving the log's start "
                                f"while the attributes were loaded ({MAX_OPEN_ATTEMPTS} tries)")
-        lost = log.lost_commits(covered=checkpoint)
-        if lost is not None:
-            raise log.lost_commits_error(*lost)
         if checkpoint > log.bytes.length:
             raise self._beyond_log_error(checkpoint)
         rebuilt = AttributeOverlay()  # built aside: a failed replay leaves nothing half-loaded

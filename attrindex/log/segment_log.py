@@ -46,6 +46,7 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
+from .framing import LOG_FRAMING
 from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, read_header
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
@@ -110,7 +111,7 @@ class SegmentLog:
         self.storage = storage
         self.segment = segment
         self.interval = index_interval_bytes
-        self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size)
+        self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size, framing=LOG_FRAMING)
         self._chunks: list[_Chunk] = []
         #: recorded gaps, {start: (end, generation, marker name)}: skipped even where bytes look valid,
         #: while the chunk holding them is of that generation (``_recorded_gap``)
@@ -406,39 +407,6 @@ class SegmentLog:
             f"length {self.bytes.length}: {reason}. The segment refuses appends until repaired: see "
             f"SegmentStore.verify_segment / repair_segment",
             segment=self.segment, offset=at)
-
-    def lost_commits(self, covered: int = 0) -> tuple[int, bytes] | None:
-        """``(position, bytes)`` of the whole batches stored after the committed end when their
-        commit records were lost: they are two or more appends (a crash leaves at most one append
-        there; the batches of one group-commit append share their ``group_tag``),
-        or the attribute checkpoint ``covered`` lies beyond the committed end (a merge only ever
-        covers committed batches).
-
-        ``None`` otherwise: at most one whole batch is what a crash leaves, and the next append
-        overwrites it. Re-appending the returned bytes at ``position`` commits them.
-        """
-        position, tail = self.bytes.uncommitted_tail()
-        pos, batches, appends, tag = 0, 0, 0, None
-        while pos < len(tail):
-            try:
-                header = read_header(tail, pos, position=position, segment=self.segment)
-                if header is None:
-                    break  # incomplete: a torn append
-                check_batch(tail, pos, header, position=position, segment=self.segment)
-            except CorruptDataError:
-                break
-            pos, batches = pos + header.size, batches + 1
-            if group_tag(header.batch_id) != tag:  # one storage append may hold a group of batches
-                appends, tag = appends + 1, group_tag(header.batch_id)
-        return (position, tail[:pos]) if appends >= 2 or (batches and covered > position) else None
-
-    def lost_commits_error(self, position: int, data: bytes) -> CorruptDataError:
-        """The error for whole batches found after the committed end (see ``lost_commits``)."""
-        return CorruptDataError(
-            f"segment {self.segment!r}: {len(data)} bytes of whole record batches lie after the log's committed "
-            f"length {position}: their commit records were lost (a crash loses at most one). The segment refuses "
-            f"appends until repaired: SegmentStore.repair_segment commits them again",
-            segment=self.segment, offset=position)
 
     # -- appending -----------------------------------------------------------------------------
     def append(self, data: bytes, header: BatchHeader) -> int:

@@ -1,0 +1,51 @@
+"""The segment log's frames (storage_adapters/framing.py): record batches. No I/O here.
+
+A batch is a frame when its header and its payload check out; the chain of a log chunk runs
+through whole, valid batches from its start.
+"""
+
+from __future__ import annotations
+
+from storage_adapters.errors import CorruptDataError
+from storage_adapters.framing import Framing
+
+from .batch import BATCH_MAGIC, check_batch, read_header
+
+
+class LogFraming(Framing):
+    """Record batches as frames."""
+
+    def place(self, data: bytes, position: int) -> bytes:
+        return data
+
+    def chain_end(self, data: bytes, position: int) -> int:
+        at = 0
+        while True:
+            size = _batch_size(data, at, position)
+            if size is None:
+                return position + at
+            at += size
+
+    def last_frame_end(self, data: bytes, position: int) -> int | None:
+        at = data.rfind(BATCH_MAGIC)
+        while at >= 0:
+            size = _batch_size(data, at, position)
+            if size is not None:
+                return position + at + size
+            at = data.rfind(BATCH_MAGIC, 0, at)
+        return None
+
+
+def _batch_size(data: bytes, at: int, position: int) -> int | None:
+    try:
+        header = read_header(data, at, position=position)
+        if header is None:
+            return None
+        check_batch(data, at, header, position=position)
+    except CorruptDataError:
+        return None
+    return header.size
+
+
+#: The framing of every segment log (and write-ahead log).
+LOG_FRAMING = LogFraming()
