@@ -445,7 +445,7 @@ class Segment(BackgroundMerge):
         pending = _PendingAppend(records, updates, replacements, expected_offset, stamp, chosen, new_batch_id())
         if updates is None:  # no conditions: encode here, outside the lock (bad records raise here too)
             # At the offset this handle last saw: for a lone writer the leader writes it unchanged.
-            data, header = encode_batch_with_header(self._log.next_offset, records, timestamp=stamp,
+            data, header = encode_batch_with_header(self._log.append_offset, records, timestamp=stamp,
                                                     attribute_updates=replacements, codec=chosen,
                                                     batch_id=pending.batch_id)
             pending.encoded, size = (*replacements, data, header), len(data)
@@ -458,7 +458,7 @@ class Segment(BackgroundMerge):
         """``append((), (keys, values))`` for input already checked (``AttributeIndex.update``):
         ``keys`` unique 16-byte ``bytes`` in any order, ``values`` int64 or ``None``; REPLACE semantics."""
         stamp, batch_id = int(time.time() * 1000), new_batch_id()
-        data, header = encode_batch_with_header(self._log.next_offset, (), timestamp=stamp,
+        data, header = encode_batch_with_header(self._log.append_offset, (), timestamp=stamp,
                                                 attribute_updates=(keys, values), codec=self.options.codec,
                                                 batch_id=batch_id)
         pending = _PendingAppend([], None, (keys, values), None, stamp, self.options.codec, batch_id,
@@ -513,7 +513,7 @@ class Segment(BackgroundMerge):
         """``(planned, failures)`` for the group against the current view, or ``None`` when a
         member failed and the view may be stale. ``planned``: ``(request, keys, values, batch,
         header)`` of the members that pass, in order; ``failures``: ``(request, error)``."""
-        next_offset = self._log.next_offset
+        next_offset = self._log.append_offset
         if len(group) == 1:
             # A lone writer's usual append (an index update): no conditions, encoded at this end
             # with its own random id as the tag. Written as encoded, nothing to check or rebase.
@@ -719,8 +719,9 @@ class Segment(BackgroundMerge):
     # -- reading records -----------------------------------------------------------------------
     @property
     def next_offset(self) -> int:
-        """The offset the next record will get (as of this handle's last look)."""
-        return self._log.next_offset
+        """The offset the next record will get (as of this handle's last look): past the offsets
+        of a torn batch at the end of the log too, which are never given out again."""
+        return self._log.append_offset
 
     @property
     def start_offset(self) -> int:
@@ -971,7 +972,7 @@ class Segment(BackgroundMerge):
     def _append_empty_batch(self, timestamp: int) -> int:
         """Append a batch with no records and no updates; return its byte position."""
         for _lap in _bounded_races(self.name):
-            data = encode_batch(self._log.next_offset, [], timestamp=timestamp)
+            data = encode_batch(self._log.append_offset, [], timestamp=timestamp)
             try:
                 return self._log.append(data, read_header(data))
             except BadOffsetError:

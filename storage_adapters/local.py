@@ -42,10 +42,12 @@ TEMP_MAX_AGE_SECONDS = 3600.0
 #: A handle sweeps one directory's stale temporaries at most this often (a scan per create is waste).
 TEMP_SWEEP_INTERVAL_SECONDS = 60.0
 _SWEPT_MEMORY = 1024  #: directories whose last sweep a handle remembers (then it forgets them all)
-#: Zeros written ahead of a chunk's end when an append comes within a quarter of this of the
-#: pre-written end (``sync=True`` only): about one append in every ``3/4 * PREWRITE_BYTES`` of
-#: appended bytes pays a journal commit for the file's new size.
+#: Zeros are written ahead of a chunk's end (``sync=True`` only) as far as its end again, at least
+#: ``MIN_PREWRITE_BYTES`` and at most ``PREWRITE_BYTES``, whenever an append comes within a quarter
+#: of that of the pre-written end: a small segment stays small, and in a big chunk about one append
+#: in every ``3/4 * PREWRITE_BYTES`` of appended bytes pays a journal commit for the file's new size.
 PREWRITE_BYTES = 1 << 20
+MIN_PREWRITE_BYTES = 16 << 10
 _ZEROS = bytes(PREWRITE_BYTES)
 #: Names the commit records of the formats before the chain of frames used (a sidecar file or
 #: the directory beside a chunk whose record was an extended attribute): a store holding one is
@@ -585,8 +587,9 @@ class LocalChunkStorage(ChunkStorage):
                                    f"end at: cannot append there")
         end = position + len(data)
         zeros = max(clear_to - end, 0)  # a torn write's bytes past the new end, cleared with it
-        if self.sync and end + zeros > size - PREWRITE_BYTES // 4:
-            zeros = max(zeros, PREWRITE_BYTES)  # zeros ahead, before the append's sync
+        step = min(max(end, MIN_PREWRITE_BYTES), PREWRITE_BYTES)
+        if self.sync and end + zeros > size - step // 4:
+            zeros = max(zeros, step)  # zeros ahead, before the append's sync
         if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
             _write_paced(fd, data, position)
         else:

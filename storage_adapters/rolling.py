@@ -580,11 +580,21 @@ class RollingSegment:
         """Under the writers' lock, before the chunk after ``last`` is created: cut ``last`` back
         to its end, durably, so that pre-written zeros after a chunk's end say it has no successor
         (``_catch_up``). If that fails, nothing of the append was written."""
+        path = f"{self._dir}/{last.name}"
         try:
-            self.storage.trim(f"{self._dir}/{last.name}", last.length)
-        except StorageError as error:
+            self.storage.trim(path, last.length)
+            return
+        except StorageError as exc:
+            error = exc
+        try:  # settled by reading: a trim that took effect is the same trim (it is done twice harmlessly)
+            trimmed = self.storage.size(path) <= last.length
+        except (StorageError, FileNotFoundError):
+            trimmed = False
+        if not trimmed:
             raise StorageError(f"segment {self.name!r}: the append did not happen: trimming chunk {last.name} "
                                f"before starting the next failed ({error})") from error
+        _log.info("segment %r: trimming %r raised %s but it is trimmed; going on", self.name, path,
+                  type(error).__name__)
 
     def _settle_in_place(self, last: ChunkInfo, data: bytes, error: StorageError) -> None:
         """Under the writers' lock, after ``append`` to ``last`` raised: decide by reading whether it

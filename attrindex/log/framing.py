@@ -47,5 +47,17 @@ def _batch_size(data: bytes, at: int, position: int) -> int | None:
     return header.size
 
 
+def torn_claim(data: bytes, position: int) -> int | None:
+    """For the bytes of a torn write found at segment position ``position``: when they start with
+    a whole batch header valid for that position (its payload is what was torn), the record offset
+    just past the records it claimed; else ``None``. Those offsets may have been seen by a reader
+    before the crash, so the log never gives them out again."""
+    try:
+        header = read_header(data, 0, position=position, partial=True)
+    except CorruptDataError:
+        return None
+    return None if header is None else header.next_offset
+
+
 #: The framing of every segment log (and write-ahead log).
 LOG_FRAMING = LogFraming()

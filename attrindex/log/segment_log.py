@@ -46,7 +46,7 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
-from .framing import LOG_FRAMING
+from .framing import LOG_FRAMING, torn_claim
 from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, read_header
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
@@ -407,6 +407,18 @@ class SegmentLog:
             f"length {self.bytes.length}: {reason}. The segment refuses appends until repaired: see "
             f"SegmentStore.verify_segment / repair_segment",
             segment=self.segment, offset=at)
+
+    @property
+    def append_offset(self) -> int:
+        """The record offset the next appended batch gets: ``next_offset``, or past the offsets a
+        torn batch at the end claimed (local disk: its header was written, its payload torn). A
+        reader may have seen that batch before the crash, so its offsets are never given out again;
+        readers still read to ``next_offset`` (the offsets skipped read as a gap)."""
+        torn = self.bytes.torn_tail
+        if torn is None or torn[0] != self.position:
+            return self.next_offset
+        claim = torn_claim(torn[1], torn[0])
+        return self.next_offset if claim is None else max(self.next_offset, claim)
 
     # -- appending -----------------------------------------------------------------------------
     def append(self, data: bytes, header: BatchHeader) -> int:
