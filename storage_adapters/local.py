@@ -281,6 +281,17 @@ class LocalChunkStorage(ChunkStorage):
                     found[rel] = os.stat(os.path.join(dirpath, name)).st_size
 
     def read(self, path: str, start: int, end: int) -> bytes:
+        entry = self._held(path)
+        if entry is not None:  # a writer's look at its chunk: through the descriptor kept with the lock
+            try:
+                fd, size = self._open_chunk(entry, path, create=False)
+                end = min(end, size)
+                return os.pread(fd, end - start, start) if end > start else b""
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                entry.close_chunk()
+                raise _storage_error(exc, "read", path) from exc
         with os_errors("read", path, missing=True), open(self._abs(path), "rb") as f:
             end = min(end, os.fstat(f.fileno()).st_size)  # a huge end must not become a huge buffer
             if end <= start:
