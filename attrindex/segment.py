@@ -34,8 +34,8 @@ from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, C
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, encode_batch_with_header,
                         new_batch_id, read_header, rebase_batch, record_list)
-from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, GROUP_TAG_SHIFT, LayoutChangedError,
-                              SegmentLog, group_tag, grouped_batch_id)
+from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError,
+                              SegmentLog)
 from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
@@ -475,11 +475,8 @@ class Segment(BackgroundMerge):
             self._wait_for_room()
             self._check_open()  # (closed while waiting?)
             fresh = False  # whether the view was just caught up with the log's tail
-            # The group's batches carry one tag (SegmentLog.lost_commits); a lone batch's own id
-            # is random and so already carries one: it is written as encoded, no rebase.
-            tag = group_tag(group[0].payload.batch_id) if len(group) == 1 else new_batch_id() >> GROUP_TAG_SHIFT
             for _lap in _bounded_races(self.name):
-                outcome = self._plan_group(group, fresh, tag)
+                outcome = self._plan_group(group, fresh)
                 if outcome is None:  # a failure on a stale view: only the true tail can fail an append
                     self._catch_up()
                     fresh = True
@@ -509,14 +506,14 @@ class Segment(BackgroundMerge):
                 self._after_durable()
                 return
 
-    def _plan_group(self, group: list[WriteRequest], fresh: bool, tag: int):
+    def _plan_group(self, group: list[WriteRequest], fresh: bool):
         """``(planned, failures)`` for the group against the current view, or ``None`` when a
         member failed and the view may be stale. ``planned``: ``(request, keys, values, batch,
         header)`` of the members that pass, in order; ``failures``: ``(request, error)``."""
         next_offset = self._log.append_offset
         if len(group) == 1:
             # A lone writer's usual append (an index update): no conditions, encoded at this end
-            # with its own random id as the tag. Written as encoded, nothing to check or rebase.
+            # with its own random id. Written as encoded, nothing to check or rebase.
             lone = group[0].payload
             encoded = lone.encoded
             if lone.updates is None and lone.expected_offset is None and encoded is not None and \
@@ -540,7 +537,7 @@ class Segment(BackgroundMerge):
                     return None
                 failures.append((request, exc))
                 continue
-            batch_id = grouped_batch_id(tag, a.batch_id)
+            batch_id = a.batch_id
             encoded = a.encoded
             if encoded is not None and encoded[0] == keys and encoded[1] == values:
                 header = encoded[3]

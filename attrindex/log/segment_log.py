@@ -71,21 +71,6 @@ class LayoutChangedError(StorageError):
     happening (``MAX_RESYNCS``) or where no resync is possible."""
 
 
-#: The batches of one group-commit append share the high bits of their batch ids (``group_tag``):
-#: so a crash that leaves one whole group after the committed end is told from lost commit records.
-GROUP_TAG_SHIFT = 32
-
-
-def group_tag(batch_id: int) -> int:
-    """The group-commit tag of a batch id (shared by the batches of one storage append)."""
-    return batch_id >> GROUP_TAG_SHIFT
-
-
-def grouped_batch_id(tag: int, batch_id: int) -> int:
-    """``batch_id`` carrying group tag ``tag`` (its low bits stay the append call's own)."""
-    return (tag << GROUP_TAG_SHIFT) | (batch_id & ((1 << GROUP_TAG_SHIFT) - 1))
-
-
 # visitor(position, header, buffer, position of the batch in buffer) for each new batch
 BatchVisitor = Callable[[int, BatchHeader, bytes, int], None]
 
@@ -847,4 +832,4 @@ def _index_batch(builder: ChunkIndexBuilder, at: int, header: BatchHeader) -> No
                 header.max_timestamp if header.record_count else _NO_TIMESTAMP)
 
 
-__all__ = ["GROUP_TAG_SHIFT", "SegmentLog", "group_tag", "grouped_batch_id"]
+__all__ = ["SegmentLog"]
