@@ -21,7 +21,7 @@ def test_a_lone_writer_writes_in_its_own_thread_and_waits_on_no_one(tmp_path, mo
     threads, waits = [], []
     real_append = type(storage).append
     monkeypatch.setattr(type(storage), "append",
-                        lambda self, *a: (threads.append(threading.get_ident()), real_append(self, *a))[1])
+                        lambda self, *a, **k: (threads.append(threading.get_ident()), real_append(self, *a, **k))[1])
     real_wait = threading.Condition.wait
     me = threading.get_ident()
 
