@@ -5,11 +5,13 @@ The committed end of such a chunk is the end of the chain of whole, valid frames
 of the write that was torn. ``look_at_tail`` reads them and tells which:
 
 * zeros (or nothing): the chain's end is the chunk's end;
-* bytes that are not zeros, with no valid frame among them: the newest write was torn. The end
-  stays where the chain stops, and the torn bytes are reported (the next append zeroes them);
-* a valid frame after such bytes: the bytes are damage below committed data, not a torn write.
-  The end is the end of the last valid frame, so the layers above meet the damaged frames where
-  they read them and report them (``CorruptDataError``), as for any damage.
+* bytes that are not zeros, with no valid frame among them, that begin as a frame written there
+  begins (``Framing.may_be_torn``): the newest write was torn. The end stays where the chain
+  stops, and the torn bytes are reported (the next append zeroes them);
+* a valid frame after such bytes, or bytes that no torn write can leave: damage below committed
+  data. The end is the end of the last valid frame, or of the last byte that is not zero, so the
+  layers above meet the damaged bytes where they read them and report them
+  (``CorruptDataError``), as for any damage.
 
 A handle that has looked once remembers where the chain ended and the bytes before that end
 (``TailLook.mark``); its next look reads on from there (one small read when nothing was
@@ -119,15 +121,17 @@ def _look_whole(read: Callable[[int, int], bytes], start: int, framing: Framing,
     """Read the chunk from ``position`` (where a frame starts) to the end of its file and judge."""
     data = read(position - start, 1 << 62)
     end = framing.chain_end(data, position)
-    rest = data[end - position:]
-    stored = end + len(rest.rstrip(b"\0"))
     damaged = None
+    stored = end + len(data[end - position:].rstrip(b"\0"))
     if stored > end:
-        last = framing.last_frame_end(rest, end)
+        last = framing.last_frame_end(data[end - position:], end)
         if last is not None and last > end:  # a valid frame after bytes that are not: damage
             damaged, end = end, last
-            rest = data[end - position:]
-            stored = end + len(rest.rstrip(b"\0"))
+            stored = end + len(data[end - position:].rstrip(b"\0"))
+    if stored > end and not framing.may_be_torn(data[end - position:stored - position], end):
+        # No crash leaves these bytes: damage, which the layers above meet below the end.
+        damaged, end = (end if damaged is None else damaged), stored
     torn = (end, stored) if stored > end else None
-    return TailLook(end, torn, bytes(rest[:stored - end]) if torn else b"", zeros_after=bool(rest) and torn is None,
+    return TailLook(end, torn, bytes(data[end - position:stored - position]) if torn else b"",
+                    zeros_after=len(data) > stored - position and torn is None,
                     mark=_mark_at(read, start, end), damaged_at=damaged)

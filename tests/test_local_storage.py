@@ -163,22 +163,65 @@ def test_damage_before_a_valid_frame_is_reported_not_cut(tmp_path):
     assert FRAMING.chain_end(damaged.read(0, damaged.length), 0) < damaged.length  # the layers above see it
 
 
-def test_a_segment_opens_and_appends_after_a_torn_write_through_the_log(tmp_path):
-    store = SegmentStore.open(str(tmp_path))
+def _log_with_a_torn_batch(tmp_path, cut: int) -> tuple[SegmentStore, int]:
+    """A segment of five records whose next batch (three records) was torn after ``cut`` bytes;
+    the bytes are those the append really writes (made on a copy of the store)."""
+    import shutil
+
+    src, copy = str(tmp_path / "src"), str(tmp_path / "copy")
+    store = SegmentStore.open(src)
     seg = store.segment("s", create=True)
     for i in range(5):
         seg.append([b"r%d" % i])
     seg.close()
-    path = os.path.join(str(tmp_path), "s", "_log.seg", CHUNK)
-    with open(path, "rb") as f:
+    store.close()
+    shutil.copytree(src, copy)
+    with SegmentStore.open(copy) as other:
+        other.segment("s").append([b"t0", b"t1", b"t2"])
+    path = os.path.join("s", "_log.seg", CHUNK)
+    with open(os.path.join(src, path), "rb") as f:
         end = len(f.read().rstrip(b"\0"))
-    with open(path, "r+b") as f:
+    with open(os.path.join(copy, path), "rb") as f:
+        batch = f.read()[end:]
+    batch = batch.rstrip(b"\0")
+    assert cut < len(batch)
+    with open(os.path.join(src, path), "r+b") as f:
         f.seek(end)
-        f.write(b"AIXB" + b"\x07" * 100)  # garbage where the next batch would be: a torn write
-    seg = store.segment("s")
-    assert seg.next_offset == 5
-    seg.append([b"r5"])
-    assert [r.value for r in seg.read(0)] == [b"r%d" % i for i in range(6)]
+        f.write(batch[:cut])  # what a writer killed mid-append leaves
+    return SegmentStore.open(src), end
+
+
+@pytest.mark.parametrize("cut", [3, 40, 64, 70])
+def test_a_torn_batch_is_cut_and_its_claimed_offsets_are_never_given_out_again(tmp_path, cut, caplog):
+    store, _end = _log_with_a_torn_batch(tmp_path, cut)
+    with store:
+        seg = store.segment("s")
+        # A whole header (64 bytes) claims offsets 5..7: the next record gets 8, never 5.
+        expected = 8 if cut >= 64 else 5
+        assert seg.next_offset == expected
+        with caplog.at_level("WARNING", logger="attrindex.storage"):
+            assert seg.append([b"after"]).first_offset == expected
+        assert "torn write" in caplog.text
+        assert [(r.offset, r.value) for r in seg.read(0)] == [(i, b"r%d" % i) for i in range(5)] + [(expected, b"after")]
+    with SegmentStore.open(str(tmp_path / "src")) as again:
+        assert again.segment("s").next_offset == expected + 1 and again.verify_segment("s").ok
+
+
+def test_bytes_no_crash_leaves_after_the_log_are_damage_reported_and_repaired(tmp_path):
+    store, end = _log_with_a_torn_batch(tmp_path, 0)
+    store.close()
+    with open(os.path.join(str(tmp_path / "src"), "s", "_log.seg", CHUNK), "r+b") as f:
+        f.seek(end)
+        f.write(b"AIXB" + b"\x07" * 100)  # a batch header that fails its checksum: no crash writes that
+    with SegmentStore.open(str(tmp_path / "src")) as store:
+        with pytest.raises(CorruptDataError) as caught:
+            store.segment("s")
+        assert caught.value.offset == end
+        repair = store.repair_segment("s")
+        assert repair.first_lost_offset == 5 and repair.resume_offset >= 5
+        seg = store.segment("s")
+        assert [r.value for r in seg.read(0)] == [b"r%d" % i for i in range(5)]
+        assert seg.append([b"after"]).first_offset == repair.resume_offset
 
 
 # -- a writer killed mid-append ------------------------------------------------------------------

@@ -80,8 +80,22 @@ def test_damage_in_the_newest_frame_alone_is_cut_as_torn():
 
 def test_a_frame_placed_for_another_position_is_not_a_frame():
     frame = FRAMING.frame(b"payload", 0)
-    assert look_at_tail(_reader(frame), 4096, FRAMING).end == 4096  # stale bytes never pass for data
+    assert FRAMING.chain_end(frame, 4096) == 4096  # stale bytes never pass for data
+    stale = look_at_tail(_reader(frame), 4096, FRAMING)
+    assert stale.damaged_at == 4096 and stale.torn is None  # nor for a torn write: damage, reported above
     assert look_at_tail(_reader(FRAMING.place(frame, 4096)), 4096, FRAMING).end == 4096 + len(frame)
+
+
+@settings(max_examples=200, deadline=None)
+@given(payloads=payload_lists, start=starts, garbage=st.binary(min_size=1, max_size=300))
+def test_bytes_no_crash_can_leave_are_damage_up_to_the_last_of_them(payloads, start, garbage):
+    data, _ = _frames(payloads, start)
+    garbage = garbage.rstrip(b"\0")
+    if not garbage or FRAMING.may_be_torn(garbage, start + len(data)):
+        return  # (a valid beginning of a frame written there: that is a torn write)
+    look = look_at_tail(_reader(data + garbage + bytes(50)), start, FRAMING)
+    assert look.damaged_at == start + len(data) and look.end == start + len(data) + len(garbage)
+    assert look.torn is None
 
 
 @settings(max_examples=100, deadline=None)

@@ -43,6 +43,16 @@ class TreeFraming(Framing):
                 return position + committed
             at += size
 
+    def may_be_torn(self, data: bytes, position: int) -> bool:
+        # An update begins with a page (or, a footer-only update, with the footer): its header as
+        # far as it goes. A page's checksum covers the whole page, so a torn one is judged by its
+        # header's fields; a footer's magic.
+        if bytes(data[:len(MAGIC)]) == MAGIC[:min(len(data), len(MAGIC))]:
+            return True
+        head = bytes(data[:4])
+        return head[:1] == bytes([FORMAT_VERSION]) and (len(head) < 2 or head[1] in (LEAF, INDEX)) and \
+            head[2:4] == b"\0\0"[:max(len(head) - 2, 0)]
+
     def last_frame_end(self, data: bytes, position: int) -> int | None:
         at = data.rfind(MAGIC)
         while at >= 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from storage_adapters.errors import CorruptDataError
 from storage_adapters.framing import Framing
 
-from .batch import BATCH_MAGIC, check_batch, read_header
+from .batch import BATCH_HEADER_SIZE, BATCH_MAGIC, check_batch, read_header
 
 
 class LogFraming(Framing):
@@ -25,6 +25,14 @@ class LogFraming(Framing):
             if size is None:
                 return position + at
             at += size
+
+    def may_be_torn(self, data: bytes, position: int) -> bool:
+        if len(data) < BATCH_HEADER_SIZE:  # part of a header: the magic, as far as it goes
+            return bytes(data[:len(BATCH_MAGIC)]) == BATCH_MAGIC[:len(data)]
+        try:
+            return read_header(data, 0, position=position, partial=True) is not None
+        except CorruptDataError:
+            return False
 
     def last_frame_end(self, data: bytes, position: int) -> int | None:
         at = data.rfind(BATCH_MAGIC)
