@@ -95,12 +95,12 @@ def _look_on(read: Callable[[int, int], bytes], start: int, framing: Framing, si
             buffer, position = buffer[end - position:], end
         if not buffer:
             if at_eof:
-                return _clean(read, start, position, zeros_after=False)
+                return _clean(read, start, position, since, zeros_after=False)
         elif buffer[0] == 0:
             # A frame never starts with a zero byte: the chain ends at the pre-written zeros. (What
             # lies further on was zeros when this chunk was first looked at whole, and only
             # appends at the chain's end have written since: a killed writer leaves a prefix.)
-            return _clean(read, start, position, zeros_after=True)
+            return _clean(read, start, position, since, zeros_after=True)
         elif at_eof:
             return position  # bytes that are not a whole frame, to the end of the file
         window = max(window * 2, len(buffer) * 2)  # a frame longer than what was read: read on
@@ -108,8 +108,9 @@ def _look_on(read: Callable[[int, int], bytes], start: int, framing: Framing, si
         at_eof = len(buffer) < window
 
 
-def _clean(read: Callable[[int, int], bytes], start: int, end: int, *, zeros_after: bool) -> TailLook:
-    return TailLook(end, zeros_after=zeros_after, mark=_mark_at(read, start, end))
+def _clean(read: Callable[[int, int], bytes], start: int, end: int, since: TailLook, *, zeros_after: bool) -> TailLook:
+    mark = since.mark if end == since.end else _mark_at(read, start, end)  # (nothing appended: the same bytes)
+    return TailLook(end, zeros_after=zeros_after, mark=mark)
 
 
 def _mark_at(read: Callable[[int, int], bytes], start: int, end: int) -> bytes:
