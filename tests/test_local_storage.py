@@ -357,3 +357,59 @@ def test_a_create_that_fails_with_a_full_disk_leaves_nothing(tmp_path, monkeypat
     assert storage.list_files("d") == {} and os.listdir(tmp_path / "d") == []
     storage.create("d/00000000000000000003", b"y" * 10)
     assert storage.read("d/00000000000000000003", 0, 10) == b"y" * 10
+
+
+# -- torn at every byte ----------------------------------------------------------------------------
+def _chunk_before_and_after(root: str, name: str, write) -> tuple[bytes, int, int]:
+    """The bytes of the last chunk of segment ``name`` after ``write()`` (one append), where in
+    them the append began, and the chunk's start."""
+    from storage_adapters.rolling import SEGMENT_SUFFIX
+
+    directory = os.path.join(root, name + SEGMENT_SUFFIX)
+    last = sorted(n for n in os.listdir(directory) if n.isdigit())[-1]
+    with open(os.path.join(directory, last), "rb") as f:
+        before = f.read()
+    write()
+    assert sorted(n for n in os.listdir(directory) if n.isdigit())[-1] == last, "the append rolled"
+    with open(os.path.join(directory, last), "rb") as f:
+        after = f.read()
+    start = next(i for i in range(len(before)) if before[i] != after[i])
+    return after, start, int(last)
+
+
+@pytest.mark.parametrize("which", ["log batch", "tree update"])
+def test_an_append_torn_at_every_byte_is_cut_back_to_the_chain_before_it(tmp_path, which):
+    """Every prefix of a real append (a record batch; a B+tree update of pages and a footer), as a
+    killed writer leaves it: the end is where the append began, the bytes are a torn write (none
+    is taken for damage), and the chunk's frames before it are all there."""
+    from attrindex.btree.framing import TREE_FRAMING
+    from attrindex.log.framing import LOG_FRAMING
+    from attrindex.tree_index import TreeIndex
+    from storage_adapters.tail import look_at_tail
+
+    root = str(tmp_path)
+    if which == "log batch":
+        store = SegmentStore.open(root)
+        seg = store.segment("s", create=True)
+        seg.append([b"first"], [(b"k" * 16, 1)])
+        after, start, chunk_start = _chunk_before_and_after(
+            root, "s/_log", lambda: seg.append([b"r%d" % i for i in range(40)], [(b"a" * 16, 7)]))
+        framing = LOG_FRAMING
+    else:
+        index = TreeIndex.open(root, page_size=256)
+        index.update({i: i for i in range(200)})
+        after, start, chunk_start = _chunk_before_and_after(
+            root, "attributes", lambda: index.update({i: -i for i in range(0, 200, 3)}))
+        framing = TREE_FRAMING
+    prefix, append = after[:start], after[start:framing.chain_end(after, chunk_start) - chunk_start]
+    assert append
+    for cut in range(1, len(append)):
+        chunk = prefix + append[:cut] + bytes(4096)
+        look = look_at_tail(lambda a, b: chunk[a:b], chunk_start, framing)
+        if not append[cut:].strip(b"\0"):  # the bytes not written were zeros anyway: the whole append
+            assert look.end == chunk_start + start + len(append) and look.torn is None, cut
+            continue
+        assert (look.end, look.damaged_at) == (chunk_start + start, None), cut
+        assert look.torn == (chunk_start + start, chunk_start + start + len(append[:cut].rstrip(b"\0"))), cut
+    whole = prefix + append + bytes(4096)
+    assert look_at_tail(lambda a, b: whole[a:b], chunk_start, framing).end == chunk_start + start + len(append)
