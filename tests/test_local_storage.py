@@ -413,3 +413,19 @@ def test_an_append_torn_at_every_byte_is_cut_back_to_the_chain_before_it(tmp_pat
         assert look.torn == (chunk_start + start, chunk_start + start + len(append[:cut].rstrip(b"\0"))), cut
     whole = prefix + append + bytes(4096)
     assert look_at_tail(lambda a, b: whole[a:b], chunk_start, framing).end == chunk_start + start + len(append)
+
+
+def test_a_tail_readers_poll_is_quiet_over_a_known_torn_write_and_wakes_for_an_append(tmp_path):
+    writer = _segment(tmp_path)
+    writer.append(frame(b"one"))
+    end = writer.length
+    with open(_chunk(tmp_path), "r+b") as f:
+        f.seek(end)
+        f.write(FRAMING.place(frame(b"t" * 30), end)[:25])  # a torn write, left by a crash
+    reader = _segment(tmp_path)
+    assert reader.torn_tail is not None and not reader.poll()  # nothing new: no refresh loop
+    writer.refresh()
+    writer.append(frame(b"two"))  # zeroes the torn bytes and appends
+    assert reader.poll()
+    reader.refresh()
+    assert _payloads(reader) == [b"one", b"two"] and reader.torn_tail is None
