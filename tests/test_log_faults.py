@@ -121,6 +121,40 @@ def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, ca
         assert seg.get_attribute(COUNTER) == 31
 
 
+@pytest.mark.parametrize("kind", ["payload", "header", "chunk"])
+def test_the_newest_batches_damaged_after_a_merge_are_given_up_and_never_reused(tmp_path, kind):
+    """On local disk, the newest batch (or the whole last chunk) damaged after the attributes
+    merged it: the log alone would cut it as a torn write, but the attributes' checkpoint proves
+    those bytes were committed, so opening refuses. Repair gives those batches up as lost (they
+    are reported, with their offsets) and resumes above every offset they could have held: no
+    acknowledged offset is given out again, whatever is left of the damaged headers."""
+    root = str(tmp_path / "store")
+    fill_counter(root, 30, **SMALL)  # closed: the attributes cover every batch
+    last = files(root, "s", "_log.seg")[-1]
+    data = committed(last)
+    batches = list(iter_batches(data))
+    if kind == "chunk":
+        with open(last, "r+b") as f:
+            f.write(bytes(b ^ 0x5A for b in data))
+        lost = [h.base_offset for _p, h in batches]
+    else:
+        at = batches[-1][0]
+        flip(last, at + (BATCH_HEADER_SIZE + 3 if kind == "payload" else 30))
+        lost = [29]
+    kept = [i for i in range(30) if i not in lost]
+    with SegmentStore.open(root, **SMALL) as store:
+        with pytest.raises(CorruptDataError):
+            store.segment("s")
+        repair = store.repair_segment("s")
+        given_up = {o for r in repair.lost_offsets for o in r}
+        assert set(lost) <= given_up and not given_up & set(kept), repair
+        assert repair.resume_offset is not None and repair.resume_offset >= 30, repair
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 1000)] == kept
+        assert increment(seg, 30).first_offset >= 30  # never an acknowledged offset
+        assert store.verify_segment("s").ok
+
+
 # -- class 1 and 2: verify and repair --------------------------------------------------------------
 def test_verify_reports_every_damaged_range_and_repair_gives_up_only_those(tmp_path):
     root = str(tmp_path / "store")
