@@ -74,16 +74,25 @@ def write_log(store, records: int, keys: int, value_size: int, batch: int, seed:
     return model
 
 
+def _committed_sizes(storage) -> dict[str, int]:
+    """``{chunk name: committed bytes}`` of the changelog's log, in order, as its view tells (on
+    local disk a chunk file goes on with pre-written zeros past its committed bytes)."""
+    from storage_adapters import RollingSegment
+
+    from attrindex.log.framing import LOG_FRAMING
+
+    with RollingSegment(storage, "changelog/_log", framing=LOG_FRAMING) as log:
+        return {chunk.name: chunk.stored for chunk in log.chunks()}
+
+
 def raw_read(store) -> tuple[int, float]:
     """Read every stored log byte in 1 MiB windows, straight from the chunk files."""
     storage = store.storage
-    files = storage.list_files("changelog/_log.seg")
-    chunks = sorted(n for n in files if "/" not in n)
+    sizes = _committed_sizes(storage)
     started = time.perf_counter()
     total = 0
-    for name in chunks:
+    for name, size in sizes.items():
         path = f"changelog/_log.seg/{name}"
-        size = storage.committed_size(path) if storage.appendable else files[name]
         position = 0
         while position < size:
             piece = storage.read(path, position, min(size, position + MIB))
@@ -100,15 +109,13 @@ def floors(store) -> tuple[float, float]:
     from attrindex.log.batch import iter_batches, uniform_keys
 
     storage = store.storage
-    files = storage.list_files("changelog/_log.seg")
-    chunks = sorted(n for n in files if "/" not in n)
+    sizes = _committed_sizes(storage)
     out = []
     for with_map in (False, True):
         latest: dict = {}
         started = time.perf_counter()
-        for name in chunks[:-1]:  # the sealed chunks: what the cleaner cleans
+        for name, size in list(sizes.items())[:-1]:  # the sealed chunks: what the cleaner cleans
             path = f"changelog/_log.seg/{name}"
-            size = storage.committed_size(path) if storage.appendable else files[name]
             data = storage.read(path, 0, size)
             for pos, header in iter_batches(data, verify=True):
                 if with_map and header.record_count:
