@@ -143,9 +143,11 @@ def test_iterator_outlives_compaction_and_truncation(url):
 
 
 # -- recovery ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("url", [f"memory://index-{uuid.uuid4().hex}"])
 def test_committed_bytes_after_the_newest_footer_are_corruption_not_a_rollback(url):
-    # Under the commit protocol every committed append of an index ends with a footer, so committed
-    # bytes that do not are damage: reopening must say so, not silently fall back to an older footer.
+    # Where a chunk's length is stored (memory, S3) every committed append of an index ends with a
+    # footer, so committed bytes that do not are damage: reopening must say so, not silently fall
+    # back to an older footer. (Local disk: the next test.)
     idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(100)})
     before = sorted(idx.items())
@@ -164,17 +166,42 @@ def test_committed_bytes_after_the_newest_footer_are_corruption_not_a_rollback(u
     assert again.get(1000) == 1 and len(again) == 101 and again.verify().ok
 
 
+def test_bytes_after_the_newest_footer_on_local_disk_are_a_torn_update(tmp_path, caplog):
+    # On local disk a chunk's committed end is the end of its chain of whole updates (pages, then
+    # the footer that covers them): bytes after the newest footer with no valid footer after them
+    # are an update torn by a crash, cut with a warning by the next update (docs/decisions/0001).
+    from attrindex.btree.framing import TREE_FRAMING
+
+    url = str(tmp_path / "store")
+    idx = TreeIndex.open(url, page_size=256)
+    idx.update({k(i): i for i in range(100)})
+    before = sorted(idx.items())
+    raw = RollingSegment(open_storage(url), "attributes", framing=TREE_FRAMING)
+    end = raw.length
+    raw.append(b"garbage\x00" * 500)
+    raw.append(b"AIXFOOT1" + bytes(64))  # looks like a footer, but its checksum is wrong
+    reopened = TreeIndex.open(url, page_size=256)
+    assert sorted(reopened.items()) == before and reopened.stats().length == end
+    assert TreeIndex.verify_at(url).ok and not TreeIndex.repair_at(url).rolled_back
+    with caplog.at_level("WARNING", logger="attrindex.storage"):
+        reopened.update({k(1000): 1})
+    assert any(f"torn write at position {end}" in r.getMessage() for r in caplog.records)
+    again = TreeIndex.open(url, page_size=256)
+    assert again.get(1000) == 1 and len(again) == 101 and again.verify().ok
+
+
 def test_torn_update_past_the_committed_length_is_ignored(tmp_path):
-    # A writer killed mid-update leaves bytes past the committed length (no commit record covers
-    # them): they are not part of the index, and the next append overwrites them.
+    # A writer killed mid-update leaves the first bytes of its update after the newest footer:
+    # they are not part of the index, and the next append overwrites them.
     url = str(tmp_path)
     idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(50)})
     idx.update({k(i): -i for i in range(50)})
     state = idx._tree.state
     last_update = idx._segment.read(state.length - state.footer.update_length, state.footer.update_length)
-    chunk = tmp_path / "attributes.seg" / idx._segment.chunks()[-1].name
-    with open(chunk, "ab") as f:
+    chunk = idx._segment.chunks()[-1]
+    with open(tmp_path / "attributes.seg" / chunk.name, "r+b") as f:  # where the next update would go
+        f.seek(state.length - chunk.start)
         f.write(last_update[: len(last_update) // 2])
     reopened = TreeIndex.open(url, page_size=256)
     assert reopened.get_many(range(50)) == [-i for i in range(50)]
