@@ -521,7 +521,6 @@ class AttributeIndex(IndexHandle):
         still holds come back. Then the WAL's damaged batches become gaps, its intact ones are kept
         and a damaged tail is cut (``report.wal`` says what was lost); the tree is never rebuilt
         from the WAL (it holds what was merged before).
-        Whole appends whose commit records were lost are committed again, losing nothing.
         """
         return cls._repair(_storage(storage, storage_options, name), name, SegmentOptions())
 

@@ -20,14 +20,13 @@ from typing import Any
 import attrs
 
 from storage_adapters import ChunkStorage, RollingSegment
-from storage_adapters.rolling import chunk_name
 
 from .tree_index import TreeIndex
 from .damage import Damage
 from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
-from .log.batch import encode_batch
+from .log.batch import encode_batch, read_header
 from .log.segment_log import INDEX_DIR, SegmentLog
-from .log.verify import LogScan, scan_log, resume_offset
+from .log.verify import RECORDS_PER_BYTE_BOUND, LogScan, resume_offset, scan_log
 from .segment import ATTRIBUTES_NAME, Segment, SegmentOptions
 
 _log = logging.getLogger("attrindex.segment")
@@ -186,11 +185,14 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
     the log is not its whole source); it is rolled back or kept instead. Raises ``StorageError`` if another writer appended
     meanwhile (stop writers, run it again).
     """
+    covered = _readable_checkpoint(storage, name, options, tree_name)
     log = _open_log(storage, name, options)
     try:
         scan = scan_log(log)
         log_start, length = log.bytes.start_offset, log.bytes.length
         lost, cut = _give_up(log, scan, length)
+        if cut is None and covered > length:
+            lost, cut = lost + (_give_up_after_the_end(log, scan, length, covered),), length
         deleted = _delete_index_files(log, scan.damage, lost)
     finally:
         log.close()
@@ -227,6 +229,25 @@ def _give_up(log: SegmentLog, scan: LogScan, length: int) -> tuple[tuple[LostRan
             log.record_gap(start, end)
         lost.append(LostRange(damaged.start, damaged.end, range(damaged.first_offset, damaged.next_offset)))
     return tuple(lost), cut
+
+
+def _give_up_after_the_end(log: SegmentLog, scan: LogScan, length: int, covered: int) -> LostRange:
+    """The attributes cover the log up to byte ``covered``, past its end ``length``: batches that
+    were committed (a merge covers only committed bytes) are no longer part of the log. On local
+    disk that is damage to the newest frames of the last chunk that was cut as a torn write. Give
+    ``[length, covered)`` up and resume above every offset those bytes could hold: what a torn
+    batch's intact header claimed (``SegmentLog.append_offset``), and a bound for the rest."""
+    first = scan.next_offset if scan.next_offset is not None else log.next_offset
+    claimed = log.append_offset
+    torn = log.bytes.torn_tail
+    known = length
+    if claimed > log.next_offset and torn is not None:
+        header = read_header(torn[1], 0, position=torn[0], partial=True)
+        known = length + header.size
+    unknown = covered - known
+    resume = claimed + max(unknown, 0) * RECORDS_PER_BYTE_BOUND
+    _cut(log, length, length, resume)
+    return LostRange(length, covered, range(first, resume), unknown <= 0)
 
 
 def _cut(log: SegmentLog, cut: int, length: int, resume: int) -> None:

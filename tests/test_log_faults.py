@@ -88,13 +88,11 @@ def test_damage_at_the_very_end_of_the_last_chunk_once_merged_is_corruption_on_o
         assert not store.verify_segment("s").ok
 
 
-@pytest.mark.parametrize("part", ["payload", "header"])
-def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, caplog, part):
-    """The newest batch of the last chunk damaged before anything merged it, nothing valid after
-    it: on local disk that cannot be told from a write torn by a crash (docs/decisions/0001), so
-    it is cut as one, with a warning, never an error. A torn batch whose header is intact keeps
-    the offsets it claimed from ever being given out again; one whose header is damaged is the
-    documented newest-write rollback (its offset is given again)."""
+def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, caplog):
+    """The newest batch of the last chunk damaged in its payload before anything merged it,
+    nothing valid after it: on local disk that cannot be told from a write torn by a crash
+    (docs/decisions/0001), so it is cut as one, with a warning, never an error, and the offsets
+    its intact header claimed are never given out again."""
     root = str(tmp_path / "store")
     fill_counter(root, 30, **SMALL)
     with SegmentStore.open(root, **SMALL) as store:
@@ -102,7 +100,7 @@ def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, ca
     last = files(root, "s", "_log.seg")[-1]
     data = committed(last)
     final = [pos for pos, _header in iter_batches(data)][-1]
-    flip(last, len(data) - 1 if part == "payload" else final + 30)
+    flip(last, len(data) - 1)
     chunk_start = int(os.path.basename(last))
     with SegmentStore.open(root, **SMALL) as store, caplog.at_level("WARNING", logger="attrindex.storage"):
         assert store.verify_segment("s").ok  # a torn write is no damage
@@ -110,15 +108,39 @@ def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, ca
         assert [r.offset for r in seg.read(0, 1000)] == list(range(30))
         assert seg.stats().log_bytes == chunk_start + final
         assert seg.get_attribute(COUNTER) == 30
-        resume = 31 if part == "payload" else 30
-        assert increment(seg, 31).first_offset == resume
+        assert increment(seg, 31).first_offset == 31  # offset 30, claimed by the torn header, is skipped
         assert any(f"torn write at position {chunk_start + final}" in r.getMessage() for r in caplog.records)
-        assert [r.offset for r in seg.read(0, 1000)] == list(range(30)) + [resume]
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(30)) + [31]
         assert store.verify_segment("s").ok
     with SegmentStore.open(root, **SMALL) as store:  # the torn bytes were zeroed by the append
         seg = store.segment("s")
-        assert [r.offset for r in seg.read(0, 1000)] == list(range(30)) + [resume]
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(30)) + [31]
         assert seg.get_attribute(COUNTER) == 31
+
+
+def test_a_damaged_header_of_the_newest_batch_is_damage_not_a_torn_write(tmp_path):
+    """A torn write begins as the batch it was begins (a killed writer leaves a prefix; a power
+    loss keeps or loses whole sectors), so a newest batch whose header fails its checksum is
+    damage: reported on open, and repair gives the batch up above every offset it could hold."""
+    root = str(tmp_path / "store")
+    fill_counter(root, 30, **SMALL)
+    with SegmentStore.open(root, **SMALL) as store:
+        store.segment("s").append([b"plain-30"], timestamp=30)  # no attribute update: nothing merges it
+    last = files(root, "s", "_log.seg")[-1]
+    data = committed(last)
+    final = [pos for pos, _header in iter_batches(data)][-1]
+    flip(last, final + 30)
+    chunk_start = int(os.path.basename(last))
+    with SegmentStore.open(root, **SMALL) as store:
+        with pytest.raises(CorruptDataError) as caught:
+            store.segment("s")
+        assert caught.value.offset == chunk_start + final
+        assert not store.verify_segment("s").ok
+        repair = store.repair_segment("s")
+        assert repair.first_lost_offset == 30 and repair.resume_offset >= 31
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(30))
+        assert increment(seg, 31).first_offset == repair.resume_offset
 
 
 @pytest.mark.parametrize("kind", ["payload", "header", "chunk"])

@@ -248,8 +248,8 @@ class BTreeIndex:
         raise StorageError(f"segment {self.segment.name!r}: no consistent listing in {RELIST_ATTEMPTS} attempts: {problem}") from problem
 
     def _read_state(self, length: int, start: int) -> TreeState:
-        """The version whose footer ends at ``length``: with commit records and whole objects the
-        committed length is exact, so those bytes must be a valid footer (no older one is looked for:
+        """The version whose footer ends at ``length``: with the chain of frames (local disk) and
+        whole objects the committed length is exact, so those bytes must be a valid footer (no older one is looked for:
         that would be a silent rollback)."""
         if length == 0:
             return TreeState(EMPTY, -1, 0)

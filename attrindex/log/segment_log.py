@@ -19,8 +19,8 @@ which readers step over as they step over gaps (record offsets continue from the
 offset). A handle whose position lies inside a chunk replaced under it moves to the first batch
 of the new chunk it has not consumed yet (``resyncs`` counts such moves).
 
-Committed means committed: the byte stream's length is its committed length (local disk: the
-newest valid commit record; objects are whole), so nothing below it is a torn tail. An invalid
+Committed means committed: the byte stream's length is its committed length (local disk: the end
+of the chain of whole, valid batches; objects are whole), so nothing below it is a torn tail. An invalid
 batch anywhere below it, the end of the last chunk included, is ``CorruptDataError`` naming the
 segment, chunk and byte, on open and on read; such a segment refuses appends. Only an explicit
 repair (``attrindex.segment_repair``) records a gap marker, which readers then step over; markers
@@ -274,16 +274,16 @@ class SegmentLog:
 
     def _end_went_back_error(self) -> CorruptDataError:
         """The stored log ends below ``position``, which this handle read as committed. Writers
-        only move the end forward (truncation and replacements keep it), so its commit records
-        were lost or damaged. Raised rather than waited out: a writer would lose every
+        only move the end forward (truncation and replacements keep it), so the newest frames of
+        the last chunk were damaged (and cut as a torn write) or the file was cut short. Raised rather than waited out: a writer would lose every
         compare-and-append race at this position, and a tail reader would wait for bytes it has
         read already."""
         return CorruptDataError(
             f"segment {self.segment!r}: the log's committed end is byte {self.bytes.length}, below byte "
-            f"{self.position}, which this handle had read as committed: its commit records were lost or damaged "
-            f"(or an append it saw was taken back when its sync failed, or the segment was deleted and made "
-            f"again). Nothing was written. SegmentStore.verify_segment reports the damage and repair_segment "
-            f"commits again the whole batches stored after the committed end",
+            f"{self.position}, which this handle had read as committed: the newest batches of its last chunk were "
+            f"damaged or its file was cut short (or an append it saw was taken back when its sync failed, or the "
+            f"segment was deleted and made again). Nothing was written. Reopen the segment; "
+            f"SegmentStore.repair_segment gives up what is lost and never reuses its offsets",
             segment=self.segment, offset=self.bytes.length)
 
     def _restart_at_start(self) -> None:
