@@ -48,6 +48,7 @@ from storage_adapters.rolling import chunk_name
 from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
 from .batch import (BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, place_batches,
                     read_header)
+from .framing import LOG_FRAMING
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
 _log = logging.getLogger("attrindex.log")
@@ -111,7 +112,7 @@ class SegmentLog:
         self.storage = storage
         self.segment = segment
         self.interval = index_interval_bytes
-        self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size)
+        self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size, framing=LOG_FRAMING)
         self._chunks: list[_Chunk] = []
         #: recorded gaps, {start: (end, generation, marker name)}: skipped even where bytes look valid,
         #: while the chunk holding them is of that generation (``_recorded_gap``)
