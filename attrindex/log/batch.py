@@ -661,6 +661,13 @@ def place_batches(data, position: int) -> bytes:
     n = len(data)
     if type(position) is not int or not 0 <= position <= _U64_MASK - n:
         raise InvalidInputError(f"position must be an int in [0, 2**64 - {n}), got {position!r:.60}")
+    if type(data) is bytes and n >= BATCH_HEADER_SIZE:  # one batch (the usual append): no loop, no view
+        magic, version, _flags, size = _PREFIX.unpack_from(data)
+        if size == n and magic == BATCH_MAGIC and version == BATCH_VERSION:
+            crc = zlib.crc32(data[:_CHECKED_HEADER], zlib.crc32(_U64.pack(position)))
+            if crc == _U32.unpack_from(data, _CHECKED_HEADER)[0]:
+                return data
+            return b"".join([data[:_CHECKED_HEADER], _U32.pack(crc), data[BATCH_HEADER_SIZE:]])
     crc32, pack, view = zlib.crc32, _U64.pack, memoryview(data)
     at, moved = 0, []
     while at < n:
