@@ -444,10 +444,11 @@ class Segment(BackgroundMerge):
         # One batch id per call: identical bytes at an offset then mean this call.
         pending = _PendingAppend(records, updates, replacements, expected_offset, stamp, chosen, new_batch_id())
         if updates is None:  # no conditions: encode here, outside the lock (bad records raise here too)
-            # At the offset this handle last saw: for a lone writer the leader writes it unchanged.
+            # At the offset and position this handle last saw: for a lone writer the leader writes
+            # it unchanged (SegmentLog.append_many seals it again only if the position moved).
             data, header = encode_batch_with_header(self._log.append_offset, records, timestamp=stamp,
                                                     attribute_updates=replacements, codec=chosen,
-                                                    batch_id=pending.batch_id)
+                                                    batch_id=pending.batch_id, position=self._log.position)
             pending.encoded, size = (*replacements, data, header), len(data)
         else:
             size = sum(len(r) if isinstance(r, bytes) else 64 for r in records) + 40 * len(updates)
@@ -460,7 +461,7 @@ class Segment(BackgroundMerge):
         stamp, batch_id = int(time.time() * 1000), new_batch_id()
         data, header = encode_batch_with_header(self._log.append_offset, (), timestamp=stamp,
                                                 attribute_updates=(keys, values), codec=self.options.codec,
-                                                batch_id=batch_id)
+                                                batch_id=batch_id, position=self._log.position)
         pending = _PendingAppend([], None, (keys, values), None, stamp, self.options.codec, batch_id,
                                  (keys, values, data, header))
         self._check_open()

@@ -252,7 +252,7 @@ def _give_up_after_the_end(log: SegmentLog, scan: LogScan, length: int, covered:
 
 def _cut(log: SegmentLog, cut: int, length: int, resume: int) -> None:
     """Continue the log after ``length`` at offset ``resume`` and mark ``[cut, length)`` as gaps."""
-    empty = encode_batch(resume, [], timestamp=int(time.time() * 1000))
+    empty = encode_batch(resume, [], timestamp=int(time.time() * 1000), position=length)  # sealed for where it lands
     try:
         log.bytes.append(empty, expected_offset=length)
     except BadOffsetError:

@@ -29,6 +29,12 @@ def files(root: str, name: str, part: str) -> list[str]:
     return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.isdigit())
 
 
+def start_of(chunk: str) -> int:
+    """The log byte position a chunk starts at (its name, or a path to it): what its batches are
+    sealed for."""
+    return int(os.path.basename(chunk)[:20])
+
+
 def flip(path: str, at: int, bit: int = 0x10) -> None:
     with open(path, "r+b") as f:  # in place: the chunk's length is unchanged
         f.seek(at)
@@ -76,7 +82,7 @@ def test_damage_at_the_very_end_of_the_last_chunk_once_merged_is_corruption_on_o
         reader = store.segment("s")  # opened before the damage: its reads still verify
         last = files(root, "s", "_log.seg")[-1]
         data = committed(last)
-        final = [pos for pos, _header in iter_batches(data)][-1]
+        final = [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
         flip(last, len(data) - 1)  # the last byte of the last batch's payload
         chunk_start = int(os.path.basename(last))
         with pytest.raises(CorruptDataError) as caught:
@@ -187,7 +193,7 @@ def test_verify_reports_every_damaged_range_and_repair_gives_up_only_those(tmp_p
     positions = []
     for path in damaged:
         data = open(path, "rb").read()
-        pos = [p for p, _h in iter_batches(data)][3]
+        pos = [p for p, _h in iter_batches(data, position=start_of(path))][3]
         flip(path, pos + BATCH_HEADER_SIZE + 2)  # a payload byte: the header still tells the offsets
         positions.append(int(os.path.basename(path)) + pos)
     with SegmentStore.open(root, **SMALL) as store:
@@ -231,8 +237,8 @@ def test_a_damaged_header_resumes_above_a_safe_bound(storage_url):
     root, _options = storage_url
     fill_counter(root, 20)
     storage = open_storage(root)
-    ((name, _start, data),) = committed_chunks(storage, "s/_log")
-    last = [p for p, _h in iter_batches(data)][-1]
+    ((name, start, data),) = committed_chunks(storage, "s/_log")
+    last = [p for p, _h in iter_batches(data, position=start)][-1]
     rot(storage, f"s/_log.seg/{name}", last + 30)  # inside the last header: its offsets cannot be trusted
     with SegmentStore.open(root) as store:
         repair = store.repair_segment("s")
@@ -342,9 +348,9 @@ def test_random_damage_in_the_log_never_reuses_an_acknowledged_offset(tmp_path, 
     chunks = files(root, "s", "_log.seg")
     path = rng.choice(chunks)
     data = committed(path)
-    newest = [p for p, _h in iter_batches(data)][-1]
+    newest = [p for p, _h in iter_batches(data, position=start_of(path))][-1]
     low, high = damage(path, rng, newest if path == chunks[-1] else len(data))
-    touched = {h.base_offset for p, h in iter_batches(data) if p < high and low < p + h.size}
+    touched = {h.base_offset for p, h in iter_batches(data, position=start_of(path)) if p < high and low < p + h.size}
     with SegmentStore.open(root, **SMALL) as store:
         assert not store.verify_segment("s").ok  # every byte of a batch is under a checksum
         with pytest.raises(CorruptDataError):
@@ -480,12 +486,13 @@ def test_every_append_call_has_its_own_batch_id_kept_across_a_lost_race(tmp_path
         first.append([b"same"], [(key(1), 5)], timestamp=9)
     (chunk,) = files(root, "s", "_log.seg")
     data = committed(chunk)
-    headers = [h for _pos, h in iter_batches(data)]
+    headers = [h for _pos, h in iter_batches(data, position=start_of(chunk))]
     assert [h.base_offset for h in headers] == [0, 1, 2]
     assert len({h.batch_id for h in headers}) == 3
-    bodies = {data[p + BATCH_HEADER_SIZE:p + h.size] for p, h in iter_batches(data)}
+    bodies = {data[p + BATCH_HEADER_SIZE:p + h.size] for p, h in iter_batches(data, position=start_of(chunk))}
     assert len(bodies) == 1  # the payloads are identical: only the id tells the calls apart
-    assert all(read_header(data, p).batch_id == h.batch_id for p, h in iter_batches(data))
+    assert all(read_header(data, p, position=start_of(chunk)).batch_id == h.batch_id
+               for p, h in iter_batches(data, position=start_of(chunk)))
 
 
 def rot(storage, path: str, at: int) -> None:
@@ -571,8 +578,8 @@ def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
                                          AttributeUpdate(LATEST, UpdateType.REPLACE, value=i)], timestamp=1000 + i)
     storage = open_storage(url, **options)
     spans = []  # (chunk name, byte in it, size, offset) of every batch
-    for name, _start, data in committed_chunks(storage, "s/_log"):
-        spans += [(name, p, h.size, h.base_offset) for p, h in iter_batches(data)]
+    for name, start, data in committed_chunks(storage, "s/_log"):
+        spans += [(name, p, h.size, h.base_offset) for p, h in iter_batches(data, position=start)]
     assert [offset for *_rest, offset in spans] == list(range(30))
     victim = spans[14 if where == "middle" else 29]
     name, at, size, _offset = victim
@@ -640,7 +647,7 @@ def test_a_batch_stored_inside_a_damaged_batch_is_not_taken_for_one(tmp_path):
             value = encode_batch(5, [b"fake"], timestamp=5) if i == 5 else b"rec-%d" % i
             seg.append([value], timestamp=i)
     (chunk,) = files(root, "s", "_log.seg")
-    at = [p for p, _h in iter_batches(committed(chunk))][5]
+    at = [p for p, _h in iter_batches(committed(chunk), position=start_of(chunk))][5]
     flip(chunk, at + 30)  # the header's base offset: its checksum fails, its size field is intact
     with SegmentStore.open(root) as store:
         repair = store.repair_segment("s")
@@ -664,7 +671,7 @@ def test_log_compaction_after_a_repair_keeps_every_kept_record(storage_url):
         for i in range(60):  # unique keys but one, rewritten later: compaction drops its first value
             seg.append([Record(key=b"k%d" % (15 if i == 40 else i), value=b"v%d" % i)], timestamp=i)
     storage = open_storage(url, **options)
-    spans = [(name, p) for name, _start, data in committed_chunks(storage, "s/_log") for p, _h in iter_batches(data)]
+    spans = [(name, p) for name, start, data in committed_chunks(storage, "s/_log") for p, _h in iter_batches(data, position=start)]
     name, at = spans[10]
     rot(storage, f"s/_log.seg/{name}", at + BATCH_HEADER_SIZE + 3)
     with SegmentStore.open(url, options, **SMALL) as store:
@@ -714,7 +721,8 @@ def test_gap_markers_written_by_older_versions_are_still_honoured(storage_url):
     end = log.length
     storage.put_marker(f"s/_gaps/{chunk_name(start)}-{chunk_name(end)}")
     for i in range(10, 13):
-        log.append(encode_batch(i, [b"new-%d" % i], timestamp=i, attribute_updates=([key(i)], [i])))
+        log.append(encode_batch(i, [b"new-%d" % i], timestamp=i, attribute_updates=([key(i)], [i]),
+                                position=log.length))
     with SegmentStore(open_storage(url, **options)) as store:
         seg = store.segment("s")
         assert [r.value for r in seg.read(0, 100)] == [b"old-%d" % i for i in range(10)] + [b"new-%d" % i for i in range(10, 13)]

@@ -50,7 +50,7 @@ def test_garbage_below_the_committed_length_is_corruption_until_repaired(tmp_pat
     (chunk,) = chunk_files(root)
     data = open(chunk, "rb").read()
     data = data[:LOG_FRAMING.chain_end(data, 0)]  # the frames (zeros follow them in the file)
-    positions = [pos for pos, _header in iter_batches(data)]
+    positions = [pos for pos, _header in iter_batches(data)]  # the first chunk starts at log byte 0
     assert len(positions) == 100
     cut = rng.randrange(100)
     with open(chunk, "r+b") as f:  # garbage no crash leaves: damage, not a torn write
@@ -90,7 +90,7 @@ def test_garbage_inside_the_log_is_an_error_naming_its_place(tmp_path):
             seg.append([b"x" * 100])
     first = chunk_files(root)[0]
     data = bytearray(open(first, "rb").read())
-    positions = [pos for pos, _header in iter_batches(bytes(data[:LOG_FRAMING.chain_end(bytes(data), 0)]))]
+    positions = [pos for pos, _header in iter_batches(bytes(data[:LOG_FRAMING.chain_end(bytes(data), 0)]))]  # the first chunk: log byte 0
     data[positions[2] + 60] ^= 0xFF  # inside the payload of the third batch
     open(first, "wb").write(data)
     with SegmentStore.open(root, **SMALL) as store:

@@ -46,8 +46,9 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
+from .batch import (BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, place_batches,
+                    read_header)
 from .framing import LOG_FRAMING, torn_claim
-from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, read_header
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
 _log = logging.getLogger("attrindex.log")
@@ -419,9 +420,12 @@ class SegmentLog:
         """Append consecutive encoded batches (each based where the one before ends) as ONE
         compare-and-append, so they are durable together (group commit); return their positions.
 
-        They land in one chunk, so no batch spans chunks. Errors as for ``append``.
+        The batches may be sealed for any position: they are sealed for where they land
+        (``place_batches``, which leaves batches encoded for there as they are). They land in one
+        chunk, so no batch spans chunks. Errors as for ``append``.
         """
-        at = self.bytes.append(datas[0] if len(datas) == 1 else b"".join(datas), expected_offset=self.position)
+        data = place_batches(datas[0] if len(datas) == 1 else b"".join(datas), self.position)
+        at = self.bytes.append(data, expected_offset=self.position)
         self._sync_chunks()
         chunk = self._chunks[-1]
         if chunk.start == at:
@@ -732,10 +736,12 @@ class SegmentLog:
     # -- replacing chunks ----------------------------------------------------------------------
     def replace_range(self, start: int, end: int, data: bytes, *, expected: list[str] | None = None) -> None:
         """Replace the sealed log chunks covering exactly ``[start, end)`` by one chunk holding
-        ``data``: whole record batches from ``start`` on, keeping their base offsets; the bytes
-        after them up to ``end`` become a hole that readers step over.
+        ``data``: whole record batches from ``start`` on, keeping their base offsets, each sealed
+        for the byte it lands at (``place_batches(data, start)``); the bytes after them up to
+        ``end`` become a hole that readers step over.
 
-        ``data`` is checked first (whole valid batches, offsets rising, within the range); then
+        ``data`` is checked first (whole batches valid where they land, offsets rising, within the
+        range); then
         ``RollingSegment.replace_range`` switches atomically if the range still holds the chunks
         ``expected`` (the names the caller planned with; default: this handle's chunk list), else
         ``LayoutConflictError``: another handle replaced or truncated them first. The new chunk's

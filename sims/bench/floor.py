@@ -44,7 +44,8 @@ class Floor:
 
     def update_one(self, key: bytes, value: int) -> None:
         data, _header = encode_batch_with_header(self.count, (), timestamp=int(time.time() * 1000),
-                                                 attribute_updates=([key], [value]), batch_id=self.count)
+                                                 attribute_updates=([key], [value]), batch_id=self.count,
+                                                 position=self.position)
         fd, position = self.fd, self.position
         if self.checks:
             fcntl.flock(self.lock, fcntl.LOCK_EX)

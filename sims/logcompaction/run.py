@@ -116,7 +116,7 @@ def floors(store) -> tuple[float, float]:
         for name, size in chunks[:-1]:  # the chunks no longer appended to: what the cleaner cleans
             path = f"changelog/_log.seg/{name}"
             data = storage.read(path, 0, size)
-            for pos, header in iter_batches(data, verify=True):
+            for pos, header in iter_batches(data, position=int(name[:20]), verify=True):  # named by its start
                 if with_map and header.record_count:
                     keys, _dead = uniform_keys(data, pos, header, verify=False)
                     base = header.base_offset
