@@ -5,10 +5,10 @@ end of its owner's chain of frames (storage_adapters/framing.py) and makes them 
 ``fdatasync``. Nothing else records what is committed: the owner reads that from the frames, so a
 chunk copied by any tool (``cp -r``, ``tar``, ``rsync``, ``zip``) is the same chunk.
 
-With ``sync=True`` a chunk is pre-written with zeros ahead of its end (``PREWRITE_BYTES`` at a
-time, in the same write as the append that needs them), so that most appends overwrite allocated,
-initialised blocks of a file whose size does not change: their ``fdatasync`` flushes data only,
-with no journal commit. A chunk that stops growing is trimmed back to its end (``trim``).
+A chunk is pre-written with zeros ahead of its end (``PREWRITE_BYTES`` at most at a time, in the
+same call as the append that needs them), so that most appends overwrite allocated, initialised
+blocks of a file whose size does not change: with ``sync=True`` their ``fdatasync`` flushes data
+only, with no journal commit. Zeros after a chunk's end also say that no writer rolled past it. A chunk that stops growing is trimmed back to its end (``trim``).
 docs/storage.md, "Crashes: the chain of frames", has the rules for torn writes.
 """
 
@@ -42,7 +42,7 @@ TEMP_MAX_AGE_SECONDS = 3600.0
 #: A handle sweeps one directory's stale temporaries at most this often (a scan per create is waste).
 TEMP_SWEEP_INTERVAL_SECONDS = 60.0
 _SWEPT_MEMORY = 1024  #: directories whose last sweep a handle remembers (then it forgets them all)
-#: Zeros are written ahead of a chunk's end (``sync=True`` only) as far as its end again, at least
+#: Zeros are written ahead of a chunk's end as far as its end again, at least
 #: ``MIN_PREWRITE_BYTES`` and at most ``PREWRITE_BYTES``, whenever an append comes within a quarter
 #: of that of the pre-written end: a small segment stays small, and in a big chunk about one append
 #: in every ``3/4 * PREWRITE_BYTES`` of appended bytes pays a journal commit for the file's new size.
@@ -599,7 +599,7 @@ class LocalChunkStorage(ChunkStorage):
         end = position + len(data)
         zeros = max(clear_to - end, 0)  # a torn write's bytes past the new end, cleared with it
         step = min(max(end, MIN_PREWRITE_BYTES), PREWRITE_BYTES)
-        if self.sync and end + zeros > size - step // 4:
+        if end + zeros > size - step // 4:
             zeros = max(zeros, step)  # zeros ahead, before the append's sync
         if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
             _write_paced(fd, data, position)

@@ -560,13 +560,13 @@ class RollingSegment:
             if self.framing is not None:
                 data = self.framing.place(data, offset)
             path = f"{self._dir}/{last.name}"
+            before = self._tail.mark if self._tail is not None and self._tail_name == last.name else b""
             try:
                 self.storage.append(path, last.length, data, clear_to=clear_to)
             except StorageError as exc:
                 self._settle_in_place(last, data, exc)  # returns only if the append is there
             self._chunks[-1] = ChunkInfo(last.start, last.length + len(data), last.name)
             if self.storage.torn_appends:
-                before = self._tail.mark if self._tail is not None and self._tail_name == last.name else b""
                 mark = bytes(data[-MARK_BYTES:]) if len(data) >= MARK_BYTES else (before + bytes(data))[-MARK_BYTES:]
                 self._tail, self._tail_name = TailLook(offset + len(data), mark=mark), last.name
         self._after_durable_append()
@@ -644,10 +644,13 @@ class RollingSegment:
             return
         if length != last.length:
             self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
-        if zeros_after or not (last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}")):
-            # No successor (a chunk is trimmed to its end before its successor is made), so still
-            # the segment's last chunk: a replacement takes only chunks with a successor and a
-            # truncation deletes only those, so no switch can move it: no switch check.
+        if zeros_after:
+            # Pre-written zeros follow it: never trimmed, so never rolled past (a chunk is trimmed
+            # to its end before its successor is made): the segment's last chunk, which no
+            # replacement takes and no truncation deletes: no switch check.
+            return
+        if not (last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}")):
+            self._check_not_rolled_past(last)
             return
         if self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}"):
             # A replacement switched since this view (replacers hold this lock too and number their
@@ -656,15 +659,27 @@ class RollingSegment:
             return
         # Other writers rolled past it. A new chunk starts only where a non-empty one ends (an
         # empty one ends at its own name).
+        zeros_after = False
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
             last = ChunkInfo(last.end, 0, chunk_name(last.end))
             try:
-                length, _zeros_after = self._tail_length(last)
+                length, zeros_after = self._tail_length(last)
             except FileNotFoundError:  # rolled past and truncated away meanwhile
                 self.refresh()
                 return
             last = ChunkInfo(last.start, length, last.name)
             self._chunks.append(last)
+        if not zeros_after:
+            self._check_not_rolled_past(last)
+
+    def _check_not_rolled_past(self, last: ChunkInfo) -> None:
+        """``last`` has no successor by its plain name and no zeros after it (a memory chunk, or a
+        local one trimmed by a roll): it may have been rolled past, its successor since replaced
+        (the plain name goes with the switch) or truncated away. Refresh if so."""
+        if self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}"):
+            self.refresh()
+        elif self._stored_start_offset() > last.end:
+            self.refresh()
 
     def _tail_length(self, chunk: ChunkInfo) -> tuple[int, bool]:
         """Under the writers' lock: ``(committed length of chunk, whether pre-written zeros follow

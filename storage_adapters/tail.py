@@ -84,6 +84,8 @@ def _look_on(read: Callable[[int, int], bytes], start: int, framing: Framing, si
     ``None`` when the bytes before the known end changed (the chunk is not the one looked at)."""
     known = since.end - start
     mark = since.mark
+    if len(mark) > known:
+        return None
     data = read(known - len(mark), known + PROBE_BYTES)
     if data[:len(mark)] != mark:
         return None

@@ -105,7 +105,7 @@ def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, ca
         store.segment("s").append([b"plain-30"], timestamp=30)  # no attribute update: nothing merges it
     last = files(root, "s", "_log.seg")[-1]
     data = committed(last)
-    final = [pos for pos, _header in iter_batches(data)][-1]
+    final = [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
     flip(last, len(data) - 1)
     chunk_start = int(os.path.basename(last))
     with SegmentStore.open(root, **SMALL) as store, caplog.at_level("WARNING", logger="attrindex.storage"):
@@ -134,7 +134,7 @@ def test_a_damaged_header_of_the_newest_batch_is_damage_not_a_torn_write(tmp_pat
         store.segment("s").append([b"plain-30"], timestamp=30)  # no attribute update: nothing merges it
     last = files(root, "s", "_log.seg")[-1]
     data = committed(last)
-    final = [pos for pos, _header in iter_batches(data)][-1]
+    final = [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
     flip(last, final + 30)
     chunk_start = int(os.path.basename(last))
     with SegmentStore.open(root, **SMALL) as store:
@@ -160,7 +160,7 @@ def test_the_newest_batches_damaged_after_a_merge_are_given_up_and_never_reused(
     fill_counter(root, 30, **SMALL)  # closed: the attributes cover every batch
     last = files(root, "s", "_log.seg")[-1]
     data = committed(last)
-    batches = list(iter_batches(data))
+    batches = list(iter_batches(data, position=start_of(last)))
     if kind == "chunk":
         with open(last, "r+b") as f:
             f.write(bytes(b ^ 0x5A for b in data))
@@ -259,7 +259,7 @@ def test_repair_keeps_the_attributes_when_retention_removed_the_log_start(tmp_pa
         for i in range(200, 220):
             increment(seg, i)
     last = files(root, "s", "_log.seg")[-1]
-    at, header = list(iter_batches(committed(last)))[-2]  # below the newest batch: damage, not a torn write
+    at, header = list(iter_batches(committed(last), position=start_of(last)))[-2]  # below the newest batch: damage, not a torn write
     flip(last, at + BATCH_HEADER_SIZE + 1)
     with SegmentStore.open(root, **SMALL) as store:
         with pytest.raises(CorruptDataError):
@@ -701,36 +701,6 @@ def test_an_append_that_keeps_losing_races_gives_up_with_a_clear_error(tmp_path,
         assert [r.value for r in stale.read(0)] == [b"first", b"mine"]
 
 
-def test_gap_markers_written_by_older_versions_are_still_honoured(storage_url):
-    """Older versions cut a garbage tail by writing a gap marker and appending after it: such a
-    log still reads, with the offsets it was written with."""
-    from storage_adapters import RollingSegment, open_storage
-    from storage_adapters.rolling import chunk_name
-
-    from attrindex.log.batch import encode_batch
-    from attrindex.log.framing import LOG_FRAMING
-
-    url, options = storage_url
-    storage = open_storage(url, **options)
-    with SegmentStore(storage) as store:
-        seg = store.segment("s", create=True)
-        for i in range(10):
-            seg.append([b"old-%d" % i], [(key(i), i)])
-    log = RollingSegment(storage, "s/_log", framing=LOG_FRAMING)
-    start = log.append(b"\x00garbage that a torn write left\x00")
-    end = log.length
-    storage.put_marker(f"s/_gaps/{chunk_name(start)}-{chunk_name(end)}")
-    for i in range(10, 13):
-        log.append(encode_batch(i, [b"new-%d" % i], timestamp=i, attribute_updates=([key(i)], [i]),
-                                position=log.length))
-    with SegmentStore(open_storage(url, **options)) as store:
-        seg = store.segment("s")
-        assert [r.value for r in seg.read(0, 100)] == [b"old-%d" % i for i in range(10)] + [b"new-%d" % i for i in range(10, 13)]
-        assert seg.next_offset == 13 and seg.get_attribute(key(12)) == 12
-        assert store.verify_segment("s").ok
-        assert seg.append([b"next"]).first_offset == 13
-
-
 def test_store_close_closes_every_handle_even_if_a_merge_fails(tmp_path):
     from storage_adapters import open_storage
     from storage_adapters.errors import StorageFullError
@@ -773,7 +743,7 @@ def test_cycles_of_damage_and_repair_keep_every_kept_record_and_never_reuse_an_o
             tail_start = seg.stats().log_bytes - 40 * 60  # damage only this cycle's bytes (batches are ~100)
         path = files(root, "s", "_log.seg")[-1]
         chunk_start = int(os.path.basename(path))
-        newest = [p for p, _h in iter_batches(committed(path))][-1]  # below it: damage, not a torn write
+        newest = [p for p, _h in iter_batches(committed(path), position=start_of(path))][-1]  # below it: damage, not a torn write
         flip(path, rng.randrange(min(max(0, tail_start - chunk_start), newest - 1), newest), 1 << rng.randrange(8))
         with SegmentStore.open(root, **SMALL) as store:
             repair = store.repair_segment("s")
@@ -798,7 +768,7 @@ def test_an_open_handle_that_meets_damage_refuses_to_append(tmp_path):
     for i in range(1, 6):
         increment(other, i)
     (chunk,) = files(root, "s", "_log.seg")
-    at, _header = list(iter_batches(committed(chunk)))[3]
+    at, _header = list(iter_batches(committed(chunk), position=start_of(chunk)))[3]
     flip(chunk, at + BATCH_HEADER_SIZE + 1)  # in a batch the stale handle has not read yet, below the newest
     before = open(chunk, "rb").read()
     for _ in range(2):  # a lost race makes it catch up, which meets the damage: every time

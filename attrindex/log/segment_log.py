@@ -23,8 +23,7 @@ Committed means committed: the byte stream's length is its committed length (loc
 of the chain of whole, valid batches; objects are whole), so nothing below it is a torn tail. An invalid
 batch anywhere below it, the end of the last chunk included, is ``CorruptDataError`` naming the
 segment, chunk and byte, on open and on read; such a segment refuses appends. Only an explicit
-repair (``attrindex.segment_repair``) records a gap marker, which readers then step over; markers
-left by older versions (which cut garbage tails) are honoured the same way. A marker names byte
+repair (``attrindex.segment_repair``) records a gap marker, which readers then step over. A marker names byte
 positions of the chunk that held them when it was recorded (plain, or a replacement of the
 generation its name gives): once a replacement of a later generation covers them (log compaction
 rewrites the batches around a gap), the marker is void, since a kept batch may now start there.
