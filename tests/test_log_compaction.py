@@ -29,6 +29,7 @@ from attrindex.errors import CorruptDataError, InvalidInputError
 from attrindex.log.batch import decode_keys, decode_records, encode_batch, read_header, seal_header
 from attrindex.log.cleaner import KeepRule, OffsetMap, TombstoneClock, decode_checkpoint, encode_checkpoint, rewrite_batch
 from attrindex.log.cleanup_policy import CleanupPolicy, decode_policy, policy_from_options
+from attrindex.log.framing import LOG_FRAMING
 
 DAY = 86_400_000
 
@@ -764,7 +765,7 @@ def test_a_pass_whose_later_chunks_another_handle_consolidated_starts_again(tmp_
             def _clean(self, spans, rule):
                 if not consolidated:  # another process merges the chunks of the second and third group
                     with open_storage(url) as storage:
-                        other = RollingSegment(storage, "s/_log", rolling_size=ROLL)
+                        other = RollingSegment(storage, "s/_log", rolling_size=ROLL, framing=LOG_FRAMING)
                         first, second = other.chunks()[2:4]
                         other.replace_range(first.start, second.end, other.read(first.start, second.end - first.start))
                         consolidated.append((first.start, second.end))

@@ -161,13 +161,15 @@ def test_a_big_local_append_is_written_back_in_slices_and_reads_back(tmp_path, m
     waits for one slice, not all): the bytes are as for one write."""
     from storage_adapters import local
 
+    from .framed import FRAMING
+
     calls = []
     real = local._write_out
     monkeypatch.setattr(local, "_write_out", lambda fd, pos, n: (calls.append((pos, n)), real(fd, pos, n))[1])
     storage = open_storage(str(tmp_path / "s"))
     os.makedirs(tmp_path / "s" / "c")
-    first = os.urandom(1000)
-    big = os.urandom(3 * local.PACED_WRITE_BYTES + 12345)
+    first = FRAMING.frame(os.urandom(1000))  # local chunks hold frames: their chain says what is committed
+    big = FRAMING.frame(os.urandom(3 * local.PACED_WRITE_BYTES + 12345), len(first))
     storage.append("c/0", 0, first)
     calls.clear()
     storage.append("c/0", len(first), big)
@@ -176,6 +178,7 @@ def test_a_big_local_append_is_written_back_in_slices_and_reads_back(tmp_path, m
         assert calls[:len(slices)] == slices  # each slice written back before the next is written
     else:  # no sync_file_range (not Linux): written in one go, the same bytes
         assert not calls
+    assert FRAMING.chain_end(storage.read("c/0", 0, 1 << 62), 0) == len(first) + len(big)
     assert not storage.read("c/0", len(first) + len(big), 1 << 62).strip(b"\0")  # pre-written zeros only
     assert storage.read("c/0", 0, len(first) + len(big)) == first + big
     reopened = open_storage(str(tmp_path / "s"))
