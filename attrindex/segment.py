@@ -28,7 +28,7 @@ import attrs
 from storage_adapters.rolling import SEGMENT_SUFFIX
 
 from .tree_index import TreeIndex, _canonical_batch
-from .conditional import AttributeUpdate, resolve_updates
+from .conditional import AttributeUpdate, UpdateType, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
                      InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import pair_list, to_key, to_keys
@@ -452,6 +452,44 @@ class Segment(BackgroundMerge):
             pending.encoded, size = (*replacements, data, header), len(data)
         else:
             size = sum(len(r) if isinstance(r, bytes) else 64 for r in records) + 40 * len(updates)
+        self._check_open()
+        return self._queue.submit(WriteRequest(pending, size), self._write_group)
+
+    def append_arrow(self, values, keys=None, timestamps=None,
+                     attribute_updates: Iterable[AttributeUpdate | tuple] = (), expected_offset: int | None = None, *,
+                     timestamp: int | None = None, codec: str | Codec | None = None) -> AppendResult:
+        """``append`` for records given as Arrow columns, encoded column by column (no ``Record`` per
+        row): ``values`` a ``pyarrow`` binary array without nulls, ``keys`` a binary array (null: no
+        key) or ``None``, ``timestamps`` int64 ms (Arrow or numpy; a null gets ``timestamp``) or
+        ``None``. No headers or tombstones (``append`` takes those). The batch written, its
+        conditions and its guarantees are those of ``append`` with the same records and updates.
+        Needs numpy and pyarrow (``pip install 'attrindex[arrow]'``)."""
+        from .log.columnar import check_columns, encode_arrow
+
+        values, keys, timestamps = check_columns(values, keys, timestamps)
+        if not len(values):
+            return self.append((), attribute_updates, expected_offset, timestamp=timestamp, codec=codec)
+        if self._cached_policy().compacts and (keys is None or keys.null_count):
+            raise InvalidInputError(
+                f"segment {self.name!r} has cleanup_policy {self._cached_policy().cleanup_policy!r}: a record has "
+                f"no key (compaction keeps the latest record per key); nothing was appended")
+        updates, replacements = _split_updates(attribute_updates)
+        if expected_offset is not None and (type(expected_offset) is not int or expected_offset < 0):
+            raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
+        stamp = int(time.time() * 1000) if timestamp is None else timestamp
+        chosen = self.options.codec if codec is None else codec_for(codec)
+        pending = _PendingAppend(_ColumnRecords(values, keys, timestamps), updates, replacements, expected_offset,
+                                 stamp, chosen, new_batch_id())
+        outcome = replacements if updates is None else _foreseen(updates)
+        if outcome is not None:
+            # Encoded here, outside the lock, with the attribute values the updates will set if
+            # they pass; the group's leader renumbers it (a rebase). Should the values resolved
+            # differ, the leader encodes the records again with those (``_ColumnRecords``).
+            data = encode_arrow(values, keys, timestamps, timestamp=stamp, base_offset=self._log.append_offset,
+                                codec=chosen, batch_id=pending.batch_id, attribute_updates=outcome)
+            pending.encoded, size = (*outcome, data, None), len(data)
+        else:
+            size = len(values.buffers()[2] or b"") + 40 * len(updates)
         self._check_open()
         return self._queue.submit(WriteRequest(pending, size), self._write_group)
 
@@ -1169,6 +1207,34 @@ class _PendingAppend:
     batch_id: int
     #: (keys, values, batch, its header or None) of the last try: a lost race needs only a rebase
     encoded: tuple | None = None
+
+
+class _ColumnRecords:
+    """The records of an ``append_arrow``, made into ``Record``s only if an append needs them
+    (its attribute updates resolved to other values than foreseen)."""
+
+    def __init__(self, values, keys, timestamps):
+        self.columns = (values, keys, timestamps)
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def __iter__(self) -> Iterator[Record]:
+        from .log.columnar import arrow_records
+
+        return iter(arrow_records(*self.columns))
+
+
+def _foreseen(updates: list[AttributeUpdate]) -> tuple[list[bytes], list[int | None]] | None:
+    """``resolve_updates``' result if every update passes, when that does not depend on the current
+    values (no ``ACCUMULATE``): sorted keys, and each key's last value; else ``None``."""
+    final: dict[bytes, int | None] = {}
+    for update in updates:
+        if update.update_type is UpdateType.ACCUMULATE:
+            return None
+        final[update.key] = update.value
+    keys = sorted(final)
+    return keys, [final[k] for k in keys]
 
 
 def _bounded_races(name: str) -> Iterator[int]:

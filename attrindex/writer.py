@@ -67,8 +67,11 @@ class _EventDigest:
     def copy(self) -> "_EventDigest":
         return _EventDigest(tuple(h.copy() for h in self._streams))
 
-    def update(self, records: list) -> "_EventDigest":
-        """Add events (``Record``-shaped tuples: payload, routing key, ...) in order; returns self."""
+    def update(self, records: "list | _Run") -> "_EventDigest":
+        """Add events (``Record``-shaped tuples: payload, routing key, ..., or a ``_Run`` of
+        columns) in order; returns self."""
+        if type(records) is _Run:
+            return self._update_columns(records)
         payloads = list(map(_PAYLOAD, records))
         keys = list(map(_ROUTING_KEY, records))
         if None in keys:
@@ -83,10 +86,151 @@ class _EventDigest:
         key_bytes.update(b"".join(keys))
         return self
 
+    def _update_columns(self, run: "_Run") -> "_EventDigest":
+        """``update`` for events as columns: the same four streams, from the Arrow buffers."""
+        import numpy as np
+
+        from .log.columnar import binary_blob, binary_lengths
+
+        payload_lengths, payload_bytes, key_length_stream, key_bytes = self._streams
+        payload_lengths.update(binary_lengths(run.values).astype(np.int64))  # as array("q"): native int64
+        payload_bytes.update(binary_blob(run.values))
+        if run.keys is None:
+            key_length_stream.update(np.full(len(run), -1, np.int64))
+        else:
+            key_lengths = binary_lengths(run.keys).astype(np.int64)
+            if run.keys.null_count:
+                key_lengths[~np.asarray(run.keys.is_valid())] = -1
+            key_length_stream.update(key_lengths)
+            key_bytes.update(binary_blob(run.keys))
+        return self
+
     def value(self) -> int:
         """The digest as a signed 64-bit int (an attribute value)."""
         final = hashlib.sha256(b"".join(h.digest() for h in self._streams)).digest()[:8]
         return int.from_bytes(final, "big", signed=True)
+
+
+class _Run:
+    """Events of one segment as Arrow columns (``EventWriter.write_arrow``): payloads (binary),
+    routing keys (binary, null: none) or ``None``, timestamps (int64 ms, null: when sent) or ``None``."""
+
+    __slots__ = ("values", "keys", "timestamps")
+
+    def __init__(self, values, keys, timestamps):
+        self.values, self.keys, self.timestamps = values, keys, timestamps
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def slice(self, start: int, length: int) -> "_Run":
+        return _Run(*(None if c is None else c.slice(start, length) for c in (self.values, self.keys, self.timestamps)))
+
+    def take(self, indices) -> "_Run":
+        return _Run(*(None if c is None else c.take(indices) for c in (self.values, self.keys, self.timestamps)))
+
+    @property
+    def nbytes(self) -> int:
+        """The payloads' bytes."""
+        from .log.columnar import binary_lengths
+
+        return int(binary_lengths(self.values).sum())
+
+    def records(self) -> list:
+        from .log.columnar import arrow_records
+
+        return arrow_records(self.values, self.keys, self.timestamps)
+
+    @staticmethod
+    def concat(runs: list) -> "_Run":
+        import pyarrow as pa
+
+        def column(index: int, kind):
+            parts = [r.values if index == 0 else r.keys if index == 1 else r.timestamps for r in runs]
+            if all(p is None for p in parts):
+                return None
+            return pa.concat_arrays([pa.nulls(len(r), kind) if p is None else p for r, p in zip(runs, parts)])
+
+        return _Run(column(0, pa.binary()), column(1, pa.binary()), column(2, pa.int64()))
+
+
+class _Pending:
+    """A segment's queued events (after ``acked``) in event-number order, as pieces of one kind
+    each: lists of ``Record``s (``write_many``) and ``_Run``s of columns (``write_arrow``)."""
+
+    __slots__ = ("pieces", "count")
+
+    def __init__(self):
+        self.pieces: list = []
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def append(self, record: tuple) -> None:
+        pieces = self.pieces
+        if pieces and type(pieces[-1]) is list:
+            pieces[-1].append(record)
+        else:
+            pieces.append([record])
+        self.count += 1
+
+    def add_run(self, run: _Run) -> None:
+        self.pieces.append(run)
+        self.count += len(run)
+
+    def head(self, n: int) -> "list | _Run":
+        """Up to ``n`` first events, of one kind: a list of ``Record``s or one ``_Run``."""
+        if type(self.pieces[0]) is list:
+            records: list = []
+            for piece in self.pieces:
+                if type(piece) is not list or len(records) >= n:
+                    break
+                records.extend(piece[: n - len(records)])
+            return records
+        runs, total = [], 0
+        for piece in self.pieces:
+            if type(piece) is list or total >= n:
+                break
+            piece = piece if len(piece) <= n - total else piece.slice(0, n - total)
+            runs.append(piece)
+            total += len(piece)
+        return runs[0] if len(runs) == 1 else _Run.concat(runs)
+
+    def prefix(self, n: int) -> list:
+        """The first ``n`` events as pieces."""
+        out = []
+        for piece in self.pieces:
+            if n <= 0:
+                break
+            out.append(piece if len(piece) <= n else piece[:n] if type(piece) is list else piece.slice(0, n))
+            n -= len(out[-1])
+        return out
+
+    def drop(self, n: int) -> int:
+        """Remove the first ``n`` events; the bytes of their payloads."""
+        dropped = 0
+        while n > 0:
+            piece = self.pieces[0]
+            if len(piece) <= n:
+                self.pieces.pop(0)
+                done, n = piece, n - len(piece)
+            elif type(piece) is list:
+                done, self.pieces[0] = piece[:n], piece[n:]
+                n = 0
+            else:
+                done, self.pieces[0] = piece.slice(0, n), piece.slice(n, len(piece) - n)
+                n = 0
+            self.count -= len(done)
+            dropped += sum(len(r.value) for r in done) if type(done) is list else done.nbytes
+        return dropped
+
+    def clear(self) -> None:
+        self.pieces.clear()
+        self.count = 0
 
 
 @attrs.define
@@ -94,7 +238,7 @@ class _SegmentState:
     segment: Any
     acked: int | None = None  #: last event number known to be in the segment (None: not read yet)
     numbered: int = 0  #: events numbered so far in this writer's life
-    pending: list = attrs.Factory(list)  #: records after ``acked``, in event-number order
+    pending: _Pending = attrs.Factory(_Pending)  #: events after ``acked``, in event-number order
     pending_bytes: int = 0
     digest: _EventDigest = attrs.Factory(_EventDigest)  #: of events 1..``hashed``
     hashed: int = 0
@@ -238,6 +382,95 @@ class EventWriter:
                 self._after_queueing(touched)
             return Acknowledgement(self, [(state, state.numbered) for state in touched])
 
+    def write_arrow(self, payloads, routing_keys=None, *, timestamps=None) -> Acknowledgement:
+        """``write_many`` for events given as Arrow columns, routed, numbered, digested and encoded
+        column by column (no Python object per event): the same events in the same order, the
+        same segments and the same bytes as ``write_many`` of the same values.
+
+        ``payloads``: a ``pyarrow`` binary (or large binary) array without nulls; ``routing_keys``:
+        a binary or string array (strings hash as their UTF-8 bytes), or an integer array (as its
+        decimal text), null meaning no key, or ``None``; ``timestamps``: int64 ms (an Arrow or
+        numpy array; null: when sent) or ``None``. No headers (``write_many`` takes those). Every
+        column is checked first: if one is bad, nothing is queued. On a writer with ``linger_ms``
+        the events are queued as ``write_many`` queues them. Needs numpy and pyarrow."""
+        import numpy as np
+        import pyarrow as pa
+
+        from .log.columnar import check_columns
+
+        if routing_keys is not None and isinstance(routing_keys, (pa.Array, pa.ChunkedArray)):
+            kind = routing_keys.type
+            if pa.types.is_integer(kind):
+                routing_keys = routing_keys.cast(pa.string())
+            if pa.types.is_string(routing_keys.type) or pa.types.is_large_string(routing_keys.type):
+                routing_keys = routing_keys.cast(pa.binary() if pa.types.is_string(routing_keys.type)
+                                                 else pa.large_binary())
+        values, keys, stamps = check_columns(payloads, routing_keys, timestamps)
+        if isinstance(stamps, np.ndarray):
+            stamps = pa.array(stamps, pa.int64())
+        if self.linger:  # the flushers send lists of Records
+            return self.write_many(values.to_pylist(), None if keys is None else keys.to_pylist(),
+                                   timestamps=None if stamps is None else stamps.to_pylist())
+        run = _Run(values, keys, stamps)
+        targets = self._route(keys, len(run))
+        with self._guard():
+            self._raise_background_error()
+            touched = []
+            if targets is None:  # one segment
+                touched.append(self._queue_run(self._states[0], run))
+            else:
+                order = np.argsort(targets, kind="stable")
+                bounds = np.searchsorted(targets[order], np.arange(len(self._states) + 1))
+                for index, state in enumerate(self._states):
+                    lo, hi = int(bounds[index]), int(bounds[index + 1])
+                    if lo < hi:
+                        part = run if hi - lo == len(run) else run.take(pa.array(order[lo:hi]))
+                        touched.append(self._queue_run(state, part))
+            return Acknowledgement(self, [(state, state.numbered) for state in touched])
+
+    def _route(self, keys, n: int):
+        """The segment index of each of ``n`` events (as ``write`` routes them: the CRC-32 of
+        the key, round-robin without one), or ``None`` when there is one segment."""
+        import numpy as np
+
+        count = len(self._states)
+        if count == 1:
+            self._round_robin += n if keys is None else keys.null_count
+            return None
+        if keys is None:
+            targets = (self._round_robin + np.arange(n, dtype=np.int64)) % count
+            self._round_robin += n
+            return targets
+        crc32 = zlib.crc32
+        if not keys.null_count:
+            return np.fromiter(map(crc32, keys.to_pylist()), np.int64, n) % count
+        valid = np.asarray(keys.is_valid())
+        targets = np.empty(n, np.int64)
+        targets[valid] = np.fromiter(map(crc32, keys.filter(_arrow_mask(valid)).to_pylist()), np.int64) % count
+        nulls = n - int(valid.sum())
+        targets[~valid] = (self._round_robin + np.arange(nulls, dtype=np.int64)) % count
+        self._round_robin += nulls
+        return targets
+
+    def _queue_run(self, state: _SegmentState, run: _Run) -> _SegmentState:
+        """Number a segment's events given as columns and queue them (``_queue`` for a run)."""
+        if state.acked is None:
+            self._load(state)
+        skip = min(len(run), max(0, state.acked - state.numbered))
+        if skip:  # written by an earlier life of this writer (or its twin): digested one by one
+            for record in run.slice(0, skip).records():
+                state.numbered += 1
+                self.events_skipped += 1
+                self._replayed(state, record)
+            run = run.slice(skip, len(run) - skip)
+        if len(run):
+            state.numbered += len(run)
+            state.pending.add_run(run)
+            state.pending_bytes += run.nbytes
+            if len(state.pending) >= self.batch_events or state.pending_bytes >= self.batch_bytes:
+                self._send(state)
+        return state
+
     def _queue(self, payloads: list, keys: list, stamps: list, pairs: list) -> list[_SegmentState]:
         """Number the events and queue them per segment; returns the segments touched."""
         states, n = self._states, len(self._states)
@@ -322,7 +555,7 @@ class EventWriter:
             with guard:
                 if not state.pending or (target is not None and state.acked >= target):
                     return
-                batch = state.pending[: self.batch_events]
+                batch = state.pending.head(self.batch_events)
                 last = state.acked + len(batch)
                 digest = state.digest.copy().update(batch)
                 updates = [
@@ -332,7 +565,10 @@ class EventWriter:
                 ]
                 self.appends += 1
             try:
-                state.segment.append(batch, updates)
+                if type(batch) is _Run:
+                    state.segment.append_arrow(batch.values, batch.keys, batch.timestamps, updates)
+                else:
+                    state.segment.append(batch, updates)
             except ConditionalUpdateError as exc:
                 current = {f.update.key: f.current for f in exc.failures}
                 with guard:
@@ -359,7 +595,8 @@ class EventWriter:
             # A twin got further: everything queued is written, and so are the next events up to
             # ``current``, which ``write`` will now skip (and digest) as it numbers them.
             self.events_skipped += len(state.pending)
-            state.digest.update(state.pending)
+            for piece in state.pending.pieces:
+                state.digest.update(piece)
             state.hashed = sent
             state.pending.clear()
             state.pending_bytes = 0
@@ -370,7 +607,9 @@ class EventWriter:
                 f"writer {self.writer_id} on segment {state.segment.name!r}: the segment holds event number "
                 f"{current}, but this writer has acknowledged {state.acked} and sent up to "
                 f"{sent}: is another writer using the same id?")
-        digest = state.digest.copy().update(state.pending[: current - state.acked])
+        digest = state.digest.copy()
+        for piece in state.pending.prefix(current - state.acked):
+            digest.update(piece)
         if stored_digest is not None and digest.value() != stored_digest:
             raise WriterConflictError(
                 f"writer {self.writer_id} on segment {state.segment.name!r}: events up to {current} are stored "
@@ -518,11 +757,16 @@ class EventWriter:
 
 def _acknowledge(state: _SegmentState, number: int, digest: _EventDigest) -> None:
     """Events up to ``number`` (digest ``digest``) are in the segment: drop them from the queue."""
-    done = state.pending[: number - state.acked]
-    del state.pending[: len(done)]
-    state.pending_bytes -= sum(len(r.value) for r in done)
+    state.pending_bytes -= state.pending.drop(number - state.acked)
     state.acked = state.hashed = number
     state.digest, state.stored_digest = digest, digest.value()
+
+
+def _arrow_mask(valid):
+    """A numpy bool array as an Arrow boolean array (a filter mask)."""
+    import pyarrow as pa
+
+    return pa.array(valid, pa.bool_())
 
 
 def _column(values: object, name: str, count: int | None = None) -> list | tuple:

@@ -153,14 +153,17 @@ def test_records_to_arrow_and_empty_batches():
 @given(rows=st.lists(st.tuples(st.binary(max_size=300), st.none() | st.binary(max_size=20),
                                st.none() | int64s | st.integers(TS - 10**7, TS + 10**7)), min_size=1, max_size=40),
        keyed=st.booleans(), stamped=st.booleans(), base=st.integers(0, 1 << 62), timestamp=int64s,
-       codec=st.sampled_from(CODECS), batch_id=st.integers(0, (1 << 64) - 1), offset=st.integers(0, 3))
+       codec=st.sampled_from(CODECS), batch_id=st.integers(0, (1 << 64) - 1), offset=st.integers(0, 3),
+       updates=st.dictionaries(st.binary(min_size=16, max_size=16), st.none() | int64s, max_size=3))
 def test_encode_arrow_makes_the_bytes_encode_batch_makes(rows, keyed, stamped, base, timestamp, codec, batch_id,
-                                                         offset):
+                                                         offset, updates):
     values = pa.array([b"pad"] * offset + [v for v, _, _ in rows], pa.binary()).slice(offset)  # an offset array too
     keys = pa.array([k for _, k, _ in rows], pa.binary()) if keyed else None
     stamps = pa.array([t for _, _, t in rows], pa.int64()) if stamped else None
     records = [Record(v, k if keyed else None, t if stamped else None) for v, k, t in rows]
-    expected = encode_batch(base, records, timestamp=timestamp, codec=codec, batch_id=batch_id)
+    update_pairs = (sorted(updates), [updates[k] for k in sorted(updates)])
+    expected = encode_batch(base, records, timestamp=timestamp, codec=codec, batch_id=batch_id,
+                            attribute_updates=update_pairs)
     got = columnar.encode_arrow(values, keys, stamps, timestamp=timestamp, base_offset=base, codec=codec,
-                                batch_id=batch_id)
+                                batch_id=batch_id, attribute_updates=update_pairs)
     assert got == expected

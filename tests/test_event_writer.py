@@ -579,3 +579,143 @@ def test_linger_the_first_event_after_idle_is_sent_after_the_linger_not_the_idle
         took.append(time.monotonic() - started)
     writer.close()
     assert min(took) < 0.5, took
+
+
+# -- write_arrow: events as Arrow columns, routed, numbered, digested and encoded column by column --
+TS = 1_700_000_000_000
+_ARROW_KEYS = {"none": None, "bytes": [b"", b"a", b"\x00k", b"user-1"], "str": ["k", "kk", "user-1", "é"],
+               "int": [0, 7, 12345, -3]}
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), kind=st.sampled_from(sorted(_ARROW_KEYS)), segments=st.integers(1, 3),
+       batch=st.integers(1, 9), cuts=st.lists(st.integers(0, 40), max_size=3))
+def test_write_arrow_is_write_many_column_by_column(data, kind, segments, batch, cuts):
+    """Model: events written with ``write_arrow`` (in any chunks) land where ``write_many`` puts the
+    same events, as the same records; either way's digest passes a resume through the other way,
+    which skips everything written and appends only the new events."""
+    pa = pytest.importorskip("pyarrow")
+    n = data.draw(st.integers(0, 40))
+    keys = None if kind == "none" else data.draw(st.lists(st.none() | st.sampled_from(_ARROW_KEYS[kind]),
+                                                          min_size=n, max_size=n))
+    stamps = data.draw(st.none() | st.lists(st.none() | st.integers(TS - 10**6, TS + 10**6), min_size=n, max_size=n))
+    values = [b"%d:" % i + data.draw(st.binary(max_size=6)) for i in range(n)]  # unique: rows can be matched
+    key_type = {"bytes": pa.binary(), "str": pa.string(), "int": pa.int64()}.get(kind)
+    bounds = sorted({0, n, *(c for c in cuts if c < n)})
+
+    def write(writer, arrow, lo=0, hi=n):
+        for start, stop in zip(bounds, bounds[1:]):
+            start, stop = max(start, lo), min(stop, hi)
+            if start >= stop:
+                continue
+            part_keys = None if keys is None else keys[start:stop]
+            part_stamps = None if stamps is None else stamps[start:stop]
+            if arrow:
+                writer.write_arrow(pa.array(values[start:stop], pa.binary()),
+                                   None if part_keys is None else pa.array(part_keys, key_type),
+                                   timestamps=None if part_stamps is None else pa.array(part_stamps, pa.int64()))
+            else:
+                writer.write_many(values[start:stop], part_keys, timestamps=part_stamps)
+        writer.flush()
+
+    def contents(store, stream):
+        out = []
+        for name in store.stream_segments(stream):
+            for r in store.segment(name).read(0, 1000):
+                row = int(r.value.split(b":")[0])
+                given = None if stamps is None else stamps[row]
+                out.append((name.split("/")[1], r.offset, r.value, r.key, r.headers,
+                            r.timestamp if given is not None else None))
+                assert given is None or r.timestamp == given
+        return out
+
+    with SegmentStore.open(f"memory://arrow-{uuid.uuid4().hex}") as store:
+        writer_id = uuid.uuid4()
+        by_rows = EventWriter(store, "rows", segments=segments, writer_id=writer_id, batch_events=batch)
+        write(by_rows, arrow=False)
+        by_columns = EventWriter(store, "columns", segments=segments, writer_id=writer_id, batch_events=batch)
+        write(by_columns, arrow=True)
+        assert contents(store, "columns") == contents(store, "rows")
+        assert by_columns.last_event_numbers() == {k.replace("rows", "columns"): v
+                                                   for k, v in by_rows.last_event_numbers().items()}
+        for stream, arrow in (("rows", True), ("columns", False)):  # a second life, through the other API
+            before = contents(store, stream)
+            again = EventWriter(store, stream, writer_id=writer_id, batch_events=batch)
+            write(again, arrow)
+            assert again.events_skipped == n and contents(store, stream) == before
+            again.write_arrow(pa.array([b"new"], pa.binary())) if arrow else again.write_many([b"new"])
+            again.flush()
+            assert sum(again.last_event_numbers().values()) == n + 1
+
+
+def test_write_arrow_refuses_a_replay_of_other_events(store):
+    pa = pytest.importorskip("pyarrow")
+    writer_id = uuid.uuid4()
+    values = pa.array([b"e%d" % i for i in range(20)], pa.binary())
+    first = EventWriter(store, "s", segments=2, writer_id=writer_id, batch_events=3)
+    first.write_arrow(values, pa.array(["k%d" % (i % 3) for i in range(20)]))
+    first.flush()
+    resumed = EventWriter(store, "s", writer_id=writer_id)
+    with pytest.raises(WriterConflictError, match="differ from the ones stored"):
+        resumed.write_arrow(values, pa.array(["k%d" % (i % 2) for i in range(20)]))  # other routing keys
+    assert sorted(v for _, _, v in stream_events(store, "s")) == sorted(values.to_pylist())
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
+def test_write_arrow_through_lost_acknowledgements_and_twins_writes_each_event_once(storage_url):
+    pa = pytest.importorskip("pyarrow")
+    import threading
+
+    url, options = storage_url
+    flaky = FlakyStorage(open_storage(url, **options), rate=0.15, seed=5)
+    store = SegmentStore(flaky)
+    writer = EventWriter(store, "s", segments=2, batch_events=5, retries=50, retry_delay=0)
+    for start in range(0, 300, 23):
+        stop = min(300, start + 23)
+        writer.write_arrow(pa.array([b"%d" % i for i in range(start, stop)], pa.binary()),
+                           pa.array([i % 11 for i in range(start, stop)]))
+    writer.flush()
+    assert flaky.lost_acks > 5 and flaky.failed_writes > 5
+    with SegmentStore.open(url, storage_options=options) as clean:
+        assert sorted(int(v) for _, _, v in stream_events(clean, "s")) == list(range(300))
+
+    twin_id, barrier, errors = uuid.uuid4(), threading.Barrier(2), []
+
+    def attempt():
+        with SegmentStore.open(url, storage_options=options) as own:
+            twin = EventWriter(own, "s", writer_id=twin_id, batch_events=7, shared=True)
+            barrier.wait()
+            try:
+                for start in range(300, 700, 40):
+                    twin.write_arrow(pa.array([b"%d" % i for i in range(start, start + 40)], pa.binary()),
+                                     pa.array([i % 5 for i in range(start, start + 40)]))
+                    twin.flush()
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                errors.append(exc)
+
+    threads = [threading.Thread(target=attempt) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    with SegmentStore.open(url, storage_options=options) as clean:
+        assert sorted(int(v) for _, _, v in stream_events(clean, "s")) == list(range(700))
+
+
+def test_write_arrow_checks_every_column_before_queueing_and_lingers_like_write_many(store):
+    pa = pytest.importorskip("pyarrow")
+    writer = EventWriter(store, "s", segments=2)
+    for args, kwargs, message in (((pa.array([b"a", None], pa.binary()),), {}, "must not be null"),
+                                  ((pa.array(["text"]),), {}, "binary array"),
+                                  ((pa.array([b"a", b"b"], pa.binary()), pa.array(["k"])), {}, "keys has 1 items"),
+                                  ((pa.array([b"a"], pa.binary()),), {"timestamps": pa.array([1.5])}, "int64"),
+                                  (([b"a"],), {}, "pyarrow array")):
+        with pytest.raises(InvalidInputError, match=message):
+            writer.write_arrow(*args, **kwargs)
+    writer.flush()
+    assert stream_events(store, "s") == [] and sum(writer.last_event_numbers().values()) == 0
+    with EventWriter(store, "s", linger_ms=5) as lingering:
+        lingering.write_arrow(pa.array([b"x", b"y"], pa.binary()), pa.array([b"k", None], pa.binary()),
+                              timestamps=pa.array([5, None], pa.int64())).wait(30)
+    assert sorted(v for _, _, v in stream_events(store, "s")) == [b"x", b"y"]

@@ -482,6 +482,49 @@ def test_read_arrow_gives_the_rows_read_gives(storage_url):
             seg.arrow_batches(10)
 
 
+def test_append_arrow_writes_what_append_writes(store):
+    """Records given as Arrow columns: the same records, offsets, attributes and condition
+    failures as ``append`` with the same records; bad columns refused before anything is written."""
+    pa = pytest.importorskip("pyarrow")
+    import numpy as np
+
+    rows = [(b"v%d" % i * (i % 3), None if i % 5 == 0 else b"k%d" % (i % 4), None if i % 7 == 0 else 1000 + i)
+            for i in range(50)]
+    by_rows, by_columns = store.segment("rows", create=True), store.segment("columns", create=True)
+    attr = uuid.uuid4().bytes
+    for seg, kind in ((by_rows, "rows"), (by_columns, "columns")):
+        for first, update in ((0, AttributeUpdate(attr, UpdateType.REPLACE_IF_EQUALS, value=1, compare=None)),
+                              (25, AttributeUpdate(attr, UpdateType.ACCUMULATE, value=5))):  # foreseen, then not
+            part = rows[first:first + 25]
+            if kind == "rows":
+                seg.append([Record(v, k, t) for v, k, t in part], [update], timestamp=7)
+            else:
+                values, keys, stamps = zip(*part)
+                seg.append_arrow(pa.array(values, pa.binary()), pa.array(keys, pa.binary()),
+                                 pa.array(stamps, pa.int64()), [update], timestamp=7)
+        stale = [AttributeUpdate(attr, UpdateType.REPLACE_IF_EQUALS, value=9, compare=1)]  # it is 6 now
+        with pytest.raises(ConditionalUpdateError):
+            if kind == "rows":
+                seg.append([b"x"], stale)
+            else:
+                seg.append_arrow(pa.array([b"x"], pa.binary()), attribute_updates=stale)
+    assert by_columns.read(0, 100) == by_rows.read(0, 100)
+    assert by_columns.get_attributes([attr]) == by_rows.get_attributes([attr]) == [6]
+    by_columns.append_arrow(pa.array([b"a", b"b"], pa.large_binary()), timestamps=np.array([1, 2], np.int64))
+    assert [(r.value, r.timestamp) for r in by_columns.read(50, 10)] == [(b"a", 1), (b"b", 2)]
+    for bad, message in (((pa.array([b"a", None], pa.binary()),), "must not be null"),
+                         ((pa.array(["a"]),), "binary array"),
+                         ((pa.array([b"a"], pa.binary()), pa.array([b"k", b"k"], pa.binary())), "keys has 2 items"),
+                         ((pa.array([b"a"], pa.binary()), None, pa.array([1.5])), "int64")):
+        with pytest.raises(InvalidInputError, match=message):
+            by_columns.append_arrow(*bad)
+    compacting = store.segment("compacting", create=True, cleanup_policy="compact")
+    assert compacting.cleanup_policy().compacts
+    with pytest.raises(InvalidInputError, match="no key"):
+        compacting.append_arrow(pa.array([b"a", b"b"], pa.binary()), pa.array([b"k", None], pa.binary()))
+    assert by_columns.next_offset == 52 and compacting.next_offset == 0
+
+
 def test_a_reader_reads_arrow_batches_and_waits_at_the_tail(store):
     pytest.importorskip("pyarrow")
     seg = store.segment("s", create=True)

@@ -101,6 +101,30 @@ def test_the_same_write_id_appends_once(spark, tmp_path):
     assert read(spark, url, "s").count() == 6000
 
 
+def python_worker_pids(spark) -> set[int]:
+    """The process ids of the Python workers a 4-task job runs in (reused idle workers if any)."""
+    import pyarrow as pa
+
+    def pid(batches):
+        for _batch in batches:
+            pass
+        yield pa.RecordBatch.from_pylist([{"pid": os.getpid()}])
+
+    return {r.pid for r in spark.range(0, 400, numPartitions=4).mapInArrow(pid, "pid long").collect()}
+
+
+def test_a_skipped_rerun_leaves_the_python_workers_reusable(spark, tmp_path):
+    # A task that returns without reading its rows makes Spark drop its Python worker: the next
+    # job's tasks would start new workers and import everything again (seconds each).
+    url = str(tmp_path / "store")
+    df = events_df(spark, rows=2000)
+    write(df, url, "s", segments=2, writeId="once")
+    before = python_worker_pids(spark)
+    write(df, url, "s", writeId="once")  # committed already: every task skips its rows
+    assert python_worker_pids(spark) <= before
+    assert read(spark, url, "s").count() == 2000
+
+
 def test_a_failed_job_rerun_with_its_write_id_completes_it_exactly_once(spark, tmp_path):
     url = str(tmp_path / "store")
     df = events_df(spark, rows=4000)

@@ -47,8 +47,10 @@ from .batch import (
     FLAG_TOMBSTONES,
     BatchHeader,
     Codec,
+    Record,
     _compress,
     _corrupt_at,
+    _encode_updates,
     _payload,
     codec_for,
     decode_records,
@@ -56,8 +58,8 @@ from .batch import (
     seal_header,
 )
 
-__all__ = ["RECORD_SCHEMA", "HEADERS_TYPE", "constant_strings", "decode_arrow", "encode_arrow", "records_to_arrow",
-           "empty_batch", "within_times"]
+__all__ = ["RECORD_SCHEMA", "HEADERS_TYPE", "arrow_records", "binary_lengths", "binary_blob", "check_columns", "clean_nulls",
+           "constant_strings", "decode_arrow", "encode_arrow", "records_to_arrow", "empty_batch", "within_times"]
 
 HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 TIMESTAMP_TYPE = pa.timestamp("ms", tz="UTC")
@@ -310,27 +312,95 @@ def _encode_varints(values) -> bytes:
     return out.tobytes()
 
 
-def _lengths(array) -> "np.ndarray":
-    """The byte lengths of a binary array's items (nulls: 0), as uint64."""
+def binary_lengths(array) -> "np.ndarray":
+    """The byte lengths of a binary array's items (a null's as its offsets say: 0 after
+    ``clean_nulls``), as uint64, without a Python object per item."""
     offsets = np.frombuffer(array.buffers()[1], np.int32, len(array) + 1, array.offset * 4)
     return np.diff(offsets).astype(np.uint64)
 
 
-def _blob(array) -> bytes:
-    """The bytes of a binary array's items back to back (nulls hold none)."""
+def binary_blob(array) -> bytes:
+    """The bytes of a binary array's items back to back (nulls hold none after ``clean_nulls``)."""
     offsets = np.frombuffer(array.buffers()[1], np.int32, len(array) + 1, array.offset * 4)
     data = array.buffers()[2]
     return b"" if data is None else data.to_pybytes()[int(offsets[0]):int(offsets[-1])]
 
 
+_lengths, _blob = binary_lengths, binary_blob
+
+
+def clean_nulls(array) -> "pa.Array":
+    """A binary array whose null items span no bytes (Arrow lets a null's slot hold bytes; the
+    encoders and digests read the data buffer as the concatenation of the valid items)."""
+    if not array.null_count:
+        return array
+    valid = np.asarray(array.is_valid())
+    if not binary_lengths(array)[~valid].any():
+        return array
+    return pa.array(array.to_pylist(), array.type)
+
+
+def _binary_column(column, what: str):
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if not isinstance(column, pa.Array):
+        raise InvalidInputError(f"{what} must be a pyarrow array, got {type(column).__name__}")
+    if pa.types.is_large_binary(column.type):
+        column = column.cast(pa.binary())
+    elif not pa.types.is_binary(column.type):
+        raise InvalidInputError(f"{what} must be a binary array, got {column.type} (cast strings to binary first)")
+    return column
+
+
+def check_columns(values, keys=None, timestamps=None) -> tuple:
+    """Records given as columns, checked and in the form ``encode_arrow`` takes: ``values`` a
+    binary array without nulls, ``keys`` a binary array (null: no key) or ``None``, ``timestamps``
+    int64 ms as an Arrow or numpy array (null: the append's time) or ``None``; large binary is
+    narrowed, chunked arrays joined. ``InvalidInputError`` says what is wrong."""
+    values = _binary_column(values, "values")
+    if values.null_count:
+        raise InvalidInputError("values must not be null (a tombstone is a Record with value None: use append)")
+    n = len(values)
+    if keys is not None:
+        keys = clean_nulls(_binary_column(keys, "keys"))
+        if len(keys) != n:
+            raise InvalidInputError(f"keys has {len(keys)} items for {n} values")
+    if timestamps is not None:
+        if isinstance(timestamps, pa.ChunkedArray):
+            timestamps = timestamps.combine_chunks()
+        if isinstance(timestamps, np.ndarray):
+            if timestamps.dtype != np.int64 or timestamps.ndim != 1:
+                raise InvalidInputError(f"timestamps must be int64 ms, got a numpy array of {timestamps.dtype}")
+        elif not isinstance(timestamps, pa.Array) or not pa.types.is_int64(timestamps.type):
+            kind = timestamps.type if isinstance(timestamps, pa.Array) else type(timestamps).__name__
+            raise InvalidInputError(f"timestamps must be an int64 array of ms, got {kind}")
+        if len(timestamps) != n:
+            raise InvalidInputError(f"timestamps has {len(timestamps)} items for {n} values")
+    return values, keys, timestamps
+
+
+def arrow_records(values, keys=None, timestamps=None) -> list:
+    """The ``Record``s of columns as ``encode_arrow`` takes them (row by row: for the rare paths
+    that need them, such as a writer replaying events a segment holds already)."""
+    n = len(values)
+    key_list = [None] * n if keys is None else keys.to_pylist()
+    if timestamps is None:
+        stamps = [None] * n
+    elif isinstance(timestamps, (pa.Array, pa.ChunkedArray)):
+        stamps = timestamps.to_pylist()
+    else:
+        stamps = [int(t) for t in timestamps]
+    return [Record(v, k, t) for v, k, t in zip(values.to_pylist(), key_list, stamps)]
+
+
 def encode_arrow(values, keys=None, timestamps=None, *, timestamp: int, base_offset: int = 0,
-                 codec=Codec.NONE, batch_id: int | None = None) -> bytes:
+                 codec=Codec.NONE, batch_id: int | None = None, attribute_updates=((), ())) -> bytes:
     """The batch ``encode_batch`` makes of these records, byte for byte, built from columns:
     ``values`` a binary array without nulls, ``keys`` a binary array (null: no key) or ``None``,
-    ``timestamps`` int64 ms (numpy or Arrow, nulls: ``timestamp``) or ``None``; no headers, no
-    tombstones, no attribute updates (``encode_batch`` takes those). The header is sealed for
-    position 0, as ``encode_batch`` seals it by default (``place_batches`` seals it for where it
-    lands)."""
+    ``timestamps`` int64 ms (numpy or Arrow, nulls: ``timestamp``) or ``None``, and
+    ``attribute_updates`` as ``encode_batch`` takes them; no headers, no tombstones (those go
+    through ``encode_batch``). The header is sealed for position 0, as ``encode_batch`` seals it
+    by default (``place_batches`` seals it for where it lands)."""
     n = len(values)
     if not pa.types.is_binary(values.type) or (keys is not None and not pa.types.is_binary(keys.type)):
         raise InvalidInputError("encode_arrow takes binary values and keys (cast strings first)")
@@ -340,6 +410,8 @@ def encode_arrow(values, keys=None, timestamps=None, *, timestamp: int, base_off
         raise InvalidInputError("encode_arrow: the columns must have the same length")
     if n == 0 or base_offset < 0 or base_offset + n > _I64_MAX:
         raise InvalidInputError(f"encode_arrow needs records and offsets within int64, got {n} from {base_offset}")
+    if keys is not None:
+        keys = clean_nulls(keys)
     codec = codec_for(codec)
     batch_id = new_batch_id() if batch_id is None else batch_id
     flags = int(codec)
@@ -361,11 +433,13 @@ def encode_arrow(values, keys=None, timestamps=None, *, timestamp: int, base_off
             deltas = stamps - np.int64(first_ts)  # wraps to int64, as the record encoder's deltas do
             zigzag = (deltas << np.int64(1)) ^ (deltas >> np.int64(63))
             parts.append(_encode_varints(zigzag.view(np.uint64)))
+    update_count, update_parts = _encode_updates(attribute_updates)
+    parts.extend(update_parts)
     payload = b"".join(parts)
     stored = payload if codec == Codec.NONE else _compress(codec, payload)
     size = BATCH_HEADER_SIZE + len(stored)
     if len(payload) > 0xFFFFFFFF or size > 0xFFFFFFFF:
         raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, len(payload))} bytes")
-    head = _HEADER.pack(BATCH_MAGIC, BATCH_VERSION, flags, size, n, 0, len(payload), base_offset, first_ts, max_ts,
-                        batch_id, zlib.crc32(stored), 0)
+    head = _HEADER.pack(BATCH_MAGIC, BATCH_VERSION, flags, size, n, update_count, len(payload), base_offset, first_ts,
+                        max_ts, batch_id, zlib.crc32(stored), 0)
     return b"".join([seal_header(head, 0), stored])

@@ -50,8 +50,8 @@ def event_columns(batch: pa.RecordBatch, value: str, key: str | None, timestamp:
 
 @attrs.frozen
 class ArrowColumns:
-    """Rows of events as Arrow columns, for writes that encode batches column by column (the
-    staged mode): binary payloads without nulls, binary routing keys (null: none) or ``None``,
+    """Rows of events as Arrow columns, for writes that route and encode them column by column
+    (``EventWriter.write_arrow``, staged batches): binary payloads without nulls, binary routing keys (null: none) or ``None``,
     int64 ms timestamps (null: the batch's time) or ``None``. No headers."""
 
     values: pa.Array
@@ -60,6 +60,10 @@ class ArrowColumns:
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def head(self, n: int) -> "ArrowColumns":
+        """The first ``n`` rows."""
+        return ArrowColumns(*(None if c is None else c.slice(0, n) for c in (self.values, self.keys, self.timestamps)))
 
     def encode(self, start: int, stop: int, timestamp: int) -> bytes:
         """Rows ``start..stop-1`` as one record batch (``encode_batch``'s bytes), numbered from 0;

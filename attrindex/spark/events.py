@@ -174,9 +174,13 @@ def _write_task(settings: WriteSettings, token: uuid.UUID, version: int, iterato
     context = TaskContext.get()
     partition, attempt = context.partitionId(), context.attemptNumber()
     if skip:
+        # Read the rows all the same: a Python worker that leaves input unread is not reused,
+        # and the next task (of any job) pays for a new one (its imports take seconds).
+        for _batch in iterator:
+            pass
         return ingest.TaskReport(partition, attempt, already_committed=True)
     s = settings
-    if s.staged and not s.headers_column:  # staged batches are encoded from the Arrow columns
+    if not s.headers_column:  # rows go to storage column by column, without a Python object per row
         batches = (arrow_columns(b, s.value_column, s.key_column, s.timestamp_column) for b in iterator)
     else:
         batches = (event_columns(b, s.value_column, s.key_column, s.timestamp_column, s.headers_column)

@@ -198,8 +198,9 @@ def staging_dir(stream: str, token: uuid.UUID, version: int) -> str:
 
 # -- tasks ------------------------------------------------------------------------------------
 def write_direct(target: StreamTarget, token: uuid.UUID, version: int, partition: int, attempt: int,
-                 batches: Iterable[EventColumns], faults: Faults = Faults()) -> TaskReport:
-    """Append a task's rows as writer ``task_writer_id(token, version, partition)``."""
+                 batches: Iterable, faults: Faults = Faults()) -> TaskReport:
+    """Append a task's rows as writer ``task_writer_id(token, version, partition)``: ``batches``
+    of ``EventColumns``, or of Arrow columns (``spark.arrow.ArrowColumns``), written column by column."""
     if faults and attempt == 0 and partition in faults.duplicate_partitions:
         batches = list(batches)
         twin = threading.Thread(target=_twin_attempt, args=(target, token, version, partition, batches), daemon=True)
@@ -216,11 +217,10 @@ def write_direct(target: StreamTarget, token: uuid.UUID, version: int, partition
                              batch_events=target.batch_events, shared=True)
         for columns in batches:
             if fail_at is not None and report.rows < fail_at <= report.rows + len(columns):
-                columns = _first(columns, fail_at - report.rows)
-                writer.write_many(columns.values, columns.keys, timestamps=columns.timestamps, headers=columns.headers)
+                _write_columns(writer, _first(columns, fail_at - report.rows))
                 writer.flush()  # the rows so far land, then the attempt dies
                 raise InjectedFailure(f"injected failure in task {partition} after {fail_at} rows")
-            writer.write_many(columns.values, columns.keys, timestamps=columns.timestamps, headers=columns.headers)
+            _write_columns(writer, columns)
             report.rows += len(columns)
         writer.flush()
         report.skipped = writer.events_skipped
@@ -228,8 +228,20 @@ def write_direct(target: StreamTarget, token: uuid.UUID, version: int, partition
     return report
 
 
-def _first(columns: EventColumns, n: int) -> EventColumns:
+def _write_columns(writer: EventWriter, columns) -> None:
+    """Queue a batch of rows: ``EventColumns`` through ``write_many``, columns that are Arrow
+    arrays (``values``, ``keys``, ``timestamps``: the Spark data source's rows) through
+    ``write_arrow``, without a Python object per row."""
+    if isinstance(columns, EventColumns):
+        writer.write_many(columns.values, columns.keys, timestamps=columns.timestamps, headers=columns.headers)
+    else:
+        writer.write_arrow(columns.values, columns.keys, timestamps=columns.timestamps)
+
+
+def _first(columns, n: int):
     """The first ``n`` rows of ``columns``."""
+    if not isinstance(columns, EventColumns):
+        return columns.head(n)
     return EventColumns(*(None if c is None else c[:n] for c in
                           (columns.values, columns.keys, columns.timestamps, columns.headers)))
 

@@ -9,8 +9,10 @@ One Spark task's work, in process: ``attrindex.spark.ingest.write_direct`` (or, 
 batches of --batch rows (Spark's default Arrow batch), to a 4-segment stream on local disk. The
 events are those of ``sims.spark.run``: key 'user-<i % 50000>', a 100-byte payload, a timestamp
 in ms. They are built in Python as ``EventColumns``; ``--arrow`` builds Arrow batches instead and
-times their conversion as part of the task, as the data source does it (``event_columns`` for a
-direct write, ``arrow_columns``, encoded column by column, for a staged one).
+times their conversion as part of the task, as the data source does it (``arrow_columns``: a
+direct write routes and encodes them column by column through ``EventWriter.write_arrow``, a
+staged one encodes them column by column; ``--row-path`` converts them to lists for
+``write_many`` instead, the path of writes with a headers column).
 ``--others N`` starts N more processes that write the same rows to the same stream at the same
 time, as the other tasks of a Spark job do (they are not profiled).
 
@@ -67,13 +69,13 @@ def make_batches(rows: int, batch: int, arrow: bool) -> list:
 
 def task(target: ingest.StreamTarget, batches: list, mode: str, arrow: bool, partition: int = 0) -> int:
     """Task ``partition``'s write (and the driver's commit of it); the rows written."""
-    if arrow:  # as the data source converts: staged rows stay Arrow columns, direct rows become lists
+    if arrow:  # as the data source converts: rows stay Arrow columns (lists with --row-path)
         from attrindex.spark.arrow import arrow_columns, event_columns
 
-        if mode == "staged":
-            batches = (arrow_columns(b, "value", "key", "ts") for b in batches)
-        else:
+        if arrow == "rows":
             batches = (event_columns(b, "value", "key", "ts", None) for b in batches)
+        else:
+            batches = (arrow_columns(b, "value", "key", "ts") for b in batches)
     token = ingest.write_token(f"profile-{target.stream}-{partition}")  # one write per task
     if mode == "direct":
         report = ingest.write_direct(target, token, 0, partition, 0, batches)
@@ -106,6 +108,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=10_000, help="rows per input batch")
     parser.add_argument("--mode", choices=("direct", "staged"), default="direct")
     parser.add_argument("--arrow", action="store_true", help="start from Arrow batches (event_columns included)")
+    parser.add_argument("--row-path", action="store_true",
+                        help="with --arrow: convert the batches to Python lists first (event_columns, write_many: "
+                             "the data source's path for writes with a headersColumn)")
     parser.add_argument("--others", type=int, default=0, help="concurrent writers of the same stream")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default="sims/out/spark")
@@ -113,15 +118,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="attrindex-profile-", dir=args.dir)
-    label = f"{args.mode}{'-arrow' if args.arrow else ''}{f'-others{args.others}' if args.others else ''}"
+    arrow = ("rows" if args.row_path else "columns") if args.arrow else None
+    label = f"{args.mode}{f'-arrow-{arrow}' if arrow else ''}{f'-others{args.others}' if args.others else ''}"
     try:
-        batches = make_batches(args.rows, args.batch, args.arrow)
-        seconds, rows = run_once(work, "plain", batches, args.mode, args.arrow, args.others)
+        batches = make_batches(args.rows, args.batch, bool(arrow))
+        seconds, rows = run_once(work, "plain", batches, args.mode, arrow, args.others)
         assert rows == args.rows, (rows, args.rows)
         print(f"{label}: {rows:,} rows in {seconds:.2f} s, {rows / seconds:,.0f} rows/s (no profiler)", flush=True)
         profile = cProfile.Profile()
         profile.enable()
-        seconds, _ = run_once(work, "profiled", batches, args.mode, args.arrow, args.others)
+        seconds, _ = run_once(work, "profiled", batches, args.mode, arrow, args.others)
         profile.disable()
     finally:
         shutil.rmtree(work, ignore_errors=True)
