@@ -18,11 +18,15 @@ from attrindex.demo import _output_to, list_command, main
 
 from tests.conftest import make_s3_url
 
-ROWS = 1000
+#: (rows, partitions) of the two runs. The first is the size where the lookup step looks up more
+#: than 1,000 users, on 4 partitions (a failing task and a duplicated task that are different
+#: tasks); the rerun is small, on 2 partitions.
+RUNS = {1: (16_000, 4), 2: (1_000, 2)}
 
 
-def _demo(spark, path, lines: list[str]) -> int:
-    return main(path, {}, ROWS, spark=spark, segments=2, partitions=2, say=lines.append)
+def _demo(spark, path, lines: list[str], run: int) -> int:
+    rows, partitions = RUNS[run]
+    return main(path, {}, rows, spark=spark, segments=2, partitions=partitions, say=lines.append)
 
 
 def _records(store, stream: str) -> int:
@@ -33,27 +37,31 @@ def _records(store, stream: str) -> int:
 def test_the_demo_reruns_on_its_store_and_keeps_it(spark, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a demo without --path puts its store
     first: list[str] = []
-    assert _demo(spark, None, first) == 0
+    assert _demo(spark, None, first, 1) == 0  # 0: exactly once and no lookup mismatch
     url = re.fullmatch(r"attrindex demo: run 1 in (.+)", first[0])[1]
     assert os.path.dirname(url) == str(tmp_path) and os.path.basename(url).startswith("attrindex-demo-")
     second: list[str] = []
-    assert _demo(spark, url, second) == 0  # the same store again: was "exactly once NO: 1000 duplicates", exit 1
+    assert _demo(spark, url, second, 2) == 0  # the same store again: was "exactly once NO: 1000 duplicates", exit 1
     assert second[0] == f"attrindex demo: run 2 in {url}"
     for run, lines in ((1, first), (2, second)):
+        rows = RUNS[run][0]
         text = "\n".join(lines)
+        assert "[5/5] report" in lines
         assert f"  store                {url}, run {run} under run-{run}/ (kept)" in lines
         assert "  exactly once         yes: 0 duplicates, 0 missing" in lines
-        assert f"{ROWS:,} rows read, {ROWS:,} distinct events, 0 duplicates, 0 missing" in text
+        assert f"{rows:,} rows read, {rows:,} distinct events, 0 duplicates, 0 missing" in text
         assert re.search(r"  job rerun            same writeId: appended 0 rows in [\d.]+ s", text)
         assert lines[-1] == f"attrindex demo: the store is kept: attrindex segment list {url} --prefix run-{run}"
         skipped = int(re.search(r"the retries skipped ([\d,]+) rows", text)[1].replace(",", ""))
         assert skipped > 0  # the injected failure of task 1 had written rows its retry skipped
+        lookups = int(re.search(r"  lookups              ([\d,]+) users looked up, 0 mismatches", text)[1].replace(",", ""))
+        assert lookups > (1000 if run == 1 else 0)
     # what the reports name is there, and holds what they said
     with SegmentStore.open(url, create=False) as store:
         for run in (1, 2):
-            assert _records(store, f"run-{run}/shop-events") == ROWS
+            assert _records(store, f"run-{run}/shop-events") == RUNS[run][0]
             loaded = int(re.search(r"([\d,]+) users loaded", "\n".join(first if run == 1 else second))[1].replace(",", ""))
-            assert store.segment(f"run-{run}/user-purchase-totals").stats().attributes.entry_count == loaded
+            assert store.segment(f"run-{run}/user-purchase-totals").stats().attributes.entry_count == loaded > 0
     capsys.readouterr()
     assert cli_main(["segment", "list", url, "--prefix", "run-2"]) == 0
     assert capsys.readouterr().out.split() == ["run-2/shop-events/0", "run-2/shop-events/1", "run-2/user-purchase-totals"]

@@ -315,21 +315,6 @@ def test_workers_run_this_interpreter(spark):
     assert shutil.which(ran[0]) or os.path.exists(ran[0])
 
 
-def test_the_demo_pipeline_proves_exactly_once(spark, tmp_path):
-    from attrindex.demo import print_report, run_demo
-
-    lines = []
-    report = run_demo(spark, str(tmp_path / "store"), rows=16_000, segments=2, partitions=4, say=lines.append)
-    assert report.exactly_once and report.rows_read == 16_000 and report.missing_events == 0
-    assert report.written_by_retries > 0  # the failed first attempts had written rows the retries skipped
-    assert report.lookups > 1000 and report.lookup_mismatches == 0
-    assert sum(s.next_offset for s in report.segments) == 16_000
-    assert report.totals.attributes.entry_count == report.attributes_loaded > 0
-    print_report(report, say=lines.append)
-    text = "\n".join(lines)
-    assert "[5/5] report" in text and "exactly once         yes: 0 duplicates, 0 missing" in text
-
-
 def test_reads_and_writes_from_other_threads_find_the_formats(spark, tmp_path):
     """Spark looks Python data sources up in the calling JVM thread's active session only, and a
     new Python thread gets a JVM thread without one: register() makes these calls set it."""
