@@ -201,6 +201,16 @@ def test_the_walks_never_raise_for_any_bytes():
         assert torn_claim(data, 5) is None
 
 
+@pytest.mark.parametrize("position", [-1, (1 << 64) - 10, 1.5, None, "0"])
+def test_positions_outside_a_segment_are_refused(position):
+    """A segment position is a u64, and so is every byte of the data's span."""
+    from attrindex.errors import InvalidInputError
+
+    for walk in (LOG_FRAMING.chain_end, LOG_FRAMING.last_frame_end, LOG_FRAMING.place):
+        with pytest.raises(InvalidInputError, match="position"):
+            walk(encode_batch(0, [b"x"], timestamp=TS), position)
+
+
 # --- the segment log's chunks, written through real stores --------------------------------------
 
 

@@ -640,6 +640,11 @@ def _check_position(position) -> None:
         raise InvalidInputError(f"position must be an int in [0, 2**64), got {position!r:.60}")
 
 
+def _check_span(position, n: int) -> None:
+    if type(position) is not int or not 0 <= position <= _U64_MASK - n:
+        raise InvalidInputError(f"position must be an int in [0, 2**64 - {n}) for {n} bytes, got {position!r:.60}")
+
+
 def seal_header(head, position: int) -> bytes:
     """The 64-byte header made of ``head`` (the first 60 bytes of a header) and their checksum
     seeded with ``position``: the CRC-32 of ``position`` as a little-endian u64, continued over
@@ -659,8 +664,7 @@ def place_batches(data, position: int) -> bytes:
     encoded, or read and verified; stored bytes are checked with ``read_header``.
     """
     n = len(data)
-    if type(position) is not int or not 0 <= position <= _U64_MASK - n:
-        raise InvalidInputError(f"position must be an int in [0, 2**64 - {n}), got {position!r:.60}")
+    _check_span(position, n)
     if type(data) is bytes and n >= BATCH_HEADER_SIZE:  # one batch (the usual append): no loop, no view
         magic, version, _flags, size = _PREFIX.unpack_from(data)
         if size == n and magic == BATCH_MAGIC and version == BATCH_VERSION:
@@ -879,8 +883,8 @@ def chain_end(data, position: int) -> int:
     position fail these; the other header fields are left to the readers (``read_header``), so a
     batch whose checksums hold but whose fields do not is reported as damage where it is read,
     never cut as a torn tail. Never raises for any bytes."""
-    _check_position(position)
     n = len(data)
+    _check_span(position, n)
     view = memoryview(data)
     crc32, pack, unpack = zlib.crc32, _U64.pack, _FRAME.unpack_from
     at = 0
@@ -899,7 +903,7 @@ def last_batch_end(data, position: int) -> int | None:
     starts at segment byte ``position``) ends, or ``None`` when there is none: each occurrence of
     the magic is tried from the last one back, as ``chain_end`` checks a batch, for the byte it
     lies at. Never raises for any bytes."""
-    _check_position(position)
+    _check_span(position, len(data))
     data = data if type(data) is bytes else bytes(data)
     view = memoryview(data)
     at = data.rfind(BATCH_MAGIC)
