@@ -238,6 +238,18 @@ def _wait_until_writable(server, options, log_path, timeout: float = 60) -> None
     raise RuntimeError(f"SeaweedFS did not become writable in {timeout} s (last error: {last!r}); log tail:\n{tail}")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _memory_stores_go_with_their_module():
+    """``memory://`` stores live in one process-wide dict that every memory listing scans: what a
+    module leaves there would slow every later test of the run. Its files go when it ends."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    before = set(MemoryFileSystem.store)
+    yield
+    for path in set(MemoryFileSystem.store) - before:
+        MemoryFileSystem.store.pop(path, None)
+
+
 @pytest.fixture
 def storage_url(backend, tmp_path, request):
     """``(url, storage_options)`` of a fresh, empty store on the parametrized backend."""
