@@ -77,6 +77,10 @@ class ListedStorage(ChunkStorage):
         with self._expiring_if_missing():
             return self.inner.size(path)
 
+    def trimmed(self, path: str) -> bool:
+        with self._expiring_if_missing():
+            return self.inner.trimmed(path)
+
     @contextlib.contextmanager
     def _expiring_if_missing(self):
         try:

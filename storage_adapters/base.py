@@ -142,6 +142,15 @@ class ChunkStorage(abc.ABC):
             return inner.size(path)
         raise NotImplementedError(f"{type(self).__name__} has no in-place append")
 
+    def trimmed(self, path: str) -> bool:
+        """Whether chunk ``path`` was trimmed (``trim``): a writer rolled past it. For backends
+        without ``torn_appends`` (memory), whose chunks hold no zeros after their end to say so.
+        Missing chunk: ``FileNotFoundError``."""
+        inner = _inner(self)
+        if inner is not None:
+            return inner.trimmed(path)
+        raise NotImplementedError(f"{type(self).__name__} keeps no trim marks")
+
     def trim(self, path: str, size: int) -> None:
         """Cut chunk ``path`` back to ``size`` bytes, its end, durably: it will not grow again (the
         next chunk starts at ``size``). Call under ``lock``. Backends that keep nothing past a
@@ -187,6 +196,7 @@ _OPERATION_KINDS = {
     "read": "GET",
     "exists": "HEAD",
     "size": "HEAD",
+    "trimmed": "HEAD",
     "trim": "PUT",
     "create": "PUT",
     "put_marker": "PUT",

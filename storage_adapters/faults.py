@@ -38,7 +38,7 @@ from .base import ChunkStorage
 from .errors import ChunkExistsError, InvalidInputError, OutcomeUnknownError, StorageError, StorageFullError
 
 _WRITES = ("create", "append", "trim", "put_marker", "delete", "remove_directory")
-_READS = ("list_files", "read", "exists", "size")
+_READS = ("list_files", "read", "exists", "size", "trimmed")
 
 #: The operations each fault kind applies to.
 FAULT_OPERATIONS: dict[str, tuple[str, ...]] = {
@@ -186,6 +186,10 @@ class FaultyStorage(ChunkStorage):
     def size(self, path: str) -> int:
         self._before("size", path)
         return self.inner.size(path)
+
+    def trimmed(self, path: str) -> bool:
+        self._before("trimmed", path)
+        return self.inner.trimmed(path)
 
     # -- writing ---------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:

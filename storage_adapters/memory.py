@@ -29,6 +29,10 @@ def _size(chunk) -> int:
 _LOCKS: dict[str, threading.RLock] = {}
 
 
+#: Attribute set on a chunk's file object by ``trim`` (it lives and dies with the file).
+_TRIMMED = "attrindex_trimmed"
+
+
 def _directory_lock(path: str) -> threading.RLock:
     with _LOCKS_GUARD:
         return _LOCKS.setdefault(path, threading.RLock())
@@ -77,8 +81,20 @@ class MemoryChunkStorage(ChunkStorage):
         except KeyError:
             raise FileNotFoundError(path) from None
 
+    def trimmed(self, path: str) -> bool:
+        try:
+            return getattr(self.fs.store[self._abs(path)], _TRIMMED, False)
+        except KeyError:
+            raise FileNotFoundError(path) from None
+
     def trim(self, path: str, size: int) -> None:
-        """Nothing to cut: a memory chunk holds exactly what was appended."""
+        """Nothing to cut (a memory chunk holds exactly what was appended): the chunk's file object
+        is marked, so that writers know it was rolled past (a chunk deleted and made again is a
+        new object, unmarked)."""
+        chunk = self.fs.store.get(self._abs(path))
+        if chunk is None:
+            raise StorageError(f"chunk {path!r} is missing; cannot trim it")
+        setattr(chunk, _TRIMMED, True)
 
     def create(self, path: str, data: bytes) -> None:
         target = self._abs(path)
@@ -86,6 +102,9 @@ class MemoryChunkStorage(ChunkStorage):
             if target in self.fs.store:
                 raise ChunkExistsError(path)
             self.fs.pipe_file(target, bytes(data))
+            # Made whole, never grown in place: as a trimmed chunk is (no zeros after a local
+            # chunk made by ``create`` either), so a writer never takes it for the one to append to.
+            setattr(self.fs.store[target], _TRIMMED, True)
 
     def put_marker(self, path: str) -> None:
         target = self._abs(path)

@@ -684,8 +684,9 @@ class RollingSegment:
     def _tail_length(self, chunk: ChunkInfo) -> tuple[int, bool]:
         """Under the writers' lock: ``(committed length of chunk, whether pre-written zeros follow
         it)``, kept as the view's last look (memory: its size). ``FileNotFoundError`` if gone."""
-        if not self.storage.torn_appends:
-            return self.storage.size(f"{self._dir}/{chunk.name}"), False
+        if not self.storage.torn_appends:  # memory: a trim mark says what zeros say on local disk
+            path = f"{self._dir}/{chunk.name}"
+            return self.storage.size(path), not self.storage.trimmed(path)
         look = self._look(chunk, locked=True)
         self._tail, self._tail_name = look, chunk.name
         return look.end - chunk.start, look.zeros_after

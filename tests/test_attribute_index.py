@@ -166,10 +166,11 @@ def test_committed_bytes_after_the_newest_footer_are_corruption_not_a_rollback(u
     assert again.get(1000) == 1 and len(again) == 101 and again.verify().ok
 
 
-def test_bytes_after_the_newest_footer_on_local_disk_are_a_torn_update(tmp_path, caplog):
+def test_bytes_no_crash_leaves_after_the_newest_footer_on_local_disk_are_damage(tmp_path):
     # On local disk a chunk's committed end is the end of its chain of whole updates (pages, then
-    # the footer that covers them): bytes after the newest footer with no valid footer after them
-    # are an update torn by a crash, cut with a warning by the next update (docs/decisions/0001).
+    # the footer that covers them). Bytes after the newest footer that do not begin as an update
+    # begins (a page header, a footer) are no torn write: they are damage, reported on open, and
+    # repair rolls the index back to the newest intact version (docs/decisions/0001).
     from attrindex.btree.framing import TREE_FRAMING
 
     url = str(tmp_path / "store")
@@ -180,12 +181,14 @@ def test_bytes_after_the_newest_footer_on_local_disk_are_a_torn_update(tmp_path,
     end = raw.length
     raw.append(b"garbage\x00" * 500)
     raw.append(b"AIXFOOT1" + bytes(64))  # looks like a footer, but its checksum is wrong
-    reopened = TreeIndex.open(url, page_size=256)
-    assert sorted(reopened.items()) == before and reopened.stats().length == end
-    assert TreeIndex.verify_at(url).ok and not TreeIndex.repair_at(url).rolled_back
-    with caplog.at_level("WARNING", logger="attrindex.storage"):
-        reopened.update({k(1000): 1})
-    assert any(f"torn write at position {end}" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CorruptDataError, match="newest footer"):
+        TreeIndex.open(url, page_size=256)
+    assert not TreeIndex.verify_at(url).ok
+    report = TreeIndex.repair_at(url)
+    assert report.rolled_back and report.entries_after == 100 and report.lost_start == end
+    repaired = TreeIndex.open(url, page_size=256)
+    assert sorted(repaired.items()) == before and repaired.verify().ok
+    repaired.update({k(1000): 1})
     again = TreeIndex.open(url, page_size=256)
     assert again.get(1000) == 1 and len(again) == 101 and again.verify().ok
 

@@ -294,7 +294,7 @@ def chunk_view(root: str, rel: str) -> ChunkView:
     with open(os.path.join(root, rel), "rb") as handle:
         data = handle.read(info.stored)
     if log:
-        ends = tuple(at + header.size for at, header in iter_batches(data))
+        ends = tuple(at + header.size for at, header in iter_batches(data, position=info.start))
     else:
         ends, at = [], data.find(MAGIC)
         while at >= 0:
