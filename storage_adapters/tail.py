@@ -29,8 +29,9 @@ from .framing import Framing
 
 #: Bytes before a chain's end that a later look compares to tell it is the same chunk.
 MARK_BYTES = 64
-#: The first read of a look that continues from a known end (pre-written zeros stop it at once).
-PROBE_BYTES = 4096
+#: The first read of a look that continues from a known end (pre-written zeros stop it at once; a
+#: frame longer than what was read makes it read on).
+PROBE_BYTES = 512
 #: Looks by a reader (no lock) that found damage must find the same twice in a row (a write in
 #: flight can look like damage for an instant): at most this many.
 MAX_DAMAGE_LOOKS = 4
