@@ -36,6 +36,7 @@ from .errors import CorruptDataError, InvalidInputError, StorageError
 from .handle import IndexHandle
 from .keys import KEY_SIZE, to_key
 from .value_cache import MISSING
+from .log.framing import LOG_FRAMING
 from .log.segment_log import LOG_DIR
 from .merge_worker import DEFAULT_HANG_SECONDS
 from .overlay import AttributeOverlay, sort_keys
@@ -520,7 +521,6 @@ class AttributeIndex(IndexHandle):
         still holds come back. Then the WAL's damaged batches become gaps, its intact ones are kept
         and a damaged tail is cut (``report.wal`` says what was lost); the tree is never rebuilt
         from the WAL (it holds what was merged before).
-        Whole appends whose commit records were lost are committed again, losing nothing.
         """
         return cls._repair(_storage(storage, storage_options, name), name, SegmentOptions())
 
@@ -551,7 +551,7 @@ def _advance_below_wal(storage: ChunkStorage, name: str, options: SegmentOptions
     """After a tree rollback: if the kept version's checkpoint lies below the WAL's start (the WAL
     between was truncated after a merge), those updates are gone; move the checkpoint to the
     WAL's start so the index opens, and say so (True)."""
-    wal = RollingSegment(storage, f"{name}/{WAL_NAME}/{LOG_DIR}")
+    wal = RollingSegment(storage, f"{name}/{WAL_NAME}/{LOG_DIR}", framing=LOG_FRAMING)
     tree = TreeIndex(storage, name, **options.attribute_options)
     try:
         start, covered = wal.start_offset, tree.checkpoint or 0

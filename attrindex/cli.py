@@ -246,11 +246,8 @@ def _index_repair(args: argparse.Namespace) -> int:
     if getattr(report, "merged_updates_lost", False):
         print("lost: the kept tree version is older than the write-ahead log's start; the updates merged in "
               "between are gone")
-    if report.recommitted_bytes:
-        print(f"repaired: {report.recommitted_bytes:,} bytes of whole updates whose commit records were lost "
-              "were committed again (nothing lost)")
     if not report.rolled_back:
-        if not report.recommitted_bytes and not (wal is not None and wal.repaired):
+        if not (wal is not None and wal.repaired):
             print("ok: the newest version is intact; nothing was changed")
         return 0
     before = "unknown" if report.entries_before is None else f"{report.entries_before:,}"

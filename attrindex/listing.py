@@ -37,6 +37,7 @@ class ListedStorage(ChunkStorage):
         super().__init__(inner.url)
         self.inner = inner
         self.appendable = inner.appendable
+        self.torn_appends = inner.torn_appends
         self._root = root.rstrip("/") + "/"
         self._listing: dict[str, int] | None = listing  #: paths relative to ``root``; None: expired
         self._served: dict[str, int] = {}
@@ -72,13 +73,13 @@ class ListedStorage(ChunkStorage):
     def exists(self, path: str) -> bool:
         return self.inner.exists(path)
 
-    def committed_size(self, path: str) -> int:
+    def size(self, path: str) -> int:
         with self._expiring_if_missing():
-            return self.inner.committed_size(path)
+            return self.inner.size(path)
 
-    def committed(self, path: str) -> tuple[int, bool]:
+    def trimmed(self, path: str) -> bool:
         with self._expiring_if_missing():
-            return self.inner.committed(path)
+            return self.inner.trimmed(path)
 
     @contextlib.contextmanager
     def _expiring_if_missing(self):
@@ -108,13 +109,13 @@ class ListedStorage(ChunkStorage):
     def lock(self, directory: str):
         return self.inner.lock(directory)
 
-    def seal(self, path: str, size: int) -> None:
+    def trim(self, path: str, size: int) -> None:
         self.expire()
-        self.inner.seal(path, size)
+        self.inner.trim(path, size)
 
-    def append(self, path: str, position: int, data: bytes) -> None:
+    def append(self, path: str, position: int, data: bytes, *, clear_to: int = 0) -> None:
         self.expire()
-        self.inner.append(path, position, data)
+        self.inner.append(path, position, data, clear_to=clear_to)
 
     def close(self) -> None:
         """The real storage belongs to the store: closing a segment's view of it does nothing."""

@@ -105,7 +105,7 @@ class MergeWorker:
     Not thread-safe: the segment calls it with its ``_merge_mutex`` held."""
 
     def __init__(self, storage: LocalChunkStorage, wal_name: str, tree_name: str, options: Any):
-        self._spec = dict(root=storage.root, sync=storage.sync, commit_format=storage.commit_format,
+        self._spec = dict(root=storage.root, sync=storage.sync,
                           wal_name=wal_name, tree_name=tree_name, log_rolling_size=options.log_rolling_size,
                           index_interval_bytes=options.index_interval_bytes,
                           attribute_options=dict(options.attribute_options))
@@ -317,7 +317,7 @@ class _Host:
 
         local.PACED_WRITE_BYTES = WORKER_PACED_WRITE_BYTES  # this process writes nothing but merges
 
-        self.storage = LocalChunkStorage(spec["root"], sync=spec["sync"], commit_format=spec["commit_format"])
+        self.storage = LocalChunkStorage(spec["root"], sync=spec["sync"])
         options = dict(spec["attribute_options"], value_cache_entries=0)  # the parent serves the reads
         self.tree = TreeIndex(self.storage, spec["tree_name"], **options)
         self.log = SegmentLog(self.storage, spec["wal_name"], rolling_size=spec["log_rolling_size"],

@@ -34,8 +34,8 @@ from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, C
 from .keys import pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, encode_batch_with_header,
                         new_batch_id, read_header, rebase_batch, record_list)
-from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, GROUP_TAG_SHIFT, LayoutChangedError,
-                              SegmentLog, group_tag, grouped_batch_id)
+from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError,
+                              SegmentLog)
 from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
@@ -246,9 +246,6 @@ class Segment(BackgroundMerge):
             self._tree.refresh()  # type: ignore[union-attr]
             if (self._tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
                 raise TruncatedError(self.name, checkpoint, 0, self._log.start_position, self._log.bytes.length)
-        lost = self._log.lost_commits(covered=checkpoint)
-        if lost is not None:
-            raise self._log.lost_commits_error(*lost)
         if checkpoint > self._log.bytes.length:
             raise self._beyond_log_error(checkpoint)
         _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
@@ -340,9 +337,6 @@ class Segment(BackgroundMerge):
         else:
             raise StorageError(f"segment {self.name!r}: retention in another handle kept moving the log's start "
                                f"while the attributes were loaded ({MAX_OPEN_ATTEMPTS} tries)")
-        lost = log.lost_commits(covered=checkpoint)
-        if lost is not None:
-            raise log.lost_commits_error(*lost)
         if checkpoint > log.bytes.length:
             raise self._beyond_log_error(checkpoint)
         rebuilt = AttributeOverlay()  # built aside: a failed replay leaves nothing half-loaded
@@ -450,10 +444,11 @@ class Segment(BackgroundMerge):
         # One batch id per call: identical bytes at an offset then mean this call.
         pending = _PendingAppend(records, updates, replacements, expected_offset, stamp, chosen, new_batch_id())
         if updates is None:  # no conditions: encode here, outside the lock (bad records raise here too)
-            # At the offset this handle last saw: for a lone writer the leader writes it unchanged.
-            data, header = encode_batch_with_header(self._log.next_offset, records, timestamp=stamp,
+            # At the offset and position this handle last saw: for a lone writer the leader writes
+            # it unchanged (SegmentLog.append_many seals it again only if the position moved).
+            data, header = encode_batch_with_header(self._log.append_offset, records, timestamp=stamp,
                                                     attribute_updates=replacements, codec=chosen,
-                                                    batch_id=pending.batch_id)
+                                                    batch_id=pending.batch_id, position=self._log.position)
             pending.encoded, size = (*replacements, data, header), len(data)
         else:
             size = sum(len(r) if isinstance(r, bytes) else 64 for r in records) + 40 * len(updates)
@@ -490,7 +485,7 @@ class Segment(BackgroundMerge):
             # Encoded here, outside the lock, with the attribute values the updates will set if
             # they pass; the group's leader renumbers it (a rebase). Should the values resolved
             # differ, the leader encodes the records again with those (``_ColumnRecords``).
-            data = encode_arrow(values, keys, timestamps, timestamp=stamp, base_offset=self._log.next_offset,
+            data = encode_arrow(values, keys, timestamps, timestamp=stamp, base_offset=self._log.append_offset,
                                 codec=chosen, batch_id=pending.batch_id, attribute_updates=outcome)
             pending.encoded, size = (*outcome, data, None), len(data)
         else:
@@ -502,9 +497,9 @@ class Segment(BackgroundMerge):
         """``append((), (keys, values))`` for input already checked (``AttributeIndex.update``):
         ``keys`` unique 16-byte ``bytes`` in any order, ``values`` int64 or ``None``; REPLACE semantics."""
         stamp, batch_id = int(time.time() * 1000), new_batch_id()
-        data, header = encode_batch_with_header(self._log.next_offset, (), timestamp=stamp,
+        data, header = encode_batch_with_header(self._log.append_offset, (), timestamp=stamp,
                                                 attribute_updates=(keys, values), codec=self.options.codec,
-                                                batch_id=batch_id)
+                                                batch_id=batch_id, position=self._log.position)
         pending = _PendingAppend([], None, (keys, values), None, stamp, self.options.codec, batch_id,
                                  (keys, values, data, header))
         self._check_open()
@@ -519,11 +514,8 @@ class Segment(BackgroundMerge):
             self._wait_for_room()
             self._check_open()  # (closed while waiting?)
             fresh = False  # whether the view was just caught up with the log's tail
-            # The group's batches carry one tag (SegmentLog.lost_commits); a lone batch's own id
-            # is random and so already carries one: it is written as encoded, no rebase.
-            tag = group_tag(group[0].payload.batch_id) if len(group) == 1 else new_batch_id() >> GROUP_TAG_SHIFT
             for _lap in _bounded_races(self.name):
-                outcome = self._plan_group(group, fresh, tag)
+                outcome = self._plan_group(group, fresh)
                 if outcome is None:  # a failure on a stale view: only the true tail can fail an append
                     self._catch_up()
                     fresh = True
@@ -553,14 +545,14 @@ class Segment(BackgroundMerge):
                 self._after_durable()
                 return
 
-    def _plan_group(self, group: list[WriteRequest], fresh: bool, tag: int):
+    def _plan_group(self, group: list[WriteRequest], fresh: bool):
         """``(planned, failures)`` for the group against the current view, or ``None`` when a
         member failed and the view may be stale. ``planned``: ``(request, keys, values, batch,
         header)`` of the members that pass, in order; ``failures``: ``(request, error)``."""
-        next_offset = self._log.next_offset
+        next_offset = self._log.append_offset
         if len(group) == 1:
             # A lone writer's usual append (an index update): no conditions, encoded at this end
-            # with its own random id as the tag. Written as encoded, nothing to check or rebase.
+            # with its own random id. Written as encoded, nothing to check or rebase.
             lone = group[0].payload
             encoded = lone.encoded
             if lone.updates is None and lone.expected_offset is None and encoded is not None and \
@@ -584,7 +576,7 @@ class Segment(BackgroundMerge):
                     return None
                 failures.append((request, exc))
                 continue
-            batch_id = grouped_batch_id(tag, a.batch_id)
+            batch_id = a.batch_id
             encoded = a.encoded
             if encoded is not None and encoded[0] == keys and encoded[1] == values:
                 header = encoded[3]
@@ -763,8 +755,9 @@ class Segment(BackgroundMerge):
     # -- reading records -----------------------------------------------------------------------
     @property
     def next_offset(self) -> int:
-        """The offset the next record will get (as of this handle's last look)."""
-        return self._log.next_offset
+        """The offset the next record will get (as of this handle's last look): past the offsets
+        of a torn batch at the end of the log too, which are never given out again."""
+        return self._log.append_offset
 
     @property
     def start_offset(self) -> int:
@@ -1015,7 +1008,7 @@ class Segment(BackgroundMerge):
     def _append_empty_batch(self, timestamp: int) -> int:
         """Append a batch with no records and no updates; return its byte position."""
         for _lap in _bounded_races(self.name):
-            data = encode_batch(self._log.next_offset, [], timestamp=timestamp)
+            data = encode_batch(self._log.append_offset, [], timestamp=timestamp)
             try:
                 return self._log.append(data, read_header(data))
             except BadOffsetError:

@@ -20,14 +20,13 @@ from typing import Any
 import attrs
 
 from storage_adapters import ChunkStorage, RollingSegment
-from storage_adapters.rolling import chunk_name
 
 from .tree_index import TreeIndex
 from .damage import Damage
 from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
-from .log.batch import encode_batch
+from .log.batch import encode_batch, read_header
 from .log.segment_log import INDEX_DIR, SegmentLog
-from .log.verify import LogScan, scan_log, resume_offset
+from .log.verify import RECORDS_PER_BYTE_BOUND, LogScan, resume_offset, scan_log
 from .segment import ATTRIBUTES_NAME, Segment, SegmentOptions
 
 _log = logging.getLogger("attrindex.segment")
@@ -80,7 +79,6 @@ class SegmentRepairReport:
     index_files_deleted: int  #: chunk index files deleted (derived data, rebuilt on use)
     attributes_rebuilt: bool  #: the attribute index was rebuilt from the log
     attributes: str  #: what happened to the attributes, and why
-    recommitted_bytes: int = 0  #: whole batches after the committed end whose lost commit records were written again
     lost: tuple[LostRange, ...] = ()  #: every damaged range given up, in log order
     kept_after_damage: int = 0  #: intact batches after the first damaged one, all kept
 
@@ -93,8 +91,7 @@ class SegmentRepairReport:
     @property
     def repaired(self) -> bool:
         """Whether anything was changed."""
-        return (bool(self.lost) or self.index_files_deleted > 0 or self.attributes_rebuilt
-                or self.recommitted_bytes > 0)
+        return bool(self.lost) or self.index_files_deleted > 0 or self.attributes_rebuilt
 
 
 VERIFY_ATTEMPTS = 5
@@ -163,13 +160,8 @@ def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions, tree
     try:
         scan = scan_log(log)
         start, length = log.bytes.start_offset, log.bytes.length
-        lost = log.lost_commits(covered_before)
     finally:
         log.close()
-    if lost is not None:
-        position, data = lost
-        scan.damage.append(Damage(f"{name}/_log", position, position + len(data),
-                                  "whole record batches after the committed end: their commit records were lost"))
     attributes, damage = _verify_attributes(storage, name, options, tree_name)
     if not damage:
         # Read after the log: retention merges before it truncates, so it cannot pass this checkpoint.
@@ -196,10 +188,11 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
     covered = _readable_checkpoint(storage, name, options, tree_name)
     log = _open_log(storage, name, options)
     try:
-        recommitted = _recommit(log, covered)
         scan = scan_log(log)
         log_start, length = log.bytes.start_offset, log.bytes.length
         lost, cut = _give_up(log, scan, length)
+        if cut is None and covered > length:
+            lost, cut = lost + (_give_up_after_the_end(log, scan, length, covered),), length
         deleted = _delete_index_files(log, scan.damage, lost)
     finally:
         log.close()
@@ -209,23 +202,10 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
     resume = None if not lost else lost[-1].offsets.stop if cut is not None else scan.next_offset
     report = SegmentRepairReport(name, scan.damage + attribute_damage, cut, sum(r.end - r.start for r in lost),
                                  lost[0].offsets.start if lost else None, resume, all(r.exact for r in lost),
-                                 deleted, rebuilt, attributes, recommitted, lost, scan.batches_after_damage)
+                                 deleted, rebuilt, attributes, lost, scan.batches_after_damage)
     if report.repaired:
         _log.warning("segment %r repaired: %s", name, describe_repair(report))
     return report
-
-
-def _recommit(log: SegmentLog, covered: int) -> int:
-    """Commit again the whole batches found after the committed end (lost commit records): the
-    same bytes appended at the same place, so the data is kept. Returns the bytes recommitted."""
-    lost = log.lost_commits(covered)
-    if lost is None:
-        return 0
-    position, data = lost
-    log.bytes.append(data, expected_offset=position)
-    _log.warning("segment %r: %d bytes of whole batches after the committed end %d had lost their commit "
-                 "records; committed them again", log.segment, len(data), position)
-    return len(data)
 
 
 def _give_up(log: SegmentLog, scan: LogScan, length: int) -> tuple[tuple[LostRange, ...], int | None]:
@@ -251,9 +231,28 @@ def _give_up(log: SegmentLog, scan: LogScan, length: int) -> tuple[tuple[LostRan
     return tuple(lost), cut
 
 
+def _give_up_after_the_end(log: SegmentLog, scan: LogScan, length: int, covered: int) -> LostRange:
+    """The attributes cover the log up to byte ``covered``, past its end ``length``: batches that
+    were committed (a merge covers only committed bytes) are no longer part of the log. On local
+    disk that is damage to the newest frames of the last chunk that was cut as a torn write. Give
+    ``[length, covered)`` up and resume above every offset those bytes could hold: what a torn
+    batch's intact header claimed (``SegmentLog.append_offset``), and a bound for the rest."""
+    first = scan.next_offset if scan.next_offset is not None else log.next_offset
+    claimed = log.append_offset
+    torn = log.bytes.torn_tail
+    known = length
+    if claimed > log.next_offset and torn is not None:
+        header = read_header(torn[1], 0, position=torn[0], partial=True)
+        known = length + header.size
+    unknown = covered - known
+    resume = claimed + max(unknown, 0) * RECORDS_PER_BYTE_BOUND
+    _cut(log, length, length, resume)
+    return LostRange(length, covered, range(first, resume), unknown <= 0)
+
+
 def _cut(log: SegmentLog, cut: int, length: int, resume: int) -> None:
     """Continue the log after ``length`` at offset ``resume`` and mark ``[cut, length)`` as gaps."""
-    empty = encode_batch(resume, [], timestamp=int(time.time() * 1000))
+    empty = encode_batch(resume, [], timestamp=int(time.time() * 1000), position=length)  # sealed for where it lands
     try:
         log.bytes.append(empty, expected_offset=length)
     except BadOffsetError:
@@ -304,7 +303,7 @@ def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
         return False, (f"{why}, but retention removed the log below byte {log_start}, so the attributes cannot "
                        f"be rebuilt from it; the index's values up to its checkpoint are kept"
                        + (" (updates from lost batches may remain in it)" if beyond_cut else ""))
-    RollingSegment(storage, _tree_name(name, tree_name)).delete()
+    RollingSegment.remove(storage, _tree_name(name, tree_name))
     segment = Segment(storage, name, options, tree_name=tree_name)  # an empty index: the whole log is replayed
     try:
         keys = segment.stats().pending_attributes
@@ -331,9 +330,6 @@ def _roll_back_index(storage: ChunkStorage, name: str, log_start: int, tree_name
 def describe_repair(report: SegmentRepairReport) -> str:
     """One line saying what a repair did (for logs and the CLI)."""
     parts = []
-    if report.recommitted_bytes:
-        parts.append(f"{report.recommitted_bytes} bytes of whole batches whose commit records were lost committed "
-                     "again (nothing lost)")
     for lost in report.lost:
         offsets = (f"offset {lost.offsets.start} lost" if len(lost.offsets) == 1 else
                    f"offsets {lost.offsets.start}..{lost.offsets.stop - 1} lost" if lost.offsets else "no offsets lost")

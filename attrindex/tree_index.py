@@ -23,6 +23,7 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import validate_segment_name
 
 from .btree import BTreeIndex, policy_for
+from .btree.framing import TREE_FRAMING
 from .btree.repair import IndexRepairReport, repair_index
 from .btree.verify import VerifyReport, verify_index
 from .cache import ShardedLRUCache
@@ -165,7 +166,7 @@ class TreeIndex(IndexHandle):
     ):
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise InvalidInputError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
-        self._segment = RollingSegment(storage, name, rolling_size=rolling_size)
+        self._segment = RollingSegment(storage, name, rolling_size=rolling_size, framing=TREE_FRAMING)
         # Index pages are high priority: scans of leaves never push the upper levels out.
         self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
         self._values = ValueCache(value_cache_entries)
@@ -441,7 +442,7 @@ class TreeIndex(IndexHandle):
                   progress: Callable[[int, int], None] | None = None) -> VerifyReport:
         """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
         it: works on an index that refuses to open (a damaged newest footer)."""
-        with RollingSegment(_storage(storage, storage_options, name), name) as segment:
+        with RollingSegment(_storage(storage, storage_options, name), name, framing=TREE_FRAMING) as segment:
             return verify_index(segment, progress)
 
     def repair(self) -> IndexRepairReport:
@@ -461,7 +462,7 @@ class TreeIndex(IndexHandle):
     def repair_at(cls, storage: str | os.PathLike[str] | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None) -> IndexRepairReport:
         """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it."""
-        with RollingSegment(_storage(storage, storage_options, name), name) as segment:
+        with RollingSegment(_storage(storage, storage_options, name), name, framing=TREE_FRAMING) as segment:
             return repair_index(segment)
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 Paths are relative to the storage's root and use ``/``. Two kinds of backend exist:
 
 * *appendable* (local disk, memory): a chunk file is appended to in place; ``lock`` serialises
-  writers of one directory across threads and processes, ``committed_size`` is the size of a
-  chunk as of its last completed ``append`` (bytes of a torn append are never counted), and
-  ``seal`` closes a chunk to appends before the next one starts;
+  writers of one directory across threads and processes and ``trim`` cuts a chunk that stops
+  growing back to its end. Where an append can tear (``torn_appends``: local disk), nothing but
+  the bytes say what is committed: the segment's owner frames them (framing.py);
 * *object* (S3): a chunk is written once by an exclusive ``create``, which is what makes
   compare-and-append safe there.
 
@@ -23,15 +23,18 @@ import functools
 import threading
 from typing import Any, Callable, Iterator
 
-from .errors import StorageError
 from .requests import RequestCounter, RequestCounters
 
 
 class ChunkStorage(abc.ABC):
     """A directory tree of immutable or append-only chunk files under one root URL."""
 
-    #: True when ``append``/``lock``/``committed_size``/``seal`` are available (chunks grow in place).
+    #: True when ``append``/``lock``/``trim`` are available (chunks grow in place).
     appendable: bool = False
+    #: True when an append can be left half done by a crash (local disk): a chunk's stored size
+    #: then says nothing about what is committed, its frames do (framing.py). False for memory,
+    #: whose appends are whole or absent, and for objects, written whole.
+    torn_appends: bool = False
     #: True when a backend counts its own requests (S3 counts HTTP requests); otherwise each
     #: operation a subclass defines is counted as the request kind it stands for (``_OPERATION_KINDS``).
     counts_own_requests: bool = False
@@ -97,8 +100,8 @@ class ChunkStorage(abc.ABC):
     def list_files(self, directory: str) -> dict[str, int]:
         """Every file below ``directory`` (recursively) as ``{path relative to directory: size}``.
 
-        A missing directory is empty. Sizes are raw sizes; for appendable backends only
-        ``committed_size`` tells how much of a chunk is valid.
+        A missing directory is empty. Sizes are raw sizes: on a backend with ``torn_appends`` a
+        chunk's frames tell how much of it is committed (zeros may follow them).
         """
 
     @abc.abstractmethod
@@ -131,41 +134,40 @@ class ChunkStorage(abc.ABC):
         """Exclusive lock over the writers of ``directory``, across threads and processes."""
         raise NotImplementedError(f"{type(self).__name__} has no in-place append")
 
-    def committed_size(self, path: str) -> int:
-        """Size of a chunk as of its last completed append. Missing chunk: ``FileNotFoundError``."""
+    def size(self, path: str) -> int:
+        """The stored size of a file (on a backend with ``torn_appends``, zeros past the committed
+        end count). Missing file: ``FileNotFoundError``."""
+        inner = _inner(self)
+        if inner is not None:
+            return inner.size(path)
         raise NotImplementedError(f"{type(self).__name__} has no in-place append")
 
-    def committed(self, path: str) -> tuple[int, bool]:
-        """``(committed size, sealed)`` of a chunk in one look (``seal``). Missing chunk: ``FileNotFoundError``.
-
-        A wrapping storage without its own passes the call to its inner backend; a backend without
-        seals says ``False``.
-        """
+    def trimmed(self, path: str) -> bool:
+        """Whether chunk ``path`` was trimmed (``trim``): a writer rolled past it. For backends
+        without ``torn_appends`` (memory), whose chunks hold no zeros after their end to say so.
+        Missing chunk: ``FileNotFoundError``."""
         inner = _inner(self)
         if inner is not None:
-            return inner.committed(path)
-        return self.committed_size(path), False
+            return inner.trimmed(path)
+        raise NotImplementedError(f"{type(self).__name__} keeps no trim marks")
 
-    def seal(self, path: str, size: int) -> None:
-        """Close the chunk ``path``, whose committed size is ``size``, to appends; call under ``lock``.
-
-        A writer seals the last chunk before it creates the next one, so an unsealed chunk found
-        under the lock is the last (docs/storage.md, "Rolling into a new chunk"). The seal is a
-        durable commit that adds no bytes: readers still see ``size``; ``append`` to a sealed chunk
-        raises ``StorageError`` and writes nothing. Sealing a sealed chunk changes nothing; another
-        committed size raises ``StorageError`` and seals nothing.
-        """
+    def trim(self, path: str, size: int) -> None:
+        """Cut chunk ``path`` back to ``size`` bytes, its end, durably: it will not grow again (the
+        next chunk starts at ``size``). Call under ``lock``. Backends that keep nothing past a
+        chunk's end do nothing."""
         inner = _inner(self)
         if inner is not None:
-            inner.seal(path, size)
+            inner.trim(path, size)
             return
-        raise NotImplementedError(f"{type(self).__name__} has no in-place append")
+        if not self.appendable:
+            raise NotImplementedError(f"{type(self).__name__} has no in-place append")
 
-    def append(self, path: str, position: int, data: bytes) -> None:
-        """Write ``data`` at ``position`` (the committed size) and commit it durably; call under ``lock``.
+    def append(self, path: str, position: int, data: bytes, *, clear_to: int = 0) -> None:
+        """Write ``data`` at ``position`` (the chunk's committed end) durably; call under ``lock``.
 
-        Bytes past ``position`` left by a torn earlier append are overwritten. The chunk is created if
-        missing (then ``position`` must be 0).
+        Whatever is stored from ``position`` on is not committed and is overwritten; bytes of a
+        torn earlier write past the new end, up to ``clear_to``, are zeroed by the same call. The
+        chunk is created if missing (then ``position`` must be 0).
         """
         raise NotImplementedError(f"{type(self).__name__} has no in-place append")
 
@@ -182,11 +184,6 @@ class ChunkStorage(abc.ABC):
 _COUNTER_GUARD = threading.Lock()
 
 
-def sealed_chunk_error(path: str) -> StorageError:
-    """What ``append`` to a sealed chunk raises (every appendable backend: nothing was written)."""
-    return StorageError(f"chunk {path!r} is sealed: the next chunk starts after it; nothing appended")
-
-
 def _inner(storage: ChunkStorage) -> ChunkStorage | None:
     """The backend a wrapping storage passes its calls to (its ``inner`` attribute), if any."""
     inner = storage.__dict__.get("inner")
@@ -198,9 +195,9 @@ _OPERATION_KINDS = {
     "list_files": "LIST",
     "read": "GET",
     "exists": "HEAD",
-    "committed_size": "HEAD",
-    "committed": "HEAD",
-    "seal": "PUT",
+    "size": "HEAD",
+    "trimmed": "HEAD",
+    "trim": "PUT",
     "create": "PUT",
     "put_marker": "PUT",
     "append": "PUT",

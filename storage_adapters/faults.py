@@ -1,7 +1,7 @@
 """``FaultyStorage``: a ``ChunkStorage`` wrapper that injects storage faults on a seeded schedule.
 
 For tests and soaks. It wraps any backend (memory, local disk, S3) and keeps its nature
-(``appendable``, ``lock``, ``committed_size``, ``committed``, ``seal``, ``append``). Fault kinds:
+(``appendable``, ``torn_appends``, ``lock``, ``trim``, ``append``). Fault kinds:
 
 ``fail_before``
     raise ``StorageError``; nothing was done (any operation).
@@ -9,8 +9,8 @@ For tests and soaks. It wraps any backend (memory, local disk, S3) and keeps its
     do the write, then raise ``OutcomeUnknownError`` (the response was lost).
 ``torn``
     write a prefix of the data, then raise ``StorageError`` (what a killed writer or a dropped
-    connection leaves). On local disk a torn ``append`` leaves uncommitted bytes past the committed
-    size and a torn ``create`` a partial temporary file beside the name, nothing under it (local
+    connection leaves). On local disk a torn ``append`` leaves a prefix of its bytes at its
+    position (the frames after the committed end are then not whole) and a torn ``create`` a partial temporary file beside the name, nothing under it (local
     creates link a whole temporary file to the name). Objects are whole or nothing, and memory has no
     partial state, so there a torn write is ``fail_before``.
 ``enospc``
@@ -37,15 +37,15 @@ from typing import Iterator, NamedTuple
 from .base import ChunkStorage
 from .errors import ChunkExistsError, InvalidInputError, OutcomeUnknownError, StorageError, StorageFullError
 
-_WRITES = ("create", "append", "seal", "put_marker", "delete", "remove_directory")
-_READS = ("list_files", "read", "exists", "committed_size", "committed")
+_WRITES = ("create", "append", "trim", "put_marker", "delete", "remove_directory")
+_READS = ("list_files", "read", "exists", "size", "trimmed")
 
 #: The operations each fault kind applies to.
 FAULT_OPERATIONS: dict[str, tuple[str, ...]] = {
     "fail_before": _READS + _WRITES,
     "lost_ack": _WRITES,
     "torn": ("create", "append"),
-    "enospc": ("create", "append", "seal", "put_marker"),
+    "enospc": ("create", "append", "trim", "put_marker"),
     "latency": _READS + _WRITES,
     "bitflip_read": ("read",),
 }
@@ -91,6 +91,7 @@ class FaultyStorage(ChunkStorage):
         super().__init__(inner.url)
         self.inner = inner
         self.appendable = inner.appendable
+        self.torn_appends = inner.torn_appends
         self.rates = rates
         self.latency = latency
         self.enabled = True
@@ -182,13 +183,13 @@ class FaultyStorage(ChunkStorage):
         self._before("exists", path)
         return self.inner.exists(path)
 
-    def committed_size(self, path: str) -> int:
-        self._before("committed_size", path)
-        return self.inner.committed_size(path)
+    def size(self, path: str) -> int:
+        self._before("size", path)
+        return self.inner.size(path)
 
-    def committed(self, path: str) -> tuple[int, bool]:
-        self._before("committed", path)
-        return self.inner.committed(path)
+    def trimmed(self, path: str) -> bool:
+        self._before("trimmed", path)
+        return self.inner.trimmed(path)
 
     # -- writing ---------------------------------------------------------------------------------
     def create(self, path: str, data: bytes) -> None:
@@ -199,19 +200,19 @@ class FaultyStorage(ChunkStorage):
         if kind == "lost_ack":
             raise self._lost("create", path)
 
-    def append(self, path: str, position: int, data: bytes) -> None:
+    def append(self, path: str, position: int, data: bytes, *, clear_to: int = 0) -> None:
         kind = self._before("append", path)
         if kind == "torn":
             self._torn_append(path, position, data)
-        self.inner.append(path, position, data)
+        self.inner.append(path, position, data, clear_to=clear_to)
         if kind == "lost_ack":
             raise self._lost("append", path)
 
-    def seal(self, path: str, size: int) -> None:
-        kind = self._before("seal", path)
-        self.inner.seal(path, size)
+    def trim(self, path: str, size: int) -> None:
+        kind = self._before("trim", path)
+        self.inner.trim(path, size)
         if kind == "lost_ack":
-            raise self._lost("seal", path)
+            raise self._lost("trim", path)
 
     def put_marker(self, path: str) -> None:
         kind = self._before("put_marker", path)
@@ -266,9 +267,8 @@ class FaultyStorage(ChunkStorage):
 
     def _torn_append(self, path: str, position: int, data: bytes) -> None:
         target = self._local_path(path)
-        if target is not None:  # bytes past the committed size, no commit record: a killed writer
+        if target is not None:  # what a killed writer leaves: part of its bytes, not synced
             with open(target, "r+b" if os.path.exists(target) else "wb") as chunk:
-                chunk.truncate(position)
                 chunk.seek(position)
                 chunk.write(self._prefix(data))
         raise StorageError(f"injected fault: append to {path!r} was torn")

@@ -41,6 +41,14 @@ class Framing(abc.ABC):
         not valid. Zeros are never a frame."""
 
     @abc.abstractmethod
+    def may_be_torn(self, data: bytes, position: int) -> bool:
+        """Whether ``data`` (the bytes after the chain's end at ``position``, up to the last one
+        that is not zero; no valid frame among them) can be what a crash left of a write there.
+        A killed writer leaves a prefix of its write, and a power loss keeps or loses each sector
+        whole, so what is there begins as a frame written at ``position`` begins: its marker, and
+        a header that checks out once it is all there. Anything else is damage."""
+
+    @abc.abstractmethod
     def last_frame_end(self, data: bytes, position: int) -> int | None:
         """The end of the last whole, valid frame anywhere in ``data`` (found by its marker, then
         checked for the position it lies at), or ``None`` when there is none. Used only where the
@@ -93,6 +101,14 @@ class LengthChecksumFraming(Framing):
             if size is None:
                 return position + at
             at += size
+
+    def may_be_torn(self, data: bytes, position: int) -> bool:
+        head = bytes(data[:_CHECKED_HEAD.size])
+        if len(head) < _CHECKED_HEAD.size:
+            stored = _U64.pack(position)  # magic, a length, the position, part of the checksum
+            return head[:4] == _CHECKED_MAGIC[:len(head)] and head[8:16] == stored[:max(len(head) - 8, 0)]
+        magic, _length, stored, _crc32 = _CHECKED_HEAD.unpack(head)
+        return magic == _CHECKED_MAGIC and stored == position
 
     def last_frame_end(self, data: bytes, position: int) -> int | None:
         at = data.rfind(_CHECKED_MAGIC)

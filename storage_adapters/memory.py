@@ -13,7 +13,7 @@ from typing import Iterator
 
 from fsspec.implementations.memory import MemoryFileSystem
 
-from .base import ChunkStorage, relative_paths, sealed_chunk_error
+from .base import ChunkStorage, relative_paths
 from .errors import ChunkExistsError, StorageError
 
 _LOCKS_GUARD = threading.Lock()
@@ -27,8 +27,10 @@ def _size(chunk) -> int:
     with _BYTES_GUARD:
         return chunk.size
 _LOCKS: dict[str, threading.RLock] = {}
-#: Attribute set on a chunk's file object by ``seal`` (it lives and dies with the file, as a record would).
-_SEALED = "attrindex_sealed"
+
+
+#: Attribute set on a chunk's file object by ``trim`` (it lives and dies with the file).
+_TRIMMED = "attrindex_trimmed"
 
 
 def _directory_lock(path: str) -> threading.RLock:
@@ -73,27 +75,26 @@ class MemoryChunkStorage(ChunkStorage):
     def exists(self, path: str) -> bool:
         return self._abs(path) in self.fs.store
 
-    def committed_size(self, path: str) -> int:
+    def size(self, path: str) -> int:
         try:
             return _size(self.fs.store[self._abs(path)])
         except KeyError:
             raise FileNotFoundError(path) from None
 
-    def committed(self, path: str) -> tuple[int, bool]:
+    def trimmed(self, path: str) -> bool:
         try:
-            chunk = self.fs.store[self._abs(path)]
+            return getattr(self.fs.store[self._abs(path)], _TRIMMED, False)
         except KeyError:
             raise FileNotFoundError(path) from None
-        return _size(chunk), getattr(chunk, _SEALED, False)
 
-    def seal(self, path: str, size: int) -> None:
+    def trim(self, path: str, size: int) -> None:
+        """Nothing to cut (a memory chunk holds exactly what was appended): the chunk's file object
+        is marked, so that writers know it was rolled past (a chunk deleted and made again is a
+        new object, unmarked)."""
         chunk = self.fs.store.get(self._abs(path))
         if chunk is None:
-            raise StorageError(f"chunk {path!r} is missing; cannot seal it")
-        held = _size(chunk)
-        if held != size:
-            raise StorageError(f"chunk {path!r} holds {held} bytes; cannot seal it at {size}")
-        setattr(chunk, _SEALED, True)  # the file object itself: a chunk deleted and made again is unsealed
+            raise StorageError(f"chunk {path!r} is missing; cannot trim it")
+        setattr(chunk, _TRIMMED, True)
 
     def create(self, path: str, data: bytes) -> None:
         target = self._abs(path)
@@ -101,6 +102,9 @@ class MemoryChunkStorage(ChunkStorage):
             if target in self.fs.store:
                 raise ChunkExistsError(path)
             self.fs.pipe_file(target, bytes(data))
+            # Made whole, never grown in place: as a trimmed chunk is (no zeros after a local
+            # chunk made by ``create`` either), so a writer never takes it for the one to append to.
+            setattr(self.fs.store[target], _TRIMMED, True)
 
     def put_marker(self, path: str) -> None:
         target = self._abs(path)
@@ -121,11 +125,9 @@ class MemoryChunkStorage(ChunkStorage):
         with _directory_lock(self._abs(directory)):
             yield
 
-    def append(self, path: str, position: int, data: bytes) -> None:
+    def append(self, path: str, position: int, data: bytes, *, clear_to: int = 0) -> None:
         target = self._abs(path)
         chunk = self.fs.store.get(target)
-        if getattr(chunk, _SEALED, False):
-            raise sealed_chunk_error(path)
         size = 0 if chunk is None else _size(chunk)
         if size != position:
             raise StorageError(f"chunk {path!r} holds {size} bytes; cannot append at position {position}")

@@ -21,8 +21,7 @@ def open_storage(url: str | os.PathLike[str], *, single_writer: bool = False, **
     ``key``, ``secret``, ``client_kwargs``, ...). ``single_writer=True`` declares that exactly one
     process writes each segment, which lets S3-compatible stores that ignore ``If-None-Match`` be used.
     Local disk takes two options: ``sync`` (default True): False skips fsync, so writes survive a
-    killed process but not a power loss or an OS crash; ``commit_format`` of new chunks, ``"xattr"``
-    (default: one fsync per append) or ``"sidecar"`` (the v1 format, two; docs/storage.md).
+    killed process but not a power loss or an OS crash.
     """
     if isinstance(url, os.PathLike):  # a local path, as the standard library takes them
         url = os.fsdecode(os.fspath(url))
@@ -31,11 +30,10 @@ def open_storage(url: str | os.PathLike[str], *, single_writer: bool = False, **
     protocol, path = split_protocol(url)
     if protocol in (None, "file", "local"):
         sync = _flag(storage_options.pop("sync", True), "sync")
-        commit_format = storage_options.pop("commit_format", "xattr")
         _no_options("local disk", storage_options)
         from .local import LocalChunkStorage
 
-        return LocalChunkStorage(os.path.expanduser(path), sync=sync, commit_format=commit_format)
+        return LocalChunkStorage(os.path.expanduser(path), sync=sync)
     if protocol == "memory":
         _no_options("memory", storage_options)
         from .memory import MemoryChunkStorage

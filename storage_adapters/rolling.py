@@ -15,9 +15,10 @@ switch); it then shadows the chunks inside its range, which are deleted afterwar
 docs/format.md for the rules readers apply to a listing and for crash recovery.
 
 Appendable backends (local disk, memory) grow the last chunk in place until it reaches
-``rolling_size``, then seal it (``ChunkStorage.seal``) and start the next; only an unsealed chunk
-is appended to, which makes an unsealed chunk seen under the writers' lock the last one, whatever
-rolling size other writers use. Object backends (S3) write one new object per append. Truncation
+``rolling_size``, then trim it to its end (``ChunkStorage.trim``) and start the next; only a chunk
+with no successor is appended to, which a writer checks under the writers' lock, whatever rolling
+size other writers use. On local disk the committed end of the last chunk is the end of its chain
+of frames (framing.py, tail.py): no commit record is kept. Object backends (S3) write one new object per append. Truncation
 never deletes the last chunk, so the segment's length can always be recovered from its chunks alone.
 """
 
@@ -34,6 +35,7 @@ import attrs
 
 from .base import ChunkStorage
 from .framing import Framing
+from .tail import MARK_BYTES, TailLook, look_at_tail
 from .errors import (
     BadOffsetError,
     ChunkExistsError,
@@ -61,7 +63,6 @@ _NAME_COMPONENT = re.compile(r"[A-Za-z0-9_=+@$-][A-Za-z0-9_.=+@$-]*")
 #: Bound on the create attempts of one object append (each lost race or unsettled write is one).
 MAX_APPEND_ATTEMPTS = 100
 #: Bound on the listings one ``refresh`` takes while other processes keep changing the segment.
-MAX_UNCOMMITTED_TAIL = 64 << 20  #: bytes read after the committed end by ``uncommitted_tail``
 MAX_REFRESH_ATTEMPTS = 20
 MAX_READ_REFRESHES = 10  #: listings one read takes when the chunks of its view keep vanishing
 
@@ -201,7 +202,9 @@ class RollingSegment:
         self._start_offset = 0
         self._markers: list[int] = []
         self._layout = _Layout()
-        self._tail_sealed = False  #: whether the view's last chunk was sealed when last looked at (``_rolls``)
+        #: the last look at the end of the view's last chunk (backends with ``torn_appends``)
+        self._tail: TailLook | None = None
+        self._tail_name: str | None = None  #: the chunk ``_tail`` is about
         self._closed = False
         self._view_time = float("-inf")  #: monotonic time before the listing (or own create) behind the view
         #: bumped whenever the view is reloaded or cut (refresh, truncation, replacement, deletion):
@@ -278,7 +281,8 @@ class RollingSegment:
                 started = time.monotonic()
                 view = self._load_view()
                 if view is not None:
-                    self._chunks, self._start_offset, self._markers, self._layout, self._tail_sealed = view
+                    self._chunks, self._start_offset, self._markers, self._layout, tail = view
+                    self._tail, self._tail_name = tail, (self._chunks[-1].name if tail is not None else None)
                     self.view_changes += 1
                     self._view_time = self._listed_at = started
                     self._note_dead_objects()
@@ -289,8 +293,8 @@ class RollingSegment:
             "them; no consistent view could be read"
         )
 
-    def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout, bool] | None:
-        """``(chunks, start offset, markers, layout, whether the last chunk is sealed)`` from one
+    def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout, TailLook | None] | None:
+        """``(chunks, start offset, markers, layout, the look at the last chunk's end)`` from one
         listing, or ``None`` if it is inconsistent."""
         # Every backend's listing reads the chunk names no later than the switch markers (local:
         # the directory before its ``switch/`` subdirectory; S3: keys in order, digits before
@@ -312,7 +316,7 @@ class RollingSegment:
                 if not _inside(start, replacements)]
         live = sorted(live + [(start, end, replacement_name(start, end, gen)) for start, end, gen in replacements])
         chunks = []
-        sealed = False
+        tail = None
         for i, (start, end, name) in enumerate(live):
             last = i + 1 == len(live)
             if not last and live[i + 1][0] <= start_offset:
@@ -323,11 +327,12 @@ class RollingSegment:
             if not last:
                 length = live[i + 1][0] - start
                 self._check_object_size(start, files[name], length)
-            elif self.storage.appendable:
+            elif self.storage.torn_appends:
                 try:
-                    length, sealed = self.storage.committed(f"{self._dir}/{name}")
+                    tail = self._look(ChunkInfo(start, 0, name))
                 except FileNotFoundError:
                     return None  # deleted after the listing: a truncation moved on
+                length = tail.end - start
             else:
                 length = files[name]
             chunks.append(ChunkInfo(start, length, name))
@@ -336,7 +341,30 @@ class RollingSegment:
         length = chunks[-1].end if chunks else start_offset
         if start_offset > length or (chunks and chunks[0].start > start_offset):
             return None  # a new marker with old chunks, or old markers with the new chunks only
-        return chunks, start_offset, markers, layout, sealed
+        return chunks, start_offset, markers, layout, tail
+
+    def _look(self, chunk: ChunkInfo, *, locked: bool = False) -> TailLook:
+        """Look at the end of ``chunk``, going on from the last look if it was at the same chunk
+        (tail.py). ``FileNotFoundError`` if the chunk is gone."""
+        if self.framing is None:
+            raise InvalidInputError(
+                f"segment {self.name!r}: a segment on {type(self.storage).__name__} needs the framing of what "
+                f"is appended to it (RollingSegment(..., framing=...)): its chunks keep no commit record")
+        path = f"{self._dir}/{chunk.name}"
+        since = self._tail if self._tail_name == chunk.name else None
+        return look_at_tail(lambda a, b: self.storage.read(path, a, b), chunk.start, self.framing,
+                            since=since, locked=locked)
+
+    @property
+    def torn_tail(self) -> tuple[int, bytes] | None:
+        """``(position, bytes)`` of a torn write found after the end of the last chunk by the
+        latest look (local disk): not committed, and zeroed by the next append into the chunk.
+        The layers above read it to keep what it claimed (a record batch's offsets) from being
+        given out again."""
+        tail = self._tail
+        if tail is None or tail.torn is None:
+            return None
+        return tail.torn[0], tail.torn_bytes
 
     def _replacement_info(self, start: int, end: int, name: str, stored: int) -> ChunkInfo:
         if stored > end - start:
@@ -410,18 +438,27 @@ class RollingSegment:
             last = self._chunks[-1] if self._chunks else None
             if self.storage.appendable and last is not None:
                 try:
-                    if self.storage.committed_size(f"{self._dir}/{last.name}") != last.length:
-                        return True
+                    after = self.storage.read(f"{self._dir}/{last.name}", last.length, last.length + MARK_BYTES)
                 except FileNotFoundError:
                     return True  # truncated and rolled past meanwhile
-                if not last.length:
-                    return False  # an empty chunk is where the next append goes
+                if after.strip(b"\0") if self.storage.torn_appends else after:
+                    return not self._is_known_torn(last, after)
+                if after or not last.length:
+                    return False  # pre-written zeros, or an empty chunk: where the next append goes
             try:
                 self.storage.read(f"{self._dir}/{chunk_name(self.length)}", 0, 1)
             except FileNotFoundError:
                 # A chunk switch (layout) may have taken the next chunk's plain name away.
                 return self._switched_since_view()
             return True
+
+    def _is_known_torn(self, last: ChunkInfo, after: bytes) -> bool:
+        """Whether ``after`` (read at the end of ``last``) is the torn write the last look found."""
+        tail = self._tail
+        if tail is None or tail.torn is None or self._tail_name != last.name or tail.torn[0] != last.end:
+            return False
+        known = tail.torn_bytes[:len(after)]
+        return after[:len(known)] == known and not after[len(known):].strip(b"\0")
 
     def _switched_since_view(self) -> bool:
         """Whether a chunk switch may have happened since this view (then ``refresh``).
@@ -487,137 +524,172 @@ class RollingSegment:
             return self._append_object(data, expected_offset)
 
     def _append_in_place(self, data: bytes, expected_offset: int | None) -> int:
-        """Under the writers' lock: catch up, compare, then append to the last chunk if it is
-        unsealed and not full, else seal it and start the next (docs/storage.md, "Rolling into a
-        new chunk"). Only an unsealed chunk is appended to: found unsealed under the lock, it has
-        no successor, so it is the segment's last chunk and no truncation deletes it."""
+        """Under the writers' lock: catch up, compare, then append to the last chunk if it is not
+        full, else trim it and start the next (docs/storage.md, "Rolling into a new chunk"). Only
+        a chunk with no successor is appended to: found so under the lock, it is the segment's
+        last chunk and no truncation deletes it."""
         with self.storage.lock(self._dir):
             self._catch_up()
             stored_start = self._stored_start_offset() if self._rolls() else None
             if stored_start is not None and stored_start > self.length:
                 # Another handle truncated past the end of this view: the walk from the view's last
                 # chunk found no successor because it was deleted (the walk raced the deletions, or
-                # started from a leftover chunk whose deletion failed); that chunk is sealed, as
-                # every chunk with a successor is. Creating the next chunk would fork the log at a
-                # reused offset below the truncation; the true tail is elsewhere.
+                # started from a leftover chunk whose deletion failed). Creating the next chunk would
+                # fork the log at a reused offset below the truncation; the true tail is elsewhere.
                 self.refresh()
                 stored_start = self._start_offset
             offset = self.length
             if expected_offset is not None and expected_offset != offset:
                 raise BadOffsetError(self.name, expected_offset, offset)
             last = self._chunks[-1] if self._chunks else None
+            clear_to = 0
             if self._rolls():
-                if last is not None and not self._tail_sealed:
-                    self._seal(last)
+                if last is not None:
+                    self._trim(last)
                 last = ChunkInfo(offset, 0, chunk_name(offset))
                 self._chunks.append(last)
-                self._tail_sealed = False
+                self._tail = self._tail_name = None
                 # Rolling is rare: learn of truncations elsewhere so the old chunk can go if dead.
                 self._start_offset = max(self._start_offset, stored_start or 0)
+            elif self._tail is not None and self._tail.torn is not None and self._tail_name == last.name:
+                torn_start, torn_end = self._tail.torn
+                clear_to = torn_end - last.start
+                _log.warning("segment %r: cutting %d bytes of a torn write at position %d (chunk %s): the "
+                             "newest write before a crash, never committed", self.name, torn_end - torn_start,
+                             torn_start, last.name)
+            if self.framing is not None:
+                data = self.framing.place(data, offset)
             path = f"{self._dir}/{last.name}"
+            before = self._tail.mark if self._tail is not None and self._tail_name == last.name else b""
             try:
-                self.storage.append(path, last.length, data)
+                self.storage.append(path, last.length, data, clear_to=clear_to)
             except StorageError as exc:
-                self._settle_in_place(path, last.length, data, exc)  # returns only if the append is there
+                self._settle_in_place(last, data, exc)  # returns only if the append is there
             self._chunks[-1] = ChunkInfo(last.start, last.length + len(data), last.name)
+            if self.storage.torn_appends:
+                mark = bytes(data[-MARK_BYTES:]) if len(data) >= MARK_BYTES else (before + bytes(data))[-MARK_BYTES:]
+                self._tail, self._tail_name = TailLook(offset + len(data), mark=mark), last.name
         self._after_durable_append()
         return offset
 
     def _rolls(self) -> bool:
-        """Whether the next in-place append starts a new chunk: none yet, or the last is sealed
-        (a writer with a smaller rolling size found it full, or died rolling) or full."""
-        return not self._chunks or self._tail_sealed or self._chunks[-1].length >= self.rolling_size
+        """Whether the next in-place append starts a new chunk: none yet, or the last is full."""
+        return not self._chunks or self._chunks[-1].length >= self.rolling_size
 
-    def _seal(self, last: ChunkInfo) -> None:
-        """Under the writers' lock, before the chunk after ``last`` is created: seal ``last``, so
-        that no writer appends to it again, whatever its rolling size or however stale its view.
-        A seal that raised is settled by reading (it changes nothing if done twice); if it is not
-        there, nothing of the append was written, so the failure is a definite one."""
+    def _trim(self, last: ChunkInfo) -> None:
+        """Under the writers' lock, before the chunk after ``last`` is created: cut ``last`` back
+        to its end, durably, so that pre-written zeros after a chunk's end say it has no successor
+        (``_catch_up``). If that fails, nothing of the append was written."""
         path = f"{self._dir}/{last.name}"
         try:
-            self.storage.seal(path, last.length)
+            self.storage.trim(path, last.length)
             return
         except StorageError as exc:
             error = exc
-        try:
-            sealed = self.storage.committed(path) == (last.length, True)
+        try:  # settled by reading: a trim that took effect is the same trim (it is done twice harmlessly)
+            trimmed = self.storage.size(path) <= last.length
         except (StorageError, FileNotFoundError):
-            sealed = False
-        if not sealed:
-            raise StorageError(f"segment {self.name!r}: the append did not happen: sealing chunk {last.name} "
+            trimmed = False
+        if not trimmed:
+            raise StorageError(f"segment {self.name!r}: the append did not happen: trimming chunk {last.name} "
                                f"before starting the next failed ({error})") from error
-        _log.info("segment %r: sealing %r raised %s but the seal is stored; going on",
-                  self.name, path, type(error).__name__)
+        _log.info("segment %r: trimming %r raised %s but it is trimmed; going on", self.name, path,
+                  type(error).__name__)
 
-    def _settle_in_place(self, path: str, position: int, data: bytes, error: StorageError) -> None:
-        """Under the writers' lock, after ``append`` raised: decide by reading whether it happened.
-
-        Committed and identical: it did (return). Committed size unchanged: it did not (raise a
-        definite error). Anything else, or a failed read: ``OutcomeUnknownError``.
-        """
+    def _settle_in_place(self, last: ChunkInfo, data: bytes, error: StorageError) -> None:
+        """Under the writers' lock, after ``append`` to ``last`` raised: decide by reading whether it
+        happened. Committed and identical: it did (return). The chunk's end unchanged: it did not
+        (raise a definite error). Anything else, or a failed read: ``OutcomeUnknownError``."""
+        path = f"{self._dir}/{last.name}"
+        position = last.length
         try:
             try:
-                committed = self.storage.committed_size(path)
+                if self.storage.torn_appends:
+                    self._tail = self._look(last, locked=True)
+                    self._tail_name = last.name
+                    end = self._tail.end - last.start
+                else:
+                    end = self.storage.size(path)
             except FileNotFoundError:
-                committed = 0
-            ours = committed == position + len(data) and self.storage.read(path, position, committed) == data
+                end = 0
+            ours = end == position + len(data) and self.storage.read(path, position, end) == data
         except (StorageError, FileNotFoundError) as exc:
             raise OutcomeUnknownError(
                 f"segment {self.name!r}: append to {path!r} failed ({error}) and reading back failed too ({exc})"
             ) from error
         if ours:
             _log.info("segment %r: append to %r raised %s but its bytes are committed; accepted",
-                         self.name, path, type(error).__name__)
+                      self.name, path, type(error).__name__)
             return
-        if committed != position:
+        if end != position:
             raise OutcomeUnknownError(
-                f"segment {self.name!r}: append to {path!r} at {position} failed ({error}) and the chunk's "
-                f"committed size is now {committed}"
+                f"segment {self.name!r}: append to {path!r} at {position} failed ({error}) and the chunk "
+                f"now ends at {end}"
             ) from error
         if isinstance(error, OutcomeUnknownError):
             raise StorageError(f"segment {self.name!r}: the append did not happen ({error})") from error
         raise error
 
     def _catch_up(self) -> None:
-        """Under the writers' lock: bring the tail of the view up to date with a few stats (and
-        whether its last chunk is sealed)."""
+        """Under the writers' lock: bring the tail of the view up to date (one small read of
+        the last chunk when nothing changed) and move on to chunks that other writers started."""
         if not self._chunks:
             self.refresh()
             return
         last = self._chunks[-1]
         try:
-            length, sealed = self.storage.committed(f"{self._dir}/{last.name}")
+            length, zeros_after = self._tail_length(last)
         except FileNotFoundError:  # deleted by a truncation elsewhere: no longer the last chunk
             self.refresh()
             return
         if length != last.length:
             self._chunks[-1] = last = ChunkInfo(last.start, length, last.name)
-        if not sealed and not (last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}")):
-            # No successor, so still the segment's last chunk: a replacement takes only sealed
-            # chunks and a truncation deletes only chunks with a successor, so no switch can move
-            # it (docs/storage.md, "Rolling into a new chunk"): no switch check. The successor is
-            # looked for: a chunk whose seal record was lost (damage) or that a writer from before
-            # seals rolled past reads unsealed (tests/test_fault_hunt_lost_seal.py).
-            self._tail_sealed = False
+        if zeros_after:
+            # Pre-written zeros follow it: never trimmed, so never rolled past (a chunk is trimmed
+            # to its end before its successor is made): the segment's last chunk, which no
+            # replacement takes and no truncation deletes: no switch check.
+            return
+        if not (last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}")):
+            self._check_not_rolled_past(last)
             return
         if self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}"):
             # A replacement switched since this view (replacers hold this lock too and number their
             # switches one after another here): chunks after the view's last may have new names.
             self.refresh()
             return
-        # Sealed (or unsealed with a successor): other writers may have rolled past it. A new chunk
-        # starts only where a non-empty one ends (an empty one ends at its own name); the walk goes
-        # on past unsealed chunks too, which versions before seals rolled past.
+        # Other writers rolled past it. A new chunk starts only where a non-empty one ends (an
+        # empty one ends at its own name).
+        zeros_after = False
         while last.length and self.storage.exists(f"{self._dir}/{chunk_name(last.end)}"):
-            start = last.end
+            last = ChunkInfo(last.end, 0, chunk_name(last.end))
             try:
-                length, sealed = self.storage.committed(f"{self._dir}/{chunk_name(start)}")
+                length, zeros_after = self._tail_length(last)
             except FileNotFoundError:  # rolled past and truncated away meanwhile
                 self.refresh()
                 return
-            last = ChunkInfo(start, length, chunk_name(start))
+            last = ChunkInfo(last.start, length, last.name)
             self._chunks.append(last)
-        self._tail_sealed = sealed
+        if not zeros_after:
+            self._check_not_rolled_past(last)
+
+    def _check_not_rolled_past(self, last: ChunkInfo) -> None:
+        """``last`` has no successor by its plain name and no zeros after it (a memory chunk, or a
+        local one trimmed by a roll): it may have been rolled past, its successor since replaced
+        (the plain name goes with the switch) or truncated away. Refresh if so."""
+        if self.storage.exists(f"{self._dir}/{SWITCH_DIR}/{chunk_name(self._layout.generation + 1)}"):
+            self.refresh()
+        elif self._stored_start_offset() > last.end:
+            self.refresh()
+
+    def _tail_length(self, chunk: ChunkInfo) -> tuple[int, bool]:
+        """Under the writers' lock: ``(committed length of chunk, whether pre-written zeros follow
+        it)``, kept as the view's last look (memory: its size). ``FileNotFoundError`` if gone."""
+        if not self.storage.torn_appends:  # memory: a trim mark says what zeros say on local disk
+            path = f"{self._dir}/{chunk.name}"
+            return self.storage.size(path), not self.storage.trimmed(path)
+        look = self._look(chunk, locked=True)
+        self._tail, self._tail_name = look, chunk.name
+        return look.end - chunk.start, look.zeros_after
 
     def _append_object(self, data: bytes, expected_offset: int | None) -> int:
         """One exclusive create at the viewed length: 1 PUT when the view is fresh (docs/storage.md).
@@ -846,35 +918,6 @@ class RollingSegment:
                 continue  # replaced again meanwhile (compaction keeps running): bounded
         raise StorageError(f"segment {self.name!r}: a chunk holding offset {offset} kept vanishing "
                            f"({MAX_READ_REFRESHES} listings)")
-
-    def uncommitted_tail(self, limit: int = MAX_UNCOMMITTED_TAIL) -> tuple[int, bytes]:
-        """``(length, bytes)``: the committed length and up to ``limit`` bytes stored after it.
-
-        On appendable backends this is what a writer left that died between writing an append's
-        data and its commit record: at most one append's bytes. More than one whole append there
-        means commit records were lost (damage, not a crash), which only the layer above can tell
-        by parsing; ``append`` of exactly those bytes at that length commits them again (the write
-        is identical, so nothing changes but the commit record). Object backends have no such bytes.
-        """
-        self._check_open()
-        if not self.storage.appendable:
-            return self.length, b""  # objects are whole: nothing is ever stored past an end
-        with self._mutex:
-            for _attempt in range(MAX_REFRESH_ATTEMPTS):
-                self.refresh()
-                if not self._chunks:
-                    return self.length, b""
-                last = self._chunks[-1]
-                path = f"{self._dir}/{last.name}"
-                try:
-                    tail = self.storage.read(path, last.length, last.length + limit)
-                    settled = self.storage.committed_size(path) == last.length
-                except FileNotFoundError:
-                    continue  # truncated or rolled meanwhile: look again
-                if settled:  # no commit landed while the tail was read: it really is uncommitted
-                    return last.end, tail
-        raise StorageError(f"segment {self.name!r}: the last chunk kept changing; its uncommitted tail could "
-                           "not be read")
 
     def _check_range(self, offset: int, length: int, chunks: list[ChunkInfo], start_offset: int) -> None:
         end_offset = chunks[-1].end if chunks else start_offset
@@ -1319,7 +1362,7 @@ class RollingSegment:
             self.remove(self.storage, self.name)
             self._chunks, self._start_offset, self._markers, self._layout = [], 0, [], _Layout()
             self.view_changes += 1
-            self._tail_sealed = False
+            self._tail = self._tail_name = None
             self._doomed.clear()
 
     @staticmethod

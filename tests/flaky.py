@@ -28,18 +28,18 @@ class FlakyStorage:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def _write(self, operation, *args):
+    def _write(self, operation, *args, **options):
         roll = self._random.random()
         if roll < self._rate:
             self.failed_writes += 1
             raise InjectedFault("injected: the write timed out before reaching storage")
-        operation(*args)
+        operation(*args, **options)
         if roll < 2 * self._rate:
             self.lost_acks += 1
             raise InjectedFault("injected: the write succeeded but its acknowledgement was lost")
 
-    def append(self, path, position, data):
-        self._write(self._inner.append, path, position, data)
+    def append(self, path, position, data, **options):
+        self._write(self._inner.append, path, position, data, **options)
 
     def create(self, path, data):
         self._write(self._inner.create, path, data)

@@ -10,13 +10,26 @@ import time
 
 from storage_adapters import ChunkStorage, LayoutConflictError, RollingSegment, open_storage
 
+from .framed import open_segment, overhead, pieces
+
 NAME = "switch/0"
-CHUNK = 16
+CHUNK = 16  #: payload bytes per chunk
 
 
-def original(chunks: int) -> bytes:
-    """The bytes the switch tests write: ``chunks`` chunks of ``CHUNK`` distinct bytes each."""
-    return b"".join(bytes([(i * 7 + j) % 251 for j in range(CHUNK)]) for i in range(chunks))
+def chunk_size(storage: ChunkStorage) -> int:
+    """The stored size of one chunk of ``original`` (a frame on local disk: tests/framed.py)."""
+    return CHUNK + overhead(storage)
+
+
+def original(storage: ChunkStorage, chunks: int) -> bytes:
+    """The bytes the switch tests write: ``chunks`` appends of ``CHUNK`` distinct bytes each, one
+    chunk each (``chunk_size`` bytes stored)."""
+    return b"".join(pieces(storage, [bytes([(i * 7 + j) % 251 for j in range(CHUNK)]) for i in range(chunks)]))
+
+
+def open_switched(storage: ChunkStorage) -> RollingSegment:
+    """The switch tests' segment, rolling after each chunk of ``original``."""
+    return open_segment(storage, NAME, rolling_size=chunk_size(storage))
 
 
 class KillingStorage(ChunkStorage):
@@ -26,6 +39,7 @@ class KillingStorage(ChunkStorage):
         super().__init__(inner.url)
         self.inner, self.kill_at, self.writes = inner, kill_at, 0
         self.appendable = inner.appendable
+        self.torn_appends = inner.torn_appends
         self.deletion_grace = inner.deletion_grace
 
     def _write(self) -> None:
@@ -42,8 +56,12 @@ class KillingStorage(ChunkStorage):
     def exists(self, path):
         return self.inner.exists(path)
 
-    def committed_size(self, path):
-        return self.inner.committed_size(path)
+    def size(self, path):
+        return self.inner.size(path)
+
+    def trim(self, path, size):
+        self._write()
+        self.inner.trim(path, size)
 
     def lock(self, directory):
         return self.inner.lock(directory)
@@ -63,21 +81,21 @@ class KillingStorage(ChunkStorage):
     def remove_directory(self, directory):
         self.inner.remove_directory(directory)
 
-    def append(self, path, position, data):
+    def append(self, path, position, data, *, clear_to=0):
         self._write()
-        self.inner.append(path, position, data)
+        self.inner.append(path, position, data, clear_to=clear_to)
 
 
 def replace_until_killed(url: str, options: dict, kill_at: int, seed: int, chunks: int) -> None:
     """Replace random runs of chunks by their exact bytes (or by fewer: ``seed`` odd) until killed."""
     rng = random.Random(seed)
-    seg = RollingSegment(KillingStorage(open_storage(url, **options), kill_at), NAME, rolling_size=CHUNK)
+    seg = open_switched(KillingStorage(open_storage(url, **options), kill_at))
     for _ in range(50):
         sealed = seg.chunks()[:-1]
         i = rng.randrange(len(sealed))
         j = min(len(sealed) - 1, i + rng.randrange(3))
         start, end = sealed[i].start, sealed[j].end
-        data = original(chunks)[start:end] if seed % 2 == 0 else b"x" * rng.randrange(end - start + 1)
+        data = original(seg.storage, chunks)[start:end] if seed % 2 == 0 else b"x" * rng.randrange(end - start + 1)
         if any(c.stored < c.length for c in sealed[i:j + 1]):
             data = data[:0]
         seg.replace_range(start, end, data)
@@ -86,7 +104,7 @@ def replace_until_killed(url: str, options: dict, kill_at: int, seed: int, chunk
 
 def race_replace(url: str, options: dict, who: int, rounds: int, barrier, results) -> None:
     """Each round: refresh, wait for everyone, then replace a range overlapping the other's."""
-    seg = RollingSegment(open_storage(url, **options), NAME, rolling_size=CHUNK)
+    seg = open_switched(open_storage(url, **options))
     outcome = []
     for _round in range(rounds):
         seg.refresh()
@@ -109,8 +127,8 @@ def race_replace(url: str, options: dict, who: int, rounds: int, barrier, result
 
 def read_while_switching(url: str, options: dict, chunks: int, seconds: float, results) -> None:
     """Read the whole segment over and over; every read must be the original bytes exactly."""
-    seg = RollingSegment(open_storage(url, **options), NAME, rolling_size=CHUNK)
-    expected, reads, deadline = original(chunks), 0, time.monotonic() + seconds
+    seg = open_switched(open_storage(url, **options))
+    expected, reads, deadline = original(seg.storage, chunks), 0, time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
             start = random.randrange(len(expected))

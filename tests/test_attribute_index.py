@@ -143,9 +143,11 @@ def test_iterator_outlives_compaction_and_truncation(url):
 
 
 # -- recovery ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("url", [f"memory://index-{uuid.uuid4().hex}"])
 def test_committed_bytes_after_the_newest_footer_are_corruption_not_a_rollback(url):
-    # Under the commit protocol every committed append of an index ends with a footer, so committed
-    # bytes that do not are damage: reopening must say so, not silently fall back to an older footer.
+    # Where a chunk's length is stored (memory, S3) every committed append of an index ends with a
+    # footer, so committed bytes that do not are damage: reopening must say so, not silently fall
+    # back to an older footer. (Local disk: the next test.)
     idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(100)})
     before = sorted(idx.items())
@@ -164,17 +166,45 @@ def test_committed_bytes_after_the_newest_footer_are_corruption_not_a_rollback(u
     assert again.get(1000) == 1 and len(again) == 101 and again.verify().ok
 
 
+def test_bytes_no_crash_leaves_after_the_newest_footer_on_local_disk_are_damage(tmp_path):
+    # On local disk a chunk's committed end is the end of its chain of whole updates (pages, then
+    # the footer that covers them). Bytes after the newest footer that do not begin as an update
+    # begins (a page header, a footer) are no torn write: they are damage, reported on open, and
+    # repair rolls the index back to the newest intact version (docs/decisions/0001).
+    from attrindex.btree.framing import TREE_FRAMING
+
+    url = str(tmp_path / "store")
+    idx = TreeIndex.open(url, page_size=256)
+    idx.update({k(i): i for i in range(100)})
+    before = sorted(idx.items())
+    raw = RollingSegment(open_storage(url), "attributes", framing=TREE_FRAMING)
+    end = raw.length
+    raw.append(b"garbage\x00" * 500)
+    raw.append(b"AIXFOOT1" + bytes(64))  # looks like a footer, but its checksum is wrong
+    with pytest.raises(CorruptDataError, match="newest footer"):
+        TreeIndex.open(url, page_size=256)
+    assert not TreeIndex.verify_at(url).ok
+    report = TreeIndex.repair_at(url)
+    assert report.rolled_back and report.entries_after == 100 and report.lost_start == end
+    repaired = TreeIndex.open(url, page_size=256)
+    assert sorted(repaired.items()) == before and repaired.verify().ok
+    repaired.update({k(1000): 1})
+    again = TreeIndex.open(url, page_size=256)
+    assert again.get(1000) == 1 and len(again) == 101 and again.verify().ok
+
+
 def test_torn_update_past_the_committed_length_is_ignored(tmp_path):
-    # A writer killed mid-update leaves bytes past the committed length (no commit record covers
-    # them): they are not part of the index, and the next append overwrites them.
+    # A writer killed mid-update leaves the first bytes of its update after the newest footer:
+    # they are not part of the index, and the next append overwrites them.
     url = str(tmp_path)
     idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(50)})
     idx.update({k(i): -i for i in range(50)})
     state = idx._tree.state
     last_update = idx._segment.read(state.length - state.footer.update_length, state.footer.update_length)
-    chunk = tmp_path / "attributes.seg" / idx._segment.chunks()[-1].name
-    with open(chunk, "ab") as f:
+    chunk = idx._segment.chunks()[-1]
+    with open(tmp_path / "attributes.seg" / chunk.name, "r+b") as f:  # where the next update would go
+        f.seek(state.length - chunk.start)
         f.write(last_update[: len(last_update) // 2])
     reopened = TreeIndex.open(url, page_size=256)
     assert reopened.get_many(range(50)) == [-i for i in range(50)]

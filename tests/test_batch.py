@@ -33,8 +33,11 @@ from attrindex.log.batch import (
     decode_records,
     encode_batch,
     iter_batches,
+    peek_header,
+    place_batches,
     read_header,
     rebase_batch,
+    seal_header,
 )
 from attrindex.log.varint import encode_varints, zigzag
 
@@ -78,18 +81,24 @@ def forge(
     base_offset: int = 0,
     first: int = TS,
     last: int = TS,
-    version: int = 2,
+    version: int = 3,
     magic: bytes = b"AIXB",
     size: int | None = None,
+    position: int = 0,
 ) -> bytes:
-    """A batch built by hand from the documented layout, with valid checksums."""
+    """A batch built by hand from the documented layout, with valid checksums for ``position``."""
     stored = payload if stored is None else stored
     size = BATCH_HEADER_SIZE + len(stored) if size is None else size
     head = LAYOUT.pack(
         magic, version, flags, size, count, updates, len(payload), base_offset, first, last, 7, zlib.crc32(stored), 0
     )
-    head = head[:60] + struct.pack("<I", zlib.crc32(head[:60]))
+    head = head[:60] + struct.pack("<I", seeded_crc(position, head[:60]))
     return head + stored
+
+
+def seeded_crc(position: int, data: bytes) -> int:
+    """docs/format.md: the header checksum is CRC-32 of the position as a u64 LE, then the bytes."""
+    return zlib.crc32(data, zlib.crc32(struct.pack("<Q", position)))
 
 
 def decode_all(buf, pos=0, *, position=0, segment=None):
@@ -168,12 +177,12 @@ def test_header_matches_documented_layout(codec):
     written = rich_batch(codec)
     fields = LAYOUT.unpack_from(written)
     magic, version, flags, size, count, updates, payload_size, base, first, last, batch_id, payload_crc, header_crc = fields
-    assert (magic, version, size) == (b"AIXB", 2, len(written))
+    assert (magic, version, size) == (b"AIXB", 3, len(written))
     assert batch_id == read_header(written).batch_id
     assert (count, updates, base, first, last) == (5, 3, 40, TS - 5, TS + 7)
     assert flags == int(codec) | 0x08 | 0x10 | 0x20  # keys, timestamps and headers columns present
     assert payload_crc == zlib.crc32(written[64:])
-    assert header_crc == zlib.crc32(written[:60])
+    assert header_crc == seeded_crc(0, written[:60])  # sealed for position 0 until placed
     header = read_header(written)
     assert header.codec is codec
     assert header.payload_size == payload_size
@@ -257,7 +266,8 @@ def expected_records(records, base_offset: int, timestamp: int) -> list[Record]:
 def test_round_trip(records, updates, base_offset, timestamp, codec, prefix, position):
     keys = [k for k, _ in updates]
     values = [v for _, v in updates]
-    written = encode_batch(base_offset, records, timestamp=timestamp, attribute_updates=(keys, values), codec=codec)
+    written = encode_batch(base_offset, records, timestamp=timestamp, attribute_updates=(keys, values), codec=codec,
+                           position=position + len(prefix))
     expected = expected_records(records, base_offset, timestamp)
     for buf in (prefix + written, memoryview(prefix + written), bytearray(prefix + written) + b"AI"):
         pos = len(prefix)
@@ -336,10 +346,10 @@ def test_input_offsets_are_ignored():
 @pytest.mark.parametrize("codec", CODECS)
 def test_every_strict_prefix_is_incomplete(codec):
     first = rich_batch(codec, base_offset=0)
-    second = rich_batch(codec, base_offset=5)
+    second = place_batches(rich_batch(codec, base_offset=5), len(first))
     for end in range(len(second)):
         tail = second[:end]
-        assert read_header(tail) is None
+        assert read_header(tail, position=len(first)) is None
         buf = first + tail
         assert [(p, h.base_offset) for p, h in iter_batches(buf)] == [(0, 0)]
         assert read_header(buf, len(first)) is None
@@ -379,7 +389,7 @@ def test_verify_false_skips_the_payload_checksum():
 )
 def test_garbage_after_valid_batches(codec, garbage):
     batches = [encode_batch(i * 10, [b"r%d" % i] * 10, timestamp=TS, codec=codec) for i in range(3)]
-    buf = b"".join(batches) + garbage
+    buf = place_batches(b"".join(batches), 5000) + garbage
     seen = []
     with pytest.raises(CorruptDataError) as info:
         for pos, header in iter_batches(buf, position=5000, segment="seg"):
@@ -423,7 +433,7 @@ def test_forge_reproduces_the_encoder():
     ],
 )
 def test_inconsistent_payload_is_corrupt(payload, count, updates, flags, problem):
-    written = forge(payload, count=count, updates=updates, flags=flags, last=TS)
+    written = forge(payload, count=count, updates=updates, flags=flags, last=TS, position=77)
     header = read_header(written, position=77)
     with pytest.raises(CorruptDataError, match=problem) as info:
         decode_records(written, 0, header, position=77)
@@ -440,7 +450,8 @@ def test_attribute_reader_checks_record_columns():
 @pytest.mark.parametrize(
     "fields, problem",
     [
-        (dict(version=3), "version"),
+        (dict(version=2), "format version 2, written by a development version before 0.1.0"),
+        (dict(version=4), "unknown format version 4"),
         (dict(magic=b"AIXb"), "magic"),
         (dict(flags=0x100), "flags"),
         (dict(flags=0x40), "tombstones has no keys column"),
@@ -459,7 +470,7 @@ def test_attribute_reader_checks_record_columns():
 def test_impossible_header_is_corrupt(fields, problem):
     args = dict(count=2)
     args.update(fields)
-    written = forge(b"\x01\x01ab", **args)
+    written = forge(b"\x01\x01ab", position=12, **args)
     with pytest.raises(CorruptDataError, match=problem) as info:
         read_header(b"xx" + written, 2, position=10, segment="s")
     assert info.value.offset == 12
@@ -660,5 +671,129 @@ def test_batch_id_is_random_per_encoding_kept_by_rebase_and_checked():
 
 
 def test_version_1_headers_are_not_read():
-    with pytest.raises(CorruptDataError, match="unknown format version 1"):
+    with pytest.raises(CorruptDataError, match="format version 1, written by a development version"):
         read_header(forge(b"\x01a", count=1, version=1))
+
+
+# --- the position seal (format version 3) -------------------------------------------------------
+
+
+def test_version_2_batches_are_refused_naming_their_version():
+    """A batch as version 2 wrote it (header checksum not seeded) is refused wherever it lies,
+    by its version, not as an anonymous checksum mismatch."""
+    head = LAYOUT.pack(b"AIXB", 2, 0, 66, 1, 0, 2, 0, TS, TS, 7, zlib.crc32(b"\x01a"), 0)[:60]
+    old = head + struct.pack("<I", zlib.crc32(head)) + b"\x01a"
+    for position in (0, 1, 4096):
+        with pytest.raises(CorruptDataError, match="format version 2.*reads format version 3 only") as info:
+            read_header(old, position=position, segment="s")
+        assert info.value.offset == position
+    with pytest.raises(InvalidInputError, match="version 3"):
+        place_batches(old, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(position=st.integers(0, (1 << 64) - 1 - 100), other=st.integers(0, (1 << 64) - 1 - 100),
+       codec=st.sampled_from(CODECS))
+def test_a_batch_is_valid_at_its_position_only(position, other, codec):
+    written = encode_batch(3, [b"v"], timestamp=TS, codec=codec, position=position)
+    assert read_header(written, position=position).base_offset == 3
+    if position >= 3:  # ``position`` names buf[0]: the batch at buf[3] lies at position - 3 + 3
+        assert read_header(b"xyz" + written, 3, position=position - 3).base_offset == 3
+    if other != position:
+        with pytest.raises(CorruptDataError, match=f"header checksum mismatch .*not written at byte {other}"):
+            read_header(written, position=other)
+        with pytest.raises(CorruptDataError):
+            list(iter_batches(written, position=other))
+
+
+def test_header_checksum_is_seeded_with_the_position():
+    written = encode_batch(0, [b"a"], timestamp=TS, position=123456789)
+    assert struct.unpack_from("<I", written, 60)[0] == seeded_crc(123456789, written[:60])
+    assert seal_header(written[:60], 123456789) == written[:64]
+    assert seal_header(written[:64], 5) == written[:60] + struct.pack("<I", seeded_crc(5, written[:60]))
+
+
+batches_strategy = st.lists(
+    st.builds(
+        lambda n, size, codec, updates: (n, size, codec, updates),
+        st.integers(0, 20), st.integers(0, 200), st.sampled_from(CODECS), st.integers(0, 3),
+    ),
+    max_size=8,
+)
+
+
+def encode_sequence(shapes, base: int = 0) -> tuple[list[bytes], list[list[Record]]]:
+    """Batches of the given shapes (records, value size, codec, updates) numbered from ``base``,
+    each sealed for position 0, and the records each holds."""
+    out, records_of = [], []
+    for i, (n, size, codec, updates) in enumerate(shapes):
+        records = [Record(bytes([i % 256]) * (size + j % 3), key=b"k%d" % j) for j in range(n)]
+        out.append(encode_batch(base, records, timestamp=TS + i, codec=codec,
+                                attribute_updates=([key(j) for j in range(updates)], list(range(updates)))))
+        records_of.append(expected_records(records, base, TS + i))
+        base += n
+    return out, records_of
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes=batches_strategy, position=st.integers(0, 1 << 48), other=st.integers(0, 1 << 48))
+def test_place_batches_seals_each_batch_for_where_it_lands(shapes, position, other):
+    batches, records_of = encode_sequence(shapes)
+    data = b"".join(batches)
+    placed = place_batches(data, position)
+    assert len(placed) == len(data)
+    found = list(iter_batches(placed, position=position))
+    assert [pos for pos, _ in found] == [sum(map(len, batches[:i])) for i in range(len(batches))]
+    assert [decode_records(placed, pos, header) for pos, header in found] == records_of
+    # only each header's checksum (bytes 60..63) changed
+    at = 0
+    for one in batches:
+        assert placed[at:at + 60] == one[:60] and placed[at + 64:at + len(one)] == one[64:]
+        at += len(one)
+    assert place_batches(placed, position) is placed  # sealed for there already: no copy
+    assert place_batches(memoryview(placed), position) == placed
+    moved = place_batches(placed, other)
+    assert moved == place_batches(data, other)
+    assert place_batches(moved, position) == placed
+    if other != position and batches:
+        with pytest.raises(CorruptDataError, match="header checksum"):
+            list(iter_batches(moved, position=position))
+
+
+@pytest.mark.parametrize("data, problem", [
+    (b"AIXB", "not a whole batch"),
+    (b"\x00" * 64, "not a whole version 3 batch"),
+    (encode_batch(0, [b"a"], timestamp=TS)[:-1], "not a whole version 3 batch"),
+    (encode_batch(0, [b"a"], timestamp=TS) + b"\x00", "not a whole batch"),
+])
+def test_place_batches_refuses_what_is_not_whole_batches(data, problem):
+    with pytest.raises(InvalidInputError, match=problem):
+        place_batches(data, 0)
+
+
+@pytest.mark.parametrize("position", [-1, 1 << 64, 1.0, True, "0"])
+def test_positions_are_checked(position):
+    written = encode_batch(0, [b"a"], timestamp=TS)
+    with pytest.raises(InvalidInputError, match="position"):
+        encode_batch(0, [b"a"], timestamp=TS, position=position)
+    with pytest.raises(InvalidInputError, match="position"):
+        place_batches(written, position)
+    with pytest.raises(InvalidInputError, match="position"):
+        rebase_batch(written, 1, position=position)
+
+
+def test_rebase_batch_seals_for_its_position():
+    first = encode_batch(0, [b"a", b"b"], timestamp=TS, batch_id=5)
+    assert rebase_batch(first, 10, position=700) == encode_batch(10, [b"a", b"b"], timestamp=TS, batch_id=5,
+                                                                 position=700)
+    assert read_header(rebase_batch(first, 10, position=700), position=700).base_offset == 10
+
+
+def test_peek_header_reads_a_batch_sealed_anywhere_and_checks_its_fields():
+    written = encode_batch(9, [b"a", b"bc"], timestamp=TS, position=4242)
+    assert peek_header(written) == read_header(written, position=4242)
+    assert peek_header(b"xx" + written, 2).base_offset == 9
+    for bad in (written[:63], written[:-1], b"\x00" * 64, forge(b"\x01\x01ab", count=2, size=40),
+                forge(b"\x01\x01ab", count=2, version=2)):
+        with pytest.raises(InvalidInputError, match="peek_header"):
+            peek_header(bad)

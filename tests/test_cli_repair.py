@@ -15,6 +15,7 @@ from attrindex import AttributeIndex, SegmentStore
 from attrindex.tree_index import TreeIndex
 from attrindex.cli import main
 from attrindex.cli_errors import EXIT_DAMAGED, EXIT_NOT_FOUND
+from tests.raw_chunks import committed_length
 
 
 def _flip(path: str, position: int) -> None:
@@ -46,7 +47,7 @@ def test_segment_verify_finds_damage_and_repair_says_what_is_lost(tmp_path, caps
     assert capsys.readouterr().out == "ok: no damage found; nothing was changed\n"
 
     last = _chunks(root, "s/_log.seg")[-1]
-    _flip(last, os.path.getsize(last) // 2)
+    _flip(last, committed_length(last) // 2)
     assert main(["segment", "read", root, "s"]) == EXIT_DAMAGED  # refused, never answered around
     capsys.readouterr()
     assert main(["segment", "verify", root, "s"]) == EXIT_DAMAGED
@@ -71,15 +72,18 @@ def test_segment_verify_finds_damage_and_repair_says_what_is_lost(tmp_path, caps
         assert result.first_offset == 40  # no offset is ever reused
 
 
-def test_index_verify_and_repair_roll_back_a_damaged_newest_footer(tmp_path, capsys):
+def test_index_verify_and_repair_roll_back_a_damaged_newest_update(tmp_path, capsys):
     root = str(tmp_path / "idx")
     # Five versions of the tree, written as before indexes had a write-ahead log (whose replay
     # would bring a rolled-back version back): the CLI opens this layout unchanged.
     with TreeIndex.open(root, page_size=256) as index:
         for version in range(5):
             index.update({key: version for key in range(30)})
-    last = _chunks(root, "attributes.seg")[-1]
-    _flip(last, os.path.getsize(last) - 10)  # inside the newest footer
+        root_page = index._tree.state.footer.root_offset
+        chunk = index._segment.chunk_at(root_page)
+    # The newest root page, below the newest footer: damage (a footer damaged with nothing after
+    # it would be a torn update on local disk, cut without a word: docs/decisions/0001).
+    _flip(os.path.join(root, "attributes.seg", chunk.name), root_page - chunk.start + 20)
 
     assert main(["index", "get", root, "3"]) == EXIT_DAMAGED
     assert main(["index", "verify", root]) == EXIT_DAMAGED

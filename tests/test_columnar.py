@@ -29,6 +29,7 @@ from attrindex.log.batch import (  # noqa: E402
     decode_records,
     encode_batch,
     read_header,
+    seal_header,
 )
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -74,7 +75,7 @@ record = st.one_of(
        codec=st.sampled_from(CODECS), prefix=st.binary(max_size=5))
 def test_arrow_rows_are_the_records_rows(records, base, timestamp, codec, prefix):
     data = prefix + encode_batch(base, records, timestamp=timestamp, codec=codec,
-                                 attribute_updates=([b"k" * 16], [7]))
+                                 attribute_updates=([b"k" * 16], [7]), position=len(prefix))
     expected, got = decoded(data, len(prefix))
     assert got == expected
 
@@ -85,8 +86,7 @@ def forge(payload: bytes, header_of: bytes) -> bytes:
     struct.pack_into("<I", head, 8, BATCH_HEADER_SIZE + len(payload))
     struct.pack_into("<I", head, 20, len(payload))
     struct.pack_into("<I", head, 56, zlib.crc32(payload))
-    struct.pack_into("<I", head, 60, zlib.crc32(bytes(head[:60])))
-    return bytes(head) + payload
+    return seal_header(head, 0) + payload
 
 
 SAMPLES = [

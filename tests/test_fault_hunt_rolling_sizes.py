@@ -12,9 +12,10 @@ truncation deletes X and Y between W's look at X and its look for Y; on local di
 into the deleted file through the descriptor it kept open (acknowledged, lost), on memory it got a
 false ``OutcomeUnknownError``.
 
-Now a writer seals a chunk (a commit record that adds no bytes) before it creates the next one,
-and a writer appends in place only to an unsealed chunk: an unsealed chunk, looked at under the
-writers' lock, has no successor, so it is the last chunk and no truncation can delete it.
+Now a writer appends in place only to a chunk with no successor (looked at under the writers'
+lock: it is the last chunk, and no truncation deletes it), and trims a chunk to its end before it
+creates the next one. Offsets here are in units of one append (4 payload bytes; one frame on local
+disk: tests/framed.py).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import uuid
 import attrs
 import pytest
 
-from storage_adapters import RollingSegment, StorageError, open_storage
+from storage_adapters import StorageError, open_storage
 from storage_adapters.errors import BadOffsetError
 from storage_adapters.faults import FaultyStorage
 from storage_adapters.rolling import chunk_name
 
-LOCAL_FORMATS = {"local": "xattr", "local-v1": "sidecar"}
-IN_PLACE = ["memory", "local", "local-v1"]  #: the backends that grow chunks in place (and roll)
+from .framed import frame, open_segment, overhead
+
+IN_PLACE = ["memory", "local"]  #: the backends that grow chunks in place (and roll)
 
 
 @attrs.frozen
@@ -42,8 +44,6 @@ class Store:
 
     def open(self):
         """A storage object of its own (another handle, as another process would have)."""
-        if self.backend in LOCAL_FORMATS:
-            return open_storage(self.url, commit_format=LOCAL_FORMATS[self.backend])
         return open_storage(self.url, **self.options)
 
 
@@ -51,53 +51,55 @@ def _store(backend: str, tmp_path) -> Store:
     return Store(backend, f"memory://hunt-sizes-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path))
 
 
+def _unit(storage) -> int:
+    """The stored size of one 4-byte append."""
+    return 4 + overhead(storage)
+
+
+def _put(storage, payload: bytes, k: int) -> bytes:
+    """What is appended for the 4-byte ``payload`` at unit ``k``."""
+    return frame(storage, payload, k * _unit(storage))
+
+
 def _three_chunks(store: Store):
-    """A (rolling size 4) writes X, Y, Z = [0, 4), [4, 8), [8, 12); W (rolling size 8) saw only X."""
+    """A (one unit per chunk) writes X, Y, Z = units [0, 1), [1, 2), [2, 3); W (two units per
+    chunk) saw only X."""
     faulty = FaultyStorage(store.open(), seed=1)
-    a = RollingSegment(faulty, "s", rolling_size=4)
-    a.append(b"AAAA")
+    u = _unit(faulty)
+    a = open_segment(faulty, "s", rolling_size=u)
+    a.append(_put(faulty, b"AAAA", 0))
     w_storage = store.open()
-    w = RollingSegment(w_storage, "s", rolling_size=8)
-    a.append(b"BBBB")
-    a.append(b"CCCC")
+    w = open_segment(w_storage, "s", rolling_size=2 * u)
+    a.append(_put(faulty, b"BBBB", 1))
+    a.append(_put(faulty, b"CCCC", 2))
     return faulty, a, w_storage, w
 
 
 def _restore_after(store: Store, name: str, action) -> None:
-    """Run ``action`` (which deletes chunk ``name``), then put the chunk back as it was, commit
-    records included: what a deletion that failed or was cut short leaves (the truncations that
-    follow delete such leftovers, so a test has to make one)."""
-    import shutil
-
+    """Run ``action`` (which deletes chunk ``name``), then put the chunk back as it was: what a
+    deletion that failed or was cut short leaves (the truncations that follow delete such
+    leftovers, so a test has to make one)."""
     raw = store.open()
     path = f"s.seg/{name}"
-    if store.backend == "memory":
-        kept = raw.fs.store[raw._abs(path)]
-        action()
-        raw.fs.store[raw._abs(path)] = kept
-        return
-    chunk = f"{store.url}/{path}"
-    shutil.copy2(chunk, chunk + ".saved")  # with its xattr (a v2 record)
-    commit = chunk + ".commit"
-    copy = shutil.copytree if LOCAL_FORMATS[store.backend] == "xattr" else shutil.copy2
-    copy(commit, commit + ".saved")
+    kept = raw.read(path, 0, 1 << 62)
     action()
-    shutil.move(chunk + ".saved", chunk)
-    shutil.move(commit + ".saved", commit)
+    raw.create(path, kept)
 
 
 @pytest.mark.parametrize("backend", IN_PLACE)
 def test_a_writer_with_a_larger_rolling_size_never_appends_into_a_leftover_chunk(backend, tmp_path):
     store = _store(backend, tmp_path)
     _faulty, a, _w_storage, w = _three_chunks(store)
-    _restore_after(store, chunk_name(0), lambda: a.truncate(8))  # X stays, Y is gone
     raw = store.open()
-    assert raw.exists(f"s.seg/{chunk_name(0)}") and not raw.exists(f"s.seg/{chunk_name(4)}")
-    assert w.append(b"DDDD") == 12  # the true end, not 4 inside the leftover
-    assert w.append(b"EEEE", expected_offset=16) == 16
-    fresh = RollingSegment(store.open(), "s", rolling_size=4)
-    assert (fresh.start_offset, fresh.length, fresh.read(8, 12)) == (8, 20, b"CCCCDDDDEEEE")
-    assert raw.committed_size(f"s.seg/{chunk_name(0)}") == 4  # the leftover did not grow
+    u = _unit(raw)
+    _restore_after(store, chunk_name(0), lambda: a.truncate(2 * u))  # X stays, Y is gone
+    assert raw.exists(f"s.seg/{chunk_name(0)}") and not raw.exists(f"s.seg/{chunk_name(u)}")
+    assert w.append(_put(raw, b"DDDD", 3)) == 3 * u  # the true end, not inside the leftover
+    assert w.append(_put(raw, b"EEEE", 4), expected_offset=4 * u) == 4 * u
+    fresh = open_segment(store.open(), "s", rolling_size=u)
+    assert (fresh.start_offset, fresh.length) == (2 * u, 5 * u)
+    assert fresh.read(2 * u, 3 * u) == b"".join(_put(raw, p, k) for k, p in ((2, b"CCCC"), (3, b"DDDD"), (4, b"EEEE")))
+    assert raw.size(f"s.seg/{chunk_name(0)}") == u  # the leftover did not grow
 
 
 @pytest.mark.parametrize("backend", IN_PLACE)
@@ -106,63 +108,65 @@ def test_a_truncation_between_the_look_at_the_last_chunk_and_the_look_past_it(ba
     keep truncations out)."""
     store = _store(backend, tmp_path)
     _faulty, a, w_storage, w = _three_chunks(store)
+    u = _unit(w_storage)
     real_exists = w_storage.exists
     raced = []
 
     def exists(path):
-        if not raced and path.endswith(f"s.seg/{chunk_name(4)}"):
+        if not raced and path.endswith(f"s.seg/{chunk_name(u)}"):
             raced.append(path)
-            a.truncate(8)  # deletes X and Y
+            a.truncate(2 * u)  # deletes X and Y
         return real_exists(path)
 
     w_storage.exists = exists
-    assert w.append(b"DDDD") == 12
+    assert w.append(_put(w_storage, b"DDDD", 3)) == 3 * u
     assert raced
-    fresh = RollingSegment(store.open(), "s", rolling_size=4)
-    assert (fresh.start_offset, fresh.length, fresh.read(8, 8)) == (8, 16, b"CCCCDDDD")
+    fresh = open_segment(store.open(), "s", rolling_size=u)
+    assert (fresh.start_offset, fresh.length) == (2 * u, 4 * u)
+    assert fresh.read(2 * u, 2 * u) == _put(w_storage, b"CCCC", 2) + _put(w_storage, b"DDDD", 3)
 
 
 @pytest.mark.parametrize("backend", IN_PLACE)
-def test_a_roll_cut_between_sealing_and_the_next_chunk_is_finished_by_the_next_writer(backend, tmp_path):
-    """The roll failed (or its writer died) after sealing X, before the chunk after it: readers see
-    X's length; the next writer, whatever its rolling size, starts the chunk after X."""
+def test_a_roll_cut_between_trimming_and_the_next_chunk_leaves_the_last_chunk_to_append_to(backend, tmp_path):
+    """The roll failed (or its writer died) after trimming X, before the chunk after it: X is
+    still the last chunk (it has no successor). Readers see its length; the next writer, whatever
+    its rolling size, appends at its end; nothing is lost or reused."""
     store = _store(backend, tmp_path)
     faulty = FaultyStorage(store.open(), seed=1)
-    a = RollingSegment(faulty, "s", rolling_size=4)
-    a.append(b"AAAA")
-    faulty.script("fail_before", op="append")  # the seal went through; the new chunk's append did not
+    u = _unit(faulty)
+    a = open_segment(faulty, "s", rolling_size=u)
+    a.append(_put(faulty, b"AAAA", 0))
+    faulty.script("fail_before", op="append")  # the trim went through; the new chunk's append did not
     with pytest.raises(StorageError):
-        a.append(b"BBBB")
+        a.append(_put(faulty, b"BBBB", 1))
     raw = store.open()
-    assert raw.committed(f"s.seg/{chunk_name(0)}") == (4, True)
-    assert not raw.exists(f"s.seg/{chunk_name(4)}")
-    assert RollingSegment(store.open(), "s").length == 4
-    big = RollingSegment(store.open(), "s", rolling_size=1 << 20)
-    assert big.append(b"CCCC", expected_offset=4) == 4
-    assert raw.committed(f"s.seg/{chunk_name(0)}") == (4, True) and raw.exists(f"s.seg/{chunk_name(4)}")
-    assert a.append(b"DDDD", expected_offset=8) == 8
-    assert RollingSegment(store.open(), "s").read(0, 12) == b"AAAACCCCDDDD"
+    assert raw.size(f"s.seg/{chunk_name(0)}") == u  # trimmed to its end
+    assert not raw.exists(f"s.seg/{chunk_name(u)}")
+    assert open_segment(store.open(), "s").length == u
+    big = open_segment(store.open(), "s", rolling_size=1 << 20)
+    assert big.append(_put(raw, b"CCCC", 1), expected_offset=u) == u
+    assert a.append(_put(raw, b"DDDD", 2), expected_offset=2 * u) == 2 * u
+    stored = b"".join(_put(raw, p, k) for k, p in enumerate((b"AAAA", b"CCCC", b"DDDD")))
+    assert open_segment(store.open(), "s").read(0, 3 * u) == stored
 
 
 @pytest.mark.parametrize("backend", IN_PLACE)
-def test_the_storage_refuses_appends_to_a_sealed_chunk(backend, tmp_path):
+def test_a_chunk_with_a_successor_is_never_appended_to(backend, tmp_path):
+    """W (a larger rolling size) last saw X not full for it; A rolled past X meanwhile. W's append
+    goes after A's chunk, never into X, and X keeps its length (trimmed to it before the roll)."""
     store = _store(backend, tmp_path)
     storage = store.open()
-    RollingSegment(storage, "s", rolling_size=4).append(b"AAAA")
-    path = f"s.seg/{chunk_name(0)}"
-    assert storage.committed(path) == (4, False)
-    with storage.lock("s.seg"):
-        with pytest.raises(StorageError):
-            storage.seal(path, 3)  # not its committed size: nothing sealed
-        assert storage.committed(path) == (4, False)
-        storage.seal(path, 4)
-        storage.seal(path, 4)  # sealing again changes nothing
-        with pytest.raises(StorageError, match="sealed"):
-            storage.append(path, 4, b"BBBB")
-    other = store.open()
-    assert other.committed(path) == (4, True) and other.committed_size(path) == 4
-    assert RollingSegment(other, "s").read(0, 4) == b"AAAA"
-    assert RollingSegment(other, "s").append(b"BBBB") == 4  # into a new chunk
+    u = _unit(storage)
+    a = open_segment(storage, "s", rolling_size=u)
+    a.append(_put(storage, b"AAAA", 0))
+    w = open_segment(store.open(), "s", rolling_size=4 * u)
+    assert w.chunks()[-1].length < w.rolling_size  # X is not full for W
+    a.append(_put(storage, b"BBBB", 1))  # A rolls: X is trimmed, Y is its successor
+    assert w.append(_put(storage, b"CCCC", 2)) == 2 * u
+    assert storage.size(f"s.seg/{chunk_name(0)}") == u
+    fresh = open_segment(store.open(), "s")
+    assert [(c.start, c.end) for c in fresh.chunks()] == [(0, u), (u, 3 * u)]
+    assert fresh.read(0, 3 * u) == b"".join(_put(storage, p, k) for k, p in enumerate((b"AAAA", b"BBBB", b"CCCC")))
 
 
 def _history(store: Store, seed: int, steps: int) -> None:
@@ -173,7 +177,7 @@ def _history(store: Store, seed: int, steps: int) -> None:
     rng = random.Random(seed)
     storages = [FaultyStorage(store.open(), seed=seed + i) for i in range(2)]
     sizes = [3, 16] if seed % 2 else [16, 5]
-    handles = [RollingSegment(storage, "s", rolling_size=size) for storage, size in zip(storages, sizes)]
+    handles = [open_segment(storage, "s", rolling_size=size) for storage, size in zip(storages, sizes)]
     acked: list[tuple[int, bytes]] = []
     for step in range(steps):
         me, other = rng.sample(handles, 2)
@@ -190,11 +194,11 @@ def _history(store: Store, seed: int, steps: int) -> None:
         data = b"%d:%d;" % (handles.index(me), step)
         expected = me.length if rng.random() < 0.5 else None
         try:
-            offset = me.append(data, expected_offset=expected)
+            offset = me.append(frame(storage, data), expected_offset=expected)
         except BadOffsetError:  # a compare-and-append that lost: nothing written
             pass
         else:
-            acked.append((offset, data))
+            acked.append((offset, frame(storage, data, offset)))  # a frame is placed where it lands
         storage.__dict__.pop("exists", None)
     _check(store, acked)
 
@@ -226,13 +230,14 @@ def _check(store: Store, acked: list[tuple[int, bytes]]) -> None:
     for offset, data in acked:  # the acknowledged appends tile the stream: none reused, none missing
         assert offset == position, f"append acknowledged at {offset}, expected {position}: {acked}"
         position += len(data)
-    fresh = RollingSegment(store.open(), "s")
+    fresh = open_segment(store.open(), "s")
     assert fresh.length == position
     start = fresh.start_offset
     assert fresh.read(start, position - start) == b"".join(d for _o, d in acked)[start:]
     storage = store.open()
-    chunks = sorted((int(name), storage.committed_size(f"s.seg/{name}") if storage.appendable else size)
-                    for name, size in storage.list_files("s.seg").items() if name.isdigit())
+    # Every chunk but the last is trimmed to its end before its successor is made: its stored size
+    # is its length (the last one's zeros past its end are compared with nothing).
+    chunks = sorted((int(name), size) for name, size in storage.list_files("s.seg").items() if name.isdigit())
     for (start_a, size_a), (start_b, _size_b) in zip(chunks, chunks[1:]):
         assert start_a + size_a <= start_b, f"chunks overlap: {chunks}"
 
@@ -252,70 +257,87 @@ def test_two_writers_on_s3_lose_no_acknowledged_append(storage_url):
 
 
 @pytest.mark.parametrize("backend", IN_PLACE)
-def test_a_seal_that_fails_or_whose_answer_is_lost(backend, tmp_path):
-    """A lost answer is settled by reading (the seal is there: the append goes on); a seal that
-    failed leaves nothing written and the append fails definitely; the next append seals again."""
+def test_a_trim_that_fails_or_whose_answer_is_lost(backend, tmp_path):
+    """A lost answer is settled by reading (the chunk is trimmed: the append goes on); a trim that
+    failed on local disk leaves the chunk untrimmed and the append fails definitely, with nothing
+    written (memory keeps nothing past a chunk's end: there is nothing to trim); the next append
+    trims again."""
     store = _store(backend, tmp_path)
     faulty = FaultyStorage(store.open(), seed=1)
-    seg = RollingSegment(faulty, "s", rolling_size=4)
-    seg.append(b"AAAA")
-    faulty.script("lost_ack", op="seal")
-    assert seg.append(b"BBBB") == 4
-    faulty.script("fail_before", op="seal")
-    with pytest.raises(StorageError, match="did not happen"):
-        seg.append(b"CCCC")
+    u = _unit(faulty)
+    seg = open_segment(faulty, "s", rolling_size=u)
+    seg.append(_put(faulty, b"AAAA", 0))
+    faulty.script("lost_ack", op="trim")
+    assert seg.append(_put(faulty, b"BBBB", 1)) == u
     raw = store.open()
-    assert raw.committed(f"s.seg/{chunk_name(4)}") == (4, False) and not raw.exists(f"s.seg/{chunk_name(8)}")
-    assert seg.append(b"CCCC", expected_offset=8) == 8
-    assert [raw.committed(f"s.seg/{chunk_name(o)}") for o in (0, 4, 8)] == [(4, True), (4, True), (4, False)]
-    assert RollingSegment(store.open(), "s").read(0, 12) == b"AAAABBBBCCCC"
+    faulty.script("fail_before", op="trim")
+    if faulty.torn_appends:
+        with pytest.raises(StorageError, match="did not happen"):
+            seg.append(_put(faulty, b"CCCC", 2))
+        assert raw.size(f"s.seg/{chunk_name(u)}") > u and not raw.exists(f"s.seg/{chunk_name(2 * u)}")
+        assert seg.append(_put(faulty, b"CCCC", 2), expected_offset=2 * u) == 2 * u
+    else:
+        assert seg.append(_put(faulty, b"CCCC", 2), expected_offset=2 * u) == 2 * u
+    assert [raw.size(f"s.seg/{chunk_name(k * u)}") for k in (0, 1)] == [u, u]
+    stored = b"".join(_put(raw, p, k) for k, p in enumerate((b"AAAA", b"BBBB", b"CCCC")))
+    assert open_segment(store.open(), "s").read(0, 3 * u) == stored
 
 
 _KILLED_ROLLER = r"""
 import os, sys
-from storage_adapters import RollingSegment, open_storage
+from storage_adapters import open_storage
 from storage_adapters.local import LocalChunkStorage
+from tests.framed import frame, open_segment
 
-root, fmt, when = sys.argv[1], sys.argv[2], sys.argv[3]
-real_seal = LocalChunkStorage.seal
-seals = [0]
+root, when = sys.argv[1], sys.argv[2]
+real_trim = LocalChunkStorage.trim
+trims = [0]
 
-def seal(self, path, size):
-    seals[0] += 1
-    if seals[0] == 2 and when == "before":
+def trim(self, path, size):
+    trims[0] += 1
+    if trims[0] == 2 and when == "before":
         os.kill(os.getpid(), 9)
-    real_seal(self, path, size)
-    if seals[0] == 2 and when == "after":
-        os.kill(os.getpid(), 9)  # sealed, the next chunk not created yet
+    real_trim(self, path, size)
+    if trims[0] == 2 and when == "after":
+        os.kill(os.getpid(), 9)  # trimmed, the next chunk not created yet
 
-LocalChunkStorage.seal = seal
-seg = RollingSegment(open_storage(root, commit_format=fmt), "s", rolling_size=8)
+LocalChunkStorage.trim = trim
+storage = open_storage(root)
+unit = len(frame(storage, b"<00>"))
+seg = open_segment(storage, "s", rolling_size=2 * unit)
 for i in range(100):
     data = b"<%02d>" % i
-    print(seg.append(data), data.decode(), flush=True)
+    print(seg.append(frame(storage, data, seg.length)), data.decode(), flush=True)
 """
 
 
-@pytest.mark.parametrize("backend", ["local", "local-v1"])
 @pytest.mark.parametrize("when", ["before", "after"])
-def test_a_writer_killed_around_its_seal_loses_nothing_and_the_next_writer_rolls(backend, when, tmp_path):
+def test_a_writer_killed_around_its_trim_loses_nothing_and_the_next_writers_append_at_the_end(when, tmp_path):
     import os
     import subprocess
     import sys
 
-    store = _store(backend, tmp_path)
-    child = subprocess.run([sys.executable, "-c", _KILLED_ROLLER, store.url, LOCAL_FORMATS[backend], when],
+    store = _store("local", tmp_path)
+    child = subprocess.run([sys.executable, "-c", _KILLED_ROLLER, store.url, when],
                            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert child.returncode == -9, child.stderr
-    acked = [(int(o), d.encode()) for o, d in (line.split(" ", 1) for line in child.stdout.splitlines())]
-    assert [o for o, _d in acked] == [0, 4, 8, 12]  # two chunks of 8 bytes; killed rolling past the second
     raw = store.open()
-    assert raw.committed(f"s.seg/{chunk_name(8)}") == (8, when == "after")
-    big = RollingSegment(store.open(), "s", rolling_size=1 << 20)  # would append in place if it could
-    acked.append((big.append(b"<big>", expected_offset=16), b"<big>"))
-    acked.append((RollingSegment(store.open(), "s", rolling_size=8).append(b"<!!>"), b"<!!>"))
-    assert [o for o, _d in acked[-2:]] == [16, 21]
-    assert raw.exists(f"s.seg/{chunk_name(16)}") == (when == "after")  # else the big writer appended in place
+    u = _unit(raw)
+    acked = [(int(o), frame(raw, d.encode(), int(o))) for o, d in (line.split(" ", 1) for line in child.stdout.splitlines())]
+    assert [o for o, _d in acked] == [0, u, 2 * u, 3 * u]  # two chunks of two units; killed rolling past the second
+    second = f"s.seg/{chunk_name(2 * u)}"
+    if when == "after":
+        assert raw.size(second) == 2 * u  # trimmed to its end
+    else:
+        assert raw.size(second) > 2 * u  # pre-written zeros past its end
+    # The second chunk has no successor either way: it is the last chunk, appended to in place.
+    big = open_segment(store.open(), "s", rolling_size=1 << 20)
+    acked.append((big.append(frame(raw, b"<big>", 4 * u), expected_offset=4 * u), frame(raw, b"<big>", 4 * u)))
+    assert not raw.exists(f"s.seg/{chunk_name(4 * u)}")
+    end = 4 * u + len(acked[-1][1])
+    acked.append((open_segment(store.open(), "s", rolling_size=2 * u).append(frame(raw, b"<!!>", end)),
+                  frame(raw, b"<!!>", end)))
+    assert acked[-1][0] == end and raw.exists(f"s.seg/{chunk_name(end)}")  # the full chunk rolled
     _check(store, acked)
 
 
@@ -328,36 +350,21 @@ def test_the_next_truncation_deletes_leftover_chunks(backend, tmp_path):
 
     store = _store(backend, tmp_path)
     faulty = FaultyStorage(store.open(), seed=1)
-    a = RollingSegment(faulty, "s", rolling_size=4)
-    for data in (b"AAAA", b"BBBB", b"CCCC", b"DDDD"):
-        a.append(data)
+    u = _unit(faulty)
+    a = open_segment(faulty, "s", rolling_size=u)
+    for k, data in enumerate((b"AAAA", b"BBBB", b"CCCC", b"DDDD")):
+        a.append(_put(faulty, data, k))
     faulty.script("fail_before", op="delete")
-    a.truncate(8)  # X and Y stay
+    a.truncate(2 * u)  # X and Y stay
     a.close()  # the handle that would have retried is gone
     raw = store.open()
-    assert raw.exists(f"s.seg/{chunk_name(0)}") and raw.exists(f"s.seg/{chunk_name(4)}")
-    b = RollingSegment(store.open(), "s", rolling_size=4)
-    assert [c.start for c in b.chunks()] == [8, 12]  # no view holds the leftovers
-    b.truncate(9)  # makes nothing new dead
-    assert sorted(n for n in raw.list_files("s.seg") if n.isdigit()) == [chunk_name(8), chunk_name(12)]
+    assert raw.exists(f"s.seg/{chunk_name(0)}") and raw.exists(f"s.seg/{chunk_name(u)}")
+    b = open_segment(store.open(), "s", rolling_size=u)
+    assert [c.start for c in b.chunks()] == [2 * u, 3 * u]  # no view holds the leftovers
+    b.truncate(2 * u + 1)  # makes nothing new dead
+    assert sorted(n for n in raw.list_files("s.seg") if n.isdigit()) == [chunk_name(2 * u), chunk_name(3 * u)]
     if backend != "memory":
         assert sorted(n for n in os.listdir(tmp_path / "s.seg") if n.startswith("0")) == [
-            chunk_name(8), chunk_name(8) + ".commit", chunk_name(12), chunk_name(12) + ".commit"]
-    assert RollingSegment(store.open(), "s").read(9, 7) == b"CCCDDDD"
-
-
-@pytest.mark.parametrize("backend", IN_PLACE)
-def test_seal_refuses_a_missing_chunk_or_another_size_and_a_sealed_chunk_refuses_appends(backend, tmp_path):
-    storage = _store(backend, tmp_path).open()
-    with pytest.raises(StorageError):
-        storage.seal("s.seg/00000000000000000000", 0)  # missing: a clear project error, not a crash
-    RollingSegment(storage, "s").append(b"abc")  # chunk 0 holds 3 bytes
-    with pytest.raises(StorageError):
-        storage.seal("s.seg/00000000000000000000", 2)  # not its committed size: nothing sealed
-    assert storage.committed("s.seg/00000000000000000000") == (3, False)
-    storage.seal("s.seg/00000000000000000000", 3)
-    storage.seal("s.seg/00000000000000000000", 3)  # twice: no change
-    assert storage.committed("s.seg/00000000000000000000") == (3, True)
-    with pytest.raises(StorageError, match="is sealed"):
-        storage.append("s.seg/00000000000000000000", 3, b"d")
-    assert storage.committed_size("s.seg/00000000000000000000") == 3
+            chunk_name(2 * u), chunk_name(3 * u)]
+    stored = _put(raw, b"CCCC", 2) + _put(raw, b"DDDD", 3)
+    assert open_segment(store.open(), "s").read(2 * u + 1, 2 * u - 1) == stored[1:]

@@ -109,8 +109,17 @@ def test_a_failed_catch_up_never_serves_or_merges_stale_values(backend, fails, t
     faulty = FaultyStorage(open_storage(url), seed=1)
     a, b = _behind_a_merged_and_cut_wal(url, faulty)
     rebuild_failures = []
-    if fails == "scan":
-        faulty.script("fail_before", op="read", path_contains="_wal/_log.seg")
+    if fails == "scan":  # the scan after the restart at the new start (not the storage's look at its end)
+        real_scan = segment_log.SegmentLog._scan_chunk
+        scan_failures = []
+
+        def scan_chunk(self, *args, **kwargs):
+            if self is b._wal._log and self.resyncs and not scan_failures:
+                scan_failures.append(True)
+                raise StorageError("injected: reading the WAL's tail failed")
+            return real_scan(self, *args, **kwargs)
+
+        monkeypatch.setattr(segment_log.SegmentLog, "_scan_chunk", scan_chunk)
     else:
         real = segment_log.SegmentLog.batches
 
@@ -124,6 +133,8 @@ def test_a_failed_catch_up_never_serves_or_merges_stale_values(backend, fails, t
     with pytest.raises(StorageError):
         b.update({1001: 2})  # definite: nothing written
     assert faulty.pending_scripts() == 0
+    if fails == "scan":
+        assert scan_failures == [True]
     if fails == "rebuild":
         with pytest.raises(StorageError):
             b.get(7)  # the rebuild fails again: an error, never the stale 0

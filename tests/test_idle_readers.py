@@ -12,9 +12,10 @@ import pytest
 
 from attrindex import SegmentStore
 from attrindex.errors import InvalidInputError, RecordTruncatedError, StorageError
-from storage_adapters import RollingSegment, open_storage
+from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 from tests.conftest import make_s3_url
+from tests.framed import offsets, open_segment, overhead, pieces
 from tests.s3_requests import counting
 
 
@@ -139,16 +140,19 @@ def test_close_and_cancel_end_waits_and_leave_no_thread(storage_url):
 
 @pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)
 def test_rolling_poll_sees_growth_and_nothing_else(storage, backend):
-    writer = RollingSegment(storage, "x", rolling_size=10)
-    reader = RollingSegment(storage, "x", rolling_size=10)
+    rolling = 10 + overhead(storage)  # 10 bytes of payload per chunk
+    writer = open_segment(storage, "x", rolling_size=rolling)
+    reader = open_segment(storage, "x", rolling_size=rolling)
     assert not reader.poll()
-    for data in (b"12345", b"123456", b"1"):  # grows in place, rolls (local/memory), new object (S3)
+    stored = pieces(storage, [b"12345", b"123456", b"1"])
+    for data in stored:  # grows in place, rolls (local/memory), new object (S3)
         writer.append(data)
         assert reader.poll()
         assert reader.poll()  # it only looks: the view is refreshed by refresh()
         reader.refresh()
         assert not reader.poll()
-    writer.truncate(11)
+    assert len(reader.chunks()) == (2 if storage.appendable else 3)
+    writer.truncate(offsets(stored)[2])
     assert not reader.poll()  # truncation is not growth
     if backend == "s3":
         with counting(storage) as log:
@@ -158,15 +162,17 @@ def test_rolling_poll_sees_growth_and_nothing_else(storage, backend):
 
 @pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)
 def test_a_poll_of_an_empty_view_sees_growth_that_retention_deleted_since(storage, backend):
-    writer = RollingSegment(storage, "x", rolling_size=10)
-    reader = RollingSegment(storage, "x", rolling_size=10)
+    stored = pieces(storage, [b"0123456789"] * 4)
+    at = offsets(stored)
+    writer = open_segment(storage, "x", rolling_size=len(stored[0]))
+    reader = open_segment(storage, "x", rolling_size=len(stored[0]))
     assert not reader.poll()
-    for _ in range(4):
-        writer.append(b"0123456789")  # chunk after chunk
-    writer.truncate(20)  # chunk 0, the one an empty view looks for, is gone
+    for piece in stored:
+        writer.append(piece)  # chunk after chunk
+    writer.truncate(at[2])  # chunk 0, the one an empty view looks for, is gone
     assert reader.poll()
     reader.refresh()
-    assert reader.start_offset == 20 and not reader.poll()
+    assert reader.start_offset == at[2] and not reader.poll()
 
 
 @pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)

@@ -25,7 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from attrindex import AttributeIndex
 from attrindex.errors import CorruptDataError, InvalidInputError, MergeBacklogError, OutcomeUnknownError, StorageError
 from attrindex.tree_index import TreeIndex
-from storage_adapters import open_storage
+from attrindex.btree.footer import FOOTER_SIZE
+from attrindex.btree.framing import TREE_FRAMING
+from storage_adapters import RollingSegment, open_storage
 from storage_adapters.faults import FaultyStorage
 
 SMALL = dict(page_size=256, rolling_size=2048, wal_rolling_size=1024, merge_keys=12)
@@ -401,27 +403,47 @@ def _flip(path: str, at: int) -> None:
         f.write(bytes([byte[0] ^ 0x40]))
 
 
-def test_a_damaged_wal_is_reported_and_repair_cuts_it_at_the_damage(tmp_path):
+def test_a_damaged_wal_is_reported_and_repair_gives_up_only_the_damaged_batch(tmp_path):
     root = str(tmp_path)
     index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
     index.update({i: 1 for i in range(20)})
     index.flush()  # in the tree
     index.update({i: 2 for i in range(10)})  # in the WAL only (never merged: the handle is dropped)
     position = index._wal._log.position
+    index.update({20: 5})  # a later batch: the damage below is not the newest write
     chunk = _wal_chunks(root)[-1]
-    _flip(chunk, position - 30)  # inside the last batch
+    _flip(chunk, position - 30)  # inside the batch of the 2s
     with pytest.raises(CorruptDataError, match="_wal"):
         AttributeIndex.open(root)
     report = AttributeIndex.verify_at(root)
     assert not report.ok and all("_wal" in d.where for d in report.damage) and report.wal is not None
     repaired = AttributeIndex.repair_at(root)
-    assert not repaired.rolled_back and repaired.wal.cut_at is not None and repaired.wal.lost_bytes > 0
+    assert not repaired.rolled_back and repaired.wal.lost_bytes > 0
     assert AttributeIndex.verify_at(root).ok
     with AttributeIndex.open(root) as reopened:
         assert reopened.get_many(range(20)) == [1] * 20  # the merged state; the damaged batch is gone
+        assert reopened.get(20) == 5  # the intact batch after it is kept
         reopened.update({0: 3})
     with AttributeIndex.open(root, mode="r") as again:
         assert again.get(0) == 3 and again.verify().ok
+
+
+def test_a_damaged_newest_wal_batch_is_cut_as_a_torn_write(tmp_path, caplog):
+    # With nothing valid after it, damage to the newest write cannot be told from a torn write
+    # (docs/reliability.md, "The newest frame on local disk"): one write back, with a warning.
+    root = str(tmp_path)
+    index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
+    index.update({i: 1 for i in range(20)})
+    index.update({i: 2 for i in range(10)})  # the newest write
+    position = index._wal._log.position
+    _flip(_wal_chunks(root)[-1], position - 30)
+    with caplog.at_level("WARNING", logger="attrindex.storage"):
+        with AttributeIndex.open(root) as reopened:
+            assert reopened.get_many(range(20)) == [1] * 20
+            reopened.update({0: 3})
+    assert "torn write" in caplog.text
+    with AttributeIndex.open(root, mode="r") as again:
+        assert again.get(0) == 3 and again.get(1) == 1 and again.verify().ok
 
 
 def test_a_tree_rolled_back_by_repair_gets_its_updates_back_from_the_wal(tmp_path):
@@ -432,14 +454,14 @@ def test_a_tree_rolled_back_by_repair_gets_its_updates_back_from_the_wal(tmp_pat
         index.flush()
     index._wal._wrote = False
     index.close()
-    tree_chunks = sorted(n for n in os.listdir(os.path.join(root, "attributes.seg")) if n.isdigit())
-    last = os.path.join(root, "attributes.seg", tree_chunks[-1])
-    _flip(last, os.path.getsize(last) - 10)  # inside the tree's newest footer
-    with pytest.raises(CorruptDataError):
-        AttributeIndex.open(root)
+    tree = RollingSegment(open_storage(root), "attributes", framing=TREE_FRAMING)
+    last = tree.chunks()[-1]
+    # Inside the newest update's last page (just before its footer): a valid footer follows it,
+    # so it is damage, not a torn write.
+    _flip(os.path.join(root, "attributes.seg", last.name), tree.length - last.start - FOOTER_SIZE - 10)
+    with pytest.raises(CorruptDataError), AttributeIndex.open(root, mode="r") as damaged:
+        damaged.get_many(range(30))  # the page (the root) is read: damage, reported
     assert not AttributeIndex.verify_at(root).ok
-    with pytest.raises(CorruptDataError):
-        AttributeIndex.open(root)
     report = AttributeIndex.repair_at(root)
     assert report.rolled_back and report.updates_dropped == 1
     with AttributeIndex.open(root) as reopened:
@@ -478,11 +500,14 @@ def test_the_cli_repairs_a_damaged_wal(tmp_path, capsys):
     index = AttributeIndex.open(root, merge_keys=1000)
     index.update({1: 1})
     index.update({2: 2})
-    _flip(_wal_chunks(root)[-1], index._wal._log.position - 30)  # inside the second batch
+    position = index._wal._log.position
+    index.update({3: 3})  # a later batch: the damage below is not the newest write
+    _flip(_wal_chunks(root)[-1], position - 30)  # inside the second batch
     assert main(["index", "verify", root]) == 3
     assert "damaged: attributes/_wal" in capsys.readouterr().out
     assert main(["index", "repair", root]) == 0
-    assert capsys.readouterr().out.startswith("repaired the write-ahead log: damaged tail cut at log byte")
+    assert capsys.readouterr().out.startswith("repaired the write-ahead log: ")
+    assert main(["index", "verify", root]) == 0
     assert main(["index", "verify", root]) == 0
     assert main(["index", "repair", root]) == 0
     assert "nothing was changed" in capsys.readouterr().out
@@ -626,8 +651,16 @@ def test_an_unsettleable_wal_append_is_an_unknown_outcome_and_never_a_duplicate(
     storage = FaultyStorage(open_storage(str(tmp_path)), seed=4)
     index = AttributeIndex(storage, page_size=256, merge_keys=1000)
     index.update({1: 1})
-    storage.script("lost_ack", path_contains="_wal/_log.seg")
-    storage.script("fail_before", op="read", path_contains="_wal/_log.seg", times=1000)
+    storage.script("lost_ack", op="append", path_contains="_wal/_log.seg")
+    faulty_append = storage.append
+
+    def append(*args, **kwargs):  # once the answer is lost, no read of the chunk works either
+        try:
+            faulty_append(*args, **kwargs)
+        finally:
+            storage.script("fail_before", op="read", path_contains="_wal/_log.seg", times=1000)
+
+    storage.append = append
     with pytest.raises((OutcomeUnknownError, StorageError)) as caught:
         index.update({2: 2})
     assert isinstance(caught.value, OutcomeUnknownError), caught.value

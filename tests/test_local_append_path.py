@@ -4,8 +4,8 @@ What that must not change: writers of one directory still exclude each other (th
 storage, a forked child that inherited its descriptors, a process whose lock file was replaced
 when the directory was removed and made again), an append lands in the file its name leads to now
 (a chunk deleted and made again is another file), and a deleted chunk's space comes back. What it
-buys: an append to an existing chunk opens, creates and stats no file but the one ``stat`` of the
-chunk and of the lock file.
+buys: an append to an existing chunk opens and creates no file, and stats only the chunk and the
+lock file.
 """
 
 from __future__ import annotations
@@ -18,9 +18,20 @@ import threading
 import pytest
 
 from storage_adapters import RollingSegment
-from storage_adapters.local import MAX_OPEN_LOCKS, LocalChunkStorage, decode_commit_xattr, read_commit_record
+from storage_adapters.framing import LengthChecksumFraming
+from storage_adapters.local import MAX_OPEN_LOCKS, LocalChunkStorage
 
 CHUNK = "00000000000000000000"
+FRAMING = LengthChecksumFraming()
+frame = FRAMING.frame
+
+
+def _segment(storage, name="s", **kwargs) -> RollingSegment:
+    return RollingSegment(storage, name, framing=FRAMING, **kwargs)
+
+
+def _payloads(seg: RollingSegment) -> list[bytes]:
+    return FRAMING.payloads(seg.read(0, seg.length))
 
 
 def _waits_while_held(holder_lock, contender_lock) -> None:
@@ -97,90 +108,90 @@ def test_a_forked_child_does_not_share_its_parents_lock(tmp_path):
 
 
 def test_an_append_to_an_existing_chunk_opens_no_file(tmp_path, monkeypatch):
+    import builtins
+
     storage = LocalChunkStorage(str(tmp_path))
-    seg = RollingSegment(storage, "s")
-    seg.append(b"first;")
-    seg.append(b"second;")  # the chunk is opened once and kept
+    seg = _segment(storage)
+    seg.append(frame(b"first"))
+    seg.append(frame(b"second"))  # the chunk is opened once and kept
     calls: list[str] = []
-    for name in ("open", "mkdir", "makedirs"):
-        real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+    for module, name in ((os, "open"), (os, "mkdir"), (os, "makedirs"), (builtins, "open")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
     for i in range(5):
-        seg.append(b"next-%d;" % i)
+        seg.append(frame(b"next-%d" % i))
     monkeypatch.undo()
     assert calls == []
-    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
-    assert fresh.read(0, fresh.length) == b"first;second;" + b"".join(b"next-%d;" % i for i in range(5))
+    fresh = _segment(LocalChunkStorage(str(tmp_path)))
+    assert _payloads(fresh) == [b"first", b"second"] + [b"next-%d" % i for i in range(5)]
 
 
-def test_an_append_to_an_unsealed_last_chunk_stats_the_lock_file_the_chunk_and_its_successor(tmp_path, monkeypatch):
-    """No switch can move a chunk found unsealed under the lock, so the catch-up does not look for
-    the next switch marker: three ``stat`` calls an append, the lock file's, the chunk's and the
-    one that finds no chunk after it (a chunk that lost its seal record has one:
-    tests/test_fault_hunt_lost_seal.py; docs/storage.md, "Rolling into a new chunk")."""
+def test_an_append_to_the_last_chunk_stats_only_the_lock_file_and_the_chunk(tmp_path, monkeypatch):
+    """Pre-written zeros after the chunk's end say no writer rolled past it (a chunk is trimmed
+    to its end before its successor is made), so no successor and no switch marker is looked
+    for: two ``stat`` calls an append (docs/storage.md, "Rolling into a new chunk")."""
     storage = LocalChunkStorage(str(tmp_path))
-    seg = RollingSegment(storage, "s")
-    seg.append(b"first;")
+    seg = _segment(storage)
+    seg.append(frame(b"first"))
     stats: list[str] = []
     real = os.stat
     monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.append(os.path.basename(str(path))), real(path, *a, **k))[1])
-    successors = []
     for i in range(5):
-        successors.append("%020d" % seg.length)
-        seg.append(b"next-%d;" % i)
+        seg.append(frame(b"next-%d" % i))
     monkeypatch.undo()
-    assert sorted(stats) == sorted([".lock", CHUNK] * 5 + successors)
+    assert sorted(stats) == sorted([".lock", CHUNK] * 5)
 
 
 def test_a_writer_that_skips_the_switch_check_still_appends_and_reads_beside_a_compaction(tmp_path):
-    """Another handle merges this handle's sealed chunks (a chunk switch) while this handle's
-    last chunk stays unsealed: its appends skip the switch check and land at the right offsets,
-    and its reads of the replaced chunks find them through a refresh. Then a roll by the other
-    handle seals this handle's last chunk: the full walk runs and the next append follows it."""
-    mine = RollingSegment(LocalChunkStorage(str(tmp_path)), "s", rolling_size=8)
-    model = b""
+    """Another handle merges this handle's full chunks (a chunk switch) while this handle's last
+    chunk is still the last: its appends skip the switch check and land at the right offsets, and
+    its reads of the replaced chunks find them through a refresh. Then a roll by the other handle
+    trims this handle's last chunk: the walk runs and the next append follows it."""
+    piece_size = len(frame(b"m%07d" % 0))
+    mine = _segment(LocalChunkStorage(str(tmp_path)), rolling_size=piece_size)
+    model = []
     for i in range(6):
-        piece = b"m%07d" % i  # one 8-byte append fills a chunk: six sealed chunks and a last one
-        mine.append(piece)
-        model += piece
-    tail = b"tail;"
-    mine.append(tail)
-    model += tail  # the last chunk (unsealed, not full) in this handle's view
-    other = RollingSegment(LocalChunkStorage(str(tmp_path)), "s", rolling_size=8)
-    assert other.compact_chunks(64) == 1  # the sealed chunks switched to one replacement
-    assert mine.append(b"ab") == len(model)  # the view's last chunk is unsealed: no switch check
-    model += b"ab"
-    assert mine.read(0, len(model)) == model  # the replaced chunks: gone by name, found again
+        model.append(b"m%07d" % i)  # one append fills a chunk: six full chunks and a last one
+        mine.append(frame(model[-1]))
+    model.append(b"tail")
+    mine.append(frame(b"tail"))  # the last chunk (not full) in this handle's view
+    other = _segment(LocalChunkStorage(str(tmp_path)), rolling_size=piece_size)
+    assert other.compact_chunks(64 * piece_size) == 1  # the full chunks switched to one replacement
+    at = mine.length
+    assert mine.append(frame(b"ab")) == at  # the view's last chunk has no successor: no switch check
+    model.append(b"ab")
+    assert FRAMING.payloads(mine.read(0, mine.length)) == model  # the replaced chunks: gone by name, found again
     other.refresh()
     last = other.chunks()[-1]
-    for piece in (b"x", b"other-1;"):  # the first fills the chunk, the second rolls: a seal first
-        assert other.append(piece) == len(model)
-        model += piece
-    assert other.storage.committed(f"s.seg/{last.name}") == (8, True)
-    assert mine.append(b"cd") == len(model)  # sealed now: the walk finds the other's chunk
-    model += b"cd"
-    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
-    assert fresh.read(0, fresh.length) == model
+    for payload in (b"x" * piece_size, b"other-1"):  # the first fills the chunk, the second rolls
+        at = other.length
+        assert other.append(frame(payload)) == at
+        model.append(payload)
+    rolled = [c for c in other.chunks() if c.start >= last.start][:-1]
+    assert rolled and all(other.storage.size(f"s.seg/{c.name}") == c.length for c in rolled)  # trimmed to their ends
+    at = other.length
+    assert mine.append(frame(b"cd")) == at  # rolled past: the walk finds the other's chunk
+    model.append(b"cd")
+    assert _payloads(_segment(LocalChunkStorage(str(tmp_path)))) == model
 
 
 def test_an_append_lands_in_the_file_its_chunk_name_leads_to_now(tmp_path):
     """The kept descriptor is checked against the name: a chunk deleted and made again (here by
     hand, as a repair or a segment made again would) is written through a new descriptor."""
-    storage = LocalChunkStorage(str(tmp_path))
+    storage = LocalChunkStorage(str(tmp_path), sync=False)
     path = f"d/{CHUNK}"
     with storage.lock("d"):
         storage.append(path, 0, b"old-1;")
         storage.append(path, 6, b"old-2;")  # kept open now
-    other = LocalChunkStorage(str(tmp_path))
+    other = LocalChunkStorage(str(tmp_path), sync=False)
     other.delete([path])
     with other.lock("d"):
         other.append(path, 0, b"new-1;")
     with storage.lock("d"):
         storage.append(path, 6, b"new-2;")
-    target = str(tmp_path / "d" / CHUNK)
-    with open(target, "rb") as f:
-        assert f.read() == b"new-1;new-2;"
-    assert decode_commit_xattr(read_commit_record(target))[0] == 12
+    with open(str(tmp_path / "d" / CHUNK), "rb") as f:
+        stored = f.read()
+    assert stored[:12] == b"new-1;new-2;" and not stored[12:].strip(b"\0")  # then pre-written zeros
 
 
 def _open_files() -> set[str]:
@@ -227,21 +238,23 @@ def test_lock_files_kept_open_are_bounded_and_closed_with_the_storage(tmp_path):
 def test_a_torn_append_beside_the_kept_descriptor_is_cut_by_the_next_one(tmp_path):
     """The torn bytes are written by another file handle (as a killed writer's would be) while
     this storage keeps the chunk open and has looked at it in the same lock hold: the settle
-    must see the old commit, and the next append must cut the torn tail."""
+    must see the old end, and the next append must zero the torn bytes."""
     from storage_adapters.errors import StorageError
     from storage_adapters.faults import FaultyStorage
 
     faulty = FaultyStorage(LocalChunkStorage(str(tmp_path)), seed=3)
-    seg = RollingSegment(faulty, "s")
-    seg.append(b"one;")
-    seg.append(b"two;")
+    seg = _segment(faulty)
+    seg.append(frame(b"one"))
+    seg.append(frame(b"two"))
+    end = seg.length
     faulty.script("torn", op="append")
     with pytest.raises(StorageError, match="torn"):
-        seg.append(b"a-long-torn-append;" * 3)
-    assert seg.append(b"three;") == 8
-    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
-    assert fresh.read(0, fresh.length) == b"one;two;three;"
-    assert os.path.getsize(tmp_path / "s.seg" / CHUNK) == 14  # the torn tail is gone
+        seg.append(frame(b"a-long-torn-append;" * 3))
+    assert seg.append(frame(b"three")) == end
+    fresh = _segment(LocalChunkStorage(str(tmp_path)))
+    assert _payloads(fresh) == [b"one", b"two", b"three"]
+    with open(tmp_path / "s.seg" / CHUNK, "rb") as f:
+        assert not f.read()[fresh.length:].strip(b"\0")  # the torn bytes are gone
 
 
 def test_a_full_disk_through_the_kept_descriptor_commits_nothing_and_the_next_append_works(tmp_path, monkeypatch):
@@ -249,9 +262,10 @@ def test_a_full_disk_through_the_kept_descriptor_commits_nothing_and_the_next_ap
 
     from storage_adapters.errors import StorageFullError
 
-    seg = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
-    seg.append(b"one;")
-    seg.append(b"two;")
+    seg = _segment(LocalChunkStorage(str(tmp_path)))
+    seg.append(frame(b"one"))
+    seg.append(frame(b"two"))
+    end = seg.length
     real = os.pwrite
 
     def full(*args):
@@ -259,9 +273,8 @@ def test_a_full_disk_through_the_kept_descriptor_commits_nothing_and_the_next_ap
 
     monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(StorageFullError):
-        seg.append(b"lost;")
+        seg.append(frame(b"lost"))
     monkeypatch.setattr(os, "pwrite", real)
-    assert seg.append(b"three;") == 8
-    fresh = RollingSegment(LocalChunkStorage(str(tmp_path)), "s")
-    assert fresh.read(0, fresh.length) == b"one;two;three;"
+    assert seg.append(frame(b"three")) == end
+    assert _payloads(_segment(LocalChunkStorage(str(tmp_path)))) == [b"one", b"two", b"three"]
 

@@ -23,7 +23,7 @@ from attrindex import Record, SegmentStore
 from attrindex.errors import CorruptDataError
 from attrindex.log import cleaner as cleaner_module
 from attrindex.log.batch import (Codec, available_codecs, batch_columns, decode_keys, decode_records, encode_batch,
-                                 read_header, uniform_keys)
+                                 read_header, seal_header, uniform_keys)
 from tests.test_log_compaction import everything
 
 CODECS = sorted(available_codecs())
@@ -103,8 +103,7 @@ def test_runs_cut_from_columns_are_the_batches_encode_batch_makes(records, codec
 def _refresh_payload_crc(batch: bytes) -> bytes:
     head = bytearray(batch[:64])
     struct.pack_into("<I", head, 56, zlib.crc32(batch[64:]))
-    struct.pack_into("<I", head, 60, zlib.crc32(bytes(head[:60])))
-    return bytes(head) + batch[64:]
+    return seal_header(head, 0) + batch[64:]
 
 
 def _outcome(function, data):

@@ -14,6 +14,7 @@ from attrindex import SegmentStore
 from attrindex.conditional import AttributeUpdate, UpdateType
 from attrindex.errors import CorruptDataError
 from attrindex.log.batch import BATCH_HEADER_SIZE, iter_batches
+from tests.raw_chunks import committed, committed_chunks, committed_length
 
 SMALL = {"log_rolling_size": 2048, "index_interval_bytes": 256}
 COUNTER = (1).to_bytes(16, "big")
@@ -28,8 +29,14 @@ def files(root: str, name: str, part: str) -> list[str]:
     return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.isdigit())
 
 
+def start_of(chunk: str) -> int:
+    """The log byte position a chunk starts at (its name, or a path to it): what its batches are
+    sealed for."""
+    return int(os.path.basename(chunk)[:20])
+
+
 def flip(path: str, at: int, bit: int = 0x10) -> None:
-    with open(path, "r+b") as f:  # same length: the commit record still covers every byte
+    with open(path, "r+b") as f:  # in place: the chunk's length is unchanged
         f.seek(at)
         byte = f.read(1)[0]
         f.seek(at)
@@ -54,7 +61,7 @@ def test_a_bit_flip_in_the_middle_of_the_last_chunk_is_corruption_not_a_torn_tai
     root = str(tmp_path / "store")
     fill_counter(root)
     last = files(root, "s", "_log.seg")[-1]
-    flip(last, os.path.getsize(last) // 2)
+    flip(last, committed_length(last) // 2)
     with SegmentStore.open(root) as store:
         with pytest.raises(CorruptDataError) as caught:
             store.segment("s")
@@ -65,23 +72,115 @@ def test_a_bit_flip_in_the_middle_of_the_last_chunk_is_corruption_not_a_torn_tai
             store.segment("s")
 
 
-def test_damage_at_the_very_end_of_the_last_chunk_is_corruption_on_open_and_on_read(tmp_path):
+def test_damage_at_the_very_end_of_the_last_chunk_once_merged_is_corruption_on_open_and_on_read(tmp_path):
+    """The newest batch of the last chunk damaged after the attributes merged it: the log alone
+    would take it for a torn write, but the attributes prove it was committed, so opening refuses
+    and a handle that had read it as committed reports it."""
     root = str(tmp_path / "store")
-    fill_counter(root, 30, **SMALL)
+    fill_counter(root, 30, **SMALL)  # closed: the attributes cover every batch
     with SegmentStore.open(root, **SMALL) as store:
         reader = store.segment("s")  # opened before the damage: its reads still verify
         last = files(root, "s", "_log.seg")[-1]
-        data = open(last, "rb").read()
-        final = [pos for pos, _header in iter_batches(data)][-1]
+        data = committed(last)
+        final = [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
         flip(last, len(data) - 1)  # the last byte of the last batch's payload
         chunk_start = int(os.path.basename(last))
         with pytest.raises(CorruptDataError) as caught:
             reader.read(0, 1000)
         assert caught.value.offset == chunk_start + final
     with SegmentStore.open(root, **SMALL) as store:
+        with pytest.raises(CorruptDataError, match=f"beyond the log's committed length {chunk_start + final}"):
+            store.segment("s")
+        assert not store.verify_segment("s").ok
+
+
+def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, caplog):
+    """The newest batch of the last chunk damaged in its payload before anything merged it,
+    nothing valid after it: on local disk that cannot be told from a write torn by a crash
+    (docs/decisions/0001), so it is cut as one, with a warning, never an error, and the offsets
+    its intact header claimed are never given out again."""
+    root = str(tmp_path / "store")
+    fill_counter(root, 30, **SMALL)
+    with SegmentStore.open(root, **SMALL) as store:
+        store.segment("s").append([b"plain-30"], timestamp=30)  # no attribute update: nothing merges it
+    last = files(root, "s", "_log.seg")[-1]
+    data = committed(last)
+    final = [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
+    flip(last, len(data) - 1)
+    chunk_start = int(os.path.basename(last))
+    with SegmentStore.open(root, **SMALL) as store, caplog.at_level("WARNING", logger="attrindex.storage"):
+        assert store.verify_segment("s").ok  # a torn write is no damage
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(30))
+        assert seg.stats().log_bytes == chunk_start + final
+        assert seg.get_attribute(COUNTER) == 30
+        assert increment(seg, 31).first_offset == 31  # offset 30, claimed by the torn header, is skipped
+        assert any(f"torn write at position {chunk_start + final}" in r.getMessage() for r in caplog.records)
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(30)) + [31]
+        assert store.verify_segment("s").ok
+    with SegmentStore.open(root, **SMALL) as store:  # the torn bytes were zeroed by the append
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(30)) + [31]
+        assert seg.get_attribute(COUNTER) == 31
+
+
+def test_a_damaged_header_of_the_newest_batch_is_damage_not_a_torn_write(tmp_path):
+    """A torn write begins as the batch it was begins (a killed writer leaves a prefix; a power
+    loss keeps or loses whole sectors), so a newest batch whose header fails its checksum is
+    damage: reported on open, and repair gives the batch up above every offset it could hold."""
+    root = str(tmp_path / "store")
+    fill_counter(root, 30, **SMALL)
+    with SegmentStore.open(root, **SMALL) as store:
+        store.segment("s").append([b"plain-30"], timestamp=30)  # no attribute update: nothing merges it
+    last = files(root, "s", "_log.seg")[-1]
+    data = committed(last)
+    final = [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
+    flip(last, final + 30)
+    chunk_start = int(os.path.basename(last))
+    with SegmentStore.open(root, **SMALL) as store:
         with pytest.raises(CorruptDataError) as caught:
             store.segment("s")
         assert caught.value.offset == chunk_start + final
+        assert not store.verify_segment("s").ok
+        repair = store.repair_segment("s")
+        assert repair.first_lost_offset == 30 and repair.resume_offset >= 31
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 1000)] == list(range(30))
+        assert increment(seg, 31).first_offset == repair.resume_offset
+
+
+@pytest.mark.parametrize("kind", ["payload", "header", "chunk"])
+def test_the_newest_batches_damaged_after_a_merge_are_given_up_and_never_reused(tmp_path, kind):
+    """On local disk, the newest batch (or the whole last chunk) damaged after the attributes
+    merged it: the log alone would cut it as a torn write, but the attributes' checkpoint proves
+    those bytes were committed, so opening refuses. Repair gives those batches up as lost (they
+    are reported, with their offsets) and resumes above every offset they could have held: no
+    acknowledged offset is given out again, whatever is left of the damaged headers."""
+    root = str(tmp_path / "store")
+    fill_counter(root, 30, **SMALL)  # closed: the attributes cover every batch
+    last = files(root, "s", "_log.seg")[-1]
+    data = committed(last)
+    batches = list(iter_batches(data, position=start_of(last)))
+    if kind == "chunk":
+        with open(last, "r+b") as f:
+            f.write(bytes(b ^ 0x5A for b in data))
+        lost = [h.base_offset for _p, h in batches]
+    else:
+        at = batches[-1][0]
+        flip(last, at + (BATCH_HEADER_SIZE + 3 if kind == "payload" else 30))
+        lost = [29]
+    kept = [i for i in range(30) if i not in lost]
+    with SegmentStore.open(root, **SMALL) as store:
+        with pytest.raises(CorruptDataError):
+            store.segment("s")
+        repair = store.repair_segment("s")
+        given_up = {o for r in repair.lost_offsets for o in r}
+        assert set(lost) <= given_up and not given_up & set(kept), repair
+        assert repair.resume_offset is not None and repair.resume_offset >= 30, repair
+        seg = store.segment("s")
+        assert [r.offset for r in seg.read(0, 1000)] == kept
+        assert increment(seg, 30).first_offset >= 30  # never an acknowledged offset
+        assert store.verify_segment("s").ok
 
 
 # -- class 1 and 2: verify and repair --------------------------------------------------------------
@@ -94,7 +193,7 @@ def test_verify_reports_every_damaged_range_and_repair_gives_up_only_those(tmp_p
     positions = []
     for path in damaged:
         data = open(path, "rb").read()
-        pos = [p for p, _h in iter_batches(data)][3]
+        pos = [p for p, _h in iter_batches(data, position=start_of(path))][3]
         flip(path, pos + BATCH_HEADER_SIZE + 2)  # a payload byte: the header still tells the offsets
         positions.append(int(os.path.basename(path)) + pos)
     with SegmentStore.open(root, **SMALL) as store:
@@ -129,13 +228,18 @@ def test_verify_reports_every_damaged_range_and_repair_gives_up_only_those(tmp_p
         assert store.repair_segment("s").repaired is False
 
 
-def test_a_damaged_header_resumes_above_a_safe_bound(tmp_path):
-    root = str(tmp_path / "store")
+@pytest.mark.parametrize("backend", ["memory"], indirect=True)
+def test_a_damaged_header_resumes_above_a_safe_bound(storage_url):
+    """Where a chunk's length is stored (memory, S3), a damaged last batch is damage: repair cuts
+    it and, its header unreadable, resumes above a bound on the offsets it could have held."""
+    from storage_adapters import open_storage
+
+    root, _options = storage_url
     fill_counter(root, 20)
-    (chunk,) = files(root, "s", "_log.seg")
-    data = open(chunk, "rb").read()
-    last = [p for p, _h in iter_batches(data)][-1]
-    flip(chunk, last + 30)  # inside the last header: its offsets cannot be trusted
+    storage = open_storage(root)
+    ((name, start, data),) = committed_chunks(storage, "s/_log")
+    last = [p for p, _h in iter_batches(data, position=start)][-1]
+    rot(storage, f"s/_log.seg/{name}", last + 30)  # inside the last header: its offsets cannot be trusted
     with SegmentStore.open(root) as store:
         repair = store.repair_segment("s")
         assert not repair.resume_exact and repair.first_lost_offset == 19
@@ -155,13 +259,14 @@ def test_repair_keeps_the_attributes_when_retention_removed_the_log_start(tmp_pa
         for i in range(200, 220):
             increment(seg, i)
     last = files(root, "s", "_log.seg")[-1]
-    flip(last, os.path.getsize(last) - 1)
+    at, header = list(iter_batches(committed(last), position=start_of(last)))[-2]  # below the newest batch: damage, not a torn write
+    flip(last, at + BATCH_HEADER_SIZE + 1)
     with SegmentStore.open(root, **SMALL) as store:
         with pytest.raises(CorruptDataError):
-            store.segment("s")
+            store.segment("s").read(0, 1000)
         repair = store.repair_segment("s")
         assert not repair.attributes_rebuilt and "cannot be rebuilt" in repair.attributes
-        assert repair.lost_offsets == (range(219, 220),)
+        assert repair.lost_offsets == (range(header.base_offset, header.base_offset + 1),)
         seg = store.segment("s")
         assert seg.get_attribute(COUNTER) == 220  # the tree's values up to its checkpoint
         assert increment(seg, 220).first_offset == 220
@@ -210,10 +315,9 @@ def test_verify_and_repair_of_a_missing_segment_say_so(tmp_path):
             store.repair_segment("nope")
 
 
-def damage(path: str, rng: random.Random) -> tuple[int, int]:
-    """One random kind of damage to a stored file, keeping its size: a bit flip, a zeroed range
-    or random bytes. Returns the damaged byte range of the file."""
-    size = os.path.getsize(path)
+def damage(path: str, rng: random.Random, size: int) -> tuple[int, int]:
+    """One random kind of damage to the first ``size`` bytes of a stored file, keeping its size: a
+    bit flip, a zeroed range or random bytes. Returns the damaged byte range of the file."""
     at = rng.randrange(size)
     kind = rng.choice(["flip", "zero", "random"])
     if kind == "flip":
@@ -233,17 +337,20 @@ def damage(path: str, rng: random.Random) -> tuple[int, int]:
 
 @pytest.mark.parametrize("run", range(6))
 def test_random_damage_in_the_log_never_reuses_an_acknowledged_offset(tmp_path, run):
-    """Damage a random place of the log: it is reported, reads raise, and after repair exactly the
-    batches the damage touched are lost (every other record is intact and kept), the attributes
-    are those the kept batches wrote, and no new append gets an offset an earlier append was
-    acknowledged with."""
+    """Damage a random place of the log below its newest batch: it is reported, reads raise, and
+    after repair exactly the batches the damage touched are lost (every other record is intact
+    and kept), the attributes are those the kept batches wrote, and no new append gets an offset
+    an earlier append was acknowledged with. (Damage reaching the newest batch of the last chunk:
+    test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write and the tests after it.)"""
     rng = random.Random(run)
     root = str(tmp_path / "store")
     fill_counter(root, 150, **SMALL)
-    path = rng.choice(files(root, "s", "_log.seg"))
-    data = open(path, "rb").read()
-    low, high = damage(path, rng)
-    touched = {h.base_offset for p, h in iter_batches(data) if p < high and low < p + h.size}
+    chunks = files(root, "s", "_log.seg")
+    path = rng.choice(chunks)
+    data = committed(path)
+    newest = [p for p, _h in iter_batches(data, position=start_of(path))][-1]
+    low, high = damage(path, rng, newest if path == chunks[-1] else len(data))
+    touched = {h.base_offset for p, h in iter_batches(data, position=start_of(path)) if p < high and low < p + h.size}
     with SegmentStore.open(root, **SMALL) as store:
         assert not store.verify_segment("s").ok  # every byte of a batch is under a checksum
         with pytest.raises(CorruptDataError):
@@ -251,7 +358,7 @@ def test_random_damage_in_the_log_never_reuses_an_acknowledged_offset(tmp_path, 
         repair = store.repair_segment("s")
         lost = {o for r in repair.lost_offsets for o in r}
         assert repair.resume_offset >= 150 and lost & set(range(150)) == touched
-        assert (repair.cut_at is not None) == (149 in touched)  # only a damaged tail is cut
+        assert repair.cut_at is None  # valid batches follow the damage: nothing is cut
         seg = store.segment("s")
         assert increment(seg, 150).first_offset == repair.resume_offset
         records = seg.read(0, 1000)
@@ -378,13 +485,14 @@ def test_every_append_call_has_its_own_batch_id_kept_across_a_lost_race(tmp_path
         second.append([b"same"], [(key(1), 5)], timestamp=9)  # lost the race once: rebased and retried
         first.append([b"same"], [(key(1), 5)], timestamp=9)
     (chunk,) = files(root, "s", "_log.seg")
-    data = open(chunk, "rb").read()
-    headers = [h for _pos, h in iter_batches(data)]
+    data = committed(chunk)
+    headers = [h for _pos, h in iter_batches(data, position=start_of(chunk))]
     assert [h.base_offset for h in headers] == [0, 1, 2]
     assert len({h.batch_id for h in headers}) == 3
-    bodies = {data[p + BATCH_HEADER_SIZE:p + h.size] for p, h in iter_batches(data)}
+    bodies = {data[p + BATCH_HEADER_SIZE:p + h.size] for p, h in iter_batches(data, position=start_of(chunk))}
     assert len(bodies) == 1  # the payloads are identical: only the id tells the calls apart
-    assert all(read_header(data, p).batch_id == h.batch_id for p, h in iter_batches(data))
+    assert all(read_header(data, p, position=start_of(chunk)).batch_id == h.batch_id
+               for p, h in iter_batches(data, position=start_of(chunk)))
 
 
 def rot(storage, path: str, at: int) -> None:
@@ -447,7 +555,9 @@ def rewrite(storage, path: str, start: int, new: bytes) -> None:
 LATEST = key(999)  #: every batch writes its offset here: the value a repaired log shows is the last kept one's
 
 
-@pytest.mark.parametrize("where", ["middle", "last"])
+@pytest.mark.parametrize("backend,where", [(backend, where) for backend in ("memory", "local", "s3")
+                                           for where in ("middle", "last") if (backend, where) != ("local", "last")],
+                         indirect=["backend"])
 @pytest.mark.parametrize("kind", ["payload", "header", "chunk"])
 def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
     """The issue's case: one flipped byte in the 5th of 10 one-append objects on S3 made repair cut
@@ -455,7 +565,9 @@ def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
     header tells its extent), whose header is damaged (batches resume at the next one that frames
     the rest of its chunk), or a whole chunk (on S3 one append's object) of garbage. Intact batches
     after the damage are kept, readers step over the gap, the attributes are those the kept batches
-    wrote, appends continue above every offset; a damaged last batch is a tail, and is cut."""
+    wrote, appends continue above every offset; a damaged last batch is a tail, and is cut (where
+    the chunk's length is stored; on local disk the newest batch's damage is a tail the chain of
+    frames ends before: test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write)."""
     from storage_adapters import open_storage
 
     url, options = storage_url
@@ -466,9 +578,8 @@ def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
                                          AttributeUpdate(LATEST, UpdateType.REPLACE, value=i)], timestamp=1000 + i)
     storage = open_storage(url, **options)
     spans = []  # (chunk name, byte in it, size, offset) of every batch
-    for name in sorted(n for n in storage.list_files("s/_log.seg") if n.isdigit()):
-        data = storage.read(f"s/_log.seg/{name}", 0, 1 << 30)
-        spans += [(name, p, h.size, h.base_offset) for p, h in iter_batches(data)]
+    for name, start, data in committed_chunks(storage, "s/_log"):
+        spans += [(name, p, h.size, h.base_offset) for p, h in iter_batches(data, position=start)]
     assert [offset for *_rest, offset in spans] == list(range(30))
     victim = spans[14 if where == "middle" else 29]
     name, at, size, _offset = victim
@@ -481,7 +592,7 @@ def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
         touched = [victim]
     else:
         touched = [span for span in spans if span[0] == name]
-        whole = storage.read(path, 0, 1 << 30)
+        whole = dict((n, d) for n, _start, d in committed_chunks(storage, "s/_log"))[name]
         rewrite(storage, path, 0, bytes(b ^ 0x5A for b in whole))
     lost = [offset for *_rest, offset in touched]
     kept = [i for i in range(30) if i not in lost]
@@ -536,7 +647,7 @@ def test_a_batch_stored_inside_a_damaged_batch_is_not_taken_for_one(tmp_path):
             value = encode_batch(5, [b"fake"], timestamp=5) if i == 5 else b"rec-%d" % i
             seg.append([value], timestamp=i)
     (chunk,) = files(root, "s", "_log.seg")
-    at = [p for p, _h in iter_batches(open(chunk, "rb").read())][5]
+    at = [p for p, _h in iter_batches(committed(chunk), position=start_of(chunk))][5]
     flip(chunk, at + 30)  # the header's base offset: its checksum fails, its size field is intact
     with SegmentStore.open(root) as store:
         repair = store.repair_segment("s")
@@ -560,8 +671,7 @@ def test_log_compaction_after_a_repair_keeps_every_kept_record(storage_url):
         for i in range(60):  # unique keys but one, rewritten later: compaction drops its first value
             seg.append([Record(key=b"k%d" % (15 if i == 40 else i), value=b"v%d" % i)], timestamp=i)
     storage = open_storage(url, **options)
-    spans = [(name, p) for name in sorted(n for n in storage.list_files("s/_log.seg") if n.isdigit())
-             for p, _h in iter_batches(storage.read(f"s/_log.seg/{name}", 0, 1 << 30))]
+    spans = [(name, p) for name, start, data in committed_chunks(storage, "s/_log") for p, _h in iter_batches(data, position=start)]
     name, at = spans[10]
     rot(storage, f"s/_log.seg/{name}", at + BATCH_HEADER_SIZE + 3)
     with SegmentStore.open(url, options, **SMALL) as store:
@@ -589,34 +699,6 @@ def test_an_append_that_keeps_losing_races_gives_up_with_a_clear_error(tmp_path,
         monkeypatch.setattr(attrindex.segment, "MAX_APPEND_RACES", 10_000)
         assert stale.append([b"mine"]).first_offset == 1
         assert [r.value for r in stale.read(0)] == [b"first", b"mine"]
-
-
-def test_gap_markers_written_by_older_versions_are_still_honoured(storage_url):
-    """Older versions cut a garbage tail by writing a gap marker and appending after it: such a
-    log still reads, with the offsets it was written with."""
-    from storage_adapters import RollingSegment, open_storage
-    from storage_adapters.rolling import chunk_name
-
-    from attrindex.log.batch import encode_batch
-
-    url, options = storage_url
-    storage = open_storage(url, **options)
-    with SegmentStore(storage) as store:
-        seg = store.segment("s", create=True)
-        for i in range(10):
-            seg.append([b"old-%d" % i], [(key(i), i)])
-    log = RollingSegment(storage, "s/_log")
-    start = log.append(b"\x00garbage that a torn write left\x00")
-    end = log.length
-    storage.put_marker(f"s/_gaps/{chunk_name(start)}-{chunk_name(end)}")
-    for i in range(10, 13):
-        log.append(encode_batch(i, [b"new-%d" % i], timestamp=i, attribute_updates=([key(i)], [i])))
-    with SegmentStore(open_storage(url, **options)) as store:
-        seg = store.segment("s")
-        assert [r.value for r in seg.read(0, 100)] == [b"old-%d" % i for i in range(10)] + [b"new-%d" % i for i in range(10, 13)]
-        assert seg.next_offset == 13 and seg.get_attribute(key(12)) == 12
-        assert store.verify_segment("s").ok
-        assert seg.append([b"next"]).first_offset == 13
 
 
 def test_store_close_closes_every_handle_even_if_a_merge_fails(tmp_path):
@@ -661,8 +743,8 @@ def test_cycles_of_damage_and_repair_keep_every_kept_record_and_never_reuse_an_o
             tail_start = seg.stats().log_bytes - 40 * 60  # damage only this cycle's bytes (batches are ~100)
         path = files(root, "s", "_log.seg")[-1]
         chunk_start = int(os.path.basename(path))
-        size = os.path.getsize(path)
-        flip(path, rng.randrange(max(0, tail_start - chunk_start), size), 1 << rng.randrange(8))
+        newest = [p for p, _h in iter_batches(committed(path), position=start_of(path))][-1]  # below it: damage, not a torn write
+        flip(path, rng.randrange(min(max(0, tail_start - chunk_start), newest - 1), newest), 1 << rng.randrange(8))
         with SegmentStore.open(root, **SMALL) as store:
             repair = store.repair_segment("s")
             assert repair.lost
@@ -686,12 +768,13 @@ def test_an_open_handle_that_meets_damage_refuses_to_append(tmp_path):
     for i in range(1, 6):
         increment(other, i)
     (chunk,) = files(root, "s", "_log.seg")
-    size = os.path.getsize(chunk)
-    flip(chunk, size - 3)  # in a batch the stale handle has not read yet
+    at, _header = list(iter_batches(committed(chunk), position=start_of(chunk)))[3]
+    flip(chunk, at + BATCH_HEADER_SIZE + 1)  # in a batch the stale handle has not read yet, below the newest
+    before = open(chunk, "rb").read()
     for _ in range(2):  # a lost race makes it catch up, which meets the damage: every time
         with pytest.raises(CorruptDataError):
             increment(stale, 99)
-    assert os.path.getsize(chunk) == size  # nothing was appended
+    assert open(chunk, "rb").read() == before  # nothing was appended
     with pytest.raises(CorruptDataError):
         stale.refresh()
     two.close()  # this handle read its batches before the damage: its merge covers them

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from attrindex import SegmentStore
 from attrindex.errors import InvalidInputError, LayoutConflictError
-from attrindex.log.batch import encode_batch
+from attrindex.log.batch import encode_batch, place_batches
 from attrindex.log.segment_log import INDEX_DIR, LOG_DIR
 
 
@@ -50,7 +50,7 @@ def _compact(log, chunks, keep):
     kept = [data for h, data in batches if keep(h)]
     if batches and not keep(batches[0][0]):
         kept.insert(0, encode_batch(batches[0][0].base_offset, [], timestamp=0))
-    log.replace_range(start, end, b"".join(kept))
+    log.replace_range(start, end, place_batches(b"".join(kept), start))  # moved: sealed for where they land
     return kept
 
 
@@ -157,7 +157,8 @@ def test_bad_replacement_data_is_refused_before_anything_is_written(storage_url)
     batches = [bytes(buf[pos:pos + h.size]) for _at, h, buf, pos in log.batches(start, end)]
     files = sorted(log.storage.list_files(f"s/{LOG_DIR}.seg"))
     for bad in (b"garbage", batches[0][:-1], batches[0] + batches[1][:30], batches[1] + batches[0],
-                batches[0][:10] + b"x" + batches[0][11:]):
+                batches[0][:10] + b"x" + batches[0][11:],
+                place_batches(batches[0], start + 1), place_batches(batches[0], 0) if start else batches[1]):
         with pytest.raises(InvalidInputError):
             log.replace_range(start, end, bad)
     assert sorted(log.storage.list_files(f"s/{LOG_DIR}.seg")) == files

@@ -2,7 +2,9 @@
 
 The model: the bytes the storage holds for the chunks a fresh view of the log uses, each counted
 whole by its committed length (a replacement's hole holds nothing; a chunk that the truncation
-offset cuts through is stored whole). It is read from the storage itself, apart from the handle.
+offset cuts through is stored whole). It is read from the storage itself, apart from the handle:
+the stored size of every chunk but the last (trimmed to its end before its successor was made),
+the end of the last one's chain of record batches (local disk: zeros follow it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from attrindex import Record, SegmentStore
+from attrindex.log.framing import LOG_FRAMING
 from storage_adapters.rolling import RollingSegment
 
 ROLL = 400
@@ -22,13 +25,15 @@ ROLL = 400
 
 def stored_log_bytes(storage, name: str = "s") -> int:
     """What the storage holds for the log's chunks in force, read apart from any handle."""
-    log = RollingSegment(storage, f"{name}/_log", rolling_size=ROLL)
+    log = RollingSegment(storage, f"{name}/_log", rolling_size=ROLL, framing=LOG_FRAMING)
     try:
         sizes = storage.list_files(f"{name}/_log.seg")
-        total = 0
-        for chunk in log.chunks():
-            path = f"{name}/_log.seg/{chunk.name}"
-            total += storage.committed_size(path) if storage.appendable and chunk.generation == 0 else sizes[chunk.name]
+        chunks = log.chunks()
+        total = sum(sizes[chunk.name] for chunk in chunks[:-1])
+        if chunks:
+            last = chunks[-1]
+            data = storage.read(f"{name}/_log.seg/{last.name}", 0, sizes[last.name])
+            total += LOG_FRAMING.chain_end(data, last.start) - last.start if storage.torn_appends else len(data)
         return total
     finally:
         log.close()

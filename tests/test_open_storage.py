@@ -25,6 +25,7 @@ from storage_adapters.memory import MemoryChunkStorage
 from storage_adapters.s3 import S3ChunkStorage, probe_exclusive_create
 
 from .conftest import S3_KEY, S3_SECRET, _free_port, make_s3_url
+from .framed import open_segment, pieces
 
 
 def test_schemes_pick_backends(tmp_path, s3_options):
@@ -36,8 +37,10 @@ def test_schemes_pick_backends(tmp_path, s3_options):
 
 
 def test_plain_path_and_file_url_share_data(tmp_path):
-    RollingSegment(open_storage(str(tmp_path)), "s").append(b"data")
-    assert RollingSegment(open_storage("file://" + str(tmp_path)), "s").read(0, 4) == b"data"
+    storage = open_storage(str(tmp_path))
+    (data,) = pieces(storage, [b"data"])
+    open_segment(storage, "s").append(data)
+    assert open_segment(open_storage("file://" + str(tmp_path)), "s").read(0, len(data)) == data
 
 
 def test_memory_url_is_shared_within_the_process():
@@ -167,12 +170,11 @@ def test_s3_reads_are_ranged(s3_options):
 
 def test_local_sync_option(tmp_path):
     """sync=False (also from a command line string) skips fsync; data still reaches other handles."""
-    from storage_adapters import RollingSegment
-
     storage = open_storage(str(tmp_path), sync="false")
     assert storage.sync is False and open_storage(str(tmp_path)).sync is True
-    RollingSegment(storage, "s").append(b"abc")
-    assert RollingSegment(open_storage(str(tmp_path)), "s").read(0, 3) == b"abc"
+    (data,) = pieces(storage, [b"abc"])
+    open_segment(storage, "s").append(data)
+    assert open_segment(open_storage(str(tmp_path)), "s").read(0, len(data)) == data
     with pytest.raises(InvalidInputError, match="sync"):
         open_storage(str(tmp_path), sync="maybe")
 
@@ -196,7 +198,8 @@ def test_local_os_errors_are_storage_errors_naming_the_file(tmp_path):
         "create": lambda: storage.create("d/c", b"x"),
         "put_marker": lambda: storage.put_marker("d/m"),
         "read": lambda: storage.read("d/c", 0, 1),
-        "committed_size": lambda: storage.committed_size("d/c"),
+        "size": lambda: storage.size("d/c"),
+        "trim": lambda: storage.trim("d/c", 0),
         "list_files": lambda: storage.list_files("d"),
         "lock": lambda: storage.lock("d").__enter__(),
     }
@@ -207,7 +210,7 @@ def test_local_os_errors_are_storage_errors_naming_the_file(tmp_path):
     with pytest.raises(FileNotFoundError):  # promised by the interface for a missing file
         storage.read("missing", 0, 1)
     with pytest.raises(FileNotFoundError):
-        storage.committed_size("missing")
+        storage.size("missing")
     assert storage.list_files("no/such/dir") == {}
 
 

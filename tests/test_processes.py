@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 import random
 import signal
 import subprocess
@@ -13,10 +12,11 @@ from collections import Counter
 
 import pytest
 
-from storage_adapters import RollingSegment, open_storage
+from storage_adapters import open_storage
 
 from . import workers
 from .conftest import make_s3_url
+from .framed import frame, open_segment
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -53,8 +53,10 @@ def test_every_raced_offset_is_won_by_exactly_one_process(shared_url):
     assert sorted(winners) == list(range(rounds))  # every round has exactly one winner
     losses = Counter(r for _, outcome in out for result, r, _ in outcome if result == "lost")
     assert all(losses[r] == writers - 1 for r in range(rounds))
-    data = RollingSegment(open_storage(url, **options), "race").read(0, rounds * (workers.RECORD_HEADER.size + 40))
-    records = workers.parse_records(data)
+    storage = open_storage(url, **options)
+    seg = open_segment(storage, "race")
+    assert seg.length == rounds * len(frame(storage, workers.make_record(0, 0, 40)))
+    records = workers.parse_records(seg.read(0, seg.length), framed=storage.torn_appends)
     # The segment is exactly the winners' records, in round order, at the offsets they were given.
     assert [(off, w, seq) for off, w, seq, _ in records] == [
         (winners[r][1], winners[r][0], r) for r in range(rounds)
@@ -65,8 +67,8 @@ def test_free_for_all_appends_are_neither_lost_nor_interleaved(shared_url):
     url, options = shared_url
     writers, appends = 3, 25
     out = _run(workers.race_free_for_all, lambda i: (url, options, "ffa", i, appends), writers)
-    seg = RollingSegment(open_storage(url, **options), "ffa")
-    records = workers.parse_records(seg.read(0, seg.length))
+    seg = open_segment(open_storage(url, **options), "ffa")
+    records = workers.parse_records(seg.read(0, seg.length), framed=seg.storage.torn_appends)
     assert len(records) == writers * appends
     acknowledged = {(writer, seq): offset for writer, won, _ in out for offset, seq in won}
     assert {(w, seq): off for off, w, seq, _ in records} == acknowledged
@@ -79,9 +81,11 @@ def test_killed_writer_leaves_a_prefix_of_completed_appends(tmp_path):
     directory, name = str(tmp_path / "store"), "crash"
     rng = random.Random(1234)
     acknowledged: list[tuple[int, int, int]] = []
-    torn = 0  # kills that left bytes past the last commit (i.e. landed mid-append)
+    # Kills that landed inside an append: after its bytes were written (it is committed, never
+    # acknowledged) or while they were (a torn write: a prefix of its frame past the end).
+    inside = 0
     for attempt in range(15):  # 6 kills, more (bounded) until one landed inside an append
-        if attempt >= 6 and torn:
+        if attempt >= 6 and inside:
             break
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.workers", "append_forever", directory, name, str(len(acknowledged))],
@@ -96,14 +100,18 @@ def test_killed_writer_leaves_a_prefix_of_completed_appends(tmp_path):
         lines = (first + child.stdout.read()).split()
         child.wait()
         acknowledged += [tuple(map(int, lines[i:i + 3])) for i in range(0, len(lines) - 2, 3)]
-        seg = RollingSegment(open_storage(directory), name, rolling_size=4 << 20)
-        records = workers.parse_records(seg.read(0, seg.length))  # asserts no partial record
+        seg = open_segment(open_storage(directory), name, rolling_size=4 << 20)
+        records = workers.parse_records(seg.read(0, seg.length), framed=True)  # asserts no partial record
         stored = [(off, seq, length) for off, _, seq, length in records]
         # Everything acknowledged is there; at most the one append in flight was completed too.
         assert stored[: len(acknowledged)] == acknowledged, f"attempt {attempt}"
         assert len(stored) - len(acknowledged) in (0, 1)
+        torn = seg.torn_tail
+        if torn is not None:  # not committed: a prefix of the next record's frame, at the end
+            next_record = frame(seg.storage, workers.make_record(7, len(stored), 4096 * (1 + len(stored) % 97)),
+                                seg.length)
+            assert torn[0] == seg.length and next_record.startswith(torn[1]), f"attempt {attempt}"
+        inside += len(stored) > len(acknowledged) or torn is not None
         acknowledged = stored  # the next child continues after what is stored
-        last = seg.chunks()[-1]
-        torn += os.path.getsize(os.path.join(directory, name + ".seg", last.name)) > last.length
     assert len(acknowledged) > 10
-    assert torn > 0, "no kill landed inside an append; the test did not exercise a torn write"
+    assert inside > 0, "no kill landed inside an append; the test did not exercise a crash mid-append"

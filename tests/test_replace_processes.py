@@ -15,28 +15,34 @@ from storage_adapters import RollingSegment, open_storage
 
 from . import layout_workers as workers
 from .conftest import make_s3_url
+from .framed import frame
 
 CHUNKS = 8
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _tail(storage) -> bytes:
+    """The last append, after the ``CHUNKS`` chunks of ``workers.original``."""
+    return frame(storage, b"tail", len(workers.original(storage, CHUNKS)))
+
+
 def _fill(url, options) -> RollingSegment:
-    seg = RollingSegment(open_storage(url, **options), workers.NAME, rolling_size=workers.CHUNK)
-    data = workers.original(CHUNKS)
+    seg = workers.open_switched(open_storage(url, **options))
+    data, size = workers.original(seg.storage, CHUNKS), workers.chunk_size(seg.storage)
     for i in range(CHUNKS):
-        seg.append(data[i * workers.CHUNK:(i + 1) * workers.CHUNK])
-    seg.append(b"tail")
+        seg.append(data[i * size:(i + 1) * size])
+    seg.append(_tail(seg.storage))
     return seg
 
 
 def _check_layout(url, options, exact: bool) -> RollingSegment:
     """One layout, whole: chunks end where the next begins, and every chunk's stored bytes are the
     original ones (``exact``) or one replacement's own bytes, never a mix of two layouts."""
-    seg = RollingSegment(open_storage(url, **options), workers.NAME, rolling_size=workers.CHUNK)
-    data = workers.original(CHUNKS)
+    seg = workers.open_switched(open_storage(url, **options))
+    data = workers.original(seg.storage, CHUNKS)
     chunks = seg.chunks()
     assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))
-    assert seg.length == len(data) + 4
+    assert seg.length == len(data) + len(_tail(seg.storage))
     for chunk in chunks[:-1]:
         got = seg.read(chunk.start, chunk.stored)
         if exact:
@@ -76,7 +82,7 @@ def test_replacer_killed_at_each_write_leaves_one_layout(backend_name, kill_poin
             before = _content(seg)
             # The next switch (here: consolidation) deletes what the killed one left.
             seg.compact_chunks(1 << 20)
-            assert _content(RollingSegment(open_storage(url, **options), workers.NAME)) == before
+            assert _content(workers.open_switched(open_storage(url, **options))) == before
             _leftovers_cleaned(seg)
 
 
@@ -129,7 +135,7 @@ def test_reader_in_another_process_never_sees_a_wrong_byte(backend_name, tmp_pat
         options = request.getfixturevalue("s3_options")
         url = make_s3_url(options)
     seg = _fill(url, options)
-    data = workers.original(CHUNKS)
+    data = workers.original(seg.storage, CHUNKS)
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     reader = ctx.Process(target=workers.read_while_switching, args=(url, options, CHUNKS, 1.5, results))

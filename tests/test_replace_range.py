@@ -22,7 +22,6 @@ from storage_adapters import (
     InvalidInputError,
     LayoutConflictError,
     OffsetOutOfRangeError,
-    RollingSegment,
     StorageError,
     TruncatedError,
     open_storage,
@@ -31,6 +30,7 @@ from storage_adapters.faults import FaultyStorage
 from storage_adapters.rolling import SWITCH_DIR, TRUNCATION_DIR, replacement_name
 
 from .conftest import make_s3_url
+from .framed import frame, offsets, open_segment, pieces
 from .layout_workers import assert_only_live_chunks_left
 
 HANDLES = st.sampled_from(["a", "b"])
@@ -58,7 +58,7 @@ def machine_for(new_url):
         def open(self, rolling):
             url, options = new_url()
             self.storage = open_storage(url, **options)
-            self.handles = {h: RollingSegment(self.storage, NAME, rolling_size=rolling) for h in "ab"}
+            self.handles = {h: open_segment(self.storage, NAME, rolling_size=rolling) for h in "ab"}
             self.model = bytearray()
             self.mask = bytearray()  # 1 where a byte is a hole
             self.start = 0
@@ -67,12 +67,13 @@ def machine_for(new_url):
             if hasattr(self, "storage"):
                 self.handles["a"].delete()
 
-        def _truth(self) -> RollingSegment:
-            return RollingSegment(self.storage, NAME)
+        def _truth(self):
+            return open_segment(self.storage, NAME)
 
         @rule(h=HANDLES, data=st.binary(min_size=1, max_size=30), conditional=st.booleans())
         def append(self, h, data, conditional):
             expected = len(self.model) if conditional else None
+            data = frame(self.storage, data, len(self.model))  # local disk: a frame placed where it lands
             assert self.handles[h].append(data, expected_offset=expected) == len(self.model)
             self.model += data
             self.mask += bytes(len(data))
@@ -138,7 +139,7 @@ def machine_for(new_url):
         @rule(h=HANDLES, rolling=st.integers(1, 24))
         def reopen(self, h, rolling):
             self.handles[h].close()
-            self.handles[h] = RollingSegment(self.storage, NAME, rolling_size=rolling)
+            self.handles[h] = open_segment(self.storage, NAME, rolling_size=rolling)
 
         @rule(h=HANDLES)
         def refresh(self, h):
@@ -185,94 +186,103 @@ def test_replace_range_matches_model(backend_name, tmp_path, request):
     )
 
 
-def _segment(storage, chunks=5, size=10, rolling_size=10) -> RollingSegment:
-    seg = RollingSegment(storage, NAME, rolling_size=rolling_size)
-    for i in range(chunks):
-        seg.append(bytes([65 + i]) * size)
-    return seg
+def _segment(storage, chunks=5, extra=0):
+    """A segment of ``chunks`` appends of 10 letters each (A, B, ...), one chunk per append, and the
+    bytes stored for those and for ``extra`` further letters (framed on local disk: tests/framed.py)."""
+    stored = pieces(storage, [bytes([65 + i]) * 10 for i in range(chunks + extra)])
+    seg = open_segment(storage, NAME, rolling_size=len(stored[0]))
+    for piece in stored[:chunks]:
+        seg.append(piece)
+    return seg, stored
 
 
 def test_bad_ranges_are_refused_before_anything_is_written(storage):
-    seg = _segment(storage)
+    seg, stored = _segment(storage)
+    at = offsets(stored)
     before = storage.list_files(NAME + ".seg")
-    for start, end, data in [(0, 15, b""), (5, 20, b""), (0, 50, b""), (40, 50, b""), (10, 10, b""),
-                             (0, 10, b"x" * 11), (-10, 10, b""), (0, 10, "text")]:
+    for start, end, data in [(0, at[1] + 5, b""), (5, at[2], b""), (0, at[5], b""), (at[4], at[5], b""),
+                             (at[1], at[1], b""), (0, at[1], b"x" * (at[1] + 1)), (-10, at[1], b""),
+                             (0, at[1], "text")]:
         with pytest.raises(InvalidInputError):
             seg.replace_range(start, end, data)
-    seg.truncate(15)
+    seg.truncate(at[1] + 5)
     with pytest.raises(InvalidInputError):
-        seg.replace_range(10, 30, b"")  # the chunk holding the start offset begins below it
+        seg.replace_range(at[1], at[3], b"")  # the chunk holding the start offset begins below it
     assert {n for n in storage.list_files(NAME + ".seg") if not n.startswith(TRUNCATION_DIR)} <= set(before)
 
 
 def test_stale_handle_gets_a_conflict_and_changes_nothing(storage):
-    a = _segment(storage)
-    b = RollingSegment(storage, NAME, rolling_size=10)
-    c = RollingSegment(storage, NAME, rolling_size=10)
-    a.replace_range(0, 20, b"short")
+    a, stored = _segment(storage)
+    at = offsets(stored)
+    b = open_segment(storage, NAME, rolling_size=at[1])
+    c = open_segment(storage, NAME, rolling_size=at[1])
+    a.replace_range(0, at[2], b"short")
     with pytest.raises(LayoutConflictError):
-        b.replace_range(10, 30, b"x")  # b's view still has a chunk at 10
+        b.replace_range(at[1], at[3], b"x")  # b's view still has a chunk at at[1]
     with pytest.raises(LayoutConflictError):
-        c.replace_range(0, 20, b"other")  # same range, other chunks than c saw
-    assert RollingSegment(storage, NAME).read(0, 5) == b"short"
+        c.replace_range(0, at[2], b"other")  # same range, other chunks than c saw
+    assert open_segment(storage, NAME).read(0, 5) == b"short"
     with pytest.raises(InvalidInputError):
-        b.replace_range(10, 30, b"x")  # the failed call refreshed b's view: 10 is no boundary now
-    b.replace_range(0, 30, b"short" + b"C" * 10)  # after a refresh it may replace the replacement
-    assert [c.name for c in b.chunks()][0] == replacement_name(0, 30, 2)
-    assert RollingSegment(storage, NAME).read(0, 15) == b"short" + b"C" * 10
+        b.replace_range(at[1], at[3], b"x")  # the failed call refreshed b's view: at[1] is no boundary now
+    b.replace_range(0, at[3], b"short" + stored[2])  # after a refresh it may replace the replacement
+    assert [c.name for c in b.chunks()][0] == replacement_name(0, at[3], 2)
+    assert open_segment(storage, NAME).read(0, 5 + len(stored[2])) == b"short" + stored[2]
     with pytest.raises(HoleError):
-        a.read(0, 16)  # a's view is stale (its chunk was replaced): it looks again and finds the hole
+        a.read(0, 5 + len(stored[2]) + 1)  # a's view is stale (its chunk was replaced): it looks again and finds the hole
 
 
 def test_stale_appender_after_replacement_appends_at_the_true_end(storage):
-    a = _segment(storage, chunks=3)
-    b = RollingSegment(storage, NAME, rolling_size=10)  # sees 3 chunks; the last is sealed by a's appends
-    a.append(b"D" * 10)
-    a.append(b"E" * 10)
-    a.replace_range(30, 40, b"d")  # the chunk right after b's last one gets a new name
+    a, stored = _segment(storage, chunks=3, extra=3)
+    at = offsets(stored)
+    b = open_segment(storage, NAME, rolling_size=at[1])  # sees 3 chunks; a's appends roll past its last
+    a.append(stored[3])
+    a.append(stored[4])
+    a.replace_range(at[3], at[4], b"d")  # the chunk right after b's last one gets a new name
     with pytest.raises(BadOffsetError):
-        b.append(b"F", expected_offset=30)
-    assert b.append(b"F" * 10) == 50
-    fresh = RollingSegment(storage, NAME)
-    assert fresh.read(0, 31) == b"A" * 10 + b"B" * 10 + b"C" * 10 + b"d"
-    assert fresh.read(40, 20) == b"E" * 10 + b"F" * 10
+        b.append(frame(storage, b"F", at[3]), expected_offset=at[3])
+    assert b.append(stored[5]) == at[5]
+    fresh = open_segment(storage, NAME)
+    assert fresh.read(0, at[3] + 1) == b"".join(stored[:3]) + b"d"
+    assert fresh.read(at[4], at[6] - at[4]) == stored[4] + stored[5]
 
 
 def test_two_handles_racing_for_one_generation(storage):
     """Both listed the same layout and write replacements of one generation: the switch marker
     decides, the loser reports a conflict (overlapping) or takes the next generation (disjoint)."""
-    a = _segment(storage, chunks=6)
-    b = RollingSegment(storage, NAME, rolling_size=10)
+    a, stored = _segment(storage, chunks=6)
+    at = offsets(stored)
+    b = open_segment(storage, NAME, rolling_size=at[1])
     # b writes its replacement object as a racer would (listed, not yet switched) ...
-    storage.create(f"{NAME}.seg/{replacement_name(10, 30, 1)}", b"bbb")
+    storage.create(f"{NAME}.seg/{replacement_name(at[1], at[3], 1)}", b"bbb")
     # ... then a switches first with the same generation over an overlapping range.
-    a.replace_range(0, 20, b"aaa")
+    a.replace_range(0, at[2], b"aaa")
     assert a.read(0, 3) == b"aaa"
     with pytest.raises(LayoutConflictError):
-        b.replace_range(10, 30, b"bbb")
-    fresh = RollingSegment(storage, NAME)
-    assert fresh.read(0, 3) == b"aaa" and fresh.read(20, 10) == b"C" * 10
+        b.replace_range(at[1], at[3], b"bbb")
+    fresh = open_segment(storage, NAME)
+    assert fresh.read(0, 3) == b"aaa" and fresh.read(at[2], len(stored[2])) == stored[2]
     b.refresh()
-    b.replace_range(30, 50, b"disjoint")  # the stray object of the lost generation is swept
-    assert not any(replacement_name(10, 30, 1) in n for n in storage.list_files(NAME + ".seg"))
-    assert RollingSegment(storage, NAME).read(30, 8) == b"disjoint"
+    b.replace_range(at[3], at[5], b"disjoint")  # the stray object of the lost generation is swept
+    assert not any(replacement_name(at[1], at[3], 1) in n for n in storage.list_files(NAME + ".seg"))
+    assert open_segment(storage, NAME).read(at[3], 8) == b"disjoint"
 
 
 def test_lower_generation_switched_late_loses_to_an_overlapping_higher_one(storage):
     """A replacer that listed long ago and switches after a newer overlapping replacement takes
     its own back: readers see the newer one throughout, and the old chunks outside it survive."""
-    a = _segment(storage, chunks=6)
-    a.replace_range(10, 30, b"new")  # generation 1
-    a.replace_range(30, 40, b"gen2")  # generation 2 (the highest marker is kept)
-    # A slow racer's leftovers: its object and its switch marker of generation 3, over [0, 20).
+    a, stored = _segment(storage, chunks=6)
+    at = offsets(stored)
+    a.replace_range(at[1], at[3], b"new")  # generation 1
+    a.replace_range(at[3], at[4], b"gen2")  # generation 2 (the highest marker is kept)
+    # A slow racer's leftovers: its object and its switch marker of generation 3, over [0, at[2]).
     d = f"{NAME}.seg"
-    storage.create(f"{d}/{replacement_name(0, 20, 3)}", b"slow")
-    storage.create(f"{d}/{replacement_name(10, 40, 4)}", b"newest")
-    storage.create(f"{d}/{SWITCH_DIR}/{4:020d}", replacement_name(10, 40, 4).encode())
-    storage.create(f"{d}/{SWITCH_DIR}/{3:020d}", replacement_name(0, 20, 3).encode())
-    fresh = RollingSegment(storage, NAME)
-    assert fresh.read(0, 16) == b"A" * 10 + b"newest"  # generation 3 overlaps 4: not in force
-    assert [(c.start, c.end) for c in fresh.chunks()][:2] == [(0, 10), (10, 40)]
+    storage.create(f"{d}/{replacement_name(0, at[2], 3)}", b"slow")
+    storage.create(f"{d}/{replacement_name(at[1], at[4], 4)}", b"newest")
+    storage.create(f"{d}/{SWITCH_DIR}/{4:020d}", replacement_name(at[1], at[4], 4).encode())
+    storage.create(f"{d}/{SWITCH_DIR}/{3:020d}", replacement_name(0, at[2], 3).encode())
+    fresh = open_segment(storage, NAME)
+    assert fresh.read(0, at[1] + 6) == stored[0] + b"newest"  # generation 3 overlaps 4: not in force
+    assert [(c.start, c.end) for c in fresh.chunks()][:2] == [(0, at[1]), (at[1], at[4])]
 
 
 @pytest.mark.parametrize("step", ["object", "switch", "sweep"])
@@ -280,75 +290,82 @@ def test_crash_at_each_step_leaves_one_layout_and_is_cleaned(storage, step):
     """The leftovers a replacer killed after each step leaves: readers see the old layout
     (object written, never switched) or the new one (switched, old chunks not yet deleted);
     the next switch deletes them (it takes the next generation, which decides the unswitched one's)."""
-    seg = _segment(storage, chunks=5)
+    seg, stored = _segment(storage, chunks=5)
+    at = offsets(stored)
     d = f"{NAME}.seg"
-    storage.create(f"{d}/{replacement_name(10, 30, 1)}", b"new")
+    storage.create(f"{d}/{replacement_name(at[1], at[3], 1)}", b"new")
     if step != "object":
-        storage.create(f"{d}/{SWITCH_DIR}/{1:020d}", replacement_name(10, 30, 1).encode())
+        storage.create(f"{d}/{SWITCH_DIR}/{1:020d}", replacement_name(at[1], at[3], 1).encode())
     if step == "sweep":
-        storage.delete([f"{d}/{10:020d}"])  # killed half-way through deleting the old chunks
-    fresh = RollingSegment(storage, NAME)
+        storage.delete([f"{d}/{at[1]:020d}"])  # killed half-way through deleting the old chunks
+    fresh = open_segment(storage, NAME)
     if step == "object":
-        assert fresh.read(0, 50) == b"".join(bytes([65 + i]) * 10 for i in range(5)) and not fresh.holes()
+        assert fresh.read(0, at[5]) == b"".join(stored) and not fresh.holes()
     else:
-        assert fresh.read(0, 13) == b"A" * 10 + b"new" and fresh.holes() == [(13, 30)]
-    fresh.replace_range(30, 40, b"D" * 10)
+        assert fresh.read(0, at[1] + 3) == stored[0] + b"new" and fresh.holes() == [(at[1] + 3, at[3])]
+    fresh.replace_range(at[3], at[4], stored[3])
     assert_only_live_chunks_left(fresh)
 
 
 def test_failures_before_and_after_the_switch_leave_a_layout(storage):
     """Scripted storage failures at each write of a replacement: the call raises a storage error
     and the segment reads as before or as after, never a mix."""
-    old = b"".join(bytes([65 + i]) * 10 for i in range(5))
-    for op_path, expect_new in [(replacement_name(10, 30, 1), False), (f"{SWITCH_DIR}/", False)]:
+    _seg, stored = _segment(storage, chunks=0, extra=5)
+    at = offsets(stored)
+    old = b"".join(stored)
+
+    def filled(name: str) -> None:
+        plain = open_segment(storage, name, rolling_size=at[1])
+        for piece in stored:
+            plain.append(piece)
+
+    for op_path in (replacement_name(at[1], at[3], 1), f"{SWITCH_DIR}/"):
         name = f"f{uuid.uuid4().hex[:8]}"
-        plain = RollingSegment(storage, name, rolling_size=10)
-        for i in range(5):
-            plain.append(bytes([65 + i]) * 10)
+        filled(name)
         faulty = FaultyStorage(storage, seed=1)
         faulty.script("fail_before", op="create", path_contains=op_path, times=1)
-        seg = RollingSegment(faulty, name, rolling_size=10)
+        seg = open_segment(faulty, name, rolling_size=at[1])
         with pytest.raises(StorageError):
-            seg.replace_range(10, 30, b"new")
-        assert RollingSegment(storage, name).read(0, 50) == old
-        seg.replace_range(10, 30, b"new")  # works once the failure has passed
-        assert RollingSegment(storage, name).read(0, 13) == b"A" * 10 + b"new"
+            seg.replace_range(at[1], at[3], b"new")
+        assert open_segment(storage, name).read(0, at[5]) == old
+        seg.replace_range(at[1], at[3], b"new")  # works once the failure has passed
+        assert open_segment(storage, name).read(0, at[1] + 3) == stored[0] + b"new"
     # A lost acknowledgement of the switch marker is settled by reading it back.
     name = f"f{uuid.uuid4().hex[:8]}"
-    _plain = RollingSegment(storage, name, rolling_size=10)
-    for i in range(5):
-        _plain.append(bytes([65 + i]) * 10)
+    filled(name)
     faulty = FaultyStorage(storage, seed=1)
     faulty.script("lost_ack", op="create", path_contains=f"{SWITCH_DIR}/", times=1)
-    RollingSegment(faulty, name, rolling_size=10).replace_range(10, 30, b"new")
-    assert RollingSegment(storage, name).read(0, 13) == b"A" * 10 + b"new"
+    open_segment(faulty, name, rolling_size=at[1]).replace_range(at[1], at[3], b"new")
+    assert open_segment(storage, name).read(0, at[1] + 3) == stored[0] + b"new"
 
 
 def test_truncation_above_a_replacement_deletes_it_whole(storage):
-    seg = _segment(storage, chunks=6)
-    seg.replace_range(0, 30, b"abc")
-    seg.truncate(35)
+    seg, stored = _segment(storage, chunks=6)
+    at = offsets(stored)
+    seg.replace_range(0, at[3], b"abc")
+    seg.truncate(at[3] + 5)
     files = storage.list_files(NAME + ".seg")
     # Deleted whole (on S3 after the deletion grace: until then it waits in _doomed).
     assert not any(n.startswith("00000000000000000000") and n not in seg._doomed for n in files)
-    assert RollingSegment(storage, NAME).chunks()[0].start == 30
-    seg.replace_range(40, 50, b"")  # a whole chunk of hole
-    seg.replace_range(40, 50, b"")  # again: compaction runs repeatedly (generations)
-    assert RollingSegment(storage, NAME).holes() == [(40, 50)]
-    seg.truncate(45)  # inside the hole
-    assert RollingSegment(storage, NAME).holes() == [(45, 50)]
-    assert RollingSegment(storage, NAME).read(50, 10) == b"F" * 10
+    assert open_segment(storage, NAME).chunks()[0].start == at[3]
+    seg.replace_range(at[4], at[5], b"")  # a whole chunk of hole
+    seg.replace_range(at[4], at[5], b"")  # again: compaction runs repeatedly (generations)
+    assert open_segment(storage, NAME).holes() == [(at[4], at[5])]
+    seg.truncate(at[4] + 5)  # inside the hole
+    assert open_segment(storage, NAME).holes() == [(at[4] + 5, at[5])]
+    assert open_segment(storage, NAME).read(at[5], len(stored[5])) == stored[5]
 
 
 def test_poll_sees_appends_behind_a_switch(storage):
     """A tail reader's cheap poll looks for the chunk after its view's end; a switch may have
     taken that plain name away (merged into a replacement): the poll must still say yes."""
-    a = _segment(storage, chunks=3)
-    b = RollingSegment(storage, NAME, rolling_size=10)
+    a, stored = _segment(storage, chunks=3, extra=3)
+    at = offsets(stored)
+    b = open_segment(storage, NAME, rolling_size=at[1])
     assert not b.poll()
-    for letter in b"DEF":
-        a.append(bytes([letter]) * 10)
-    a.replace_range(30, 50, b"x")
+    for piece in stored[3:]:
+        a.append(piece)
+    a.replace_range(at[3], at[5], b"x")
     assert b.poll()
     b.refresh()
     assert not b.poll()

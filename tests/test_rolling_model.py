@@ -1,7 +1,8 @@
 """Hypothesis model test: two handles on one rolling segment against a ``bytearray`` model.
 
 Random appends (with right, stale and wrong expected offsets, and unconditional), reads in and out
-of range, truncations, refreshes and reopens (with another rolling size), on every backend.
+of range, truncations, refreshes and reopens (with another rolling size), on every backend (on
+local disk each append is one frame: tests/framed.py).
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from storage_adapters import (
     BadOffsetError,
     OffsetOutOfRangeError,
-    RollingSegment,
     TruncatedError,
     open_storage,
 )
 from storage_adapters.rolling import TRUNCATION_DIR
 
 from .conftest import make_s3_url
+from .framed import frame, open_segment
 
 HANDLES = st.sampled_from(["a", "b"])
 ROLLING = st.integers(min_value=1, max_value=48)
@@ -34,7 +35,7 @@ def machine_for(new_url):
         def open(self, rolling):
             url, options = new_url()
             self.storage = open_storage(url, **options)
-            self.handles = {h: RollingSegment(self.storage, "stream/0", rolling_size=rolling) for h in "ab"}
+            self.handles = {h: open_segment(self.storage, "stream/0", rolling_size=rolling) for h in "ab"}
             self.model = bytearray()
             self.start = 0
 
@@ -45,6 +46,7 @@ def machine_for(new_url):
         @rule(h=HANDLES, data=st.binary(min_size=1, max_size=40), how=st.sampled_from(["end", "view", "wrong", "none"]), wrong=st.integers(0, 400))
         def append(self, h, data, how, wrong):
             handle = self.handles[h]
+            data = frame(self.storage, data, len(self.model))  # local disk: a frame placed where it lands
             if how == "none":
                 assert handle.append(data) == len(self.model)
             elif how == "end" or (how == "view" and handle.length == len(self.model)):
@@ -94,12 +96,12 @@ def machine_for(new_url):
         @rule(h=HANDLES, rolling=ROLLING)
         def reopen(self, h, rolling):
             self.handles[h].close()
-            self.handles[h] = RollingSegment(self.storage, "stream/0", rolling_size=rolling)
+            self.handles[h] = open_segment(self.storage, "stream/0", rolling_size=rolling)
 
         @precondition(lambda self: hasattr(self, "storage"))
         @invariant()
         def stored_state_matches_model(self):
-            fresh = RollingSegment(self.storage, "stream/0")
+            fresh = open_segment(self.storage, "stream/0")
             assert (fresh.start_offset, fresh.length) == (self.start, len(self.model))
             assert fresh.read(self.start, len(self.model) - self.start) == self.model[self.start:]
             chunks = fresh.chunks()

@@ -21,176 +21,207 @@ from storage_adapters import (
     open_storage,
 )
 
+from .framed import frame, offsets, open_segment, overhead, payloads, pieces
+
 
 def test_append_returns_offsets_and_reads_back(storage):
-    seg = RollingSegment(storage, "orders")
+    seg = open_segment(storage, "orders")
+    hello, world = pieces(storage, [b"hello", b" world"])
     assert (seg.length, seg.start_offset) == (0, 0)
-    assert seg.append(b"hello") == 0
-    assert seg.append(b" world", expected_offset=5) == 5
-    assert seg.length == 11
-    assert seg.read(0, 11) == b"hello world"
-    assert seg.read(3, 4) == b"lo w"
-    assert seg.read(11, 0) == b""
+    assert seg.append(hello) == 0
+    assert seg.append(world, expected_offset=len(hello)) == len(hello)
+    assert seg.length == len(hello + world)
+    assert seg.read(0, seg.length) == hello + world
+    assert seg.read(3, 4) == (hello + world)[3:7]
+    assert seg.read(seg.length, 0) == b""
+    assert payloads(storage, seg.read(0, seg.length)) == ([b"hello", b" world"] if storage.torn_appends
+                                                          else [b"hello world"])
 
 
 def test_reopened_handle_sees_everything(storage):
-    with RollingSegment(storage, "orders", rolling_size=8) as seg:
-        for i in range(10):
-            seg.append(b"record-%d;" % i)
-        expected = b"".join(b"record-%d;" % i for i in range(10))
-    reopened = RollingSegment(storage, "orders")
+    records = pieces(storage, [b"record-%d;" % i for i in range(10)])
+    with open_segment(storage, "orders", rolling_size=8) as seg:
+        for record in records:
+            seg.append(record)
+        expected = b"".join(records)
+    reopened = open_segment(storage, "orders")
     assert reopened.length == len(expected)
     assert reopened.read(0, len(expected)) == expected
 
 
 def test_wrong_expected_offset_raises_and_writes_nothing(storage):
-    seg = RollingSegment(storage, "orders")
-    seg.append(b"abc")
-    for wrong in (0, 2, 4, 1000):
+    seg = open_segment(storage, "orders")
+    abc, zzz = pieces(storage, [b"abc", b"zzz"])
+    seg.append(abc)
+    end = len(abc)
+    for wrong in (0, end - 1, end + 1, 1000):
         with pytest.raises(BadOffsetError) as caught:
-            seg.append(b"zzz", expected_offset=wrong)
-        assert (caught.value.expected_offset, caught.value.actual_offset) == (wrong, 3)
+            seg.append(zzz, expected_offset=wrong)
+        assert (caught.value.expected_offset, caught.value.actual_offset) == (wrong, end)
         assert "orders" in str(caught.value) and str(wrong) in str(caught.value)
-    assert RollingSegment(storage, "orders").read(0, 3) == b"abc"
-    assert RollingSegment(storage, "orders").length == 3
+    assert open_segment(storage, "orders").read(0, end) == abc
+    assert open_segment(storage, "orders").length == end
 
 
 def test_stale_handle_loses_the_race_and_catches_up(storage):
-    writer, stale = RollingSegment(storage, "s"), RollingSegment(storage, "s")
-    writer.append(b"first")
+    writer, stale = open_segment(storage, "s"), open_segment(storage, "s")
+    first, second, third = pieces(storage, [b"first", b"second", b"third"])
+    writer.append(first)
     with pytest.raises(BadOffsetError) as caught:
-        stale.append(b"second", expected_offset=stale.length)
-    assert caught.value.actual_offset == 5
-    assert stale.length == 5  # the refused append refreshed the handle
-    assert stale.append(b"second", expected_offset=5) == 5
+        stale.append(second, expected_offset=stale.length)
+    assert caught.value.actual_offset == len(first)
+    assert stale.length == len(first)  # the refused append refreshed the handle
+    assert stale.append(second, expected_offset=len(first)) == len(first)
     # An unconditional append from a stale handle lands at the end, never over other data.
-    assert writer.append(b"third") == 11
-    assert RollingSegment(storage, "s").read(0, 16) == b"firstsecondthird"
+    assert writer.append(third) == len(first + second)
+    assert open_segment(storage, "s").read(0, len(first + second + third)) == first + second + third
 
 
 def test_refresh_sees_other_handles(storage):
-    a, b = RollingSegment(storage, "s"), RollingSegment(storage, "s")
-    a.append(b"0123456789")
+    a, b = open_segment(storage, "s"), open_segment(storage, "s")
+    (data,) = pieces(storage, [b"0123456789"])
+    a.append(data)
     a.truncate(4)
     assert (b.length, b.start_offset) == (0, 0)
     b.refresh()
-    assert (b.length, b.start_offset) == (10, 4)
+    assert (b.length, b.start_offset) == (len(data), 4)
 
 
 def test_chunks_are_named_by_their_start_offset(storage):
-    seg = RollingSegment(storage, "orders", rolling_size=10)
-    for piece in (b"aaaaaa", b"bbbbbb", b"cc", b"dddddddddddd", b"e"):
+    # 10 bytes of payload per chunk: the framed sizes roll at the same appends as the raw ones.
+    seg = open_segment(storage, "orders", rolling_size=10 + overhead(storage))
+    stored = pieces(storage, [b"aaaaaa", b"bbbbbb", b"cc", b"dddddddddddd", b"e"])
+    for piece in stored:
         seg.append(piece)
     chunks = seg.chunks()
     assert all(c.name == chunk_name(c.start) and len(c.name) == 20 for c in chunks)
     assert [c.start for c in chunks] == sorted(c.start for c in chunks)
     for before, after in zip(chunks, chunks[1:]):
         assert before.end == after.start
+    at = offsets(stored)
     if storage.appendable:
         # The active chunk grows until it reaches rolling_size, then a new one starts.
-        assert [(c.start, c.length) for c in chunks] == [(0, 12), (12, 14), (26, 1)]
+        assert [(c.start, c.end) for c in chunks] == [(at[0], at[2]), (at[2], at[4]), (at[4], at[5])]
+        assert [c.length >= seg.rolling_size for c in chunks] == [True, True, False]
     else:
-        assert [(c.start, c.length) for c in chunks] == [(0, 6), (6, 6), (12, 2), (14, 12), (26, 1)]
-    stored = storage.list_files("orders.seg")
-    assert sorted(stored) == [c.name for c in chunks]
-    assert RollingSegment(storage, "orders").chunks() == chunks
+        assert [(c.start, c.end) for c in chunks] == list(zip(at, at[1:]))
+    assert sorted(storage.list_files("orders.seg")) == [c.name for c in chunks]
+    assert open_segment(storage, "orders").chunks() == chunks
 
 
 def test_reads_span_chunks(storage):
-    seg = RollingSegment(storage, "s", rolling_size=3)
-    data = bytes(range(40))
-    for i in range(0, 40, 4):
-        seg.append(data[i:i + 4])
-    for offset in range(0, 40, 3):
-        for length in (0, 1, 5, 13, 40 - offset):
-            length = min(length, 40 - offset)
+    seg = open_segment(storage, "s", rolling_size=3)
+    source = bytes(range(40))
+    stored = pieces(storage, [source[i:i + 4] for i in range(0, 40, 4)])
+    for piece in stored:
+        seg.append(piece)
+    data = b"".join(stored)
+    assert len(seg.chunks()) == len(stored)  # every append reaches the rolling size
+    for offset in range(0, len(data), 3):
+        for length in (0, 1, 5, 13, 40, len(data) - offset):
+            length = min(length, len(data) - offset)
             assert seg.read(offset, length) == data[offset:offset + length]
 
 
 def test_read_past_the_end_is_an_error(storage):
-    seg = RollingSegment(storage, "s")
-    seg.append(b"12345")
+    seg = open_segment(storage, "s")
+    (data,) = pieces(storage, [b"12345"])
+    seg.append(data)
+    end = len(data)
     with pytest.raises(OffsetOutOfRangeError) as caught:
-        seg.read(3, 3)
-    assert "[0, 5)" in str(caught.value)
+        seg.read(end - 2, 3)
+    assert f"[0, {end})" in str(caught.value)
     with pytest.raises(OffsetOutOfRangeError):
-        seg.read(6, 0)
+        seg.read(end + 1, 0)
     with pytest.raises(OffsetOutOfRangeError):
-        RollingSegment(storage, "empty").read(0, 1)
+        open_segment(storage, "empty").read(0, 1)
 
 
 def test_read_after_another_handle_appended_refreshes(storage):
-    reader, writer = RollingSegment(storage, "s"), RollingSegment(storage, "s")
-    writer.append(b"abcdef")
-    assert reader.read(2, 3) == b"cde"
+    reader, writer = open_segment(storage, "s"), open_segment(storage, "s")
+    (data,) = pieces(storage, [b"abcdef"])
+    writer.append(data)
+    assert reader.read(2, 3) == data[2:5]
 
 
 def test_truncate_deletes_whole_chunks_and_survives_reopen(storage):
     storage.deletion_grace = 0  # objects: dead chunks deleted at once (the default grace: test_s3_requests.py)
-    seg = RollingSegment(storage, "s", rolling_size=4)
-    for piece in (b"0000", b"1111", b"2222", b"3333"):
+    stored = pieces(storage, [b"0000", b"1111", b"2222", b"3333"])
+    at = offsets(stored)  # one chunk per append: each reaches the rolling size
+    seg = open_segment(storage, "s", rolling_size=len(stored[0]))
+    for piece in stored:
         seg.append(piece)
-    seg.truncate(9)
-    assert seg.start_offset == 9
-    assert [c.start for c in seg.chunks()] == [8, 12]  # [0,4) and [4,8) lie wholly below 9
-    assert sorted(storage.list_files("s.seg")) == [chunk_name(8), chunk_name(12), "truncation/" + chunk_name(9)]
+    cut = at[2] + 1
+    seg.truncate(cut)
+    assert seg.start_offset == cut
+    assert [c.start for c in seg.chunks()] == [at[2], at[3]]  # the first two lie wholly below the cut
+    assert sorted(storage.list_files("s.seg")) == [chunk_name(at[2]), chunk_name(at[3]), "truncation/" + chunk_name(cut)]
     with pytest.raises(TruncatedError) as caught:
-        seg.read(8, 2)
-    assert caught.value.start_offset == 9 and "truncated" in str(caught.value)
-    assert seg.read(9, 7) == b"2223333"
-    reopened = RollingSegment(storage, "s")
-    assert (reopened.start_offset, reopened.length) == (9, 16)
+        seg.read(at[2], 2)
+    assert caught.value.start_offset == cut and "truncated" in str(caught.value)
+    data = b"".join(stored)
+    assert seg.read(cut, at[4] - cut) == data[cut:]
+    reopened = open_segment(storage, "s")
+    assert (reopened.start_offset, reopened.length) == (cut, at[4])
     with pytest.raises(TruncatedError):
         reopened.read(0, 1)
     # The truncation offset only moves forward.
     reopened.truncate(3)
-    assert RollingSegment(storage, "s").start_offset == 9
+    assert open_segment(storage, "s").start_offset == cut
 
 
 def test_truncate_to_the_end_keeps_the_last_chunk_until_the_next_append(storage):
-    seg = RollingSegment(storage, "s", rolling_size=2)
-    seg.append(b"ab")
-    seg.append(b"cd")
-    seg.truncate(4)
-    assert [c.start for c in seg.chunks()] == [2]  # holds the length
-    assert RollingSegment(storage, "s").length == 4
-    assert seg.append(b"ef", expected_offset=4) == 4
-    assert [c.start for c in RollingSegment(storage, "s").chunks()] == [4]
-    assert seg.read(4, 2) == b"ef"
+    stored = pieces(storage, [b"ab", b"cd", b"ef"])
+    at = offsets(stored)
+    seg = open_segment(storage, "s", rolling_size=len(stored[0]))
+    seg.append(stored[0])
+    seg.append(stored[1])
+    seg.truncate(at[2])
+    assert [c.start for c in seg.chunks()] == [at[1]]  # holds the length
+    assert open_segment(storage, "s").length == at[2]
+    assert seg.append(stored[2], expected_offset=at[2]) == at[2]
+    assert [c.start for c in open_segment(storage, "s").chunks()] == [at[2]]
+    assert seg.read(at[2], len(stored[2])) == stored[2]
 
 
 def test_truncate_beyond_the_end_is_an_error(storage):
-    seg = RollingSegment(storage, "s")
-    seg.append(b"abc")
+    seg = open_segment(storage, "s")
+    (data,) = pieces(storage, [b"abc"])
+    seg.append(data)
     with pytest.raises(OffsetOutOfRangeError):
-        seg.truncate(4)
-    assert RollingSegment(storage, "s").start_offset == 0
+        seg.truncate(len(data) + 1)
+    assert open_segment(storage, "s").start_offset == 0
 
 
 def test_reader_behind_a_truncation_gets_truncated_error(storage):
     storage.deletion_grace = 0  # objects: dead chunks deleted at once (the default grace: test_s3_requests.py)
-    reader, owner = RollingSegment(storage, "s", rolling_size=2), RollingSegment(storage, "s", rolling_size=2)
-    for piece in (b"aa", b"bb", b"cc"):
+    stored = pieces(storage, [b"aa", b"bb", b"cc"])
+    at = offsets(stored)
+    size = len(stored[0])
+    reader, owner = open_segment(storage, "s", rolling_size=size), open_segment(storage, "s", rolling_size=size)
+    for piece in stored:
         owner.append(piece)
     reader.refresh()
-    owner.truncate(4)
+    owner.truncate(at[2])
     with pytest.raises(TruncatedError):
         reader.read(0, 2)  # its chunk is gone; the reader learns the new start offset
-    assert reader.start_offset == 4
+    assert reader.start_offset == at[2]
 
 
 def test_delete_removes_every_chunk(storage):
-    seg = RollingSegment(storage, "s", rolling_size=2)
-    for piece in (b"aa", b"bb", b"cc"):
+    stored = pieces(storage, [b"aa", b"bb", b"cc"])
+    seg = open_segment(storage, "s", rolling_size=len(stored[0]))
+    for piece in stored:
         seg.append(piece)
     seg.truncate(3)
-    other = RollingSegment(storage, "s/inner")  # a segment nested under the name survives
-    other.append(b"keep")
+    other = open_segment(storage, "s/inner")  # a segment nested under the name survives
+    (keep,) = pieces(storage, [b"keep"])
+    other.append(keep)
     seg.delete()
     assert storage.list_files("s.seg") == {}
     assert (seg.length, seg.start_offset) == (0, 0)
-    assert RollingSegment(storage, "s").length == 0
-    assert RollingSegment(storage, "s/inner").read(0, 4) == b"keep"
+    assert open_segment(storage, "s").length == 0
+    assert open_segment(storage, "s/inner").read(0, len(keep)) == keep
 
 
 def test_closed_handle_refuses_work(storage):
@@ -244,19 +275,22 @@ def test_errors_module_reexports_storage_errors():
 
 
 def test_stale_handle_cannot_resurrect_a_truncated_chunk(storage):
-    stale, owner = RollingSegment(storage, "s", rolling_size=2), RollingSegment(storage, "s", rolling_size=2)
-    owner.append(b"aa")
-    stale.refresh()  # stale believes the segment ends at 2
-    owner.append(b"bb")
-    owner.append(b"cc")
-    owner.truncate(6)  # the chunk starting at 2 is deleted: its name is free again
+    stored = pieces(storage, [b"aa", b"bb", b"cc", b"dd"])
+    at = offsets(stored)
+    size = len(stored[0])
+    stale, owner = open_segment(storage, "s", rolling_size=size), open_segment(storage, "s", rolling_size=size)
+    owner.append(stored[0])
+    stale.refresh()  # stale believes the segment ends after the first append
+    owner.append(stored[1])
+    owner.append(stored[2])
+    owner.truncate(at[3])  # the chunk of the second append is deleted: its name is free again
     with pytest.raises(BadOffsetError) as caught:
-        stale.append(b"XX", expected_offset=2)
-    assert caught.value.actual_offset == 6
-    assert stale.append(b"dd") == 6  # an unconditional append retries at the true end
-    fresh = RollingSegment(storage, "s")
-    assert (fresh.start_offset, fresh.length) == (6, 8) and fresh.read(6, 2) == b"dd"
-    assert [c.start for c in fresh.chunks()] == [6]  # the dead chunk at 4 went with the append
+        stale.append(frame(storage, b"XX", at[1]), expected_offset=at[1])
+    assert caught.value.actual_offset == at[3]
+    assert stale.append(stored[3]) == at[3]  # an unconditional append retries at the true end
+    fresh = open_segment(storage, "s")
+    assert (fresh.start_offset, fresh.length) == (at[3], at[4]) and fresh.read(at[3], size) == stored[3]
+    assert [c.start for c in fresh.chunks()] == [at[3]]  # the dead chunk before it went with the append
 
 
 def test_storage_read_clamps_a_range_past_the_end(storage):
@@ -269,18 +303,42 @@ def test_storage_read_clamps_a_range_past_the_end(storage):
 
 
 # -- reads and views that hold under damage and concurrency (issue 10, classes 6 and 7) --
-def test_a_chunk_file_shorter_than_committed_is_corrupt_data(tmp_path):
+def test_a_sealed_chunk_file_shorter_than_its_successor_says_is_corrupt_data(tmp_path):
+    """A chunk with a successor ends where the successor starts: a file cut shorter behind the
+    segment's back (its frames are not read: only the last chunk's end is looked for) is damage
+    a read reports, never a short answer."""
     storage = open_storage(str(tmp_path))
-    seg = RollingSegment(storage, "s", rolling_size=8)
-    for i in range(4):
-        seg.append(b"record%d;" % i)
-    os.truncate(tmp_path / "s.seg" / chunk_name(16), 3)  # lost its tail behind the commit record's back
-    assert seg.read(0, 16) == b"record0;record1;"
-    for offset, length in ((16, 8), (12, 10), (19, 1), (20, 2)):
-        missing = max(offset, 19)  # the first byte the read wanted that the file lacks
-        with pytest.raises(errors.CorruptDataError, match=f"chunk {chunk_name(16)}.*byte {missing - 16}") as caught:
+    stored = pieces(storage, [b"record%d;" % i for i in range(4)])
+    at = offsets(stored)
+    seg = open_segment(storage, "s", rolling_size=len(stored[0]))
+    for piece in stored:
+        seg.append(piece)
+    victim = seg.chunks()[2]
+    assert (victim.start, victim.end) == (at[2], at[3])
+    os.truncate(tmp_path / "s.seg" / victim.name, 3)  # lost its tail
+    assert seg.read(0, at[2]) == stored[0] + stored[1]
+    for offset, length in ((at[2], 8), (at[2] - 4, 10), (at[2] + 3, 1), (at[2] + 4, 2)):
+        missing = max(offset, at[2] + 3)  # the first byte the read wanted that the file lacks
+        with pytest.raises(errors.CorruptDataError, match=f"chunk {victim.name}.*byte {missing - at[2]}") as caught:
             seg.read(offset, length)
         assert caught.value.segment == "s" and caught.value.offset == missing
+
+
+def test_a_last_chunk_cut_inside_a_frame_ends_at_the_last_whole_frame(tmp_path):
+    """The last chunk's end is the end of its chain of whole, valid frames: a file cut inside its
+    last frame (behind the segment's back) ends before that frame, for every new handle."""
+    storage = open_storage(str(tmp_path))
+    stored = pieces(storage, [b"record%d;" % i for i in range(3)])
+    at = offsets(stored)
+    seg = open_segment(storage, "s")
+    for piece in stored:
+        seg.append(piece)
+    os.truncate(tmp_path / "s.seg" / seg.chunks()[-1].name, at[3] - 1)
+    fresh = open_segment(storage, "s")
+    assert fresh.length == at[2] and fresh.torn_tail == (at[2], stored[2][:-1])
+    assert payloads(storage, fresh.read(0, fresh.length)) == [b"record0;", b"record1;"]
+    with pytest.raises(OffsetOutOfRangeError):
+        fresh.read(at[2], 1)
 
 
 def test_refresh_and_read_stay_consistent_under_concurrent_append_and_truncate(tmp_path):
@@ -288,12 +346,14 @@ def test_refresh_and_read_stay_consistent_under_concurrent_append_and_truncate(t
     from . import storage_workers
 
     root, rolling_size, seconds = str(tmp_path), 64, 3.0
-    RollingSegment(open_storage(root), "s", rolling_size=rolling_size).append(storage_workers.pattern(0, 10))
+    storage = open_storage(root)
+    expected = storage_workers.Stream(storage)
+    open_segment(storage, "s", rolling_size=rolling_size).append(expected.piece(0, 0))
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.storage_workers", "churn", root, "s", str(seconds), str(rolling_size)],
         cwd=os.path.dirname(os.path.dirname(__file__)), stdout=subprocess.PIPE,
     )
-    seg = RollingSegment(open_storage(root), "s")
+    seg = open_segment(storage, "s")
     views = reads = truncated = 0
     previous = 0
     try:
@@ -306,7 +366,7 @@ def test_refresh_and_read_stay_consistent_under_concurrent_append_and_truncate(t
             previous, views = length, views + 1
             offset, size = start, min(length - start, 200)  # the oldest bytes: the next to be truncated
             try:
-                assert seg.read(offset, size) == storage_workers.pattern(offset, size)
+                assert seg.read(offset, size) == expected.read(offset, size)
                 reads += 1
             except TruncatedError:
                 truncated += 1

@@ -480,21 +480,55 @@ def _grouped_appends(root: str, members: int) -> None:
         assert seg.stats().append_groups == 3
 
 
-def test_a_crash_mid_group_is_a_crash_not_lost_commits(tmp_path):
-    """A group's commit record lost (the crash of one append): the whole group rolls back and the
-    segment opens; losing the commit record before it too is damage, as for single appends."""
-    from storage_adapters.local import drop_commit_records
+@pytest.mark.parametrize("torn", ["first-header", "second-payload"])
+def test_a_crash_mid_group_keeps_the_whole_batches_before_the_tear(tmp_path, caplog, torn):
+    """A group is one storage append: a crash tears it somewhere. The batches of the group before
+    the tear are whole frames and stay (none was acknowledged; a writer that retries finds them,
+    as after a lost acknowledgement); the torn one and those after it are cut with a warning, and
+    a torn batch whose header was written keeps its offset from ever being given out again."""
+    from attrindex.log.batch import BATCH_HEADER_SIZE, iter_batches
+    from tests.raw_chunks import committed
 
-    for lost, damaged in ((1, False), (2, True)):
-        root = str(tmp_path / f"s{lost}")
-        _grouped_appends(root, 3)
-        drop_commit_records(os.path.join(root, "s", "_log.seg", "0" * 20), lost)
-        with SegmentStore.open(root) as store:
-            if damaged:
-                with pytest.raises(CorruptDataError, match="commit records were lost"):
-                    store.segment("s")
-            else:
-                assert [r.value for r in store.segment("s").read(0, 10)] == [b"single", b"lead"]
+    root = str(tmp_path / "s")
+    _grouped_appends(root, 3)
+    path = os.path.join(root, "s", "_log.seg", "0" * 20)
+    batches = list(iter_batches(committed(path)))
+    assert [h.base_offset for _p, h in batches] == [0, 1, 2, 3, 4]  # single, lead, then the group m0..m2
+    (group_at, _first), (second_at, second) = batches[2], batches[3]
+    tear = group_at + 10 if torn == "first-header" else second_at + BATCH_HEADER_SIZE + 1
+    with open(path, "r+b") as f:  # the group's bytes from the tear on never reached the disk
+        f.seek(tear)
+        f.write(bytes(second_at + second.size + batches[4][1].size - tear))
+    with SegmentStore.open(root) as store, caplog.at_level("WARNING", logger="attrindex.storage"):
+        seg = store.segment("s")
+        kept = [b"single", b"lead"] + ([b"m0"] if torn == "second-payload" else [])
+        assert [r.value for r in seg.read(0, 10)] == kept
+        # a header written whole claims its offset (3: m1's): the next append goes above it
+        assert seg.append([b"next"]).first_offset == (4 if torn == "second-payload" else 2)
+        assert any("torn write" in r.getMessage() for r in caplog.records)  # said when cut
+        assert [r.value for r in seg.read(0, 10)] == kept + [b"next"]
+        assert store.verify_segment("s").ok
+
+
+def test_damage_below_a_group_is_corruption_not_a_torn_write(tmp_path):
+    """A flipped byte in the batch before a group: whole frames follow it, so it is damage below
+    committed data (reported), never cut as a torn write."""
+    from attrindex.log.batch import BATCH_HEADER_SIZE, iter_batches
+    from tests.raw_chunks import committed
+
+    root = str(tmp_path / "s")
+    _grouped_appends(root, 3)
+    path = os.path.join(root, "s", "_log.seg", "0" * 20)
+    lead_at = list(iter_batches(committed(path)))[1][0]
+    with open(path, "r+b") as f:
+        f.seek(lead_at + BATCH_HEADER_SIZE)
+        byte = f.read(1)[0]
+        f.seek(lead_at + BATCH_HEADER_SIZE)
+        f.write(bytes([byte ^ 0x40]))
+    with SegmentStore.open(root) as store:
+        with pytest.raises(CorruptDataError, match="invalid record batch"):
+            store.segment("s").read(0, 10)
+        assert [d.start for d in store.verify_segment("s").damage] == [lead_at]
 
 
 def test_concurrent_appends_share_storage_appends(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from attrindex import Record, SegmentStore
 from attrindex.errors import CorruptDataError, RecordTruncatedError
 from attrindex.log.batch import iter_batches
+from attrindex.log.framing import LOG_FRAMING
 from attrindex.log.sparse_index import decode_chunk_index
 
 SMALL = {"log_rolling_size": 2048, "index_interval_bytes": 256}
@@ -48,10 +49,11 @@ def test_garbage_below_the_committed_length_is_corruption_until_repaired(tmp_pat
             seg.append([b"record-%d" % i], [(key(i), i)], timestamp=i)
     (chunk,) = chunk_files(root)
     data = open(chunk, "rb").read()
-    positions = [pos for pos, _header in iter_batches(data)]
+    data = data[:LOG_FRAMING.chain_end(data, 0)]  # the frames (zeros follow them in the file)
+    positions = [pos for pos, _header in iter_batches(data)]  # the first chunk starts at log byte 0
     assert len(positions) == 100
     cut = rng.randrange(100)
-    with open(chunk, "r+b") as f:  # same length, so the commit record still covers it
+    with open(chunk, "r+b") as f:  # garbage no crash leaves: damage, not a torn write
         f.seek(positions[cut])
         f.write(rng.randbytes(len(data) - positions[cut]))
     with SegmentStore.open(root) as store:
@@ -88,7 +90,7 @@ def test_garbage_inside_the_log_is_an_error_naming_its_place(tmp_path):
             seg.append([b"x" * 100])
     first = chunk_files(root)[0]
     data = bytearray(open(first, "rb").read())
-    positions = [pos for pos, _header in iter_batches(bytes(data))]
+    positions = [pos for pos, _header in iter_batches(bytes(data[:LOG_FRAMING.chain_end(bytes(data), 0)]))]  # the first chunk: log byte 0
     data[positions[2] + 60] ^= 0xFF  # inside the payload of the third batch
     open(first, "wb").write(data)
     with SegmentStore.open(root, **SMALL) as store:

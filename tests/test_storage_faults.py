@@ -16,18 +16,23 @@ from storage_adapters import (
     StorageError,
     StorageFullError,
     TruncatedError,
+    chunk_name,
 )
 from storage_adapters.faults import FAULT_KINDS, FaultyStorage, Injection, faults_disabled
 from storage_adapters.local import LocalChunkStorage
+
+from .framed import FRAMING, frame, offsets, open_segment, overhead, payloads, pieces
 
 
 def test_without_faults_it_is_the_inner_backend(storage):
     faulty = FaultyStorage(storage, seed=1)
     assert faulty.appendable == storage.appendable and faulty.url == storage.url
-    seg = RollingSegment(faulty, "s", rolling_size=8)
-    for i in range(5):
-        assert seg.append(b"rec-%d;" % i) == 6 * i
-    assert RollingSegment(storage, "s").read(0, 30) == b"".join(b"rec-%d;" % i for i in range(5))
+    seg = open_segment(faulty, "s", rolling_size=8 + overhead(storage))
+    stored = pieces(storage, [b"rec-%d;" % i for i in range(5)])
+    at = offsets(stored)
+    for i, piece in enumerate(stored):
+        assert seg.append(piece) == at[i]
+    assert open_segment(storage, "s").read(0, at[5]) == b"".join(stored)
     assert faulty.injected == []
 
 
@@ -85,16 +90,24 @@ def appendable_storage(request, tmp_path):
 def test_torn_append_leaves_uncommitted_bytes(appendable_storage):
     storage = appendable_storage
     faulty = FaultyStorage(storage, seed=5)
+    first, torn, after = pieces(storage, [b"committed;", b"torn-tail-bytes", b"next;"])
+    end = len(first)
     with faulty.lock("d"):
-        faulty.append("d/c", 0, b"committed;")
+        faulty.append("d/c", 0, first)
         faulty.script("torn", op="append")
         with pytest.raises(StorageError, match="torn"):
-            faulty.append("d/c", 10, b"torn-tail-bytes")
-        assert storage.committed_size("d/c") == 10
-        if isinstance(storage, LocalChunkStorage):
-            assert storage.list_files("d")["c"] > 10  # a prefix is on disk, not committed
-        faulty.append("d/c", 10, b"next;")  # overwrites the torn bytes
-    assert storage.read("d/c", 0, 100) == b"committed;next;"
+            faulty.append("d/c", end, torn)
+        data = storage.read("d/c", 0, 1 << 20)
+        if storage.torn_appends:
+            # A prefix is on disk past the chain of frames, which still ends after the first.
+            assert FRAMING.chain_end(data, 0) == end
+            left = data[end:].rstrip(b"\0")
+            assert left and torn.startswith(left) and len(left) < len(torn)
+        else:
+            assert data == first  # memory: whole or nothing
+        faulty.append("d/c", end, after, clear_to=end + len(torn))  # overwrites and clears the torn bytes
+    data = storage.read("d/c", 0, 1 << 20)
+    assert data[:end + len(after)] == first + after and not data[end + len(after):].strip(b"\0")
 
 
 def test_bitflip_changes_one_bit_of_what_is_returned(storage):
@@ -160,22 +173,49 @@ def _write_op(storage) -> str:
 
 
 def _stored(storage, name="s") -> bytes:
-    fresh = RollingSegment(storage, name)
+    fresh = open_segment(storage, name)
     return fresh.read(fresh.start_offset, fresh.length - fresh.start_offset)
 
 
 @pytest.mark.parametrize("expected", [True, False])
 def test_lost_ack_append_returns_its_offset_once(storage, expected, caplog):
     faulty = FaultyStorage(storage, seed=1)
-    seg = RollingSegment(faulty, "s")
-    seg.append(b"a;")
+    seg = open_segment(faulty, "s")
+    stored = pieces(storage, [b"a;", b"bb;", b"c;"])
+    at = offsets(stored)
+    seg.append(stored[0])
     faulty.script("lost_ack", op=_write_op(storage))
     with caplog.at_level("INFO", logger="attrindex.storage"):
-        assert seg.append(b"bb;", expected_offset=2 if expected else None) == 2
+        assert seg.append(stored[1], expected_offset=at[1] if expected else None) == at[1]
     assert "accepted" in caplog.text  # the recovery is logged
-    assert seg.append(b"c;") == 5
-    assert _stored(storage) == b"a;bb;c;"
+    assert seg.append(stored[2]) == at[2]
+    assert _stored(storage) == b"".join(stored)
     assert [i.kind for i in faulty.injected] == ["lost_ack"]
+
+
+class _ReadFaultAfterWrite(FaultyStorage):
+    """Scripts ``read_fault`` on reads right after the next write returns or raises: on local
+    disk an append looks at its chunk's end before it writes, and the fault must hit the reads
+    that settle the write, not that look."""
+
+    read_fault: str | None = None
+
+    def _arm(self) -> None:
+        if self.read_fault is not None:
+            self.script(self.read_fault, op="read")
+            self.read_fault = None
+
+    def append(self, path, position, data, *, clear_to=0):
+        try:
+            return super().append(path, position, data, clear_to=clear_to)
+        finally:
+            self._arm()
+
+    def create(self, path, data):
+        try:
+            return super().create(path, data)
+        finally:
+            self._arm()
 
 
 @pytest.mark.parametrize("expected", [True, False])
@@ -183,43 +223,48 @@ def test_a_lost_ack_whose_read_back_is_flipped_is_never_a_duplicate_nor_a_false_
     """Two faults in one append: the write lands, its answer is lost, and the read that settles it
     meets a flipped bit. Taking the object for another writer's would write the bytes again (no
     expected offset) or report "nothing written" for a stored append (with one)."""
-    faulty = FaultyStorage(storage, seed=4)
-    seg = RollingSegment(faulty, "s")
-    seg.append(b"a;")
+    faulty = _ReadFaultAfterWrite(storage, seed=4)
+    seg = open_segment(faulty, "s")
+    stored = pieces(storage, [b"a;", b"bb;"])
+    at = offsets(stored)
+    seg.append(stored[0])
     faulty.script("lost_ack", op=_write_op(storage))
-    faulty.script("bitflip_read", op="read")
+    faulty.read_fault = "bitflip_read"
     try:
-        assert seg.append(b"bb;", expected_offset=2 if expected else None) == 2
+        assert seg.append(stored[1], expected_offset=at[1] if expected else None) == at[1]
     except OutcomeUnknownError:
         pass  # allowed: the caller must read before writing again
-    assert _stored(storage) == b"a;bb;"  # once, never twice, and not reported as not written
+    assert _stored(storage) == b"".join(stored)  # once, never twice, and not reported as not written
     assert [i.kind for i in faulty.injected][:2] == ["lost_ack", "bitflip_read"]
 
 
 @pytest.mark.parametrize("kind", ["fail_before", "enospc", "torn"])
 def test_a_failed_write_is_a_definite_error_and_leaves_nothing(storage, kind):
     faulty = FaultyStorage(storage, seed=2)
-    seg = RollingSegment(faulty, "s", rolling_size=4)
-    seg.append(b"abcd")
+    first = frame(storage, b"abcd")
+    end = len(first)
+    seg = open_segment(faulty, "s", rolling_size=end)
+    seg.append(first)
     faulty.script(kind, op=_write_op(storage))
     with pytest.raises(StorageError) as caught:
-        seg.append(b"efgh;", expected_offset=4)
+        seg.append(frame(storage, b"efgh;", end), expected_offset=end)
     assert not isinstance(caught.value, OutcomeUnknownError)
     assert isinstance(caught.value, StorageFullError) == (kind == "enospc")
-    assert _stored(storage) == b"abcd"
-    assert seg.append(b"ij;", expected_offset=4) == 4
-    assert _stored(storage) == b"abcdij;"
+    assert _stored(storage) == first
+    assert seg.append(frame(storage, b"ij;", end), expected_offset=end) == end
+    assert _stored(storage) == first + frame(storage, b"ij;", end)
 
 
 def test_an_unreadable_outcome_is_reported_unknown(storage):
-    faulty = FaultyStorage(storage, seed=3)
-    seg = RollingSegment(faulty, "s")
-    seg.append(b"a;")
+    faulty = _ReadFaultAfterWrite(storage, seed=3)
+    seg = open_segment(faulty, "s")
+    stored = pieces(storage, [b"a;", b"bb;"])
+    seg.append(stored[0])
     faulty.script("lost_ack", op=_write_op(storage))
-    faulty.script("fail_before", op="read")  # the read-back cannot settle it
+    faulty.read_fault = "fail_before"  # the read-back cannot settle it
     with pytest.raises(OutcomeUnknownError):
-        seg.append(b"bb;", expected_offset=2)
-    assert _stored(storage) == b"a;bb;"  # it did happen: "unknown" was the honest answer
+        seg.append(stored[1], expected_offset=len(stored[0]))
+    assert _stored(storage) == b"".join(stored)  # it did happen: "unknown" was the honest answer
 
 
 def test_another_writers_chunk_after_a_lost_ack_is_not_taken_for_ours():
@@ -292,13 +337,15 @@ def test_s3_put_lands_response_lost_retry_gets_412(s3_options, expected):
 def test_housekeeping_after_the_durable_point_never_fails_the_append(storage):
     storage.deletion_grace = 0  # objects: dead chunks deleted at once (the default grace: test_s3_requests.py)
     faulty = FaultyStorage(storage, seed=6)
-    seg = RollingSegment(faulty, "s", rolling_size=4)
-    seg.append(b"abcd")
-    seg.truncate(4)  # the last chunk is kept until an append starts the next one
+    stored = pieces(storage, [b"abcd", b"efgh", b"ijkl"])
+    at = offsets(stored)
+    seg = open_segment(faulty, "s", rolling_size=len(stored[0]))
+    seg.append(stored[0])
+    seg.truncate(at[1])  # the last chunk is kept until an append starts the next one
     faulty.script("fail_before", op="delete")
-    assert seg.append(b"efgh") == 4  # deleting the dead chunk failed: logged, not raised
-    assert seg.append(b"ijkl") == 8  # and retried here
-    assert _stored(storage) == b"efghijkl"
+    assert seg.append(stored[1]) == at[1]  # deleting the dead chunk failed: logged, not raised
+    assert seg.append(stored[2]) == at[2]  # and retried here
+    assert _stored(storage) == stored[1] + stored[2]
     assert "0" * 20 not in storage.list_files("s.seg")
 
 
@@ -328,55 +375,60 @@ def test_refresh_relists_a_torn_listing_and_gives_up_after_its_bound():
 
 
 class _VanishesOnce(FaultyStorage):
-    """The last chunk is deleted between the listing and its size (a truncation moved on)."""
+    """The last chunk is deleted between the listing and the look at its end (a truncation moved on)."""
 
     vanished = False
 
-    def committed(self, path):  # what a listing asks of the last chunk
+    def read(self, path, start, end):  # what a listing's look at the last chunk's end reads
         if not self.vanished:
             self.vanished = True
             raise FileNotFoundError(path)
-        return self.inner.committed(path)
+        return self.inner.read(path, start, end)
 
 
 def test_refresh_relists_when_a_listed_chunk_vanishes(tmp_path):
     from storage_adapters import open_storage
 
     inner = open_storage(str(tmp_path))
-    RollingSegment(inner, "s").append(b"abc")
+    (data,) = pieces(inner, [b"abc"])
+    open_segment(inner, "s").append(data)
     vanishing = _VanishesOnce(inner, seed=1)
-    seg = RollingSegment(vanishing, "s")
-    assert (seg.length, seg.read(0, 3)) == (3, b"abc") and vanishing.vanished
+    seg = open_segment(vanishing, "s")
+    assert (seg.length, seg.read(0, len(data))) == (len(data), data) and vanishing.vanished
 
 
 def test_truncate_is_done_once_its_marker_is_durable(storage):
     storage.deletion_grace = 0  # objects: dead chunks deleted at once (the default grace: test_s3_requests.py)
     faulty = FaultyStorage(storage, seed=2)
-    seg = RollingSegment(faulty, "s", rolling_size=4)
-    for part in (b"abcd", b"efgh", b"ijkl"):
+    stored = pieces(storage, [b"abcd", b"efgh", b"ijkl", b"mnop"])
+    at = offsets(stored)
+    seg = open_segment(faulty, "s", rolling_size=len(stored[0]))
+    for part in stored[:3]:
         seg.append(part)
     faulty.script("fail_before", op="delete")
-    seg.truncate(8)  # deleting the dead chunks fails: logged, not raised
-    assert RollingSegment(storage, "s").start_offset == 8
+    seg.truncate(at[2])  # deleting the dead chunks fails: logged, not raised
+    assert open_segment(storage, "s").start_offset == at[2]
     with pytest.raises(TruncatedError):
-        RollingSegment(storage, "s").read(4, 2)
-    assert seg.append(b"mnop") == 12  # retries the deletions
-    assert sorted(n for n in storage.list_files("s.seg") if "/" not in n) == ["0" * 18 + "08", "0" * 18 + "12"]
+        open_segment(storage, "s").read(at[1], 2)
+    assert seg.append(stored[3]) == at[3]  # retries the deletions
+    assert sorted(n for n in storage.list_files("s.seg") if "/" not in n) == [chunk_name(at[2]), chunk_name(at[3])]
 
 
 def test_truncate_settles_its_marker_by_reading(storage):
     faulty = FaultyStorage(storage, seed=3)
-    seg = RollingSegment(faulty, "s", rolling_size=4)
-    for part in (b"abcd", b"efgh", b"ijkl"):
+    stored = pieces(storage, [b"abcd", b"efgh", b"ijkl"])
+    at = offsets(stored)
+    seg = open_segment(faulty, "s", rolling_size=len(stored[0]))
+    for part in stored:
         seg.append(part)
     faulty.script("fail_before", op="put_marker")
     with pytest.raises(StorageError) as caught:
-        seg.truncate(4)
+        seg.truncate(at[1])
     assert not isinstance(caught.value, OutcomeUnknownError)
-    assert RollingSegment(storage, "s").start_offset == 0
+    assert open_segment(storage, "s").start_offset == 0
     faulty.script("lost_ack", op="put_marker")
-    seg.truncate(8)  # the marker is stored: the truncation happened, and says so
-    assert seg.start_offset == 8 == RollingSegment(storage, "s").start_offset
+    seg.truncate(at[2])  # the marker is stored: the truncation happened, and says so
+    assert seg.start_offset == at[2] == open_segment(storage, "s").start_offset
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -388,20 +440,29 @@ def test_random_faults_never_lose_or_duplicate_an_append(storage, seed):
     from storage_adapters import BadOffsetError
 
     faulty = FaultyStorage(storage, seed=seed, rates={"fail_before": 0.08, "lost_ack": 0.08, "torn": 0.05, "enospc": 0.03})
-    seg = RollingSegment(faulty, "s", rolling_size=64)
+    seg = open_segment(faulty, "s", rolling_size=64)
     acknowledged, unknown, failed = {}, set(), set()
     for i in range(40 if not storage.appendable else 200):
         record = b"<%d-%d>" % (seed, i)
         try:
-            acknowledged[seg.append(record, expected_offset=seg.length if i % 2 else None)] = record
+            offset = seg.append(frame(storage, record), expected_offset=seg.length if i % 2 else None)
+            acknowledged[offset] = record
         except OutcomeUnknownError:
             unknown.add(record)
         except (BadOffsetError, StorageError):
             failed.add(record)
     with faults_disabled(faulty):
-        stored = _stored(storage)
-    found = {m.start(): m.group() for m in re.finditer(rb"<\d+-\d+>", stored)}
-    assert b"".join(found.values()) == stored  # nothing torn or garbled is visible
+        fresh = open_segment(storage, "s")
+        start, stored = fresh.start_offset, _stored(storage)
+    if storage.torn_appends:  # one record per frame
+        found, position = {}, start
+        for record in payloads(storage, stored, start):  # nothing torn or garbled is visible
+            found[position] = record
+            position += len(frame(storage, record))
+        assert position == fresh.length
+    else:
+        found = {m.start(): m.group() for m in re.finditer(rb"<\d+-\d+>", stored)}
+        assert b"".join(found.values()) == stored  # nothing torn or garbled is visible
     assert {o: r for o, r in found.items() if o in acknowledged} == acknowledged
     records = list(found.values())
     assert len(records) == len(set(records))  # no duplicates

@@ -25,6 +25,7 @@ from storage_adapters.faults import FaultyStorage
 from storage_adapters.rolling import SWITCH_DIR, RollingSegment
 
 from .conftest import make_s3_url
+from .framed import frame, open_segment, overhead
 
 ROLL = 300
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,9 +39,14 @@ def payload(i: int, size: int) -> bytes:
     return (b"%07d|" % i * (size // 8 + 1))[:size]
 
 
+def piece(storage, position: int, size: int) -> bytes:
+    """What is appended at ``position``: a payload of ``size`` bytes (one frame on local disk)."""
+    return frame(storage, payload(position, size), position)
+
+
 def check_against(storage, model: bytearray, name="s") -> RollingSegment:
     """A fresh handle reads every stored byte of the model (replacements here keep all bytes)."""
-    fresh = RollingSegment(storage, name, rolling_size=ROLL)
+    fresh = open_segment(storage, name, rolling_size=ROLL)
     assert fresh.length == len(model) and not fresh.holes()
     start = fresh.start_offset
     assert fresh.read(start, len(model) - start) == bytes(model[start:])
@@ -49,7 +55,7 @@ def check_against(storage, model: bytearray, name="s") -> RollingSegment:
 
 def append_and_check(seg: RollingSegment, storage, model: bytearray) -> None:
     """One more append lands at the model's end, and a fresh handle reads the whole model."""
-    data = payload(len(model), 100)
+    data = piece(seg.storage, len(model), 100)
     assert seg.append(data) == len(model)
     model += data
     check_against(storage, model)
@@ -59,7 +65,7 @@ def cycle(seg: RollingSegment, model: bytearray, rng: random.Random, *, truncate
     """Roll at least once and switch; then keep about two chunks (``truncate``). Without
     truncation, consolidate every sealed chunk into one (each switch supersedes the one before)."""
     for _ in range(3):
-        data = payload(len(model), rng.randrange(60, 160))
+        data = piece(seg.storage, len(model), rng.randrange(60, 160))
         assert seg.append(data) == len(model)
         model += data
     sealed = [c for c in seg.chunks()[:-1] if c.start >= seg.start_offset]
@@ -81,7 +87,7 @@ def _open(kind, tmp_path, s3_options=None, **options):
 @pytest.mark.parametrize("kind", ["memory", "local"])
 def test_markers_stay_bounded_through_rolls_switches_and_truncations(kind, tmp_path):
     storage = _open(kind, tmp_path)
-    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(5)
+    seg, model, rng = open_segment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(5)
     counts = []
     for _ in range(40):
         cycle(seg, model, rng)
@@ -99,7 +105,7 @@ def test_markers_stay_bounded_on_s3(s3_options, grace):
     # No grace: appends check the next marker after their create, the strictest case. With a
     # grace, truncated and replaced chunk names stay for it, and so do the markers they hold back.
     storage = _open("s3", None, s3_options, deletion_grace=grace)
-    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(6)
+    seg, model, rng = open_segment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(6)
     for _ in range(18):
         cycle(seg, model, rng)
         time.sleep(grace / 4)
@@ -111,7 +117,7 @@ def test_markers_stay_bounded_on_s3(s3_options, grace):
 def test_markers_are_swept_by_switches_alone_once_old_chunks_are_replaced(kind, tmp_path):
     # A compacted log that is never truncated: the switches replace every plain chunk in turn.
     storage = _open(kind, tmp_path)
-    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(7)
+    seg, model, rng = open_segment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(7)
     for _ in range(40):
         cycle(seg, model, rng, truncate=False)
     assert seg.start_offset == 0 and seg._layout.generation >= 35
@@ -123,12 +129,12 @@ def test_markers_are_swept_by_switches_alone_once_old_chunks_are_replaced(kind, 
 def test_a_stale_appender_and_reader_survive_the_deletion_of_the_marker_they_would_check(kind, tmp_path):
     storage = _open(kind, tmp_path)
     model, rng = bytearray(), random.Random(8)
-    stale = RollingSegment(storage, "s", rolling_size=ROLL)
+    stale = open_segment(storage, "s", rolling_size=ROLL)
     for _ in range(2):
         cycle(stale, model, rng)
-    reader = RollingSegment(storage, "s", rolling_size=ROLL)
+    reader = open_segment(storage, "s", rolling_size=ROLL)
     generation = stale._layout.generation
-    busy = RollingSegment(storage, "s", rolling_size=ROLL)
+    busy = open_segment(storage, "s", rolling_size=ROLL)
     for _ in range(30):
         cycle(busy, model, rng)
     assert generation + 1 not in markers(storage)  # the sign the stale handles would look for
@@ -146,11 +152,11 @@ def test_a_view_of_the_empty_segment_sees_the_switches_after_its_marker_was_dele
     appends go on after the others' (S3 without a deletion grace: the strictest appends)."""
     s3_options = request.getfixturevalue("s3_options") if kind == "s3" else None
     storage = _open(kind, tmp_path, s3_options, deletion_grace=0) if kind == "s3" else _open(kind, tmp_path)
-    empty_reader = RollingSegment(storage, "s", rolling_size=ROLL)
-    empty_appender = RollingSegment(storage, "s", rolling_size=ROLL)
+    empty_reader = open_segment(storage, "s", rolling_size=ROLL)
+    empty_appender = open_segment(storage, "s", rolling_size=ROLL)
     assert empty_reader.length == 0 and not empty_reader.chunks()
     assert not empty_reader.poll()  # nothing yet: the listing of switch/ finds no marker either
-    busy, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(10)
+    busy, model, rng = open_segment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(10)
     for _ in range(20):
         cycle(busy, model, rng, truncate=kind == "s3")  # S3 without grace sweeps after truncations only
     assert 1 not in markers(storage) and markers(storage)[-1] > 1  # swept; the top one stays
@@ -168,8 +174,8 @@ def test_a_failed_look_for_switches_from_an_empty_view_raises_and_the_next_poll_
     with storage back, sees the switches."""
     inner = _open(kind, tmp_path)
     storage = FaultyStorage(inner, seed=13)
-    empty_reader = RollingSegment(storage, "s", rolling_size=ROLL)
-    busy, model, rng = RollingSegment(inner, "s", rolling_size=ROLL), bytearray(), random.Random(14)
+    empty_reader = open_segment(storage, "s", rolling_size=ROLL)
+    busy, model, rng = open_segment(inner, "s", rolling_size=ROLL), bytearray(), random.Random(14)
     for _ in range(20):
         cycle(busy, model, rng, truncate=False)
     assert 1 not in markers(inner)
@@ -212,14 +218,14 @@ def test_a_stale_appender_whose_last_chunk_outlives_the_switches_after_it(kind, 
     # chunk inside a replacement (an acknowledged append nobody can read).
     storage = _open(kind, tmp_path)
     model, rng = bytearray(), random.Random(9)
-    stale = RollingSegment(storage, "s", rolling_size=ROLL)
+    stale = open_segment(storage, "s", rolling_size=ROLL)
     while stale.length < ROLL:
-        data = payload(len(model), 100)
+        data = piece(storage, len(model), 100)
         stale.append(data)
         model += data
-    busy = RollingSegment(storage, "s", rolling_size=ROLL)
+    busy = open_segment(storage, "s", rolling_size=ROLL)
     while len([c for c in busy.chunks() if c.start >= stale.length]) < 2:
-        data = payload(len(model), 100)
+        data = piece(storage, len(model), 100)
         busy.append(data)
         model += data
     after = [c for c in busy.chunks() if c.start >= stale.length]
@@ -234,7 +240,7 @@ def test_a_stale_appender_whose_last_chunk_outlives_the_switches_after_it(kind, 
 def test_failed_and_lost_deletes_during_the_sweep_leave_a_readable_segment(kind, tmp_path):
     inner = _open(kind, tmp_path)
     storage = FaultyStorage(inner, seed=11)
-    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(12)
+    seg, model, rng = open_segment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(12)
     for round_ in range(40):
         # every other sweep fails before deleting, or deletes and loses its answer
         storage.script("fail_before" if round_ % 4 == 0 else "lost_ack", op="delete", times=1)
@@ -274,13 +280,13 @@ def test_a_crash_between_the_deletes_leaves_a_readable_segment(kind, tmp_path):
     storage = CrashingDeletes(inner, seed=15)
     model, rng = bytearray(), random.Random(16)
     for _ in range(12):  # a new handle after each crash: a restarted process knows nothing
-        seg = RollingSegment(storage, "s", rolling_size=ROLL)
+        seg = open_segment(storage, "s", rolling_size=ROLL)
         crashes = storage.crashes
         while storage.crashes == crashes and len(model) < 200_000:
             cycle(seg, model, rng)
             check_against(inner, model)
     assert storage.crashes >= 10 and storage.sweeps >= 20
-    seg = RollingSegment(inner, "s", rolling_size=ROLL)
+    seg = open_segment(inner, "s", rolling_size=ROLL)
     for _ in range(10):
         cycle(seg, model, rng)
     assert len(markers(inner)) <= 6, markers(inner)
@@ -291,16 +297,15 @@ _CHILD = """
 import random, sys
 sys.path.insert(0, %r)
 from storage_adapters import open_storage
-from storage_adapters.rolling import RollingSegment
-from tests.test_switch_markers import ROLL, payload
+from tests.framed import open_segment
+from tests.test_switch_markers import ROLL, piece
 storage = open_storage(sys.argv[1])
-seg, rng = RollingSegment(storage, "s", rolling_size=ROLL), random.Random(int(sys.argv[2]))
+seg, rng = open_segment(storage, "s", rolling_size=ROLL), random.Random(int(sys.argv[2]))
 while True:
     for _ in range(3):
-        offset = seg.length
-        data = payload(offset, rng.randrange(60, 160))
-        got = seg.append(data)
-        print(got, len(data), flush=True)
+        offset, size = seg.length, rng.randrange(60, 160)
+        got = seg.append(piece(storage, offset, size), expected_offset=offset)
+        print(got, size, flush=True)
     sealed = [c for c in seg.chunks()[:-1] if c.start >= seg.start_offset]
     if sealed:
         c = sealed[-1]
@@ -312,7 +317,7 @@ while True:
 
 def test_sigkill_during_switches_and_sweeps_on_local_disk(tmp_path):
     root = str(tmp_path / "store")
-    acked: dict[int, int] = {}
+    acked: dict[int, int] = {}  # offset -> payload size
     rng = random.Random(13)
     for round_ in range(4):
         child = subprocess.Popen([sys.executable, "-c", _CHILD, root, str(round_)], stdout=subprocess.PIPE, text=True)
@@ -335,12 +340,14 @@ def test_sigkill_during_switches_and_sweeps_on_local_disk(tmp_path):
         child.stdout.close()
         assert lines == target, f"round {round_}: the child stopped after {lines} appends ({child.returncode})"
         storage = open_storage(root)
-        seg = RollingSegment(storage, "s", rolling_size=ROLL)
+        seg = open_segment(storage, "s", rolling_size=ROLL)
         for offset, size in acked.items():  # every acknowledged append above the start is there
             if offset >= seg.start_offset:
-                assert seg.read(offset, size) == payload(offset, size)
+                expected = piece(storage, offset, size)
+                assert seg.read(offset, len(expected)) == expected
         # at most the one append the kill cut off before its acknowledgement was printed
-        assert 0 <= seg.length - max(o + s for o, s in acked.items()) < 160
+        end = max(o + len(piece(storage, o, s)) for o, s in acked.items())
+        assert 0 <= seg.length - end < 160 + overhead(storage)
     model_rng = random.Random(14)
     model = bytearray(seg.read(seg.start_offset, seg.length - seg.start_offset))
     model[:0] = bytes(seg.start_offset)  # offsets below the start are never read
@@ -354,17 +361,17 @@ def test_sigkill_during_switches_and_sweeps_on_local_disk(tmp_path):
 def test_chunks_a_crash_left_below_the_truncation_are_deleted_by_a_later_truncation(kind, tmp_path):
     inner = _open(kind, tmp_path)
     storage = FaultyStorage(inner, seed=17)
-    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(18)
+    seg, model, rng = open_segment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(18)
     for _ in range(6):
         cycle(seg, model, rng)
     storage.script("fail_before", op="delete", times=100)  # the process dies before deleting anything
     seg.truncate(seg.chunks()[-1].start)
-    left = [n for n in inner.list_files("s.seg") if "/" not in n and not n.endswith(".commit")]
+    left = [n for n in inner.list_files("s.seg") if "/" not in n]
     storage.enabled = False
-    fresh = RollingSegment(inner, "s", rolling_size=ROLL)  # a restarted process: the view skips them
+    fresh = open_segment(inner, "s", rolling_size=ROLL)  # a restarted process: the view skips them
     assert len(left) > len(fresh.chunks())
     fresh.truncate(fresh.start_offset + 1)
-    kept = [n for n in inner.list_files("s.seg") if "/" not in n and not n.endswith(".commit")]
+    kept = [n for n in inner.list_files("s.seg") if "/" not in n]
     assert sorted(kept) == sorted(c.name for c in fresh.chunks())
     check_against(inner, model)
 
@@ -400,15 +407,15 @@ def test_a_compacted_log_that_is_never_truncated_keeps_few_markers(kind, tmp_pat
 @pytest.mark.parametrize("kind", ["memory", "local"])
 def test_a_segment_deleted_and_made_again_elsewhere_is_not_swept_by_the_old_horizon(kind, tmp_path):
     storage = _open(kind, tmp_path)
-    seg, model, rng = RollingSegment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(19)
+    seg, model, rng = open_segment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(19)
     for _ in range(20):
         cycle(seg, model, rng)
     storage.remove_directory("s.seg")  # another process deletes the segment: this one's state is old
-    seg, model = RollingSegment(storage, "s", rolling_size=ROLL), bytearray()
+    seg, model = open_segment(storage, "s", rolling_size=ROLL), bytearray()
     stale = None
     for i in range(20):
         cycle(seg, model, rng)
         if i == 1:
-            stale = RollingSegment(storage, "s", rolling_size=ROLL)  # a view of an early generation
+            stale = open_segment(storage, "s", rolling_size=ROLL)  # a view of an early generation
         check_against(storage, model)
     append_and_check(stale, storage, model)

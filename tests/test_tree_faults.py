@@ -32,6 +32,8 @@ from attrindex.errors import (
 from storage_adapters import RollingSegment, open_storage
 from storage_adapters.faults import FaultyStorage
 
+from attrindex.btree.framing import TREE_FRAMING
+
 from .conftest import make_s3_url
 
 
@@ -47,7 +49,7 @@ def url(request, tmp_path):
 def flip(url: str, offset: int, name: str = "attributes") -> None:
     """Flip one bit of the byte at segment ``offset``, in place, behind every handle's back."""
     storage = open_storage(url)
-    segment = RollingSegment(storage, name)
+    segment = RollingSegment(storage, name, framing=TREE_FRAMING)
     chunk = next(c for c in segment.chunks() if c.start <= offset < c.end)
     path = f"{name}.seg/{chunk.name}"
     if url.startswith("memory://"):
@@ -82,7 +84,10 @@ def within(seconds: float, call):
 
 
 # -- class 2: the newest footer ----------------------------------------------------------------
+@pytest.mark.parametrize("url", [f"memory://tree-faults-{uuid.uuid4().hex}"])
 def test_damaged_newest_footer_is_corruption_on_open_and_on_reload(url):
+    """Where a chunk's length is stored (memory, S3), bytes up to it are committed: a damaged
+    newest footer is damage. (Local disk: the next test.)"""
     stale = TreeIndex.open(url, page_size=256)
     stale.update({k(i): 1 for i in range(100)})
     writer = TreeIndex.open(url, page_size=256)
@@ -97,6 +102,32 @@ def test_damaged_newest_footer_is_corruption_on_open_and_on_reload(url):
     report = TreeIndex.verify_at(url)
     assert not report.ok
     assert any(d.start == tail and d.end == tail + FOOTER_SIZE and "newest footer" in d.reason for d in report.damage)
+
+
+def test_damaged_newest_footer_on_local_disk_is_a_torn_update(tmp_path, caplog):
+    """On local disk a chunk's committed end is the end of its chain of whole updates: a damaged
+    newest footer with nothing valid after it cannot be told from an update torn by a crash
+    (docs/decisions/0001), so the update is cut as torn: a fresh handle opens the version before
+    it, verify finds nothing, and the next update zeroes the torn bytes with a warning (the
+    documented newest-write rollback). A handle that had read the newer version as committed
+    does not go back with it: it refuses."""
+    url = str(tmp_path / "store")
+    stale = TreeIndex.open(url, page_size=256)
+    stale.update({k(i): 1 for i in range(100)})
+    writer = TreeIndex.open(url, page_size=256)
+    writer.update({k(i): 2 for i in range(100)})
+    tail = writer._tree.state.footer_offset
+    flip(url, tail + 30)  # inside the entry count
+    reopened = TreeIndex.open(url, page_size=256)
+    assert reopened.get_many([k(i) for i in range(100)]) == [1] * 100
+    assert TreeIndex.verify_at(url).ok
+    with pytest.raises(CorruptDataError, match="length went back"):
+        writer.refresh()
+    with caplog.at_level(logging.WARNING, logger="attrindex.storage"):
+        stale.update({k(5): 3})
+    assert any("torn write" in r.getMessage() for r in caplog.records)
+    fresh = TreeIndex.open(url, page_size=256)
+    assert fresh.get_many([k(4), k(5), k(6)]) == [1, 3, 1] and fresh.verify().ok
 
 
 def test_damaged_tail_over_a_truncated_previous_version_raises_instead_of_hanging(url):
@@ -136,7 +167,7 @@ def _dangling_index(url: str) -> tuple[int, int]:
             break
     start = idx._segment.start_offset
     assert start > first[0]
-    raw = RollingSegment(open_storage(url), "attributes")
+    raw = RollingSegment(open_storage(url), "attributes", framing=TREE_FRAMING)
     at = raw.length
     page = encode_index([bytes(16), k(100)], [first[0], first[0]], [first[1], first[1]], [at, at], at)
     footer = Footer(at, len(page), 2, 10, 3, len(page) + 2 * first[1], at, -1, len(page) + FOOTER_SIZE)
@@ -415,10 +446,10 @@ def test_repair_rolls_back_to_the_newest_intact_version_and_says_what_was_lost(u
 def test_repair_of_a_first_update_goes_back_to_empty(url):
     idx = TreeIndex.open(url, page_size=256)
     idx.update({k(i): i for i in range(10)})
-    flip(url, idx._tree.state.footer_offset + 40)
+    flip(url, idx._tree.state.footer.root_offset + 20)  # its only page: the footer after it is whole
     report = TreeIndex.repair_at(url)
     assert report.rolled_back and report.kept_footer_offset == -1 and report.entries_after == 0
-    assert report.entries_before is None and report.updates_dropped == 1
+    assert report.entries_before == 10 and report.updates_dropped == 1  # its footer still tells
     reopened = TreeIndex.open(url, page_size=256)
     assert len(reopened) == 0 and reopened.verify().ok
     reopened.update({k(1): 1})

@@ -6,7 +6,9 @@ import hashlib
 import struct
 import sys
 
-from storage_adapters import BadOffsetError, RollingSegment, open_storage
+from storage_adapters import BadOffsetError, open_storage
+
+from .framed import FRAMING, frame, open_segment
 
 RECORD_HEADER = struct.Struct("<IIQ")  # writer id, sequence number, payload length
 
@@ -18,8 +20,20 @@ def make_record(writer: int, seq: int, size: int) -> bytes:
     return RECORD_HEADER.pack(writer, seq, size) + payload
 
 
-def parse_records(data: bytes) -> list[tuple[int, int, int, int]]:
-    """``[(offset, writer, seq, length)]`` of back-to-back records; asserts each payload is intact."""
+def parse_records(data: bytes, framed: bool = False) -> list[tuple[int, int, int, int]]:
+    """``[(offset, writer, seq, length)]`` of back-to-back records read from offset 0; asserts each
+    payload is intact. ``framed`` (local disk): each record is the payload of one frame, and the
+    offset and length are the frame's."""
+    if framed:
+        out, position = [], 0
+        while position < len(data):
+            payload = FRAMING.payloads(data[position:])[0]
+            end = position + FRAMING.header_size + len(payload)
+            assert FRAMING.chain_end(data[position:end], position) == end, f"no whole, valid frame at {position}"
+            ((_offset, writer, seq, _length),) = parse_records(payload)
+            out.append((position, writer, seq, end - position))
+            position = end
+        return out
     out, position = [], 0
     while position < len(data):
         writer, seq, size = RECORD_HEADER.unpack_from(data, position)
@@ -33,14 +47,15 @@ def parse_records(data: bytes) -> list[tuple[int, int, int, int]]:
 
 def race_rounds(url, options, name, writer, rounds, barrier, results):
     """Each round: look at the length, wait for everyone, then all append at that same offset."""
-    seg = RollingSegment(open_storage(url, **options), name, rolling_size=256)
+    seg = open_segment(open_storage(url, **options), name, rolling_size=256)
     outcome = []
     for round_number in range(rounds):
         seg.refresh()
         expected = seg.length
         barrier.wait()
         try:
-            offset = seg.append(make_record(writer, round_number, 40), expected_offset=expected)
+            offset = seg.append(frame(seg.storage, make_record(writer, round_number, 40), expected),
+                                expected_offset=expected)
             outcome.append(("won", round_number, offset))
         except BadOffsetError as exc:
             outcome.append(("lost", round_number, exc.actual_offset))
@@ -50,12 +65,13 @@ def race_rounds(url, options, name, writer, rounds, barrier, results):
 
 def race_free_for_all(url, options, name, writer, appends, barrier, results):
     """Append ``appends`` records, each with the expected offset this handle believes in."""
-    seg = RollingSegment(open_storage(url, **options), name, rolling_size=512)
+    seg = open_segment(open_storage(url, **options), name, rolling_size=512)
     won, lost, seq = [], 0, 0
     barrier.wait()
     while seq < appends:
         try:
-            won.append((seg.append(make_record(writer, seq, 8 + seq % 50), expected_offset=seg.length), seq))
+            record = frame(seg.storage, make_record(writer, seq, 8 + seq % 50), seg.length)
+            won.append((seg.append(record, expected_offset=seg.length), seq))
             seq += 1
         except BadOffsetError:
             lost += 1
@@ -64,10 +80,10 @@ def race_free_for_all(url, options, name, writer, appends, barrier, results):
 
 def append_forever(directory: str, name: str) -> None:
     """Append large records in a loop, printing 'offset seq length' after each append returns."""
-    seg = RollingSegment(open_storage(directory), name, rolling_size=4 << 20)
+    seg = open_segment(open_storage(directory), name, rolling_size=4 << 20)
     seq = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     while True:
-        record = make_record(7, seq, 4096 * (1 + seq % 97))
+        record = frame(seg.storage, make_record(7, seq, 4096 * (1 + seq % 97)), seg.length)
         offset = seg.append(record, expected_offset=seg.length)
         print(offset, seq, len(record), flush=True)
         seq += 1

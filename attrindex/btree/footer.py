@@ -90,22 +90,3 @@ def find_last_footer(window: bytes, window_offset: int) -> tuple[int, Footer] | 
                 return window_offset + position, footer
         position = window.rfind(MAGIC, 0, position)
     return None
-
-
-def lost_commits(tail: bytes, position: int) -> int:
-    """Bytes of whole updates in ``tail`` (stored after the committed end ``position``) when it
-    holds two or more, chained from ``position``; else 0. A crash leaves at most one update's bytes
-    there, so two or more mean lost commit records (damage); appending those bytes again at
-    ``position`` commits them."""
-    start, count, at = 0, 0, tail.find(MAGIC)
-    while at >= 0:
-        end = at + FOOTER_SIZE
-        if end > len(tail):
-            break
-        footer = decode_footer(tail[at:end], position + at)
-        if footer is not None and footer.update_length == end - start:
-            start, count = end, count + 1
-            at = tail.find(MAGIC, end)
-        else:
-            at = tail.find(MAGIC, at + 1)
-    return start if count >= 2 else 0

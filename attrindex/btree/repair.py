@@ -16,7 +16,7 @@ from storage_adapters import RollingSegment
 from storage_adapters.errors import CorruptDataError
 
 from ..damage import Damage
-from .footer import EMPTY, FOOTER_SIZE, lost_commits
+from .footer import EMPTY, FOOTER_SIZE
 from .verify import Version, check_tree, survey_chain
 
 log = logging.getLogger("attrindex.btree")
@@ -35,7 +35,6 @@ class IndexRepairReport:
     entries_after: int
     checkpoint: int | None  #: the kept version's log checkpoint (None if it has none)
     damage: list[Damage] = attrs.field(factory=list)  #: what verification found before the repair
-    recommitted_bytes: int = 0  #: whole updates after the committed end whose lost commit records were written again
 
 
 def repair_index(segment: RollingSegment) -> IndexRepairReport:
@@ -45,7 +44,6 @@ def repair_index(segment: RollingSegment) -> IndexRepairReport:
     must then be rebuilt from its source. Concurrent writers must be stopped first; an append race
     is reported as ``BadOffsetError`` and nothing is written.
     """
-    recommitted = _recommit(segment)
     segment.refresh()
     survey = survey_chain(segment)
     newest = survey.versions[0] if survey.versions else None
@@ -58,7 +56,7 @@ def repair_index(segment: RollingSegment) -> IndexRepairReport:
         kept_end = version.offset + FOOTER_SIZE if version.offset >= 0 else 0
         if updates_dropped == 0:
             return IndexRepairReport(False, version.offset, survey.length, survey.length, 0, entries_before,
-                                     version.footer.entry_count, checkpoint, survey.damage, recommitted)
+                                     version.footer.entry_count, checkpoint, survey.damage)
         span = survey.length + FOOTER_SIZE - kept_end
         # The field is a u32: past 4 GiB of abandoned bytes the copy is a plain footer-only update,
         # and verification reports those bytes until compaction truncates them.
@@ -67,7 +65,7 @@ def repair_index(segment: RollingSegment) -> IndexRepairReport:
             footer = attrs.evolve(footer, min_offset=survey.length)
         segment.append(footer.encode(survey.length), expected_offset=survey.length)
         report = IndexRepairReport(True, version.offset, kept_end, survey.length, updates_dropped, entries_before,
-                                   version.footer.entry_count, checkpoint, survey.damage, recommitted)
+                                   version.footer.entry_count, checkpoint, survey.damage)
         log.warning("segment %r: B+tree repaired by rolling back to the version whose footer is at offset %d: "
                     "%d update(s) dropped, bytes [%d, %d) no longer count, entries %s -> %d",
                     segment.name, version.offset, updates_dropped, kept_end, survey.length,
@@ -80,18 +78,6 @@ def repair_index(segment: RollingSegment) -> IndexRepairReport:
         segment=segment.name,
         offset=survey.start,
     )
-
-
-def _recommit(segment: RollingSegment) -> int:
-    """Commit again whole updates found after the committed end (their commit records were lost):
-    the same bytes appended at the same place, so nothing is lost. Returns the bytes recommitted."""
-    position, tail = segment.uncommitted_tail()
-    lost = lost_commits(tail, position)
-    if lost:
-        segment.append(tail[:lost], expected_offset=position)
-        log.warning("segment %r: %d bytes of whole B+tree updates after the committed end %d had lost their "
-                    "commit records; committed them again", segment.name, lost, position)
-    return lost
 
 
 def _candidates(survey):

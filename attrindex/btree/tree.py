@@ -28,7 +28,7 @@ from storage_adapters.errors import (
 from ..keys import MIN_KEY
 from . import bulk
 from .compaction import OnePagePolicy, TreeShape
-from .footer import EMPTY, FOOTER_SIZE, Footer, decode_footer, lost_commits
+from .footer import EMPTY, FOOTER_SIZE, Footer, decode_footer
 from .page import (
     HEADER_SIZE,
     INDEX_ENTRY_SIZE,
@@ -204,24 +204,11 @@ class BTreeIndex:
         self._write_lock = threading.Lock()
         self._state = TreeState(EMPTY, -1, 0)
         self.reload()
-        self._refuse_lost_commits()
 
     # -- state ---------------------------------------------------------------------------------
     @property
     def state(self) -> TreeState:
         return self._state
-
-    def _refuse_lost_commits(self) -> None:
-        """On open: whole updates stored after the committed end mean lost commit records (a crash
-        leaves at most one): the tree would silently be several updates old, so it is refused."""
-        position, tail = self.segment.uncommitted_tail()
-        lost = lost_commits(tail, position)
-        if lost:
-            raise CorruptDataError(
-                f"segment {self.segment.name!r}: {lost} bytes of whole B+tree updates lie after the committed "
-                f"length {position}: their commit records were lost (a crash loses at most one). Run repair "
-                "(AttributeIndex.repair_at), which commits them again",
-                segment=self.segment.name, offset=position)
 
     def reload(self) -> TreeState:
         """Adopt the newest durable version of the tree from storage (others may have written).
@@ -261,8 +248,8 @@ class BTreeIndex:
         raise StorageError(f"segment {self.segment.name!r}: no consistent listing in {RELIST_ATTEMPTS} attempts: {problem}") from problem
 
     def _read_state(self, length: int, start: int) -> TreeState:
-        """The version whose footer ends at ``length``: with commit records and whole objects the
-        committed length is exact, so those bytes must be a valid footer (no older one is looked for:
+        """The version whose footer ends at ``length``: with the chain of frames (local disk) and
+        whole objects the committed length is exact, so those bytes must be a valid footer (no older one is looked for:
         that would be a silent rollback)."""
         if length == 0:
             return TreeState(EMPTY, -1, 0)

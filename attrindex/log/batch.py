@@ -3,7 +3,7 @@
 A batch is a fixed 64-byte header and a payload; docs/format.md has the layout byte by byte::
 
     0   4s   magic b"AIXB"
-    4   u16  format version (2)
+    4   u16  format version (3)
     6   u16  flags: bits 0-2 codec, bit 3 keys column, bit 4 timestamps column, bit 5 headers column,
               bit 6 tombstones column
     8   u32  size of the whole batch, header included
@@ -15,10 +15,14 @@ A batch is a fixed 64-byte header and a payload; docs/format.md has the layout b
     40  i64  max timestamp
     48  u64  batch id (random, fixed per append call: a writer recognises its own batch)
     56  u32  CRC-32 of the stored (possibly compressed) payload
-    60  u32  CRC-32 of bytes 0..59
+    60  u32  CRC-32 of bytes 0..59, seeded with the batch's byte position in its segment
 
 The header has its own checksum, so a reader tells a torn tail (a valid header whose payload is not
-all there yet) from garbage (a header that fails its checksum). The payload is columnar so that
+all there yet) from garbage (a header that fails its checksum). That checksum is seeded with where
+the batch lies (the CRC-32 of the position as a little-endian u64, then bytes 0..59, as B+tree
+pages and footers are), so a batch is valid at one position only: stale bytes, or a batch copied
+or moved elsewhere, never pass for data there. ``place_batches`` seals batches for where they
+land; the encoders seal for position 0 unless told another. The payload is columnar so that
 both directions run on C-level bulk operations: value lengths (varints), all values as one blob,
 then the optional key, timestamp, header and tombstone columns, then the attribute updates, whose size is fixed (25 bytes each) so they sit at a known place at the
 end of the payload. A tombstone (``Record(value=None, key=...)``: the key is deleted, Kafka's null
@@ -65,16 +69,23 @@ __all__ = [
     "encode_batch",
     "iter_batches",
     "new_batch_id",
+    "peek_header",
+    "place_batches",
     "read_header",
     "rebase_batch",
+    "seal_header",
     "uniform_keys",
 ]
 
 BATCH_MAGIC = b"AIXB"
-BATCH_VERSION = 2  # version 1 (no batch id) was never released: it is not read
+BATCH_VERSION = 3  # 1 (no batch id) and 2 (checksum not seeded with the position) were never released
 _HEADER = struct.Struct("<4sHHIIIIqqqQII")
 BATCH_HEADER_SIZE = _HEADER.size  # 64
 _CHECKED_HEADER = BATCH_HEADER_SIZE - 4  # the header checksum covers the bytes before it
+_PREFIX = struct.Struct("<4sHHI")  # magic, version, flags, size
+_FRAME = struct.Struct("<4sH2xI44xII")  # magic, version, size, payload CRC, header CRC
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
 
 _CODEC_MASK = 0x07
 FLAG_KEYS = 0x08
@@ -453,10 +464,11 @@ def encode_batch(
     attribute_updates=((), ()),
     codec: Codec | str | int | None = Codec.NONE,
     batch_id: int | None = None,
+    position: int = 0,
 ) -> bytes:
     """One batch holding ``records`` and ``attribute_updates`` (see ``encode_batch_with_header``)."""
     return encode_batch_with_header(base_offset, records, timestamp=timestamp, attribute_updates=attribute_updates,
-                                    codec=codec, batch_id=batch_id)[0]
+                                    codec=codec, batch_id=batch_id, position=position)[0]
 
 
 def encode_batch_with_header(
@@ -467,6 +479,7 @@ def encode_batch_with_header(
     attribute_updates=((), ()),
     codec: Codec | str | int | None = Codec.NONE,
     batch_id: int | None = None,
+    position: int = 0,
 ) -> tuple[bytes, BatchHeader]:
     """``(batch, its header)``: the header as ``read_header`` would decode it, without decoding it
     (a writer needs both, on every append's path).
@@ -477,9 +490,11 @@ def encode_batch_with_header(
     ``timestamp``; a ``Record`` whose value is ``None`` is a tombstone and must have a key.
     ``attribute_updates`` is ``(keys, values)``: 16-byte keys and int64 values, ``None`` meaning
     "remove". Either may be empty. ``batch_id`` (an unsigned 64-bit int; default a fresh random
-    one) identifies the append call: give every encoding of one call the same id.
+    one) identifies the append call: give every encoding of one call the same id. The header is
+    sealed for segment byte ``position`` (``place_batches`` seals it for another).
     """
     codec = codec_for(codec)
+    _check_position(position)
     batch_id = new_batch_id() if batch_id is None else _check_batch_id(batch_id)
     if type(base_offset) is not int or base_offset < 0:
         raise InvalidInputError(f"base_offset must be an int >= 0, got {base_offset!r}")
@@ -577,7 +592,7 @@ def encode_batch_with_header(
         BATCH_MAGIC, BATCH_VERSION, flags, size, count, update_count, payload_size,
         base_offset, first_ts, max_ts, batch_id, crc, 0,
     )[:_CHECKED_HEADER]
-    data = b"".join([header, zlib.crc32(header).to_bytes(4, "little"), *pieces])
+    data = b"".join([header, _U32.pack(zlib.crc32(header, zlib.crc32(_U64.pack(position)))), *pieces])
     return data, BatchHeader(size, base_offset, count, update_count, first_ts, max_ts, codec, payload_size, crc, flags,
                              batch_id)
 
@@ -602,17 +617,82 @@ def _check_batch_id(batch_id) -> int:
     return batch_id
 
 
-def rebase_batch(data: bytes, base_offset: int, batch_id: int | None = None) -> bytes:
+def rebase_batch(data: bytes, base_offset: int, batch_id: int | None = None, *, position: int = 0) -> bytes:
     """``data`` (a batch from ``encode_batch``) renumbered from ``base_offset``: only the header's
     base offset and checksum change (the batch id stays, unless ``batch_id`` is given), so a
-    writer that lost an append race resends without encoding the records again."""
+    writer that lost an append race resends without encoding the records again. The header is
+    sealed for ``position``."""
+    _check_position(position)
     if type(base_offset) is not int or not 0 <= base_offset <= _I64_MAX - max(0, _HEADER.unpack_from(data)[4]):
         raise InvalidInputError(f"base_offset must be an int >= 0 leaving room for the batch, got {base_offset!r}")
     header = bytearray(data[:_CHECKED_HEADER])
     struct.pack_into("<q", header, 24, base_offset)
     if batch_id is not None:
         struct.pack_into("<Q", header, 48, _check_batch_id(batch_id))
-    return b"".join([header, zlib.crc32(header).to_bytes(4, "little"), memoryview(data)[BATCH_HEADER_SIZE:]])
+    return b"".join([seal_header(header, position), memoryview(data)[BATCH_HEADER_SIZE:]])
+
+
+# ---------------------------------------------------------------------------------- placement
+
+
+def _check_position(position) -> None:
+    if type(position) is not int or not 0 <= position <= _U64_MASK:
+        raise InvalidInputError(f"position must be an int in [0, 2**64), got {position!r:.60}")
+
+
+def _check_span(position, n: int) -> None:
+    if type(position) is not int or not 0 <= position <= _U64_MASK - n:
+        raise InvalidInputError(f"position must be an int in [0, 2**64 - {n}) for {n} bytes, got {position!r:.60}")
+
+
+def seal_header(head, position: int) -> bytes:
+    """The 64-byte header made of ``head`` (the first 60 bytes of a header) and their checksum
+    seeded with ``position``: the CRC-32 of ``position`` as a little-endian u64, continued over
+    ``head``. Such a header is valid at segment byte ``position`` only."""
+    head = bytes(head[:_CHECKED_HEADER])
+    return head + _U32.pack(zlib.crc32(head, zlib.crc32(_U64.pack(position))))
+
+
+def place_batches(data, position: int) -> bytes:
+    """``data`` (one or more whole batches back to back) as stored at segment byte ``position``:
+    each header's checksum seeded with where that batch lands (``position`` plus its place in
+    ``data``); nothing else changes. ``data`` itself comes back (no copy) when every header is
+    sealed for its place already.
+
+    The headers may have been sealed for any position, so their old checksums cannot be checked:
+    only their magic, version and sizes are (``InvalidInputError``). Place batches that were just
+    encoded, or read and verified; stored bytes are checked with ``read_header``.
+    """
+    n = len(data)
+    _check_span(position, n)
+    if type(data) is bytes and n >= BATCH_HEADER_SIZE:  # one batch (the usual append): no loop, no view
+        magic, version, _flags, size = _PREFIX.unpack_from(data)
+        if size == n and magic == BATCH_MAGIC and version == BATCH_VERSION:
+            crc = zlib.crc32(data[:_CHECKED_HEADER], zlib.crc32(_U64.pack(position)))
+            if crc == _U32.unpack_from(data, _CHECKED_HEADER)[0]:
+                return data
+            return b"".join([data[:_CHECKED_HEADER], _U32.pack(crc), data[BATCH_HEADER_SIZE:]])
+    crc32, pack, view = zlib.crc32, _U64.pack, memoryview(data)
+    at, moved = 0, []
+    while at < n:
+        if n - at < BATCH_HEADER_SIZE:
+            raise InvalidInputError(f"place_batches: the {n - at} bytes at {at} are not a whole batch")
+        magic, version, _flags, size = _PREFIX.unpack_from(data, at)
+        if magic != BATCH_MAGIC or version != BATCH_VERSION or not BATCH_HEADER_SIZE <= size <= n - at:
+            raise InvalidInputError(f"place_batches: the bytes at {at} are not a whole version {BATCH_VERSION} "
+                                    f"batch (magic {magic!r}, version {version}, size {size}, {n - at} bytes left)")
+        crc = crc32(view[at:at + _CHECKED_HEADER], crc32(pack(position + at)))
+        if crc != _U32.unpack_from(data, at + _CHECKED_HEADER)[0]:
+            moved.append((at, crc))
+        at += size
+    if not moved:
+        return data if type(data) is bytes else bytes(data)
+    pieces, done = [], 0
+    for at, crc in moved:
+        pieces += [view[done:at + _CHECKED_HEADER], _U32.pack(crc)]
+        done = at + BATCH_HEADER_SIZE
+    pieces.append(view[done:])
+    return b"".join(pieces)
 
 
 _CHUNK_BYTES = 32768
@@ -663,10 +743,13 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
     """The header of the batch at ``buf[pos]``, or None if that batch is not all in ``buf`` yet
     (with ``partial``, only the header must be: for callers that need just its fields).
 
-    Raises ``CorruptDataError`` (offset ``position + pos``) when the bytes there are not a batch
-    header: a wrong magic or version, a checksum mismatch or impossible fields. Fewer than a
-    header's worth of bytes count as incomplete only if they start like the magic (a torn header
-    always does), so short garbage at the end of a log is reported too.
+    ``position`` is the segment byte position of ``buf[0]``: the header checksum is seeded with
+    ``position + pos``, so a batch sealed for another position is invalid here. Raises
+    ``CorruptDataError`` (offset ``position + pos``) when the bytes there are not a batch header:
+    a wrong magic or version, a checksum mismatch (damage, or a batch not written at this
+    position) or impossible fields. Fewer than a header's worth of bytes count as incomplete only
+    if they start like the magic (a torn header always does), so short garbage at the end of a log
+    is reported too.
     """
     if pos < 0:
         raise InvalidInputError(f"position must be >= 0, got {pos}")
@@ -681,8 +764,14 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
      base_offset, first_ts, max_ts, batch_id, payload_crc, header_crc) = _HEADER.unpack_from(buf, pos)
     if magic != BATCH_MAGIC:
         raise _corrupt_at(segment, position + pos)(f"bad magic {magic!r}")
-    if zlib.crc32(memoryview(buf)[pos : pos + _CHECKED_HEADER]) != header_crc:
-        raise _corrupt_at(segment, position + pos)("header checksum mismatch")
+    if version != BATCH_VERSION:  # before the checksum, which older versions seeded differently
+        raise _corrupt_at(segment, position + pos)(_version_problem(version))
+    if type(position) is not int or position < 0:
+        raise InvalidInputError(f"position must be an int >= 0, got {position!r:.60}")
+    seed = zlib.crc32(_U64.pack(position + pos))
+    if zlib.crc32(memoryview(buf)[pos : pos + _CHECKED_HEADER], seed) != header_crc:
+        raise _corrupt_at(segment, position + pos)(
+            f"header checksum mismatch (damaged bytes, or a batch not written at byte {position + pos})")
     problem = _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts)
     if problem:
         raise _corrupt_at(segment, position + pos)(problem)
@@ -692,6 +781,32 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
     return BatchHeader(
         size, base_offset, count, update_count, first_ts, max_ts, codec, payload_size, payload_crc, flags, batch_id
     )
+
+
+def peek_header(buf, pos: int = 0) -> BatchHeader:
+    """The header of the whole batch at ``buf[pos]`` whatever position it is sealed for: its
+    fields are checked (``InvalidInputError``), its checksum is not. For batches held in memory
+    between a checked read (or their encoding) and their placement, such as the pieces a cleaner
+    moves; bytes read from storage are checked with ``read_header``."""
+    if pos < 0 or len(buf) - pos < BATCH_HEADER_SIZE:
+        raise InvalidInputError(f"peek_header: no whole batch header at {pos} in {len(buf)} bytes")
+    (magic, version, flags, size, count, update_count, payload_size,
+     base_offset, first_ts, max_ts, batch_id, payload_crc, _crc) = _HEADER.unpack_from(buf, pos)
+    problem = (f"bad magic {magic!r}" if magic != BATCH_MAGIC else
+               _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts))
+    if not problem and size > len(buf) - pos:
+        problem = f"the batch of {size} bytes is not all in the buffer"
+    if problem:
+        raise InvalidInputError(f"peek_header: the bytes at {pos} are not a whole batch: {problem}")
+    return BatchHeader(size, base_offset, count, update_count, first_ts, max_ts, Codec(flags & _CODEC_MASK),
+                       payload_size, payload_crc, flags, batch_id)
+
+
+def _version_problem(version: int) -> str:
+    if 0 < version < BATCH_VERSION:
+        return (f"format version {version}, written by a development version before 0.1.0: this attrindex reads "
+                f"format version {BATCH_VERSION} only (there is no migration)")
+    return f"unknown format version {version} (this attrindex reads format version {BATCH_VERSION})"
 
 
 def claimed_size(buf, pos: int = 0) -> int | None:
@@ -704,7 +819,7 @@ def claimed_size(buf, pos: int = 0) -> int | None:
 
 def _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts) -> str:
     if version != BATCH_VERSION:
-        return f"unknown format version {version}"
+        return _version_problem(version)
     if flags & ~_KNOWN_FLAGS or (flags & _CODEC_MASK) > _MAX_CODEC:
         return f"unknown flags {flags:#x}"
     if size < BATCH_HEADER_SIZE:
@@ -755,6 +870,50 @@ def iter_batches(
             check_batch(buf, pos, header, position=position, segment=segment)
         yield pos, header
         pos += header.size
+
+
+def chain_end(data, position: int) -> int:
+    """The segment byte position where the chain of whole, valid batches from ``data[0]`` (which
+    lies at segment byte ``position``) ends: ``position`` itself when the first is not one.
+
+    A batch counts when its magic and version are right, its header checksum holds for the byte
+    it lies at (seeded with that position), its size is at least a header and all its bytes are
+    there, and its payload checksum holds; the chain stops at the first that is not, whatever the
+    bytes (zeros are never a batch). Torn writes, stale bytes and batches written for another
+    position fail these; the other header fields are left to the readers (``read_header``), so a
+    batch whose checksums hold but whose fields do not is reported as damage where it is read,
+    never cut as a torn tail. Never raises for any bytes."""
+    n = len(data)
+    _check_span(position, n)
+    view = memoryview(data)
+    crc32, pack, unpack = zlib.crc32, _U64.pack, _FRAME.unpack_from
+    at = 0
+    while n - at >= BATCH_HEADER_SIZE:  # bounded: ``at`` moves by a size of at least a header
+        magic, version, size, payload_crc, header_crc = unpack(data, at)
+        if (magic != BATCH_MAGIC or version != BATCH_VERSION or not BATCH_HEADER_SIZE <= size <= n - at
+                or crc32(view[at:at + _CHECKED_HEADER], crc32(pack(position + at))) != header_crc
+                or crc32(view[at + BATCH_HEADER_SIZE:at + size]) != payload_crc):
+            break
+        at += size
+    return position + at
+
+
+def last_batch_end(data, position: int) -> int | None:
+    """The segment byte position where the last whole, valid batch anywhere in ``data`` (which
+    starts at segment byte ``position``) ends, or ``None`` when there is none: each occurrence of
+    the magic is tried from the last one back, as ``chain_end`` checks a batch, for the byte it
+    lies at. Never raises for any bytes."""
+    _check_span(position, len(data))
+    data = data if type(data) is bytes else bytes(data)
+    view = memoryview(data)
+    at = data.rfind(BATCH_MAGIC)
+    while at >= 0:  # bounded: every lap moves ``at`` back
+        # A valid batch found later would have been returned: the chain from here holds one at most.
+        end = chain_end(view[at:], position + at)
+        if end > position + at:
+            return end
+        at = data.rfind(BATCH_MAGIC, 0, at)
+    return None
 
 
 def _payload(buf, pos, header, corrupt, verify) -> tuple[bytes, int, int]:
@@ -1022,7 +1181,8 @@ class BatchColumns:
     def encode_runs(self, runs: list[tuple[int, int]]) -> list[bytes]:
         """For each ``(start, stop)``, the batch ``encode_batch`` makes of records ``start..stop-1``
         (their offsets, timestamps, keys, tombstones; this batch's codec and batch id; no attribute
-        updates), byte for byte, built from column slices. Not for batches with headers."""
+        updates), byte for byte, built from column slices, sealed for position 0 (``place_batches``
+        seals them for where they land). Not for batches with headers."""
         if self.has_headers:
             raise InvalidInputError("encode_runs does not re-encode batches with a headers column")
         header, data, layout, stamps = self.header, self.data, self.layout, self.stamps
@@ -1055,7 +1215,7 @@ class BatchColumns:
                 BATCH_MAGIC, BATCH_VERSION, flags, BATCH_HEADER_SIZE + len(stored), b - a, 0, len(payload),
                 header.base_offset + a, first_ts, max_ts, header.batch_id, zlib.crc32(stored), 0,
             )[:_CHECKED_HEADER]
-            out.append(b"".join([head, zlib.crc32(head).to_bytes(4, "little"), stored]))
+            out.append(b"".join([seal_header(head, 0), stored]))
         return out
 
 

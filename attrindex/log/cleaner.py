@@ -53,8 +53,8 @@ import attrs
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, InvalidInputError, LayoutConflictError, StorageError, TruncatedError
-from .batch import (BatchHeader, Record, batch_columns, decode_keys, decode_records, encode_batch, read_header,
-                    uniform_keys)
+from .batch import (BatchHeader, Record, batch_columns, decode_keys, decode_records, encode_batch, peek_header,
+                    place_batches, uniform_keys)
 from .segment_log import LayoutChangedError
 
 _log = logging.getLogger("attrindex.cleaner")
@@ -236,9 +236,10 @@ def rewrite_batch(buf, pos: int, header: BatchHeader, rule: KeepRule, *, segment
     ``pieces`` are batches to write in its place: the batch itself when every record survives,
     nothing when none does (a record-less batch, attribute updates only, goes too: the cleaner runs
     below the attribute checkpoint), else one batch per run of consecutive survivors, each keeping
-    its records' offsets, timestamps, keys, headers, the codec and the batch id. If those would
-    take more bytes than the batch (tiny records split into many runs), the batch stays as it is
-    and its keys are pinned (see ``KeepRule``). ``keep_first`` keeps the first record whatever the
+    its records' offsets, timestamps, keys, headers, the codec and the batch id. Pieces are sealed
+    for where the batch was read or for position 0: ``place_batches`` seals them where they land.
+    If those would take more bytes than the batch (tiny records split into many runs), the batch
+    stays as it is and its keys are pinned (see ``KeepRule``). ``keep_first`` keeps the first record whatever the
     rule says (pinning its key): the batch that starts the log keeps its base offset, so the log's
     start offset does not move (compaction is not retention).
     """
@@ -635,7 +636,7 @@ class LogCleaner:
         counters = (self.records_before, self.records_after, self.tombstones_removed, set(rule.pinned),
                     rule.kept_anyway, self.batches_skipped)
         pieces, changed = self._clean_span(span, rule, at_start=True)
-        first = read_header(pieces[0]).base_offset if pieces else None
+        first = peek_header(pieces[0]).base_offset if pieces else None  # sealed where it was read, or for 0
         if first == span.base_offset:
             return pieces, changed
         marker = empty_batch(span.base_offset, self.now_ms)
@@ -683,7 +684,7 @@ class LogCleaner:
         pieces = [p for _span, chunk_pieces, _changed in group for p in chunk_pieces]
         if not pieces:  # everything went: keep the offset the group ends at
             pieces = [empty_batch(group[-1][0].next_offset, self.now_ms)]
-        data = b"".join(pieces)
+        data = place_batches(b"".join(pieces), start)  # the batches move: each sealed for where it lands
         if len(data) > end - start:  # cannot happen (every batch's output is at most its size): be safe
             for span, _pieces, _changed in group:
                 self._pin_all(span, rule)

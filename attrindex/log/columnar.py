@@ -55,6 +55,7 @@ from .batch import (
     codec_for,
     decode_records,
     new_batch_id,
+    seal_header,
 )
 
 __all__ = ["RECORD_SCHEMA", "HEADERS_TYPE", "arrow_records", "binary_lengths", "binary_blob", "check_columns", "clean_nulls",
@@ -398,7 +399,8 @@ def encode_arrow(values, keys=None, timestamps=None, *, timestamp: int, base_off
     ``values`` a binary array without nulls, ``keys`` a binary array (null: no key) or ``None``,
     ``timestamps`` int64 ms (numpy or Arrow, nulls: ``timestamp``) or ``None``, and
     ``attribute_updates`` as ``encode_batch`` takes them; no headers, no tombstones (those go
-    through ``encode_batch``)."""
+    through ``encode_batch``). The header is sealed for position 0, as ``encode_batch`` seals it
+    by default (``place_batches`` seals it for where it lands)."""
     n = len(values)
     if not pa.types.is_binary(values.type) or (keys is not None and not pa.types.is_binary(keys.type)):
         raise InvalidInputError("encode_arrow takes binary values and keys (cast strings first)")
@@ -439,6 +441,5 @@ def encode_arrow(values, keys=None, timestamps=None, *, timestamp: int, base_off
     if len(payload) > 0xFFFFFFFF or size > 0xFFFFFFFF:
         raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, len(payload))} bytes")
     head = _HEADER.pack(BATCH_MAGIC, BATCH_VERSION, flags, size, n, update_count, len(payload), base_offset, first_ts,
-                        max_ts,
-                        batch_id, zlib.crc32(stored), 0)[:BATCH_HEADER_SIZE - 4]
-    return b"".join([head, zlib.crc32(head).to_bytes(4, "little"), stored])
+                        max_ts, batch_id, zlib.crc32(stored), 0)
+    return b"".join([seal_header(head, 0), stored])

@@ -19,12 +19,11 @@ which readers step over as they step over gaps (record offsets continue from the
 offset). A handle whose position lies inside a chunk replaced under it moves to the first batch
 of the new chunk it has not consumed yet (``resyncs`` counts such moves).
 
-Committed means committed: the byte stream's length is its committed length (local disk: the
-newest valid commit record; objects are whole), so nothing below it is a torn tail. An invalid
+Committed means committed: the byte stream's length is its committed length (local disk: the end
+of the chain of whole, valid batches; objects are whole), so nothing below it is a torn tail. An invalid
 batch anywhere below it, the end of the last chunk included, is ``CorruptDataError`` naming the
 segment, chunk and byte, on open and on read; such a segment refuses appends. Only an explicit
-repair (``attrindex.segment_repair``) records a gap marker, which readers then step over; markers
-left by older versions (which cut garbage tails) are honoured the same way. A marker names byte
+repair (``attrindex.segment_repair``) records a gap marker, which readers then step over. A marker names byte
 positions of the chunk that held them when it was recorded (plain, or a replacement of the
 generation its name gives): once a replacement of a later generation covers them (log compaction
 rewrites the batches around a gap), the marker is void, since a kept batch may now start there.
@@ -46,7 +45,9 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
-from .batch import BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, read_header
+from .batch import (BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, place_batches,
+                    read_header)
+from .framing import LOG_FRAMING, torn_claim
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
 _log = logging.getLogger("attrindex.log")
@@ -68,21 +69,6 @@ class LayoutChangedError(StorageError):
     """Chunks under a scan were replaced meanwhile (consolidation or compaction elsewhere): the
     bytes read may belong to the new layout. Scans resync and go on; raised only when one keeps
     happening (``MAX_RESYNCS``) or where no resync is possible."""
-
-
-#: The batches of one group-commit append share the high bits of their batch ids (``group_tag``):
-#: so a crash that leaves one whole group after the committed end is told from lost commit records.
-GROUP_TAG_SHIFT = 32
-
-
-def group_tag(batch_id: int) -> int:
-    """The group-commit tag of a batch id (shared by the batches of one storage append)."""
-    return batch_id >> GROUP_TAG_SHIFT
-
-
-def grouped_batch_id(tag: int, batch_id: int) -> int:
-    """``batch_id`` carrying group tag ``tag`` (its low bits stay the append call's own)."""
-    return (tag << GROUP_TAG_SHIFT) | (batch_id & ((1 << GROUP_TAG_SHIFT) - 1))
 
 
 # visitor(position, header, buffer, position of the batch in buffer) for each new batch
@@ -110,7 +96,7 @@ class SegmentLog:
         self.storage = storage
         self.segment = segment
         self.interval = index_interval_bytes
-        self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size)
+        self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size, framing=LOG_FRAMING)
         self._chunks: list[_Chunk] = []
         #: recorded gaps, {start: (end, generation, marker name)}: skipped even where bytes look valid,
         #: while the chunk holding them is of that generation (``_recorded_gap``)
@@ -288,16 +274,16 @@ class SegmentLog:
 
     def _end_went_back_error(self) -> CorruptDataError:
         """The stored log ends below ``position``, which this handle read as committed. Writers
-        only move the end forward (truncation and replacements keep it), so its commit records
-        were lost or damaged. Raised rather than waited out: a writer would lose every
+        only move the end forward (truncation and replacements keep it), so the newest frames of
+        the last chunk were damaged (and cut as a torn write) or the file was cut short. Raised rather than waited out: a writer would lose every
         compare-and-append race at this position, and a tail reader would wait for bytes it has
         read already."""
         return CorruptDataError(
             f"segment {self.segment!r}: the log's committed end is byte {self.bytes.length}, below byte "
-            f"{self.position}, which this handle had read as committed: its commit records were lost or damaged "
-            f"(or an append it saw was taken back when its sync failed, or the segment was deleted and made "
-            f"again). Nothing was written. SegmentStore.verify_segment reports the damage and repair_segment "
-            f"commits again the whole batches stored after the committed end",
+            f"{self.position}, which this handle had read as committed: the newest batches of its last chunk were "
+            f"damaged or its file was cut short (or an append it saw was taken back when its sync failed, or the "
+            f"segment was deleted and made again). Nothing was written. Reopen the segment; "
+            f"SegmentStore.repair_segment gives up what is lost and never reuses its offsets",
             segment=self.segment, offset=self.bytes.length)
 
     def _restart_at_start(self) -> None:
@@ -407,38 +393,17 @@ class SegmentLog:
             f"SegmentStore.verify_segment / repair_segment",
             segment=self.segment, offset=at)
 
-    def lost_commits(self, covered: int = 0) -> tuple[int, bytes] | None:
-        """``(position, bytes)`` of the whole batches stored after the committed end when their
-        commit records were lost: they are two or more appends (a crash leaves at most one append
-        there; the batches of one group-commit append share their ``group_tag``),
-        or the attribute checkpoint ``covered`` lies beyond the committed end (a merge only ever
-        covers committed batches).
-
-        ``None`` otherwise: at most one whole batch is what a crash leaves, and the next append
-        overwrites it. Re-appending the returned bytes at ``position`` commits them.
-        """
-        position, tail = self.bytes.uncommitted_tail()
-        pos, batches, appends, tag = 0, 0, 0, None
-        while pos < len(tail):
-            try:
-                header = read_header(tail, pos, position=position, segment=self.segment)
-                if header is None:
-                    break  # incomplete: a torn append
-                check_batch(tail, pos, header, position=position, segment=self.segment)
-            except CorruptDataError:
-                break
-            pos, batches = pos + header.size, batches + 1
-            if group_tag(header.batch_id) != tag:  # one storage append may hold a group of batches
-                appends, tag = appends + 1, group_tag(header.batch_id)
-        return (position, tail[:pos]) if appends >= 2 or (batches and covered > position) else None
-
-    def lost_commits_error(self, position: int, data: bytes) -> CorruptDataError:
-        """The error for whole batches found after the committed end (see ``lost_commits``)."""
-        return CorruptDataError(
-            f"segment {self.segment!r}: {len(data)} bytes of whole record batches lie after the log's committed "
-            f"length {position}: their commit records were lost (a crash loses at most one). The segment refuses "
-            f"appends until repaired: SegmentStore.repair_segment commits them again",
-            segment=self.segment, offset=position)
+    @property
+    def append_offset(self) -> int:
+        """The record offset the next appended batch gets: ``next_offset``, or past the offsets a
+        torn batch at the end claimed (local disk: its header was written, its payload torn). A
+        reader may have seen that batch before the crash, so its offsets are never given out again;
+        readers still read to ``next_offset`` (the offsets skipped read as a gap)."""
+        torn = self.bytes.torn_tail
+        if torn is None or torn[0] != self.position:
+            return self.next_offset
+        claim = torn_claim(torn[1], torn[0])
+        return self.next_offset if claim is None else max(self.next_offset, claim)
 
     # -- appending -----------------------------------------------------------------------------
     def append(self, data: bytes, header: BatchHeader) -> int:
@@ -454,9 +419,12 @@ class SegmentLog:
         """Append consecutive encoded batches (each based where the one before ends) as ONE
         compare-and-append, so they are durable together (group commit); return their positions.
 
-        They land in one chunk, so no batch spans chunks. Errors as for ``append``.
+        The batches may be sealed for any position: they are sealed for where they land
+        (``place_batches``, which leaves batches encoded for there as they are). They land in one
+        chunk, so no batch spans chunks. Errors as for ``append``.
         """
-        at = self.bytes.append(datas[0] if len(datas) == 1 else b"".join(datas), expected_offset=self.position)
+        data = place_batches(datas[0] if len(datas) == 1 else b"".join(datas), self.position)
+        at = self.bytes.append(data, expected_offset=self.position)
         self._sync_chunks()
         chunk = self._chunks[-1]
         if chunk.start == at:
@@ -767,10 +735,12 @@ class SegmentLog:
     # -- replacing chunks ----------------------------------------------------------------------
     def replace_range(self, start: int, end: int, data: bytes, *, expected: list[str] | None = None) -> None:
         """Replace the sealed log chunks covering exactly ``[start, end)`` by one chunk holding
-        ``data``: whole record batches from ``start`` on, keeping their base offsets; the bytes
-        after them up to ``end`` become a hole that readers step over.
+        ``data``: whole record batches from ``start`` on, keeping their base offsets, each sealed
+        for the byte it lands at (``place_batches(data, start)``); the bytes after them up to
+        ``end`` become a hole that readers step over.
 
-        ``data`` is checked first (whole valid batches, offsets rising, within the range); then
+        ``data`` is checked first (whole batches valid where they land, offsets rising, within the
+        range); then
         ``RollingSegment.replace_range`` switches atomically if the range still holds the chunks
         ``expected`` (the names the caller planned with; default: this handle's chunk list), else
         ``LayoutConflictError``: another handle replaced or truncated them first. The new chunk's
@@ -867,4 +837,4 @@ def _index_batch(builder: ChunkIndexBuilder, at: int, header: BatchHeader) -> No
                 header.max_timestamp if header.record_count else _NO_TIMESTAMP)
 
 
-__all__ = ["GROUP_TAG_SHIFT", "SegmentLog", "group_tag", "grouped_batch_id"]
+__all__ = ["SegmentLog"]

@@ -75,12 +75,13 @@ def _whole_batch(buf: bytes, i: int, position: int) -> BatchHeader | None:
         return None
 
 
-def _frames_to(buf: bytes, i: int, stops: set[int], floor: int) -> bool:
-    """Whether batch headers whose own checksums hold, with offsets that never go back (from
-    ``floor``), lead from ``buf[i]`` exactly to the end of ``buf`` or to a position in ``stops``."""
+def _frames_to(buf: bytes, i: int, position: int, stops: set[int], floor: int) -> bool:
+    """Whether batch headers whose own checksums hold (for the log byte each lies at: ``buf[0]``
+    is log byte ``position``), with offsets that never go back (from ``floor``), lead from
+    ``buf[i]`` exactly to the end of ``buf`` or to a position in ``stops``."""
     while i < len(buf) and i not in stops:  # bounded: i moves forward by a header's size (> 0)
         try:
-            header = read_header(buf, i, partial=True)
+            header = read_header(buf, i, position=position, partial=True)
         except CorruptDataError:
             return False
         if header is None or i + header.size > len(buf) or header.base_offset < floor:
@@ -104,7 +105,7 @@ def _resync(buf: bytes, pos: int, position: int, stops: set[int], floor: int) ->
     i = buf.find(BATCH_MAGIC, first, limit)
     while i != -1:  # bounded: every lap moves i forward
         header = _whole_batch(buf, i, position)
-        if header is not None and header.base_offset >= floor and _frames_to(buf, i, stops, floor):
+        if header is not None and header.base_offset >= floor and _frames_to(buf, i, position, stops, floor):
             return i
         i = buf.find(BATCH_MAGIC, i + 1, limit)
     return limit

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 import attrs
 
 from ..errors import AttrIndexError, ChunkExistsError, CorruptDataError
-from ..log.batch import Record, encode_batch, iter_batches
+from ..log.batch import Record, encode_batch, iter_batches, place_batches
 from ..store import STREAMS_DIR, SegmentStore
 from .checks import check_write_target
 from ..writer import EventWriter
@@ -298,7 +298,8 @@ def _staged_batches(columns, batch_events: int) -> Iterator[tuple[int, bytes]]:
 
 
 def _stage_file(storage, prefix: str, n: int, batches: list[bytes]) -> list:
-    path, data = f"{prefix}-{n:05d}", b"".join(batches)
+    # each batch sealed for its byte position in the staging file, where ``publish`` reads it
+    path, data = f"{prefix}-{n:05d}", place_batches(b"".join(batches), 0)
     storage.create(path, data)
     return [path, len(data)]
 

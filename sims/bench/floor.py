@@ -7,24 +7,18 @@ median of the rounds' mean µs per call, and its ratio to LMDB's one-key transac
 
 * ``lmdb``: ``txn.put`` of one key (sync and metasync on), as in ``sims.bench.run``;
 * ``attrindex``: ``AttributeIndex.update`` of one key (the shipped path);
-* ``floor-v2``: the v2 commit alone (``docs/storage.md``): encode the batch, ``pwrite``,
-  ``sync_file_range``, ``setxattr`` of the record, ``fsync``, and a dict for the overlay;
-* ``floor-v2+checks``: that, plus the checks an append makes for other processes: ``flock`` and
-  its release, a ``stat`` of the lock file and of the chunk, a ``getxattr`` of the record;
-* ``floor-one-write``: a protocol that would keep no separate ordered commit: a preallocated file,
-  ``pwrite`` of the batch and of a 64-byte slot, one ``fdatasync``. It cannot tell a torn newest
-  append from a damaged one after a power loss, which the crash rules require; measured to show
-  what that rule costs.
 * ``floor-chain``: the commit of docs/decisions/0001 (the chain of frames is the record): a
   pre-written file, ``pwrite`` of the batch, one ``fdatasync``;
-* ``floor-chain-dsync``: the same with one ``pwritev2(RWF_DSYNC)`` instead of write + sync;
+* ``floor-chain+checks``: that, plus what the shipped append does besides (docs/storage.md,
+  "Compare-and-append"): ``flock`` and its release, a ``stat`` of the lock file and of the chunk,
+  a ``pread`` of the bytes at the end;
+* ``floor-chain-dsync``: the floor with one ``pwritev2(RWF_DSYNC)`` instead of write + sync;
 * ``rocksdb``, ``leveldb``: one ``put`` with ``sync=True`` (``rocksdict``, ``plyvel``), where installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import fcntl
 import os
 import random
@@ -35,54 +29,37 @@ import time
 
 from attrindex.log.batch import encode_batch_with_header
 from sims.bench.run import LMDB, Attrindex, LevelDB, RocksDB, _installed
-from storage_adapters.local import COMMIT_XATTR, encode_commit_xattr
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_sync_file_range = _libc.sync_file_range
-_sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-_WRITE_AND_WAIT = 1 | 2 | 4
-
 
 class Floor:
-    """One bare protocol writing one-key batches to a file of its own in ``directory``."""
+    """One bare protocol writing one-key batches to a pre-written file of its own in ``directory``."""
 
-    def __init__(self, directory: str, name: str, *, one_write: bool, checks: bool = False, slot: bool = True,
-                 dsync: bool = False):
-        self.one_write, self.checks, self.slot, self.dsync = one_write, checks, slot, dsync
+    def __init__(self, directory: str, name: str, *, checks: bool = False, dsync: bool = False):
+        self.checks, self.dsync = checks, dsync
         self.path = os.path.join(directory, name)
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        if one_write:  # written, not fallocated: an overwrite needs no journal commit
-            os.pwrite(self.fd, bytes(64 << 20), 0)
-            os.fsync(self.fd)
+        os.pwrite(self.fd, bytes(64 << 20), 0)  # written, not fallocated: an overwrite needs no journal commit
+        os.fsync(self.fd)
         self.lock = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        self.position, self.overlay, self.count = 4096, {}, 0
+        self.position, self.overlay, self.count = 0, {}, 0
 
     def update_one(self, key: bytes, value: int) -> None:
         data, _header = encode_batch_with_header(self.count, (), timestamp=int(time.time() * 1000),
-                                                 attribute_updates=([key], [value]), batch_id=self.count)
+                                                 attribute_updates=([key], [value]), batch_id=self.count,
+                                                 position=self.position)
         fd, position = self.fd, self.position
         if self.checks:
             fcntl.flock(self.lock, fcntl.LOCK_EX)
             os.stat(self.path + ".lock")
             os.stat(self.path)
-            if self.count:
-                os.getxattr(fd, COMMIT_XATTR)
-        end = position + len(data)
+            os.pread(fd, 4096 + 64, max(position - 64, 0))
         if self.dsync:
             os.pwritev(fd, [data], position, os.RWF_DSYNC)
         else:
             os.pwrite(fd, data, position)
-        if self.one_write and not self.dsync:
-            if self.slot:
-                os.pwrite(fd, end.to_bytes(8, "little") * 8, (self.count % 8) * 64)
             os.fdatasync(fd)
-        else:
-            _sync_file_range(fd, position, len(data), _WRITE_AND_WAIT)
-            os.setxattr(fd, COMMIT_XATTR, encode_commit_xattr([end, position]))
-            os.fsync(fd)
         if self.checks:
             fcntl.flock(self.lock, fcntl.LOCK_UN)
-        self.position, self.count = end, self.count + 1
+        self.position, self.count = position + len(data), self.count + 1
         self.overlay[key] = value
 
 
@@ -104,11 +81,9 @@ def main() -> None:
             engine.load(pairs)
         arms = {"lmdb": lmdb.update_one, "attrindex": index.update_one,
                 **{peer.name: peer.update_one for peer in peers},
-                "floor-v2": Floor(directory, "v2", one_write=False).update_one,
-                "floor-v2+checks": Floor(directory, "v2c", one_write=False, checks=True).update_one,
-                "floor-one-write": Floor(directory, "ow", one_write=True).update_one,
-                "floor-chain": Floor(directory, "chain", one_write=True, slot=False).update_one,
-                "floor-chain-dsync": Floor(directory, "dsync", one_write=True, dsync=True).update_one}
+                "floor-chain": Floor(directory, "chain").update_one,
+                "floor-chain+checks": Floor(directory, "checks", checks=True).update_one,
+                "floor-chain-dsync": Floor(directory, "dsync", dsync=True).update_one}
         means: dict[str, list[float]] = {arm: [] for arm in arms}
         for _round in range(args.rounds):
             for arm, update_one in arms.items():
@@ -120,10 +95,11 @@ def main() -> None:
         base = statistics.median(means["lmdb"])
         print(f"{args.rounds} rounds of {args.calls} one-key durable updates, arms interleaved; load {os.getloadavg()[0]:.2f}")
         best = min((statistics.median(means[p.name]), p.name) for p in peers) if peers else None
+        floor = statistics.median(means["floor-chain"])
         for arm, values in means.items():
             median = statistics.median(values)
             versus = f"   {best[0] / median:5.2f}x {best[1]} (the best peer)" if best else ""
-            print(f"{arm:18s} {median:6.0f} µs/call   {base / median:5.2f}x LMDB{versus}")
+            print(f"{arm:18s} {median:6.0f} µs/call   {base / median:5.2f}x LMDB{versus}   {median / floor:5.2f}x the floor")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

@@ -12,7 +12,7 @@ from storage_adapters import ChunkStorage
 
 
 class NullChunkStorage(ChunkStorage):
-    """An appendable backend that records file sizes only."""
+    """An appendable backend that records file sizes only (its appends are whole, like memory's)."""
 
     appendable = True
 
@@ -30,7 +30,7 @@ class NullChunkStorage(ChunkStorage):
     def exists(self, path):
         return path in self.sizes
 
-    def committed_size(self, path):
+    def size(self, path):
         if path not in self.sizes:
             raise FileNotFoundError(path)
         return self.sizes[path]
@@ -53,8 +53,11 @@ class NullChunkStorage(ChunkStorage):
     def lock(self, directory):
         yield
 
-    def seal(self, path, size):
-        pass  # one writer, one view: nothing can append behind it
+    def trimmed(self, path):
+        return False  # one writer, one view: nobody rolls past its chunks behind it
 
-    def append(self, path, position, data):
+    def trim(self, path, size):
+        pass  # nothing is kept past a chunk's end
+
+    def append(self, path, position, data, *, clear_to=0):
         self.sizes[path] = position + len(data)

@@ -8,17 +8,20 @@ Two pristine stores are built once on local disk, each with its model:
   its B+tree and the newest only in the log; model: the record values and the attribute dict.
 
 A trial copies one (``shutil.copytree``), damages one file (``flip`` a bit, ``zero`` a range,
-``truncate``) in one *target*: ``chunk`` (any data chunk), ``commit`` (a v1 ``.commit`` file or the
-value of a v2 chunk's commit-record xattr),
-``index`` (a chunk index file under ``_index/``) or ``tail`` (the last 128 bytes of the newest
-chunk of a log or tree: the newest batch or footer). Then it reopens the copy and runs every query
+``truncate``) in one *target*: ``chunk`` (the committed bytes of any data chunk), ``index`` (a
+chunk index file under ``_index/``) or ``tail`` (the last 128 committed bytes of the newest chunk
+of a log or tree: its newest batch or footer). A chunk file is longer than its data (chunks are
+pre-written with zeros past their end), so damage to a chunk stays within its committed bytes, as
+the store's view before the damage tells them. Then it reopens the copy and runs every query
 under a timer. The outcome is ``ok`` (every answer equals the model), ``error`` (an
-``AttrIndexError`` was raised: the damage was reported), ``rollback`` (the newest commit record
-was damaged and the answers are exactly the state one write back: what a crash between a write's
-data and its commit record leaves, indistinguishable to storage), ``wrong`` (any other answer that
-differs, answers that disagree with each other, or an append after the damage that reused an
-offset), ``crash`` (an exception that is no project error) or ``hang`` (the timer fired). Only
-``ok``, ``error`` and ``rollback`` are allowed.
+``AttrIndexError`` was raised: the damage was reported), ``rollback`` (the damage reached the
+newest frame of a log's or tree's last chunk, nothing valid after it, and the answers are exactly
+the state before the frames it reached: on local disk that cannot be told from a write torn by a
+crash, and is cut as one: docs/decisions/0001), ``wrong`` (any other answer that differs, answers
+that disagree with each other, or an append after the damage that reused an offset other than
+those of such a cut), ``crash`` (an exception that is no project error) or ``hang`` (the timer
+fired). Only ``ok``, ``error`` and ``rollback`` are allowed; rollbacks are counted apart, with
+those whose cut batch's offsets were given out again (its header was damaged too).
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ from typing import Callable
 import attrs
 
 from attrindex import AttributeIndex, SegmentStore
+from attrindex.btree.footer import FOOTER_SIZE, MAGIC, decode_footer
+from attrindex.btree.framing import TREE_FRAMING
 from attrindex.conditional import AttributeUpdate, UpdateType
 from attrindex.errors import AttrIndexError
-from storage_adapters import local
+from attrindex.log.batch import iter_batches
+from attrindex.log.framing import LOG_FRAMING
+from storage_adapters import RollingSegment, open_storage
+from storage_adapters.rolling import SEGMENT_SUFFIX
 
 OUTCOMES = ("ok", "error", "rollback", "wrong", "crash", "hang")
 ALLOWED = ("ok", "error", "rollback")
 ATTACKS = ("flip", "zero", "truncate")
-TARGETS = ("chunk", "commit", "index", "tail")
+TARGETS = ("chunk", "index", "tail")
 INDEX_OPTIONS = {"page_size": 256, "rolling_size": 4096}
 SEGMENT_OPTIONS = {"log_rolling_size": 2048, "flush_keys": 40, "attribute_options": dict(INDEX_OPTIONS)}
 INDEX_KEYS = 1500  #: keys 0 .. INDEX_KEYS-1 are queried (present or not)
@@ -76,6 +84,8 @@ class Trial:
     detail: str
     outcome: str
     note: str = ""
+    reused: bool = False  #: a rollback whose cut batch's offsets were given out again
+    back: int = 0  #: a rollback: how many writes back the answers are
 
     def describe(self) -> str:
         return (f"seed={self.seed} {self.kind}/{self.target}/{self.attack} {self.file} {self.detail}: "
@@ -207,20 +217,37 @@ QUERIES: dict[str, Callable[[str], dict]] = {"index": query_index, "segment": qu
 MATCHES: dict[str, Callable[[dict, dict], str]] = {"index": index_matches, "segment": segment_matches}
 
 
-def judge_answers(pristine: "Pristine", seen: dict, target: str) -> tuple[str, str]:
-    """``ok`` if ``seen`` is the final model. ``rollback`` if the newest commit record was damaged
-    and ``seen`` is the state one write back: a crash between a write's data and its commit record
-    leaves exactly that, so storage cannot tell them apart (docs/reliability.md). Anything else,
-    including a rollback of two or more writes (no crash loses a synced commit record), is ``wrong``."""
+def judge_answers(pristine: "Pristine", seen: dict, rollback_frames: int = 0) -> tuple[str, str, bool, int]:
+    """``(outcome, note, reused, writes back)``. ``ok`` if ``seen`` is the final model. ``rollback`` if the
+    damage reached the newest frame of a last chunk (``rollback_frames``: how many frames, from
+    the first one it reached to the newest) and ``seen`` is the state at most that many writes
+    back: on local disk that is what a torn newest write leaves, cut as one (docs/decisions/0001).
+    ``reused``: the append after it got an offset an earlier append was acknowledged with (the cut
+    batch's header was damaged too, so the offsets it claimed were unknown). Anything else is
+    ``wrong``."""
     difference = MATCHES[pristine.kind](seen, pristine.model)
     if not difference:
-        return "ok", ""
-    for n, earlier in enumerate(reversed(pristine.earlier)):
-        if not MATCHES[pristine.kind](seen, earlier):
-            if n == 0 and target == "commit":
-                return "rollback", f"answers are the state one write back; {difference}"
-            return "wrong", f"answers are the state {n + 1} writes back: {difference}"
-    return "wrong", difference
+        return "ok", "", False, 0
+    for n, earlier in enumerate(reversed(pristine.earlier), start=1):
+        if not _state_matches(pristine.kind, seen, earlier):
+            continue
+        if n > rollback_frames:
+            return "wrong", f"answers are the state {n} writes back: {difference}", False, 0
+        if pristine.kind != "segment":
+            return "rollback", f"answers are the state {n} writes back", False, n
+        landed, back, newest = seen["appended_at"], len(earlier["records"]), len(pristine.model["records"])
+        if not back <= landed <= newest:
+            return "wrong", f"state {n} writes back, but an append after it landed at offset {landed}", False, 0
+        return "rollback", f"answers are the state {n} writes back; the next append landed at {landed}", landed < newest, n
+    return "wrong", difference, False, 0
+
+
+def _state_matches(kind: str, seen: dict, model: dict) -> bool:
+    """Whether ``seen`` holds the data of ``model`` (for a segment: records and attributes; where
+    the next append landed is judged apart)."""
+    if kind == "segment":
+        return seen["records"] == model["records"] and seen["attributes"] == model["attributes"]
+    return not MATCHES[kind](seen, model)
 
 
 # -- damage -------------------------------------------------------------------------------------
@@ -234,24 +261,54 @@ def targets(root: str) -> dict[str, list[str]]:
             rel = os.path.relpath(full, root)
             if not os.path.getsize(full):
                 continue
-            if name.endswith(".commit"):
-                found["commit"].append(rel)
-            elif os.sep + "_index" + os.sep in os.sep + rel:
+            if os.sep + "_index" + os.sep in os.sep + rel:
                 found["index"].append(rel)
-            elif name.isdigit() and directory.endswith(".seg"):
+            elif name.isdigit() and directory.endswith(SEGMENT_SUFFIX):
                 found["chunk"].append(rel)
                 newest[directory] = max(newest.get(directory, ""), rel)
-                if local.read_commit_record(full) is not None:
-                    found["commit"].append(rel)  # a v2 chunk: its record is an xattr of the file
     found["tail"] = sorted(newest.values())
     return found
 
 
-def damage(path: str, target: str, attack: str, rng: random.Random) -> str:
-    """Damage file ``path`` in place; return what was done (for the report)."""
-    if target == "commit" and not path.endswith(".commit"):
-        return _damage_commit_xattr(path, attack, rng)
-    size = os.path.getsize(path)
+@attrs.frozen
+class ChunkView:
+    """What a chunk file holds, as its segment's view tells (read before any damage)."""
+
+    committed: int  #: its committed bytes (the file goes on with pre-written zeros)
+    #: the last chunk of its segment: the chunk-relative ends of its frames (batches; tree
+    #: updates), oldest first; empty for any other chunk
+    frame_ends: tuple[int, ...] = ()
+
+
+def chunk_view(root: str, rel: str) -> ChunkView:
+    """The view of chunk file ``rel`` of the store at ``root``."""
+    directory, chunk = os.path.split(rel)
+    name = directory[:-len(SEGMENT_SUFFIX)].replace(os.sep, "/")
+    log = name.rsplit("/", 1)[-1] == "_log"
+    with open_storage(root) as storage, \
+            RollingSegment(storage, name, framing=LOG_FRAMING if log else TREE_FRAMING) as segment:
+        chunks = segment.chunks()
+    (info,) = [c for c in chunks if c.name == chunk]
+    if info != chunks[-1]:
+        return ChunkView(info.stored)
+    with open(os.path.join(root, rel), "rb") as handle:
+        data = handle.read(info.stored)
+    if log:
+        ends = tuple(at + header.size for at, header in iter_batches(data, position=info.start))
+    else:
+        ends, at = [], data.find(MAGIC)
+        while at >= 0:
+            if decode_footer(data[at:at + FOOTER_SIZE], info.start + at) is not None:
+                ends.append(at + FOOTER_SIZE)
+            at = data.find(MAGIC, at + 1)
+        ends = tuple(ends)
+    return ChunkView(info.stored, ends)
+
+
+def damage(path: str, target: str, attack: str, rng: random.Random, view: ChunkView | None) -> tuple[str, int]:
+    """Damage file ``path`` in place (a chunk: within its committed bytes); return what was done
+    (for the report) and the first byte damaged (for a truncation: where it cut)."""
+    size = view.committed if view is not None else os.path.getsize(path)
     low = max(0, size - TAIL_BYTES) if target == "tail" else 0
     with open(path, "r+b") as handle:
         if attack == "flip":
@@ -261,37 +318,26 @@ def damage(path: str, target: str, attack: str, rng: random.Random) -> str:
             bit = rng.randrange(8)
             handle.seek(at)
             handle.write(bytes([byte ^ (1 << bit)]))
-            return f"bit {bit} of byte {at}/{size}"
+            return f"bit {bit} of byte {at}/{size}", at
         if attack == "zero":
             at = rng.randrange(low, size)
             length = min(rng.randint(1, 64), size - at)
             handle.seek(at)
             handle.write(bytes(length))
-            return f"zeroed {at}..{at + length}/{size}"
+            return f"zeroed {at}..{at + length}/{size}", at
         cut = rng.randrange(low, size)
         handle.truncate(cut)
-        return f"truncated to {cut}/{size}"
+        return f"truncated to {cut}/{size}", cut
 
 
-def _damage_commit_xattr(path: str, attack: str, rng: random.Random) -> str:
-    """The same attacks on the value of a v2 chunk's commit record (an extended attribute)."""
-    value = bytearray(local.read_commit_record(path) or b"")
-    size = len(value)
-    if attack == "flip":
-        at, bit = rng.randrange(size), rng.randrange(8)
-        value[at] ^= 1 << bit
-        detail = f"bit {bit} of byte {at}/{size}"
-    elif attack == "zero":
-        at = rng.randrange(size)
-        length = min(rng.randint(1, 64), size - at)
-        value[at:at + length] = bytes(length)
-        detail = f"zeroed {at}..{at + length}/{size}"
-    else:
-        cut = rng.randrange(size)
-        del value[cut:]
-        detail = f"truncated to {cut}/{size}"
-    local.write_commit_record(path, bytes(value))
-    return "commit xattr: " + detail
+def rollback_frames(view: ChunkView | None, first: int) -> int:
+    """How many frames of a last chunk, from the first one damage starting at byte ``first``
+    reached to the newest: a rollback of as many writes is what a torn newest write could leave
+    (damage always reaches the newest frame when it starts in it or, for a zeroed range or a
+    truncation, runs to the end). 0 for damage anywhere else."""
+    if view is None or not view.frame_ends:
+        return 0
+    return sum(1 for end in view.frame_ends if end > first)
 
 
 def run_trial(pristine: Pristine, scratch: str, seed: int, timeout: float = 3.0) -> Trial:
@@ -304,11 +350,13 @@ def run_trial(pristine: Pristine, scratch: str, seed: int, timeout: float = 3.0)
         target = rng.choice([t for t in TARGETS if found[t]])
         attack = rng.choice(ATTACKS)
         rel = rng.choice(found[target])
-        detail = damage(os.path.join(copy, rel), target, attack, rng)
+        view = chunk_view(copy, rel) if target != "index" else None
+        detail, first = damage(os.path.join(copy, rel), target, attack, rng, view)
         outcome, note = _judge(lambda: QUERIES[pristine.kind](copy), timeout)
+        reused, back = False, 0
         if outcome == "answered":
-            outcome, note = judge_answers(pristine, note, target)
-        return Trial(seed, pristine.kind, target, attack, rel, detail, outcome, note)
+            outcome, note, reused, back = judge_answers(pristine, note, rollback_frames(view, first))
+        return Trial(seed, pristine.kind, target, attack, rel, detail, outcome, note, reused, back)
     finally:
         shutil.rmtree(copy, ignore_errors=True)
 
@@ -342,10 +390,15 @@ class Tally:
 
     per_attack: dict = attrs.Factory(dict)
     bad: list = attrs.Factory(list)  #: the trials that were wrong, crashed or hung
+    reused: int = 0  #: rollbacks whose cut batch's offsets were given out again
+    deeper: Counter = attrs.Factory(Counter)  #: rollbacks of more than one write, per attack
     seconds: float = 0.0
 
     def add(self, trial: Trial) -> None:
         self.per_attack.setdefault(f"{trial.kind}/{trial.target}/{trial.attack}", Counter())[trial.outcome] += 1
+        self.reused += trial.reused
+        if trial.back > 1:
+            self.deeper[trial.attack] += 1
         if trial.outcome not in ALLOWED:
             self.bad.append(trial)
 
@@ -367,9 +420,12 @@ class Tally:
     def summary(self) -> str:
         total = self.totals()
         return (f"trials {sum(total.values())}, ok {total['ok']}, project errors {total['error']}, "
-                f"rollbacks of one write (newest commit record damaged) {total['rollback']}, wrong answers "
-                f"{total['wrong']}, non-project exceptions {total['crash']}, hangs {total['hang']} "
-                f"in {self.seconds:.1f} s")
+                f"newest-write rollbacks (damage reaching the newest frame of a last chunk, cut as a torn "
+                f"write) {total['rollback']} ({self.reused} of them gave the cut batch's offsets out again; "
+                f"{sum(self.deeper.values())} rolled back more than one write: "
+                f"{dict(self.deeper) or 'none'}), "
+                f"wrong answers {total['wrong']}, non-project exceptions {total['crash']}, hangs "
+                f"{total['hang']} in {self.seconds:.1f} s")
 
 
 def fuzz(pristines: list[Pristine], scratch: str, trials: int, first_seed: int = 0, timeout: float = 3.0,

@@ -3,12 +3,13 @@
     python -m sims.faults.run [--trials 10000] [--kills 20] [--clients 3] [--ops 60] [--seed 0]
 
 ``--trials``: damage trials (``sims.faults.fuzz``: bit flips, zeroed ranges, truncations of the
-chunks, commit files, chunk index files and newest batches/footers of a deep-tree index and a
-segment on local disk), each under a timer. ``--kills``: kill-loop rounds; each round runs segment
+chunks, chunk index files and newest batches/footers of a deep-tree index and a segment on local
+disk), each under a timer; damage reaching the newest frame of a last chunk is counted apart, as a
+newest-write rollback (docs/decisions/0001). ``--kills``: kill-loop rounds; each round runs segment
 and ``EventWriter`` client processes over ``FaultyStorage`` (errors before the write, lost
 acknowledgements, latency, a full disk) on a fresh local store, SIGKILLs them at random, restarts
 them, and runs the history checker (``tests.history``) over the round. Prints per attack: trials,
-ok, project errors, wrong answers, non-project exceptions, hangs; per kill-loop: rounds, kills,
+ok, project errors, newest-write rollbacks, wrong answers, non-project exceptions, hangs; per kill-loop: rounds, kills,
 operations, duplicates, lost acknowledged writes, other violations. Exit code 1 if any trial was
 wrong, crashed or hung, or any round broke a rule.
 """

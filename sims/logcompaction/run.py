@@ -77,19 +77,27 @@ def write_log(store, records: int, keys: int, value_size: int, batch: int, seed:
 def raw_read(store) -> tuple[int, float]:
     """Read every stored log byte in 1 MiB windows, straight from the chunk files."""
     storage = store.storage
-    files = storage.list_files("changelog/_log.seg")
-    chunks = sorted(n for n in files if "/" not in n)
+    chunks = _log_chunks(storage)
     started = time.perf_counter()
     total = 0
-    for name in chunks:
+    for name, size in chunks:
         path = f"changelog/_log.seg/{name}"
-        size = storage.committed_size(path) if storage.appendable else files[name]
         position = 0
         while position < size:
             piece = storage.read(path, position, min(size, position + MIB))
             total += len(piece)
             position += len(piece)
     return total, time.perf_counter() - started
+
+
+def _log_chunks(storage) -> list[tuple[str, int]]:
+    """``(name, committed length)`` of the changelog's log chunks (a chunk file on local disk is
+    longer: zeros follow its frames)."""
+    from attrindex.log.framing import LOG_FRAMING
+    from storage_adapters import RollingSegment
+
+    with RollingSegment(storage, "changelog/_log", framing=LOG_FRAMING) as segment:
+        return [(c.name, c.stored) for c in segment.chunks()]
 
 
 def floors(store) -> tuple[float, float]:
@@ -100,17 +108,15 @@ def floors(store) -> tuple[float, float]:
     from attrindex.log.batch import iter_batches, uniform_keys
 
     storage = store.storage
-    files = storage.list_files("changelog/_log.seg")
-    chunks = sorted(n for n in files if "/" not in n)
+    chunks = _log_chunks(storage)
     out = []
     for with_map in (False, True):
         latest: dict = {}
         started = time.perf_counter()
-        for name in chunks[:-1]:  # the sealed chunks: what the cleaner cleans
+        for name, size in chunks[:-1]:  # the chunks no longer appended to: what the cleaner cleans
             path = f"changelog/_log.seg/{name}"
-            size = storage.committed_size(path) if storage.appendable else files[name]
             data = storage.read(path, 0, size)
-            for pos, header in iter_batches(data, verify=True):
+            for pos, header in iter_batches(data, position=int(name[:20]), verify=True):  # named by its start
                 if with_map and header.record_count:
                     keys, _dead = uniform_keys(data, pos, header, verify=False)
                     base = header.base_offset

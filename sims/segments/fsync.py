@@ -1,4 +1,4 @@
-"""Durable small appends on local disk: the v1 commit protocol (two fdatasyncs) against v2 (one fsync).
+"""Durable small appends on local disk: the chain-of-frames commit (one write, one fdatasync).
 
     python -m sims.segments.fsync [--ops 1000] [--payload 100] [--dir DIR]
 
@@ -6,19 +6,15 @@ One process, one disk (a temp dir under --dir). Every variant is set up once and
 operations, interleaved one by one with the other variants and each timed alone, so a burst of load
 from other processes hits them all alike; the median latency is reported. Variants:
 
-  raw syscalls, 100-byte appends (what each protocol costs without attrindex):
-    v1 sidecar     pwrite data, fdatasync; pwrite a 16-byte record to NAME.commit, fdatasync
-    v2 xattr       pwrite data, sync_file_range (write, wait; no flush), fsetxattr record, fsync
-    in-file, prefilled   (rejected design, for reference) pwrite data into a zero-filled region,
-                   pwrite a record into the file's first page, one fdatasync: no journal commit,
-                   but no order between record and data either (see docs/storage.md)
-  RollingSegment.append of 100 bytes, sync=True: commit_format "sidecar" (before) and "xattr" (after)
-  Segment.append of one 100-byte record with one attribute update (SegmentStore, local disk):
-    "sidecar" and "xattr"
+  raw syscalls (what the commit costs without attrindex): pwrite one frame of the payload into
+    zeros pre-written ahead of it, one fdatasync (no commit record: the frames say what is committed)
+  RollingSegment.append of one frame of the payload (LengthChecksumFraming), sync=True
+  Segment.append of one record with one attribute update (SegmentStore, local disk)
   one-key durable transactions: sqlite3 (synchronous=FULL, rollback journal) and LMDB (sync=True),
     the classes of sims.bench.run
 
-Prints ops/s (1 / median latency), p50/p90 latencies, mean ops/s and the after/before ratios.
+Prints ops/s (1 / median latency), p50/p90 latencies, mean ops/s and the ratios to the raw floor
+and to the peers.
 """
 
 from __future__ import annotations
@@ -35,7 +31,8 @@ from typing import Callable
 from attrindex import SegmentStore
 from sims.bench.run import LMDB, SQLite
 from storage_adapters import RollingSegment, open_storage
-from storage_adapters.local import _write_out, encode_commit_record, encode_commit_xattr
+from storage_adapters.framing import LengthChecksumFraming
+from storage_adapters.local import PREWRITE_BYTES
 
 PAYLOAD = os.urandom(100)  # --payload replaces it
 
@@ -48,56 +45,33 @@ class Variant:
         self.step: Callable[[int], None] = lambda i: None
 
 
-def raw_v1(directory):
-    data = os.open(os.path.join(directory, "c"), os.O_RDWR | os.O_CREAT, 0o644)
-    commit = os.open(os.path.join(directory, "c.commit"), os.O_RDWR | os.O_CREAT, 0o644)
-
-    def step(i):
-        os.pwrite(data, PAYLOAD, i * len(PAYLOAD))
-        os.fdatasync(data)
-        os.pwrite(commit, encode_commit_record((i + 1) * len(PAYLOAD)), i * 16)
-        os.fdatasync(commit)
-    return step, lambda: (os.close(data), os.close(commit))
-
-
-def raw_v2(directory):
+def raw_chain(directory):
+    """pwrite one frame at the chain's end, into pre-written zeros; one fdatasync."""
     fd = os.open(os.path.join(directory, "c"), os.O_RDWR | os.O_CREAT, 0o644)
+    end = [0, 0]  # the chain's end, the pre-written end
 
     def step(i):
-        os.pwrite(fd, PAYLOAD, i * len(PAYLOAD))
-        _write_out(fd, i * len(PAYLOAD), len(PAYLOAD))
-        os.setxattr(fd, "user.attrindex.commit", encode_commit_xattr([(i + 1) * len(PAYLOAD), i * len(PAYLOAD)]))
-        os.fsync(fd)
+        frame = LengthChecksumFraming.frame(PAYLOAD, end[0])
+        os.pwrite(fd, frame, end[0])
+        if end[0] + len(frame) > end[1] - PREWRITE_BYTES // 4:  # zeros ahead, as local storage does
+            os.pwrite(fd, bytes(PREWRITE_BYTES), end[0] + len(frame))
+            end[1] = end[0] + len(frame) + PREWRITE_BYTES
+        os.fdatasync(fd)
+        end[0] += len(frame)
     return step, lambda: os.close(fd)
 
 
-def raw_in_file(ops):
-    def make(directory):
-        fd = os.open(os.path.join(directory, "c"), os.O_RDWR | os.O_CREAT, 0o644)
-        os.pwrite(fd, bytes(4096 + ops * len(PAYLOAD) + 4096), 0)
-        os.fsync(fd)
-
-        def step(i):
-            os.pwrite(fd, PAYLOAD, 4096 + i * len(PAYLOAD))
-            os.pwrite(fd, encode_commit_record((i + 1) * len(PAYLOAD)), (i % 64) * 64)
-            os.fdatasync(fd)
-        return step, lambda: os.close(fd)
-    return make
+def rolling(directory):
+    framing = LengthChecksumFraming()
+    seg = RollingSegment(open_storage(directory), "s", framing=framing)
+    frame = framing.frame(PAYLOAD)  # placed at its position by the append
+    return (lambda i: seg.append(frame)), seg.close
 
 
-def rolling(commit_format):
-    def make(directory):
-        seg = RollingSegment(open_storage(directory, commit_format=commit_format), "s")
-        return (lambda i: seg.append(PAYLOAD)), seg.close
-    return make
-
-
-def segment(commit_format):
-    def make(directory):
-        store = SegmentStore.open(directory, {"commit_format": commit_format})
-        seg = store.segment("s", create=True)
-        return (lambda i: seg.append([PAYLOAD], [(i % 1000, i)])), store.close
-    return make
+def segment(directory):
+    store = SegmentStore.open(directory)
+    seg = store.segment("s", create=True)
+    return (lambda i: seg.append([PAYLOAD], [(i % 1000, i)])), store.close
 
 
 def engine(cls):
@@ -140,13 +114,9 @@ def main(argv=None) -> int:
     PAYLOAD = os.urandom(args.payload)
     base = tempfile.mkdtemp(prefix="fsync-", dir=args.dir)
     variants = [
-        Variant("raw v1 sidecar (2 fdatasync)", raw_v1),
-        Variant("raw v2 xattr (1 fsync)", raw_v2),
-        Variant("raw in-file record, prefilled (rejected)", raw_in_file(args.ops + 1)),
-        Variant("RollingSegment.append sidecar", rolling("sidecar")),
-        Variant("RollingSegment.append xattr", rolling("xattr")),
-        Variant("Segment.append sidecar", segment("sidecar")),
-        Variant("Segment.append xattr", segment("xattr")),
+        Variant("raw chain (1 pwrite, 1 fdatasync)", raw_chain),
+        Variant("RollingSegment.append", rolling),
+        Variant("Segment.append", segment),
         Variant("sqlite3 one-key txn (FULL)", engine(SQLite)),
         Variant("LMDB one-key txn (sync)", engine(LMDB)),
     ]
@@ -164,13 +134,12 @@ def main(argv=None) -> int:
         print(f"  {v.name:<42}{1 / median[v.name]:>9,.0f}{median[v.name] * 1e3:>9.2f}{p90 * 1e3:>9.2f}"
               f"{len(ordered) / sum(ordered):>12,.0f}")
     ratios = [
-        ("raw: v2 / v1", "raw v2 xattr (1 fsync)", "raw v1 sidecar (2 fdatasync)"),
-        ("RollingSegment.append: xattr / sidecar", "RollingSegment.append xattr", "RollingSegment.append sidecar"),
-        ("Segment.append: xattr / sidecar", "Segment.append xattr", "Segment.append sidecar"),
-        ("RollingSegment.append xattr / sqlite3", "RollingSegment.append xattr", "sqlite3 one-key txn (FULL)"),
-        ("RollingSegment.append xattr / LMDB", "RollingSegment.append xattr", "LMDB one-key txn (sync)"),
-        ("Segment.append xattr / sqlite3", "Segment.append xattr", "sqlite3 one-key txn (FULL)"),
-        ("Segment.append xattr / LMDB", "Segment.append xattr", "LMDB one-key txn (sync)"),
+        ("RollingSegment.append / raw chain", "RollingSegment.append", "raw chain (1 pwrite, 1 fdatasync)"),
+        ("Segment.append / raw chain", "Segment.append", "raw chain (1 pwrite, 1 fdatasync)"),
+        ("RollingSegment.append / sqlite3", "RollingSegment.append", "sqlite3 one-key txn (FULL)"),
+        ("RollingSegment.append / LMDB", "RollingSegment.append", "LMDB one-key txn (sync)"),
+        ("Segment.append / sqlite3", "Segment.append", "sqlite3 one-key txn (FULL)"),
+        ("Segment.append / LMDB", "Segment.append", "LMDB one-key txn (sync)"),
     ]
     by_name = {v.name: v for v in variants}
     print("ratios of throughput (1 / median latency; and by mean latency):")

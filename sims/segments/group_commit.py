@@ -3,7 +3,7 @@
     python -m sims.segments.group_commit [--appends 1000] [--threads 1,4,16] [--rounds 3] [--dir DIR]
 
 Each thread appends one 100-byte record with one plain attribute update (its own key), each
-append durable (local disk, sync=True: data + commit record fdatasync'd), all through ONE handle:
+append durable (local disk, sync=True: its frames written and fdatasync'd), all through ONE handle:
 
   grouped:    as shipped: concurrent appends share one storage append per group;
   one-by-one: the same handle with groups of one (``max_group_requests = 1``): every append its
