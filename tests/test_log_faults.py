@@ -94,20 +94,26 @@ def test_damage_at_the_very_end_of_the_last_chunk_once_merged_is_corruption_on_o
         assert not store.verify_segment("s").ok
 
 
-def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, caplog):
-    """The newest batch of the last chunk damaged in its payload before anything merged it,
-    nothing valid after it: on local disk that cannot be told from a write torn by a crash
-    (docs/decisions/0001), so it is cut as one, with a warning, never an error, and the offsets
-    its intact header claimed are never given out again."""
+def _with_an_unmerged_newest_batch(tmp_path) -> tuple[str, str, bytes, int]:
+    """A counter segment of 30 increments and then a record no merge covers: ``(root, the last
+    chunk's path, its committed bytes, where its newest batch starts in them)``."""
     root = str(tmp_path / "store")
     fill_counter(root, 30, **SMALL)
     with SegmentStore.open(root, **SMALL) as store:
         store.segment("s").append([b"plain-30"], timestamp=30)  # no attribute update: nothing merges it
     last = files(root, "s", "_log.seg")[-1]
     data = committed(last)
-    final = [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
+    return root, last, data, [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
+
+
+def test_damage_to_the_newest_unmerged_batch_is_cut_as_a_torn_write(tmp_path, caplog):
+    """The newest batch of the last chunk damaged in its payload before anything merged it,
+    nothing valid after it: on local disk that cannot be told from a write torn by a crash
+    (docs/decisions/0001), so it is cut as one, with a warning, never an error, and the offsets
+    its intact header claimed are never given out again."""
+    root, last, data, final = _with_an_unmerged_newest_batch(tmp_path)
     flip(last, len(data) - 1)
-    chunk_start = int(os.path.basename(last))
+    chunk_start = start_of(last)
     with SegmentStore.open(root, **SMALL) as store, caplog.at_level("WARNING", logger="attrindex.storage"):
         assert store.verify_segment("s").ok  # a torn write is no damage
         seg = store.segment("s")
@@ -128,15 +134,9 @@ def test_a_damaged_header_of_the_newest_batch_is_damage_not_a_torn_write(tmp_pat
     """A torn write begins as the batch it was begins (a killed writer leaves a prefix; a power
     loss keeps or loses whole sectors), so a newest batch whose header fails its checksum is
     damage: reported on open, and repair gives the batch up above every offset it could hold."""
-    root = str(tmp_path / "store")
-    fill_counter(root, 30, **SMALL)
-    with SegmentStore.open(root, **SMALL) as store:
-        store.segment("s").append([b"plain-30"], timestamp=30)  # no attribute update: nothing merges it
-    last = files(root, "s", "_log.seg")[-1]
-    data = committed(last)
-    final = [pos for pos, _header in iter_batches(data, position=start_of(last))][-1]
+    root, last, _data, final = _with_an_unmerged_newest_batch(tmp_path)
     flip(last, final + 30)
-    chunk_start = int(os.path.basename(last))
+    chunk_start = start_of(last)
     with SegmentStore.open(root, **SMALL) as store:
         with pytest.raises(CorruptDataError) as caught:
             store.segment("s")
