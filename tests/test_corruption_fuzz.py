@@ -60,18 +60,23 @@ def test_damage_to_the_newest_log_batch_is_at_most_a_rollback_of_that_write(pris
     view = fuzz.chunk_view(copy, rel)
     newest = view.frame_ends[-2]  # where the newest batch starts
     at = newest + (BATCH_HEADER_SIZE + 2 if part == "payload" else 30)
-    with open(f"{copy}/{rel}", "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x08]))
-    outcome, answers = fuzz._judge(lambda: fuzz.query_segment(copy), timeout=3.0)
+    outcome, answers = _query_with_a_flipped_byte(copy, rel, at)
     if part == "header":
         assert outcome == "error" and "CorruptDataError" in repr(answers), answers
         return
     assert outcome == "answered", answers
     outcome, note, reused, back = fuzz.judge_answers(segment, answers, fuzz.rollback_frames(view, at))
     assert outcome == "rollback" and back == 1 and not reused, note
+
+
+def _query_with_a_flipped_byte(copy: str, rel: str, at: int) -> tuple[str, object]:
+    """Flip one bit of byte ``at`` of the chunk ``rel`` of the store ``copy``, then query it."""
+    with open(f"{copy}/{rel}", "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x08]))
+    return fuzz.run_query(lambda: fuzz.query_segment(copy), timeout=3.0)
 
 
 def test_damage_below_the_newest_log_batch_is_reported(pristines, tmp_path):
@@ -86,10 +91,5 @@ def test_damage_below_the_newest_log_batch_is_reported(pristines, tmp_path):
     shutil.copytree(segment.path, copy)
     rel = max(p for p in fuzz.targets(copy)["tail"] if "_log.seg" in p)
     at = fuzz.chunk_view(copy, rel).frame_ends[-3] + BATCH_HEADER_SIZE + 2
-    with open(f"{copy}/{rel}", "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([byte ^ 0x08]))
-    outcome, answers = fuzz._judge(lambda: fuzz.query_segment(copy), timeout=3.0)
+    outcome, answers = _query_with_a_flipped_byte(copy, rel, at)
     assert outcome == "error", answers

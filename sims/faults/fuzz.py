@@ -352,7 +352,7 @@ def run_trial(pristine: Pristine, scratch: str, seed: int, timeout: float = 3.0)
         rel = rng.choice(found[target])
         view = chunk_view(copy, rel) if target != "index" else None
         detail, first = damage(os.path.join(copy, rel), target, attack, rng, view)
-        outcome, note = _judge(lambda: QUERIES[pristine.kind](copy), timeout)
+        outcome, note = run_query(lambda: QUERIES[pristine.kind](copy), timeout)
         reused, back = False, 0
         if outcome == "answered":
             outcome, note, reused, back = judge_answers(pristine, note, rollback_frames(view, first))
@@ -361,7 +361,7 @@ def run_trial(pristine: Pristine, scratch: str, seed: int, timeout: float = 3.0)
         shutil.rmtree(copy, ignore_errors=True)
 
 
-def _judge(query: Callable[[], dict], timeout: float) -> tuple[str, object]:
+def run_query(query: Callable[[], dict], timeout: float) -> tuple[str, object]:
     """Run ``query`` under a real-time timer (main thread only); ``("answered", answers)`` or how
     it failed."""
     def fire(_signum, _frame):
