@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 import zlib
 
@@ -70,6 +71,15 @@ def test_a_restarted_writer_skips_what_it_already_wrote(store):
     assert sorted(int(v) for _, _, v in stream_events(store, "s")) == list(range(80))
 
 
+def _twice_at_once(attempt) -> None:
+    """Run ``attempt`` in two threads at once (two copies of one writer) and wait for both."""
+    threads = [threading.Thread(target=attempt) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 @pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
 def test_lost_acknowledgements_and_timeouts_never_duplicate_or_lose(storage_url):
     url, options = storage_url
@@ -110,11 +120,7 @@ def _twins(url, options, shared, events=400):
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 errors.append(exc)
 
-    threads = [threading.Thread(target=attempt) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _twice_at_once(attempt)
     return errors
 
 
@@ -693,11 +699,7 @@ def test_write_arrow_through_lost_acknowledgements_and_twins_writes_each_event_o
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 errors.append(exc)
 
-    threads = [threading.Thread(target=attempt) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _twice_at_once(attempt)
     assert errors == []
     with SegmentStore.open(url, storage_options=options) as clean:
         assert sorted(int(v) for _, _, v in stream_events(clean, "s")) == list(range(700))
