@@ -543,7 +543,7 @@ class RollingSegment:
                 raise BadOffsetError(self.name, expected_offset, offset)
             last = self._chunks[-1] if self._chunks else None
             clear_to = 0
-            if self._rolls():
+            if last is None or last.length >= self.rolling_size:  # (``_rolls``)
                 if last is not None:
                     self._trim(last)
                 last = ChunkInfo(offset, 0, chunk_name(offset))
@@ -711,11 +711,12 @@ class RollingSegment:
                     raise BadOffsetError(self.name, expected_offset, self.length)
             offset = self.length
             path = f"{self._dir}/{chunk_name(offset)}"
+            placed = data if self.framing is None else self.framing.place(data, offset)
             sent = time.monotonic()
             try:
-                self.storage.create(path, data)
+                self.storage.create(path, placed)
             except StorageError as exc:
-                found = self._settle_object(path, data, exc)
+                found = self._settle_object(path, placed, exc)
                 if found == "absent" and isinstance(exc, OutcomeUnknownError) and not retried_unknown:
                     retried_unknown = True  # nothing is there: an exclusive create is safe to repeat
                     continue
@@ -839,7 +840,10 @@ class RollingSegment:
 
     def _after_durable_append(self) -> None:
         """Housekeeping after the append is durable: it must never turn the append into an error."""
-        self._delete_dead()
+        chunks, start = self._chunks, self._start_offset
+        if (len(chunks) > 1 and chunks[0].end <= start) or self._doomed or \
+                any(m < start for m in self._markers):
+            self._delete_dead()
 
     def _drop_truncated_predecessor(self) -> None:
         """Delete the chunks before the last that lie wholly below the start offset.

@@ -419,11 +419,11 @@ class SegmentLog:
         """Append consecutive encoded batches (each based where the one before ends) as ONE
         compare-and-append, so they are durable together (group commit); return their positions.
 
-        The batches may be sealed for any position: they are sealed for where they land
-        (``place_batches``, which leaves batches encoded for there as they are). They land in one
-        chunk, so no batch spans chunks. Errors as for ``append``.
+        The batches may be sealed for any position: the byte stream seals them for where they
+        land (its framing's ``place``, which leaves batches encoded for there as they are). They
+        land in one chunk, so no batch spans chunks. Errors as for ``append``.
         """
-        data = place_batches(datas[0] if len(datas) == 1 else b"".join(datas), self.position)
+        data = datas[0] if len(datas) == 1 else b"".join(datas)
         at = self.bytes.append(data, expected_offset=self.position)
         self._sync_chunks()
         chunk = self._chunks[-1]
