@@ -32,6 +32,7 @@ from .cli_errors import (
     explain,
 )
 from .errors import AttrIndexError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError
+from .locations import failing_fast
 
 log = logging.getLogger("attrindex.cli")
 
@@ -88,15 +89,6 @@ def _parse_value(text: str) -> int | None:
         raise InvalidInputError(f"cannot read {text!r} as a value: give an integer, or 'none' to remove") from None
 
 
-# The command line's S3 requests fail fast: a mistyped endpoint, a dead network or an endpoint
-# that never answers is reported within seconds (at most 2 attempts of a 2 s connect timeout and
-# a 10 s read timeout: 25 s), not after the library's defaults (5 attempts of 10 s and 20 s).
-# Options the user gives (-o read_timeout=60, or botocore's own names in -o config_kwargs={...})
-# win over these.
-S3_FAIL_FAST = {"connect_timeout": 2, "read_timeout": 10, "max_attempts": 2}
-_BOTOCORE_NAMES = {"connect_timeout": "connect_timeout", "read_timeout": "read_timeout", "max_attempts": "retries"}
-
-
 def _user_storage_options(pairs: list[str]) -> dict[str, Any]:
     """``-o NAME=VALUE`` options; a VALUE starting with ``{`` or ``[`` is JSON (nested settings
     such as ``client_kwargs`` or ``config_kwargs``), as in the Spark formats' ``storage.*``."""
@@ -113,18 +105,6 @@ def _user_storage_options(pairs: list[str]) -> dict[str, Any]:
         else:
             options[name] = value
     return options
-
-
-def failing_fast(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` plus ``S3_FAIL_FAST`` if ``url`` is on S3 (the user's settings win)."""
-    if "://" not in url or url.split("://", 1)[0].lower() not in ("s3", "s3a"):
-        return options
-    given = options.get("config_kwargs", {})
-    if not isinstance(given, dict):
-        raise InvalidInputError(f"storage option 'config_kwargs' must be a JSON object, got {given!r}")
-    defaults = {name: value for name, value in S3_FAIL_FAST.items()
-                if name not in options and _BOTOCORE_NAMES[name] not in given}
-    return {**defaults, **options}
 
 
 def check_url(url: str) -> str:

@@ -112,7 +112,7 @@ def _uuid_sql(spark) -> None:
 def _driver_options(url: str, options: dict) -> dict:
     """The options of the demo's own (driver-side) storage clients: on S3 they fail fast, as the
     command line's do; Spark's tasks keep the client defaults, since a task is retried anyway."""
-    from .cli import failing_fast
+    from .locations import failing_fast
 
     return failing_fast(url, options)
 

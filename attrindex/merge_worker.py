@@ -9,7 +9,7 @@ thread only waits on a pipe.
 The log is the source of truth, so the parent sends no data: only the log position ``at`` that
 the frozen overlay covers. The worker refreshes its own view of the tree, replays the log from
 the tree's checkpoint up to ``at`` into an overlay (the same replay an opening handle does) and
-merges it with ``segment_merge.merge_overlay``, the one merge function the in-thread host uses
+merges it with ``overlay.merge_overlay``, the one merge function the in-thread host uses
 too; then it answers with the tree's checkpoint. The parent re-reads the tree's footer
 (``TreeIndex.refresh``: pages are immutable at their offsets, so its page cache stays valid; the
 value cache is dropped because the tree changed under it) and drops the frozen overlay.
@@ -59,6 +59,7 @@ from typing import Any
 from storage_adapters.local import LocalChunkStorage
 
 from .errors import StorageError
+from .overlay import merge_overlay
 
 #: The longest one merge may take even while the worker makes progress (a worker spinning without
 #: end); a worker that makes none is killed after ``hang_seconds`` (see the module's docstring).
@@ -324,8 +325,6 @@ class _Host:
                               index_interval_bytes=spec["index_interval_bytes"])
 
     def merge(self, at: int, fault: str | None) -> int:
-        from .segment_merge import merge_overlay
-
         self.tree.refresh()
         covered = self.tree.checkpoint or 0
         if covered >= at:

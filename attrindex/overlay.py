@@ -16,7 +16,17 @@ from typing import Iterator, Sequence
 
 from .value_cache import MISSING
 
-__all__ = ["AttributeOverlay", "merge_scan", "probe_many", "sort_keys", "MISSING"]
+def merge_overlay(tree, overlay: AttributeOverlay, at: int, base: int | None = None) -> bool:
+    """The merge of an overlay into the B+tree, whichever process hosts it (the handle's merge
+    thread or the merge worker): ``overlay`` (the log's updates up to byte ``at``) as one sorted
+    batch with checkpoint ``at``. False if the tree covers
+    more than ``at`` already (checkpoints only move forward). ``base``: the checkpoint of the tree
+    version ``overlay`` was replayed from; ``TreeMovedError`` on any other version."""
+    keys, values = overlay.sorted_items()
+    return tree.update_sorted(keys, values, checkpoint=at, base=base)
+
+
+__all__ = ["AttributeOverlay", "merge_overlay", "merge_scan", "probe_many", "sort_keys", "MISSING"]
 
 # Estimated bytes per entry, for flush thresholds: the 16-byte key object (49), a boxed int value
 # (32; ``None`` and small ints are shared, so this is an upper bound), the dict's slot and index

@@ -28,7 +28,7 @@ from .errors import MergeBacklogError, StorageError, TruncatedError
 from .log.segment_log import LayoutChangedError
 from .merge_worker import (MAX_FAILED_MERGES, MAX_FAILED_STARTS, MergeWorker, MergeWorkerError, WorkerGaveUpError,
                            WorkerStartError, worker_storage)
-from .overlay import AttributeOverlay
+from .overlay import AttributeOverlay, merge_overlay
 
 MERGE_RETRY_SECONDS = 5.0  #: the longest pause between retries of a failing background merge
 MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background merge (doubling up to the above)
@@ -456,15 +456,6 @@ class BackgroundMerge:
         return rebuilt, checkpoint
 
 
-def merge_overlay(tree, overlay: AttributeOverlay, at: int, base: int | None = None) -> bool:
-    """THE merge of tier 1 into the B+tree, whichever process hosts it: ``overlay`` (the log's
-    updates up to byte ``at``) as one sorted batch with checkpoint ``at``. False if the tree covers
-    more than ``at`` already (checkpoints only move forward). ``base``: the checkpoint of the tree
-    version ``overlay`` was replayed from; ``TreeMovedError`` on any other version."""
-    keys, values = overlay.sorted_items()
-    return tree.update_sorted(keys, values, checkpoint=at, base=base)
-
-
 def _merge_loop(ref: "weakref.ref[BackgroundMerge]", wake: threading.Event) -> None:
     """The body of a handle's merge thread: laps of ``BackgroundMerge._merger_lap``, sleeping on ``wake``
     between them without holding the handle (at most ``_IDLE_RECHECK_SECONDS``, then it looks
@@ -484,4 +475,4 @@ def _merge_loop(ref: "weakref.ref[BackgroundMerge]", wake: threading.Event) -> N
             wake.wait(_IDLE_RECHECK_SECONDS if sleep is None else min(sleep, _IDLE_RECHECK_SECONDS))
 
 
-__all__ = ["BACKPRESSURE_WAIT_SECONDS", "BackgroundMerge", "MergeWorkerError", "merge_overlay", "MERGE_RETRY_MIN_SECONDS", "MERGE_RETRY_SECONDS"]
+__all__ = ["BACKPRESSURE_WAIT_SECONDS", "BackgroundMerge", "MergeWorkerError", "MERGE_RETRY_MIN_SECONDS", "MERGE_RETRY_SECONDS"]

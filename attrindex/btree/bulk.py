@@ -45,7 +45,7 @@ import operator
 import struct
 import sys
 from array import array
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from storage_adapters.errors import InvalidInputError
 
@@ -53,10 +53,7 @@ from ..arguments import check_progress
 from ..keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_iter, to_key, to_update
 from .column_sort import ColumnCollector, load_numpy
 from .footer import FOOTER_SIZE, Footer
-from .page import FORMAT_VERSION, HEADER, LEAF, _checksum, _column, encode_index
-
-if TYPE_CHECKING:
-    from .tree import BTreeIndex
+from .page import FORMAT_VERSION, HEADER, LEAF, page_checksum, column_struct, encode_index
 
 READ_CHUNK = 1 << 16  #: pairs validated and sorted-checked at a time
 PROGRESS_EVERY = 1 << 16  #: pairs (or entries) between progress calls
@@ -118,7 +115,7 @@ class SortedRun:
         self.values.frombytes(column)
 
     def key_list(self, lo: int, hi: int) -> list[bytes]:
-        return list(_column("16s", hi - lo).unpack_from(self.keys, lo * KEY_SIZE)) if hi > lo else []
+        return list(column_struct("16s", hi - lo).unpack_from(self.keys, lo * KEY_SIZE)) if hi > lo else []
 
     def pairs(self) -> list[tuple[bytes, int | None]]:
         """The run as ``(key, value)`` pairs, removals as ``(key, None)`` (not in key order)."""
@@ -343,7 +340,7 @@ class _Builder:
         page = bytearray(HEADER.pack(FORMAT_VERSION, LEAF, 0, n, 0))
         page += keys
         page += column.tobytes()
-        _CRC.pack_into(page, 8, _checksum(offset, page))
+        _CRC.pack_into(page, 8, page_checksum(offset, page))
         self.buffer += page
         self.pointers.append((bytes(keys[:KEY_SIZE]), offset, len(page), offset))
         self.entries += n
@@ -401,11 +398,12 @@ def _swapped(values: array) -> array:
     return copy
 
 
-def build(tree: "BTreeIndex", run: SortedRun, old_leaves: Iterator | None, base: int, checkpoint: int,
-          old_entries: int = 0, progress: Progress | None = None) -> tuple[bytes, Footer]:
+def build(run: SortedRun, old_leaves: Iterator | None, base: int, checkpoint: int, *, leaf_capacity: int,
+          index_capacity: int, old_entries: int = 0, progress: Progress | None = None) -> tuple[bytes, Footer]:
     """The bytes of a fresh tree holding ``run`` merged over ``old_leaves`` (the current tree's
-    leaf pages in key order, ``None`` for an empty tree), to be appended at ``base``."""
-    builder = _Builder(base, tree.leaf_capacity, tree.index_capacity)
+    leaf pages in key order, ``None`` for an empty tree), to be appended at ``base``, with at most
+    ``leaf_capacity`` entries a leaf and ``index_capacity`` an index page."""
+    builder = _Builder(base, leaf_capacity, index_capacity)
     total, done, reported = len(run) + old_entries, 0, 0
     keys, i, r = _KeyView(run), 0, 0  # next run entry, next removal
     for leaf in old_leaves or ():
@@ -442,9 +440,10 @@ def validate_checkpoint(checkpoint: object) -> None:
         raise InvalidInputError(f"checkpoint must be an int >= 0 or None, got {checkpoint!r:.60}")
 
 
-def leaves(tree: "BTreeIndex", root) -> Iterator:
-    """The non-empty leaf pages under ``root`` in key order, read one at a time (through the
-    tree's page cache): memory holds one root-to-leaf path, not a level."""
+def leaves(root, child: Callable) -> Iterator:
+    """The non-empty leaf pages under ``root`` in key order, read one at a time by ``child(page,
+    i)`` (the tree's read of an index page's ``i``-th child, through its page cache): memory holds
+    one root-to-leaf path, not a level."""
     if root.is_leaf:
         if root.keys:
             yield root
@@ -455,9 +454,9 @@ def leaves(tree: "BTreeIndex", root) -> Iterator:
         if i == len(page.keys):
             continue
         path.append((page, i + 1))
-        child = tree._child(page, i)
-        if child.is_leaf:
-            if child.keys:
-                yield child
+        below = child(page, i)
+        if below.is_leaf:
+            if below.keys:
+                yield below
         else:
-            path.append((child, 0))
+            path.append((below, 0))

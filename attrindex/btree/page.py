@@ -35,7 +35,8 @@ _U64 = struct.Struct("<Q")
 
 
 @functools.lru_cache(maxsize=4096)
-def _column(code: str, count: int) -> struct.Struct:
+def column_struct(code: str, count: int) -> struct.Struct:
+    """The ``struct`` of ``count`` values of ``code`` back to back (a page's key or value column)."""
     return struct.Struct(f"<{count}{code}" if code != "16s" else "<" + "16s" * count)
 
 
@@ -91,7 +92,8 @@ def index_capacity(page_size: int) -> int:
     return (page_size - HEADER_SIZE) // INDEX_ENTRY_SIZE
 
 
-def _checksum(offset: int, page: bytes | bytearray | memoryview) -> int:
+def page_checksum(offset: int, page: bytes | bytearray | memoryview) -> int:
+    """The checksum of an encoded ``page`` written at segment byte ``offset`` (docs/format.md)."""
     view = memoryview(page)
     return zlib.crc32(view[HEADER_SIZE:], zlib.crc32(view[:8], zlib.crc32(_U64.pack(offset))))
 
@@ -100,8 +102,8 @@ def encode_leaf(keys: list[bytes], values: list[int], offset: int) -> bytes:
     n = len(keys)
     body = bytearray(HEADER.pack(FORMAT_VERSION, LEAF, 0, n, 0))
     body += b"".join(keys)
-    body += _column("q", n).pack(*values)
-    struct.pack_into("<I", body, 8, _checksum(offset, body))
+    body += column_struct("q", n).pack(*values)
+    struct.pack_into("<I", body, 8, page_checksum(offset, body))
     return bytes(body)
 
 
@@ -110,10 +112,10 @@ def encode_index(keys: list[bytes], offsets: list[int], lengths: list[int], min_
     body = bytearray(HEADER.pack(FORMAT_VERSION, INDEX, 0, n, 0))
     body += MIN_KEY  # the first key routes everything below the second
     body += b"".join(keys[1:])
-    body += _column("Q", n).pack(*offsets)
-    body += _column("I", n).pack(*lengths)
-    body += _column("Q", n).pack(*min_offsets)
-    struct.pack_into("<I", body, 8, _checksum(offset, body))
+    body += column_struct("Q", n).pack(*offsets)
+    body += column_struct("I", n).pack(*lengths)
+    body += column_struct("Q", n).pack(*min_offsets)
+    struct.pack_into("<I", body, 8, page_checksum(offset, body))
     return bytes(body)
 
 
@@ -127,7 +129,7 @@ def check_page(page: bytes | memoryview, offset: int, segment: str = "?") -> tup
     if len(page) < HEADER_SIZE:
         raise corrupt(f"{len(page)} bytes is shorter than a page header")
     version, kind, reserved, n, crc = HEADER.unpack_from(page)
-    if _checksum(offset, page) != crc:
+    if page_checksum(offset, page) != crc:
         raise corrupt("checksum mismatch")
     if version != FORMAT_VERSION or reserved != 0 or kind not in (LEAF, INDEX):
         raise corrupt(f"unknown format (version {version}, kind {kind})")
@@ -140,12 +142,12 @@ def check_page(page: bytes | memoryview, offset: int, segment: str = "?") -> tup
 def decode_page(page: bytes, offset: int, segment: str = "?") -> LeafPage | IndexPage:
     """Verify and decode the page stored at ``offset``; any fault is a ``CorruptDataError`` naming it."""
     kind, n = check_page(page, offset, segment)
-    keys = list(_column("16s", n).unpack_from(page, HEADER_SIZE))
+    keys = list(column_struct("16s", n).unpack_from(page, HEADER_SIZE))
     at = HEADER_SIZE + n * KEY_SIZE
     if kind == LEAF:
-        return LeafPage(keys, list(_column("q", n).unpack_from(page, at)))
-    offsets = list(_column("Q", n).unpack_from(page, at))
-    lengths = list(_column("I", n).unpack_from(page, at + 8 * n))
-    min_offsets = list(_column("Q", n).unpack_from(page, at + 12 * n))
+        return LeafPage(keys, list(column_struct("q", n).unpack_from(page, at)))
+    offsets = list(column_struct("Q", n).unpack_from(page, at))
+    lengths = list(column_struct("I", n).unpack_from(page, at + 8 * n))
+    min_offsets = list(column_struct("Q", n).unpack_from(page, at + 12 * n))
     return IndexPage(keys, offsets, lengths, min_offsets)
 

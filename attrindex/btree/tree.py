@@ -722,8 +722,10 @@ class BTreeIndex:
                     return state  # removals from an empty tree: nothing to write
                 target = footer.checkpoint if checkpoint is None else checkpoint
                 try:
-                    old = bulk.leaves(self, self._root_page(state)) if footer.root_length else None
-                    data, new_footer = bulk.build(self, run, old, state.length, target, footer.entry_count, progress)
+                    old = bulk.leaves(self._root_page(state), self._child) if footer.root_length else None
+                    data, new_footer = bulk.build(run, old, state.length, target, leaf_capacity=self.leaf_capacity,
+                                                  index_capacity=self.index_capacity, old_entries=footer.entry_count,
+                                                  progress=progress)
                 except OffsetOutOfRangeError as error:  # another writer compacted pages this state needs
                     self._restart(state, error)
                     continue
