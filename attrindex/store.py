@@ -148,9 +148,11 @@ class SegmentStore:
                 # Object stores open lazily: the attributes (the B+tree's footer, the log after its
                 # checkpoint) are read when first needed, not to read records (docs/segments.md).
                 segment = Segment(storage, name, self.options, lazy_attributes=not self.storage.appendable)
-                if storage is not self.storage and not any(p.startswith(CONFIG_DIR + "/") for p in listing):
+                if storage is not self.storage and not cleanup and \
+                        not any(p.startswith(CONFIG_DIR + "/") for p in listing):
                     # No stored policy: the default, known from the listing for free (else the
-                    # first append of records would list _config/ to learn it).
+                    # first append of records would list _config/ to learn it). Not when this
+                    # call stored one: the listing was taken before it.
                     segment.cleanup_policy()
             finally:
                 if storage is not self.storage:

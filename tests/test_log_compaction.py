@@ -31,6 +31,8 @@ from attrindex.log.cleaner import KeepRule, OffsetMap, TombstoneClock, decode_ch
 from attrindex.log.cleanup_policy import CleanupPolicy, decode_policy, policy_from_options
 from attrindex.log.framing import LOG_FRAMING
 
+from .conftest import make_s3_url
+
 DAY = 86_400_000
 
 # A batch encoded by the format before tombstones existed (main at 8519730, format version 2): a batch
@@ -166,6 +168,21 @@ def test_compact_only_segments_refuse_keyless_records():
 
 
 # ------------------------------------------------------------------------------- the pure core
+
+
+def test_a_compact_segment_created_on_s3_refuses_keyless_records_from_its_first_append(s3_options):
+    """On an object store a segment opens from one listing; the policy this same call stores
+    must be the one its first append checks, not the default the listing (taken before) shows."""
+    url = make_s3_url(s3_options)
+    with SegmentStore.open(url, storage_options=s3_options) as store:
+        seg = store.segment("s", create=True, cleanup_policy="compact")
+        with pytest.raises(InvalidInputError, match="no key"):
+            seg.append([b"plain"])
+        assert seg.cleanup_policy().compacts
+        assert seg.next_offset == 0  # nothing was appended
+    with SegmentStore.open(url, storage_options=s3_options) as store:
+        with pytest.raises(InvalidInputError, match="no key"):
+            store.segment("s").append([b"plain"])
 
 
 def test_offset_map_is_bounded_and_keeps_the_latest_offset():
@@ -851,6 +868,5 @@ def test_sigkill_during_compaction_on_local_disk(tmp_path):
 
 
 def test_sigkill_during_compaction_on_s3(s3_options):
-    from tests.conftest import make_s3_url
 
     _killed_compactions(make_s3_url(s3_options), s3_options, rounds=2, per_round=20)
