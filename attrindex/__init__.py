@@ -9,7 +9,8 @@ the storage layer. Every error raised on purpose is in ``attrindex.errors``.
 
 from . import errors
 from ._version import __version__
-from .attribute_index import AttributeIndex, IndexStats, VerifyReport
+from .attribute_index import AttributeIndex, IndexVerifyReport, WalIndexRepairReport
+from .btree.verify import VerifyReport
 from .btree.repair import IndexRepairReport
 from .damage import Damage
 from .conditional import AttributeUpdate, UpdateFailure, UpdateType
@@ -19,6 +20,7 @@ from .log.cleanup_policy import CleanupPolicy
 from .reader import SegmentReader
 from .segment import AppendResult, Segment, SegmentStats
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport
+from .tree_index import IndexStats
 from .store import SegmentStore
 from .writer import Acknowledgement, EventWriter
 
@@ -34,6 +36,7 @@ __all__ = [
     "EventWriter",
     "IndexRepairReport",
     "IndexStats",
+    "IndexVerifyReport",
     "Record",
     "Segment",
     "SegmentReader",
@@ -44,6 +47,7 @@ __all__ = [
     "UpdateFailure",
     "UpdateType",
     "VerifyReport",
+    "WalIndexRepairReport",
     "__version__",
     "errors",
 ]

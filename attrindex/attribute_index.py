@@ -34,7 +34,8 @@ from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
 from .errors import CorruptDataError, InvalidInputError, StorageError
 from .handle import IndexHandle
-from .keys import KEY_SIZE, to_key
+from .keys import KEY_SIZE, all_canonical_keys, all_canonical_values, canonical_batch, to_key
+from .locations import index_storage
 from .value_cache import MISSING
 from .log.framing import LOG_FRAMING
 from .log.segment_log import LOG_DIR
@@ -44,8 +45,7 @@ from .segment import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SEC
                       SegmentOptions)
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
-                         IndexStats, TreeIndex, _all_canonical_keys, _all_canonical_values, _canonical_batch, _storage,
-                         key_list)
+                         IndexStats, TreeIndex, key_list)
 
 WAL_NAME = "_wal"  #: the write-ahead log of index ``NAME`` is the segment log ``NAME/_wal``
 #: WAL chunk size: space comes back a whole merged chunk at a time, so small next to the tree
@@ -228,7 +228,7 @@ class AttributeIndex(IndexHandle):
         """Values for ``keys`` in input order (``None`` where absent)."""
         self._check_open()
         keys = key_list(keys)
-        canonical = keys if _all_canonical_keys(keys) else [to_key(k) for k in keys]
+        canonical = keys if all_canonical_keys(keys) else [to_key(k) for k in keys]
         return self._wal._current_values(canonical)  # lock-free, from one read view
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
@@ -332,7 +332,7 @@ class AttributeIndex(IndexHandle):
         """
         self._check_writable()
         _refuse_checkpoint(checkpoint)
-        batch = _canonical_batch(updates)
+        batch = canonical_batch(updates)
         if not batch:
             return False
         self._append(batch)
@@ -347,7 +347,7 @@ class AttributeIndex(IndexHandle):
             raise InvalidInputError(f"update_sorted got {len(keys)} keys and {len(values)} values")
         if not keys:
             return False
-        if not (_all_canonical_keys(keys) and _all_canonical_values(values)):
+        if not (all_canonical_keys(keys) and all_canonical_values(values)):
             raise InvalidInputError("update_sorted takes 16-byte bytes keys and int64 or None values; use update")
         batch = dict(zip(keys, values))
         if len(batch) != len(keys):
@@ -481,7 +481,7 @@ class AttributeIndex(IndexHandle):
                   progress: Callable[[int, int], None] | None = None) -> IndexVerifyReport:
         """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
         it: works on an index that refuses to open (a damaged newest footer or WAL)."""
-        return cls._verify(_storage(storage, storage_options, name), name, SegmentOptions(), progress)
+        return cls._verify(index_storage(storage, storage_options, name), name, SegmentOptions(), progress)
 
     @staticmethod
     def _verify(storage: ChunkStorage, name: str, options: SegmentOptions,
@@ -522,7 +522,7 @@ class AttributeIndex(IndexHandle):
         and a damaged tail is cut (``report.wal`` says what was lost); the tree is never rebuilt
         from the WAL (it holds what was merged before).
         """
-        return cls._repair(_storage(storage, storage_options, name), name, SegmentOptions())
+        return cls._repair(index_storage(storage, storage_options, name), name, SegmentOptions())
 
     @staticmethod
     def _repair(storage: ChunkStorage, name: str, options: SegmentOptions) -> WalIndexRepairReport:
@@ -573,7 +573,4 @@ def _refuse_checkpoint(checkpoint: object) -> None:
             f"write-ahead log's position; TreeIndex.update(..., checkpoint=) stores a position in another log")
 
 
-__all__ = ["AttributeIndex", "IndexStats", "IndexVerifyReport", "TreeIndex", "VerifyReport", "WalIndexRepairReport",
-           "key_list", "DEFAULT_CACHE_BYTES", "DEFAULT_INDEX_ROLLING_SIZE", "DEFAULT_VALUE_CACHE_ENTRIES",
-           "DEFAULT_WAL_ROLLING_SIZE", "MAX_SPLIT_PARTS", "_all_canonical_keys", "_all_canonical_values",
-           "_canonical_batch", "_storage"]
+__all__ = ["AttributeIndex", "IndexVerifyReport", "WalIndexRepairReport"]

@@ -8,7 +8,7 @@ A value is a signed 64-bit int; ``None`` in an update means "remove".
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from .errors import InvalidInputError, InvalidKeyError, InvalidValueError
 
@@ -82,3 +82,42 @@ def to_keys(keys: object) -> list[bytes]:
         return [to_key(k) for k in keys]  # type: ignore[attr-defined]
     except TypeError:
         raise InvalidKeyError(f"keys must be an iterable of keys, got {type(keys).__name__}") from None
+
+
+def all_canonical_keys(keys: Iterable[object]) -> bool:
+    """Whether every key is 16 ``bytes`` (checked with C-level passes, no Python call per key)."""
+    return not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE})
+
+
+def all_canonical_values(values) -> bool:
+    """Whether every value is an int64 or ``None`` (C-level passes but for dropping the ``None``s)."""
+    values = values if isinstance(values, list) else list(values)
+    types = set(map(type, values))
+    if not types <= {int, type(None)}:
+        return False
+    ints = [v for v in values if v is not None] if type(None) in types else values
+    return not ints or (VALUE_MIN <= min(ints) and max(ints) <= VALUE_MAX)
+
+
+def canonical_batch(updates) -> dict[bytes, int | None]:
+    """``{16-byte key: int64 or None}``, the last value for a key winning; raises on bad input.
+
+    Input that is already canonical (bytes keys, int values) is checked at C speed and used as is.
+    """
+    if isinstance(updates, Mapping):
+        batch = updates if isinstance(updates, dict) else dict(updates)
+        pairs = updates.items()
+    else:
+        pairs = updates if isinstance(updates, (list, tuple)) else pair_list(updates)
+        try:
+            batch = dict(pairs)
+        except (TypeError, ValueError):  # unhashable key forms (bytearray) or malformed pairs
+            batch = {}
+    if batch and all_canonical_keys(batch) and all_canonical_values(batch.values()):
+        return batch
+    canonical: dict[bytes, int | None] = {}
+    for i, pair in enumerate(pairs):  # the original order, so the last value wins across key forms
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidInputError(f"update {i} must be a (key, value) pair, got {pair!r:.60}")
+        canonical[to_key(pair[0])] = to_update(pair[1])
+    return canonical

@@ -18,7 +18,9 @@ from typing import Any, Mapping
 
 from storage_adapters import ChunkStorage, InvalidInputError, open_storage
 from storage_adapters.local import LocalChunkStorage
-from storage_adapters.rolling import SEGMENT_SUFFIX
+from storage_adapters.rolling import SEGMENT_SUFFIX, validate_segment_name
+
+from .errors import IndexNotFoundError
 
 INDEX_CREATED_MARKER = "_created"
 
@@ -65,6 +67,19 @@ def mark_index_created(storage: ChunkStorage, name: str) -> None:
     """Make an index that has no update yet recognisable as existing (idempotent)."""
     storage.put_marker(f"{name}{SEGMENT_SUFFIX}/{INDEX_CREATED_MARKER}")
     log.info("created index %r at %s", name, storage.url)
+
+
+def index_storage(storage: str | os.PathLike[str] | ChunkStorage, options: Mapping[str, Any] | None, name: str) -> ChunkStorage:
+    """The storage an index-at classmethod works on: a URL must hold the index ``name``."""
+    validate_segment_name(name)
+    if isinstance(storage, ChunkStorage):
+        return storage
+    what = f"index {name!r}"
+    opened = open_location(storage, options, what=what, not_found=IndexNotFoundError)
+    if not index_exists(opened, name):
+        opened.close()
+        raise IndexNotFoundError(f"no {what} at URL {opened.url!r}")
+    return opened
 
 
 # The project's own short-lived clients (the command line, the demo's driver) fail fast on S3: a mistyped endpoint, a dead network or an endpoint

@@ -27,11 +27,11 @@ import attrs
 
 from storage_adapters.rolling import SEGMENT_SUFFIX
 
-from .tree_index import TreeIndex, _canonical_batch
+from .tree_index import TreeIndex
 from .conditional import AttributeUpdate, UpdateType, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
                      InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
-from .keys import pair_list, to_key, to_keys
+from .keys import canonical_batch, pair_list, to_key, to_keys
 from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, encode_batch_with_header,
                         new_batch_id, read_header, rebase_batch, record_list)
 from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError,
@@ -1250,7 +1250,7 @@ def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[byte
     replacement: ``(key, value)`` pairs or a mapping. Those need no current values, and are
     validated at C speed (bulk writers send thousands per append)."""
     if isinstance(given, Mapping):
-        batch = _canonical_batch(given)
+        batch = canonical_batch(given)
     else:
         items = _update_list(given)
         if not items:
@@ -1260,7 +1260,7 @@ def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[byte
             return [u if isinstance(u, AttributeUpdate) else _pair_update(u) for u in items], ([], [])
         if types != {tuple} or set(map(len, items)) != {2}:
             raise InvalidInputError("attribute updates must be AttributeUpdates, (key, value) pairs or a mapping")
-        batch = _canonical_batch(items)
+        batch = canonical_batch(items)
     keys = sorted(batch)
     return None, (keys, list(map(batch.__getitem__, keys)))
 

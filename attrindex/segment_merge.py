@@ -172,11 +172,9 @@ class BackgroundMerge:
         """The worker merges the log up to ``at``; then this handle adopts the tree it wrote (a
         new footer: the page cache stays valid, the value cache is dropped as after any other
         writer's version) and checks that it covers ``at``. A worker that died after committing
-        (its answer lost) is no failure.
-
-        (Keeping the value cache warm by refreshing it with the frozen overlay was tried and
-        removed: a read view published during that refresh served values the new version had
-        replaced.)"""
+        (its answer lost) is no failure. The value cache is not refreshed from the frozen overlay
+        instead: a read view published during such a refresh would serve values the new version
+        replaced."""
         tree = self._index
         try:
             worker.merge(at)

@@ -3,7 +3,7 @@
 Each ``update`` is one durable append of the modified pages (copy-on-write, root last). It is the
 checkpoint layer under ``Segment`` (a segment's attributes) and under the public ``AttributeIndex``
 (whose updates go to a write-ahead log first, see ``attrindex.attribute_index``). The shared input
-helpers (``_canonical_batch``, ``key_list``) and ``IndexStats`` live here too.
+helpers (``canonical_batch``, ``key_list``) and ``IndexStats`` live here too.
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ import uuid
 import attrs
 
 from storage_adapters import ChunkStorage, RollingSegment
-from storage_adapters.rolling import validate_segment_name
 
 from .btree import BTreeIndex, policy_for
 from .btree.framing import TREE_FRAMING
 from .btree.repair import IndexRepairReport, repair_index
 from .btree.verify import VerifyReport, verify_index
 from .cache import ShardedLRUCache
-from .errors import IndexNotFoundError, InvalidInputError
+from .errors import InvalidInputError
 from .handle import IndexHandle
-from .keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_list, to_key, to_update
-from .locations import index_exists, open_location
+from .keys import KEY_SIZE, VALUE_MAX, all_canonical_keys, canonical_batch, to_key
+from .locations import index_storage
 from .value_cache import MISSING, ValueCache
 
 DEFAULT_CACHE_BYTES = 64 << 20
@@ -45,56 +44,6 @@ DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
 _CACHE_UPDATES_UP_TO = 10_000
 
 
-def _all_canonical_keys(keys: Iterable[object]) -> bool:
-    """Whether every key is 16 ``bytes`` (checked with C-level passes, no Python call per key)."""
-    return not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_SIZE})
-
-
-def _all_canonical_values(values) -> bool:
-    """Whether every value is an int64 or ``None`` (C-level passes but for dropping the ``None``s)."""
-    values = values if isinstance(values, list) else list(values)
-    types = set(map(type, values))
-    if not types <= {int, type(None)}:
-        return False
-    ints = [v for v in values if v is not None] if type(None) in types else values
-    return not ints or (VALUE_MIN <= min(ints) and max(ints) <= VALUE_MAX)
-
-
-def _canonical_batch(updates) -> dict[bytes, int | None]:
-    """``{16-byte key: int64 or None}``, the last value for a key winning; raises on bad input.
-
-    Input that is already canonical (bytes keys, int values) is checked at C speed and used as is.
-    """
-    if isinstance(updates, Mapping):
-        batch = updates if isinstance(updates, dict) else dict(updates)
-        pairs = updates.items()
-    else:
-        pairs = updates if isinstance(updates, (list, tuple)) else pair_list(updates)
-        try:
-            batch = dict(pairs)
-        except (TypeError, ValueError):  # unhashable key forms (bytearray) or malformed pairs
-            batch = {}
-    if batch and _all_canonical_keys(batch) and _all_canonical_values(batch.values()):
-        return batch
-    canonical: dict[bytes, int | None] = {}
-    for i, pair in enumerate(pairs):  # the original order, so the last value wins across key forms
-        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            raise InvalidInputError(f"update {i} must be a (key, value) pair, got {pair!r:.60}")
-        canonical[to_key(pair[0])] = to_update(pair[1])
-    return canonical
-
-
-def _storage(storage: str | os.PathLike[str] | ChunkStorage, options: Mapping[str, Any] | None, name: str) -> ChunkStorage:
-    """The storage an index-at classmethod works on: a URL must hold the index ``name``."""
-    validate_segment_name(name)
-    if isinstance(storage, ChunkStorage):
-        return storage
-    what = f"index {name!r}"
-    opened = open_location(storage, options, what=what, not_found=IndexNotFoundError)
-    if not index_exists(opened, name):
-        opened.close()
-        raise IndexNotFoundError(f"no {what} at URL {opened.url!r}")
-    return opened
 # Single keys: iterating one would turn it into a list of bogus keys (16 one-byte "keys" of a bytes).
 _SINGLE_KEY_TYPES = (bytes, bytearray, memoryview, str, int, uuid.UUID)
 
@@ -230,7 +179,7 @@ class TreeIndex(IndexHandle):
         """Values for ``keys`` in input order (``None`` where absent)."""
         self._check_open()
         keys = key_list(keys)
-        return self._get_many_canonical(keys if _all_canonical_keys(keys) else [to_key(k) for k in keys])
+        return self._get_many_canonical(keys if all_canonical_keys(keys) else [to_key(k) for k in keys])
 
     # Lock-free: a segment's read view calls these for keys its overlays do not hold, beside the
     # background merge's updates. Only ``_cache_found`` writes the cache (under its lock).
@@ -315,7 +264,7 @@ class TreeIndex(IndexHandle):
         self._check_writable()
         if checkpoint is not None and (type(checkpoint) is not int or not 0 <= checkpoint <= VALUE_MAX):
             raise InvalidInputError(f"checkpoint must be an int >= 0, got {checkpoint!r}")
-        batch = _canonical_batch(updates)
+        batch = canonical_batch(updates)
         if not batch and checkpoint is None:
             return False
         keys = sorted(batch)
@@ -442,7 +391,7 @@ class TreeIndex(IndexHandle):
                   progress: Callable[[int, int], None] | None = None) -> VerifyReport:
         """``verify`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening
         it: works on an index that refuses to open (a damaged newest footer)."""
-        with RollingSegment(_storage(storage, storage_options, name), name, framing=TREE_FRAMING) as segment:
+        with RollingSegment(index_storage(storage, storage_options, name), name, framing=TREE_FRAMING) as segment:
             return verify_index(segment, progress)
 
     def repair(self) -> IndexRepairReport:
@@ -462,7 +411,7 @@ class TreeIndex(IndexHandle):
     def repair_at(cls, storage: str | os.PathLike[str] | ChunkStorage, name: str = "attributes", *,
                   storage_options: Mapping[str, Any] | None = None) -> IndexRepairReport:
         """``repair`` for the index ``name`` at a storage URL or ``ChunkStorage``, without opening it."""
-        with RollingSegment(_storage(storage, storage_options, name), name, framing=TREE_FRAMING) as segment:
+        with RollingSegment(index_storage(storage, storage_options, name), name, framing=TREE_FRAMING) as segment:
             return repair_index(segment)
 
     # -- lifecycle -----------------------------------------------------------------------------

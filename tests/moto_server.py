@@ -2,7 +2,7 @@
 
 moto 5 checks ``If-None-Match: *`` and then stores the object as two steps of Python: a thread
 switch between them (likely under load) lets two "exclusive" creates of one key both succeed, the
-later one replacing the earlier. Real S3 (and the protocol this project relies on, invariant 2)
+later one replacing the earlier. Real S3 (whose exclusive create this project's appends rely on)
 never does that. It made ``test_free_for_all_appends...[s3]`` fail under load with two chunks
 covering one range: 6 of 200 rounds of 8 concurrent exclusive PUTs on one key had two winners
 with a 1 µs switch interval (0 with the lock below). Run as a script with moto.server's arguments.

@@ -188,7 +188,7 @@ def test_write_many_is_write_in_a_loop(storage_url):
             again.write_many(["text"])
 
 
-# -- a reused writer id with different events (issue 14) ------------------------------------------
+# -- a reused writer id with different events ------------------------------------------------------
 def _write(writer, values, keys=None, flush_every=None):
     for i, value in enumerate(values):
         writer.write(value, None if keys is None else keys[i])
@@ -306,7 +306,7 @@ def test_resumed_writer_model(first, second, first_batch, second_batch, flush_ev
         assert [(r.value, r.key) for r in records] == [(p, key_bytes(k)) for p, k in expected]
 
 
-# -- linger (issue 12): a background flusher turns a stream of small events into few appends ----
+# -- linger: a background flusher turns a stream of small events into few appends ----
 def _flusher_threads() -> list:
     import threading
 

@@ -1,4 +1,4 @@
-"""A newcomer's first hour (issue 14): no silent empty stores, no answers from closed handles, no
+"""A newcomer's first hour: no silent empty stores, no answers from closed handles, no
 single key taken for an iterable of keys."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Idle tail readers are cheap: one shared, backing-off poller per segment handle (issue 12).
+"""Idle tail readers are cheap: one shared, backing-off poller per segment handle.
 
 Requests are counted on moto's S3 server through the s3fs client (tests/s3_requests.py).
 """

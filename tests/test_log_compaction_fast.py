@@ -1,4 +1,4 @@
-"""The cleaner's fast paths (issue 13's throughput target) against its general path.
+"""The cleaner's fast paths (its throughput) against its general path.
 
 ``uniform_keys`` (one C-level cut of a one-width keys column) must return exactly what
 ``decode_keys`` returns, or ``None`` (then the general path runs); it must never accept bytes the

@@ -1,4 +1,4 @@
-"""Appends and reads never wait for a background merge's storage I/O (issue 11: no merge stalls).
+"""Appends and reads never wait for a background merge's storage I/O (no merge stalls).
 
 A merge writes the B+tree without the segment's lock; these tests hold a merge inside the
 tree's storage write (a gate that blocks it) and check that appends, reads and ``len`` beside it

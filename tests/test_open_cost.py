@@ -1,8 +1,7 @@
 """Opening a segment on S3 costs a few requests, and reads never ask for files that do not exist.
 
-Counted on moto's server through the s3fs client (tests/s3_requests.py). Before (issue 12):
-``SegmentStore.open`` + ``segment()`` = 3 GET + 3 HEAD + 6 LIST; every sealed chunk read cold
-cost a GET of an index file that S3 segments never have.
+Counted on moto's server through the s3fs client (tests/s3_requests.py). S3 segments keep no
+index files, so a cold read of a sealed chunk must not ask for one.
 """
 
 from __future__ import annotations

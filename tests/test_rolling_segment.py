@@ -302,7 +302,7 @@ def test_storage_read_clamps_a_range_past_the_end(storage):
         storage.read("f/missing", 0, 1 << 40)
 
 
-# -- reads and views that hold under damage and concurrency (issue 10, classes 6 and 7) --
+# -- reads and views that hold under damage and concurrency --------------------------------
 def test_a_sealed_chunk_file_shorter_than_its_successor_says_is_corrupt_data(tmp_path):
     """A chunk with a successor ends where the successor starts: a file cut shorter behind the
     segment's back (its frames are not read: only the last chunk's end is looked for) is damage

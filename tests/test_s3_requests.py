@@ -123,8 +123,7 @@ def test_listing_is_one_list_and_a_missing_file_one_head(s3_options):
 
 
 def test_opening_a_store_and_a_segment(s3_options):
-    """Opening an existing segment only reads (4 GET + 5 LIST + 1 HEAD here, measured on this branch;
-    branch ``readers`` brings it down and asserts its own bound)."""
+    """Opening an existing segment only reads (no PUT, no DELETE)."""
     url = make_s3_url(s3_options)
     with SegmentStore.open(url, s3_options) as store:
         store.segment("a", create=True).append([b"r"] * 3, [(1, 1)])

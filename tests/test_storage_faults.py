@@ -306,7 +306,8 @@ def test_object_append_loop_is_bounded():
 
 @pytest.mark.parametrize("expected", [True, False])
 def test_s3_put_lands_response_lost_retry_gets_412(s3_options, expected):
-    """The exact sequence of issue 10, class 5, through s3fs's own retry on moto's server."""
+    """A PUT that lands while its response is lost, then the client's own retry gets 412 (s3fs's
+    retry on moto's server): the append is recognised as ours and lands once."""
     from botocore.parsers import ResponseParserError
 
     from storage_adapters import open_storage
@@ -349,7 +350,7 @@ def test_housekeeping_after_the_durable_point_never_fails_the_append(storage):
     assert "0" * 20 not in storage.list_files("s.seg")
 
 
-# -- refresh under races (issue 10, class 6): bounded relisting, never a hole or a raw FileNotFoundError --
+# -- refresh under races: bounded relisting, never a hole or a raw FileNotFoundError --------------
 class _MarkerAhead(FaultyStorage):
     """A listing that always shows a truncation marker beyond every chunk it lists (a torn listing)."""
 

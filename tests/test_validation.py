@@ -180,7 +180,7 @@ def test_bad_records_and_updates_are_refused_before_appending(local_store, argum
     assert seg.append([b"c"]).first_offset == 2
 
 
-# -- mappings and None for attribute updates (issue 14) --------------------------------------------
+# -- mappings and None for attribute updates -----------------------------------------------------
 def test_update_attributes_takes_a_mapping_and_refuses_none(local_store):
     seg = local_store.segment("seg")
     seg.update_attributes({7: 1, 8: None, uuid.UUID(int=9): 3})

@@ -7,7 +7,7 @@ import threading
 
 from attrindex import AttributeIndex, SegmentStore
 from attrindex import segment as segment_module
-from attrindex.log import segment_log as segment_log_module
+from attrindex.log import framing as framing_module
 
 
 def _spy(monkeypatch, module, name, calls):
@@ -47,15 +47,15 @@ def test_a_lone_batch_is_written_as_encoded(tmp_path, monkeypatch):
     calls: list[str] = []
     for name in ("rebase_batch", "encode_batch", "encode_batch_with_header", "read_header", "new_batch_id"):
         _spy(monkeypatch, segment_module, name, calls)
-    placed = []  # (bytes given, bytes written) of each SegmentLog.append_many
-    real_place = segment_log_module.place_batches
-    monkeypatch.setattr(segment_log_module, "place_batches",
+    placed = []  # (bytes given, bytes written) of each placement (the log's framing, on the append)
+    real_place = framing_module.place_batches
+    monkeypatch.setattr(framing_module, "place_batches",
                         lambda data, position: (lambda out: (placed.append((data, out)), out)[1])(
                             real_place(data, position)))
     index.update({b"b" * 16: 2})
     monkeypatch.undo()
     assert sorted(calls) == ["encode_batch_with_header", "new_batch_id"]  # once each, before the queue
-    assert len(placed) == 1 and placed[0][1] is placed[0][0]  # encoded for where it lands: not sealed again
+    assert len(placed) == 1 and placed[0][1] is placed[0][0]  # placed once, encoded for where it lands: not sealed again
     index.close()
     with AttributeIndex.open(str(tmp_path), "i") as again:
         assert again.get_many([b"a" * 16, b"b" * 16]) == [1, 2]

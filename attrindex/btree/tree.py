@@ -43,7 +43,7 @@ from .page import (
 
 MIN_PAGE_SIZE = HEADER_SIZE + 3 * INDEX_ENTRY_SIZE  # an index page must hold at least 3 children
 MAX_PAGE_SIZE = 1 << 24
-# Every loop is bounded (ARCHITECTURE invariant 9):
+# Every loop is bounded (a race lost for ever fails with an error, never spins):
 RELIST_ATTEMPTS = 6  # fresh listings before an inconsistent view is taken for damage
 MAX_RESTARTS = 32  # restarts of one read from a newer version, each after another writer's truncation
 MAX_UPDATE_ATTEMPTS = 1000  # compare-and-append races one update may lose in a row

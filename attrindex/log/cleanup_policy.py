@@ -1,7 +1,7 @@
 """A segment's cleanup policy (Kafka's ``cleanup.policy`` and friends) and its stored form.
 
 The policy is a small config object stored next to the log, in versions that are never
-overwritten (invariant 1)::
+overwritten (stored bytes never change in place)::
 
     NAME/_config/<20-digit version>    one JSON object + a CRC-32 line; the largest version wins
 

@@ -45,7 +45,7 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
-from .batch import (BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches, place_batches,
+from .batch import (BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches,
                     read_header)
 from .framing import LOG_FRAMING, torn_claim
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
@@ -654,12 +654,6 @@ class SegmentLog:
         limit = max(end for _start, end, _name in pending)
         return [(max(c.start, self.bytes.start_offset), min(c.end, limit), c.name)
                 for c in self.bytes.chunks_in(pending[0][0], limit)]
-
-    def read_records(self, offset: int, max_records: int, max_bytes: int) -> list[Record]:
-        """Records from ``offset`` on (at most ``max_records``; whole batches up to about ``max_bytes``)."""
-        if max_records <= 0:
-            return []
-        return self.read_planned(self.plan_read(offset), offset, max_records, max_bytes)
 
     def batch_position(self, offset: int) -> int:
         """Byte position of the batch holding record ``offset`` (``position`` if it is past the end)."""

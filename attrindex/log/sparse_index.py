@@ -309,10 +309,6 @@ class ChunkSummary:
     max_timestamp_offset: int  #: base offset of the first batch reaching max_timestamp; -1 if none
     records_end: int  #: end of the last batch holding records (0 if none): where a tail of record-less batches starts
 
-    @property
-    def has_records(self) -> bool:
-        return self.records_end > 0
-
     def locate(self, offset: int) -> int:
         """Relative byte position to start scanning from for record ``offset``.
 
