@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from attrindex import AttributeIndex
-from attrindex.cli import failing_fast, main
+from attrindex.cli import main
+from attrindex.locations import failing_fast
 from attrindex.demo import spark_master
 
 from tests.conftest import S3_KEY, S3_SECRET, make_s3_url

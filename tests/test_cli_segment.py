@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from attrindex import Record, SegmentStore
-from attrindex.cli import main, parse_duration, parse_size
+from attrindex.cli import main
+from attrindex.cli_options import parse_duration, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "attrindex.cli"]

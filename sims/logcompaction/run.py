@@ -50,7 +50,7 @@ MIB = 1 << 20
 
 
 def parse_size(text: str) -> int:
-    from attrindex.cli import parse_size as parse
+    from attrindex.cli_options import parse_size as parse
 
     return parse(text)
 
