@@ -343,19 +343,13 @@ class _Host:
 def replay_log(log, since: int, at: int):
     """The attribute updates of the log's batches in ``[since, at)`` as an overlay (``since`` and
     ``at`` are batch boundaries: checkpoints and freeze positions are)."""
-    from .log.batch import decode_attribute_updates
-    from .overlay import AttributeOverlay
+    from .replay import replay_range
 
     log.open_at(since)
     if since < log.start_position:
         raise StorageError(f"segment {log.segment!r}: the log starts at byte {log.start_position}, after the tree's "
                            f"checkpoint {since}: the updates in between are not in the log")
-    overlay = AttributeOverlay()
-    for position, header, buf, pos in log.batches(since, at):
-        if header.attribute_count:
-            keys, values = decode_attribute_updates(buf, pos, header, position=position - pos, segment=log.segment)
-            overlay.apply(keys, values)
-    return overlay
+    return replay_range(log, since, at)[0]
 
 
 def _watch_parent(parent: int) -> None:

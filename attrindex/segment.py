@@ -32,8 +32,8 @@ from .conditional import AttributeUpdate, UpdateType, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
                      InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import canonical_batch, pair_list, to_key, to_keys
-from .log.batch import (Codec, Record, codec_for, decode_attribute_updates, encode_batch, encode_batch_with_header,
-                        new_batch_id, read_header, rebase_batch, record_list)
+from .log.batch import (Codec, Record, codec_for, encode_batch, encode_batch_with_header, new_batch_id, read_header,
+                        rebase_batch, record_list)
 from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError,
                               SegmentLog)
 from .log.retention import plan_retention
@@ -43,6 +43,7 @@ from .listing import ListedStorage
 from .merge_worker import DEFAULT_HANG_SECONDS
 from .overlay import AttributeOverlay, merge_scan, probe_many
 from .poller import SegmentPoller
+from .replay import replay_range, replaying
 from .reader import SegmentReader
 from .segment_merge import BACKPRESSURE_WAIT_SECONDS, MERGE_RETRY_MIN_SECONDS, MERGE_RETRY_SECONDS, BackgroundMerge
 from .value_cache import MISSING, ValueCache
@@ -339,25 +340,14 @@ class Segment(BackgroundMerge):
                                f"while the attributes were loaded ({MAX_OPEN_ATTEMPTS} tries)")
         if checkpoint > log.bytes.length:
             raise self._beyond_log_error(checkpoint)
-        rebuilt = AttributeOverlay()  # built aside: a failed replay leaves nothing half-loaded
-        replay, replayed = self._replayer(checkpoint, rebuilt), 0
-        for at, header, buf, pos in log.batches(max(checkpoint, log.start_position), log.position):
-            replay(at, header, buf, pos)
-            replayed += 1
+        rebuilt, replayed = replay_range(log, max(checkpoint, log.start_position), log.position)
         self._overlay, self._frozen = rebuilt, None  # published by the caller with the tree
         self._dirty_since = time.monotonic()
         return replayed
 
-    def _replayer(self, since: int, overlay: AttributeOverlay | None = None):
-        overlay, name = self._overlay if overlay is None else overlay, self.name
-
-        def replay(position: int, header, buf, pos: int) -> None:
-            if header.attribute_count and position >= since:
-                keys, values = decode_attribute_updates(buf, pos, header, position=position - pos, segment=name)
-                overlay.apply(keys, values)
-                if overlay is self._overlay:
-                    self._overlay_filled()
-        return replay
+    def _replayer(self, since: int):
+        """The visitor that replays the log's batches from ``since`` into tier 1 as it is scanned."""
+        return replaying(self._overlay, since, self.name, self._overlay_filled)
 
     def _catch_up(self) -> int:
         """Read what other writers appended since this handle last looked; return batches seen.

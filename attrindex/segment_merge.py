@@ -29,6 +29,7 @@ from .log.segment_log import LayoutChangedError
 from .merge_worker import (MAX_FAILED_MERGES, MAX_FAILED_STARTS, MergeWorker, MergeWorkerError, WorkerGaveUpError,
                            WorkerStartError, worker_storage)
 from .overlay import AttributeOverlay, merge_overlay
+from .replay import replay_range
 
 MERGE_RETRY_SECONDS = 5.0  #: the longest pause between retries of a failing background merge
 MERGE_RETRY_MIN_SECONDS = 0.05  #: the first pause after a failed background merge (doubling up to the above)
@@ -447,10 +448,7 @@ class BackgroundMerge:
             if (self._index.checkpoint or 0) == checkpoint:
                 break  # no newer version: the log cut held no updates (retention's empty batch)
         checkpoint = self._index.checkpoint or 0
-        rebuilt = AttributeOverlay()
-        replay = self._replayer(checkpoint, rebuilt)
-        for at, header, buf, pos in self._log.batches(max(checkpoint, self._log.start_position), self._log.position):
-            replay(at, header, buf, pos)
+        rebuilt, _batches = replay_range(self._log, max(checkpoint, self._log.start_position), self._log.position)
         return rebuilt, checkpoint
 
 
