@@ -1142,23 +1142,30 @@ class Segment(BackgroundMerge):
                 requests=log.bytes.storage.requests,
             )
 
-    def close(self) -> None:
+    def close(self, *, merge: bool = True) -> None:
         """Stop the background merge, merge pending attribute updates into the B+tree (raising
         the merge's error if it fails: the updates stay in the log, replayed on open) and release
-        the handle."""
+        the handle.
+
+        ``merge=False``: the handle is closed at once (appends and reads raise from then on, no
+        merge starts) and the pending updates are left in the log; a merge already writing is
+        waited for. ``SegmentStore.delete_segment`` closes so before deleting anything."""
         with self._lock:
             if self._closed:
                 return
+            if not merge:
+                self._closed = True
+                self._publish_view()  # reads from now on raise
         self._stop_merger()
         with self._merging(), self._lock:
-            if self._closed:
-                return
+            if merge and self._closed:
+                return  # closed by another thread meanwhile
             try:
-                if self._wrote:  # a handle that only read leaves the merge to the writers
+                if merge and self._wrote:  # a handle that only read leaves the merge to the writers
                     self._drain()
             finally:
                 self._closed = True
-                self._publish_view()  # reads from now on raise
+                self._publish_view()
                 self._appended.notify_all()
                 self._merged.notify_all()
                 self._log.close()

@@ -226,7 +226,8 @@ class SegmentStore:
         return sorted(names)
 
     def delete_segment(self, name: str) -> None:
-        """Delete a segment and everything it holds (its handle, if open, is closed first).
+        """Delete a segment and everything it holds (its handle, if open, is closed first, without
+        merging: a merge of it that is writing already is waited for, and none starts after).
 
         Every file of the segment goes (log, indexes, gaps, attributes, configuration, cleaner
         checkpoints), its marker last; segments nested below the name (``name/0``) stay. If
@@ -236,9 +237,8 @@ class SegmentStore:
         validate_name(name)
         with self._lock:
             segment = self._segments.pop(name, None)
-        if segment is not None and not segment.closed:
-            segment._closed = True
-            segment._publish_view()  # its reads raise from now on
+        if segment is not None:
+            segment.close(merge=False)  # no merge of it writes from now on
         parts = self._segment_parts(name)
         for part in sorted(parts - {SEGMENT_MARKER}):
             if part.endswith(SEGMENT_SUFFIX):

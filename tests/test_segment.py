@@ -312,6 +312,35 @@ def test_a_deleted_segment_leaves_nothing_that_a_new_one_of_its_name_would_see(s
     store.close()
 
 
+def test_a_merge_in_flight_when_its_segment_is_deleted_writes_nothing_after_the_delete():
+    """The handle's background merge is inside its write to the attributes' tree when the segment
+    is deleted: the delete waits for it (the handle is closed first, so no new merge starts), and
+    the name made again afterwards holds nothing of the deleted segment's."""
+    from storage_adapters import open_storage
+
+    from .test_merge_latency import GatedStorage
+
+    storage = GatedStorage(open_storage(f"memory://delete-merge-{uuid.uuid4().hex}"), blocked="_attributes")
+    store = SegmentStore(storage, flush_keys=10)
+    seg = store.segment("s", create=True)
+    seg.append([b"r"], [(key(i), i) for i in range(20)])  # over flush_keys: the merge starts and blocks
+    assert storage.entered.wait(30), "the merge never reached the tree's storage"
+    deleting = threading.Thread(target=store.delete_segment, args=("s",))
+    deleting.start()
+    deleting.join(0.3)
+    assert deleting.is_alive(), "the delete went on while a merge of the segment was writing"
+    storage.gate.set()
+    deleting.join(30)
+    assert not deleting.is_alive()
+    assert store.storage.list_files("s") == {}
+    with pytest.raises(InvalidInputError, match="closed"):
+        seg.append([b"after"])
+    again = store.segment("s", create=True)
+    assert again.get_attributes([key(i) for i in range(20)]) == [None] * 20
+    assert (again.next_offset, again.read(0)) == (0, [])
+    store.close()
+
+
 @pytest.mark.parametrize("backend", ["memory", "local", "s3"], indirect=True)
 def test_a_delete_that_fails_part_way_raises_and_can_be_done_again(storage_url, backend):
     from storage_adapters import open_storage
