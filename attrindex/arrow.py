@@ -76,6 +76,8 @@ class StreamScanner:
         """Every record as one ``pyarrow.Table``, rows in ``to_batches`` order. With
         ``use_threads`` (as ``pyarrow.parquet.read_table``) up to one segment per CPU is read at
         once: file reads, checksums and much of the decoding run outside the GIL."""
+        if type(use_threads) is not bool:
+            raise InvalidInputError(f"use_threads must be True or False, got {use_threads!r:.60}")
         if not use_threads or len(self.segments) < 2 or (os.cpu_count() or 1) < 2:
             return pa.Table.from_batches(list(self.to_batches()), schema=self.schema)
         pool = ThreadPoolExecutor(min(len(self.segments), os.cpu_count() or 1), thread_name_prefix="attrindex-scan")

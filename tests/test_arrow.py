@@ -107,3 +107,6 @@ def test_bad_arguments_are_refused_before_reading(stream):
                    {"columns": ["nope"]}, {"columns": []}, {"columns": "value"}):
         with pytest.raises(InvalidInputError):
             scan_stream(store, "events", **kwargs)
+    for use_threads in ("yes", 1, None):
+        with pytest.raises(InvalidInputError, match="use_threads"):
+            scan_stream(store, "events").to_table(use_threads=use_threads)
