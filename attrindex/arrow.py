@@ -16,6 +16,8 @@ extra).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
 
 from .errors import InvalidInputError
@@ -46,30 +48,44 @@ class StreamScanner:
         """``pyarrow.RecordBatch``es of ``schema``: segment by segment, in offset order within each
         (one per stored batch of records, without rows outside the time range)."""
         for name in self.segments:
-            segment = self.store.segment(name)
-            segment.refresh()
-            start = None
-            if self.start_time is not None:
-                start = segment.offset_for_timestamp(self.start_time)
-                if start is None:  # nothing that late
-                    continue
-                start = max(start, segment.start_offset)
-            for batch in segment.arrow_batches(start):
-                if self.start_time is not None or self.end_time is not None:
-                    batch = within_times(batch, self.start_time, self.end_time)
-                if not batch.num_rows:
-                    continue
-                whole = pa.RecordBatch.from_arrays([constant_strings(name, batch.num_rows), *batch.columns],
-                                                   schema=STREAM_SCHEMA)
-                yield whole if self._columns is None else whole.select(self._columns)
+            yield from self._segment_batches(name)
+
+    def _segment_batches(self, name: str) -> Iterator[Any]:
+        segment = self.store.segment(name)
+        segment.refresh()
+        start = None
+        if self.start_time is not None:
+            start = segment.offset_for_timestamp(self.start_time)
+            if start is None:  # nothing that late
+                return
+            start = max(start, segment.start_offset)
+        for batch in segment.arrow_batches(start):
+            if self.start_time is not None or self.end_time is not None:
+                batch = within_times(batch, self.start_time, self.end_time)
+            if not batch.num_rows:
+                continue
+            whole = pa.RecordBatch.from_arrays([constant_strings(name, batch.num_rows), *batch.columns],
+                                               schema=STREAM_SCHEMA)
+            yield whole if self._columns is None else whole.select(self._columns)
 
     def to_reader(self) -> Any:
         """A ``pyarrow.RecordBatchReader`` over ``to_batches`` (DuckDB and Polars take it)."""
         return pa.RecordBatchReader.from_batches(self.schema, self.to_batches())
 
-    def to_table(self) -> Any:
-        """Every record as one ``pyarrow.Table``."""
-        return pa.Table.from_batches(list(self.to_batches()), schema=self.schema)
+    def to_table(self, *, use_threads: bool = True) -> Any:
+        """Every record as one ``pyarrow.Table``, rows in ``to_batches`` order. With
+        ``use_threads`` (as ``pyarrow.parquet.read_table``) up to one segment per CPU is read at
+        once: file reads, checksums and much of the decoding run outside the GIL."""
+        if type(use_threads) is not bool:
+            raise InvalidInputError(f"use_threads must be True or False, got {use_threads!r:.60}")
+        if not use_threads or len(self.segments) < 2 or (os.cpu_count() or 1) < 2:
+            return pa.Table.from_batches(list(self.to_batches()), schema=self.schema)
+        pool = ThreadPoolExecutor(min(len(self.segments), os.cpu_count() or 1), thread_name_prefix="attrindex-scan")
+        try:
+            parts = list(pool.map(lambda name: list(self._segment_batches(name)), self.segments))
+        finally:
+            pool.shutdown(cancel_futures=True)
+        return pa.Table.from_batches([batch for part in parts for batch in part], schema=self.schema)
 
     def to_pandas(self, **options: Any) -> Any:
         """``to_table().to_pandas(**options)`` (needs pandas)."""

@@ -9,7 +9,10 @@ pa = pytest.importorskip("pyarrow")
 
 from attrindex import Record, SegmentStore  # noqa: E402
 from attrindex.arrow import STREAM_SCHEMA, scan_stream  # noqa: E402
-from attrindex.errors import InvalidInputError, StreamNotFoundError  # noqa: E402
+from attrindex.errors import CorruptDataError, InvalidInputError, StreamNotFoundError  # noqa: E402
+from storage_adapters import open_storage  # noqa: E402
+
+from .raw_chunks import committed_chunks  # noqa: E402
 
 T0 = 1_767_225_600_000
 
@@ -54,6 +57,34 @@ def test_the_scanner_gives_every_record_once_with_time_and_segment_filters(strea
     assert reader.schema == STREAM_SCHEMA and sum(b.num_rows for b in reader) == 1000
 
 
+def test_a_threaded_table_has_the_rows_of_the_batches_in_their_order(stream):
+    store, names = stream
+    for kwargs in ({}, {"start_time": T0 + 1210, "end_time": T0 + 3005}, {"columns": ["value", "segment"]}):
+        scanner = scan_stream(store, "events", **kwargs)
+        batches = pa.Table.from_batches(list(scanner.to_batches()), schema=scanner.schema)
+        assert scanner.to_table().equals(batches)
+        assert scanner.to_table(use_threads=False).equals(batches)
+
+
+def test_damage_in_one_segment_fails_a_threaded_table_with_corrupt_data_error(tmp_path):
+    with SegmentStore.open(str(tmp_path / "store")) as store:
+        names = store.create_stream("events", 3)
+        for i, name in enumerate(names):
+            for first in (0, 200):  # two batches: damage to the first is not a torn newest write
+                store.segment(name).append([Record(b"value-%d-%d" % (i, j), b"k%d" % j, T0 + j)
+                                            for j in range(first, first + 200)])
+    (name, start, data), = committed_chunks(open_storage(str(tmp_path / "store")), f"{names[1]}/_log")
+    path = tmp_path / "store" / f"{names[1]}/_log.seg" / name
+    with open(path, "r+b") as handle:  # a flipped byte inside the first batch's values
+        at = data.index(b"value-1-100")
+        handle.seek(at)
+        handle.write(b"V")
+    with SegmentStore.open(str(tmp_path / "store"), create=False) as store:
+        with pytest.raises(CorruptDataError):
+            scan_stream(store, "events").to_table()
+        assert scan_stream(store, "events", segments=[names[0], names[2]]).to_table().num_rows == 800
+
+
 def test_pandas_polars_and_duckdb_read_the_scanner(stream):
     pl = pytest.importorskip("polars")
     duckdb = pytest.importorskip("duckdb")
@@ -76,3 +107,6 @@ def test_bad_arguments_are_refused_before_reading(stream):
                    {"columns": ["nope"]}, {"columns": []}, {"columns": "value"}):
         with pytest.raises(InvalidInputError):
             scan_stream(store, "events", **kwargs)
+    for use_threads in ("yes", 1, None):
+        with pytest.raises(InvalidInputError, match="use_threads"):
+            scan_stream(store, "events").to_table(use_threads=use_threads)

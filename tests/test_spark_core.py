@@ -174,15 +174,15 @@ def value_counts(url, options, stream) -> collections.Counter:
     return collections.Counter(r.value for _, r in stream_records(url, options, stream))
 
 
-def check_record_contents(records, segments: int) -> None:
-    """Rows keep their key routing, timestamp and headers, and each tag's rows of one segment are
-    in row order."""
+def check_record_contents(records, segments: int, headers: bool = True) -> None:
+    """Rows keep their key routing, timestamp and headers (none if not ``headers``: ``arrow_rows``),
+    and each tag's rows of one segment are in row order."""
     last_index: dict[tuple, int] = {}
     for name, record in records:
         tag, _, index = record.value.decode().rpartition("-")
         i = int(index)
         assert record.timestamp == BASE_TS + i
-        assert record.headers == ((("h", b"%d" % i),) if i % 2 else ())
+        assert record.headers == ((("h", b"%d" % i),) if i % 2 and headers else ())
         if i % 4 == 3:
             assert record.key is None
         else:
@@ -457,8 +457,9 @@ def test_staged_attempt_cut_into_many_files_publishes_in_row_order(storage_url, 
 
 
 def test_staged_publish_appends_whole_staged_batches(storage_url, monkeypatch):
-    """The commit publishes each staged batch with one write_many of its columns: a call per row
-    (EventWriter.write) cost several microseconds a row in the driver, which runs every row."""
+    """The commit publishes each staged batch with one call (write_many of its columns if it has
+    headers, else write_arrow): a call per row (EventWriter.write) cost several microseconds a
+    row in the driver, which runs every row."""
     from attrindex.writer import EventWriter
 
     url, options = storage_url
@@ -467,15 +468,85 @@ def test_staged_publish_appends_whole_staged_batches(storage_url, monkeypatch):
     report = stage_attempt(target, token, 0, 0, 0, rows("w", 50, per_batch=9))
     calls = []
     monkeypatch.setattr(EventWriter, "write", lambda *a, **k: pytest.fail("publish wrote one row at a time"))
-    original = EventWriter.write_many
-    monkeypatch.setattr(EventWriter, "write_many", lambda self, values, *a, **k: (calls.append(len(values)),
-                                                                                 original(self, values, *a, **k))[1])
+    for method in ("write_many", "write_arrow"):
+        original = getattr(EventWriter, method)
+        monkeypatch.setattr(EventWriter, method, lambda self, values, *a, _original=original, _method=method, **k: (
+            calls.append((_method, len(values))), _original(self, values, *a, **k))[1])
     summary = commit_write(target, token, 0, [report], staged=True)
-    # 9-row input batches are staged in batches of at most 4 (4, 4, 1), the last 5 rows as 4, 1
-    assert summary["published"] == 50 and sum(calls) == 50 and len(calls) == 5 * 3 + 2
+    # 9-row input batches are staged in batches of at most 4 (4, 4, 1), the last 5 rows as 4, 1;
+    # of the one-row batches, rows 8, 26 and 44 (even) have no header
+    assert summary["published"] == 50 and sum(n for _, n in calls) == 50 and len(calls) == 5 * 3 + 2
+    assert [n for method, n in calls if method == "write_arrow"] == [1] * 3
     records = stream_records(url, options, "events")
     assert sorted(r.value for _, r in records) == sorted(values_of("w", 50))
     check_record_contents(records, 2)
+
+
+def arrow_rows(tag: str, n: int, per_batch: int = 10) -> list:
+    """``rows`` as the Spark source hands them over (``ArrowColumns``: no headers)."""
+    out = []
+    for start in range(0, n, per_batch):
+        idx = range(start, min(n, start + per_batch))
+        out.append(arrow.ArrowColumns(pa.array([f"{tag}-{i}".encode() for i in idx], pa.binary()),
+                                      pa.array([None if i % 4 == 3 else f"k{i % 5}".encode() for i in idx],
+                                               pa.binary()),
+                                      pa.array([BASE_TS + i for i in idx], pa.int64())))
+    return out
+
+
+def segment_rows(url, options, stream) -> dict:
+    """``{(segment number, tag): records in offset order}`` of a stream (the partitions of a
+    commit are published side by side, so only each one's own order is fixed)."""
+    out = collections.defaultdict(list)
+    for name, r in stream_records(url, options, stream):
+        out[name.rsplit("/", 1)[1], r.value.rpartition(b"-")[0]].append((r.value, r.key, r.timestamp, r.headers))
+    return dict(out)
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
+def test_staged_arrow_rows_are_published_as_columns_into_what_a_direct_write_makes(storage_url, monkeypatch):
+    """Rows staged from Arrow columns (no headers) are published through write_arrow, never row
+    by row nor through write_many's lists, and the stream then holds, segment by segment, the
+    records a direct write of the same rows makes."""
+    from attrindex.writer import EventWriter
+
+    url, options = storage_url
+    target = target_for(storage_url, segments=3, batch_events=4)
+    direct = StreamTarget(url, "direct", storage_options=dict(options), segments=3, batch_events=4)
+    direct.prepare()
+    token = write_token("arrow-staged")
+    reports = [stage_attempt(target, token, 0, p, 0, arrow_rows(f"p{p}", n, per_batch=9))
+               for p, n in ((0, 50), (1, 23))]
+    for p, n in ((0, 50), (1, 23)):
+        write_direct(direct, token, 0, p, 0, arrow_rows(f"p{p}", n, per_batch=9))
+    calls = []
+    monkeypatch.setattr(EventWriter, "write", lambda *a, **k: pytest.fail("publish wrote one row at a time"))
+    monkeypatch.setattr(EventWriter, "write_many", lambda *a, **k: pytest.fail("publish made lists of the rows"))
+    original = EventWriter.write_arrow
+    monkeypatch.setattr(EventWriter, "write_arrow", lambda self, values, *a, **k: (calls.append(len(values)),
+                                                                                   original(self, values, *a, **k))[1])
+    summary = commit_write(target, token, 0, reports, staged=True)
+    assert (summary["published"], summary["skipped"]) == (73, 0) and sum(calls) == 73
+    assert segment_rows(url, options, "events") == segment_rows(url, options, "direct")
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
+def test_staged_arrow_rows_republished_after_a_crash_mid_publish_land_once(storage_url):
+    url, options = storage_url
+    target = target_for(storage_url, segments=3, batch_events=4)
+    token, version = write_token("arrow-crashed-commit"), 2
+    sizes = {0: 17, 1: 11, 2: 23}
+    first = [stage_attempt(target, token, version, p, 0, arrow_rows(f"a{p}", n)) for p, n in sizes.items()]
+    plan = sorted([r.partition, r.staged] for r in first)
+    with SegmentStore.open(url, storage_options=options) as store:
+        assert CommitLedger(store.storage, "events").adopt_manifest(token, version, plan) == plan
+        assert publish(target, store, token, version, plan[:2]) == {"published": 28, "skipped": 0}
+    summary = commit_write(target, token, version, first, staged=True)
+    assert (summary["published"], summary["skipped"], summary["rows"]) == (51, 28, 51)
+    records = stream_records(url, options, "events")
+    expected = [v for p, n in sizes.items() for v in values_of(f"a{p}", n)]
+    assert collections.Counter(r.value for _, r in records) == collections.Counter(expected)
+    check_record_contents(records, 3, headers=False)
 
 
 @pytest.mark.parametrize("keys", [pa.array(["a", None, "b", "cc", "a"]), pa.array([7, 8, None, 10, 11], pa.int64()),

@@ -24,6 +24,7 @@ raises ``MissingDependencyError``.
 
 from __future__ import annotations
 
+import functools
 import sys
 import zlib
 
@@ -79,14 +80,15 @@ class _Bail(Exception):
 
 
 def _varints(u8, at: int, count: int, limit: int):
-    """``count`` varints from ``u8[at]`` (not past ``limit``) as uint64, and the position after."""
+    """``count`` varints from ``u8[at]`` (not past ``limit``) and the position after: a uint8 view
+    of the bytes when every varint is one byte (the common case, no copy), else uint64."""
     if count == 0:
-        return np.zeros(0, np.uint64), at
+        return _NO_VALUES, at
     if at + count > limit:
         raise _Bail
     head = u8[at:at + count]
     if int(head.max()) < 0x80:  # every varint one byte
-        return head.astype(np.uint64), at + count
+        return head, at + count
     for span in (3 * count, 10 * count):  # most columns hold varints of up to three bytes
         window = u8[at:min(limit, at + span)]
         ends = np.flatnonzero(window < 0x80)
@@ -104,24 +106,32 @@ def _varints(u8, at: int, count: int, limit: int):
         raise _Bail
     if widest == 10 and int(window[ends[widths == 10]].max()) > 1:
         raise _Bail  # bits beyond 64
-    values = (window[starts] & 0x7F).astype(np.uint64)
+    kind = np.uint32 if widest <= 4 else np.uint64  # 28 bits fit in 32: half the memory traffic
+    values = (window[starts] & 0x7F).astype(kind)
     for k in range(1, widest):  # byte k of each varint; a shorter one's is masked out
-        piece = window[np.minimum(starts + k, ends)] & 0x7F
-        piece[widths <= k] = 0
-        values |= piece.astype(np.uint64) << np.uint64(7 * k)
-    return values, at + int(ends[-1]) + 1
+        piece = (window[np.minimum(starts + k, ends)] & 0x7F).astype(kind)
+        piece *= widths > k
+        values |= piece << kind(7 * k)
+    return values.astype(np.uint64, copy=False), at + int(ends[-1]) + 1
+
+
+_NO_VALUES = np.zeros(0, np.uint8)
 
 
 def _offsets(lengths) -> "np.ndarray":
     """Arrow's int32 offsets (``n + 1``) of pieces of ``lengths`` bytes."""
+    out = np.empty(lengths.size + 1, np.int32)
+    out[0] = 0
+    if lengths.dtype == np.uint8 and lengths.size <= _INT32_MAX // 255:
+        np.cumsum(lengths, dtype=np.int32, out=out[1:])  # cannot pass 2**31 - 1
+        return out
     if lengths.size and int(lengths.max()) > _INT32_MAX:
         raise _Bail
-    out = np.empty(lengths.size + 1, np.int64)
-    out[0] = 0
-    np.cumsum(lengths.astype(np.int64), out=out[1:])
-    if out[-1] > _INT32_MAX:
+    wide = np.cumsum(lengths, dtype=np.int64)
+    if wide.size and wide[-1] > _INT32_MAX:
         raise _Bail
-    return out.astype(np.int32)
+    out[1:] = wide
+    return out
 
 
 def _binary(buffer, start: int, offsets, valid=None, kind=None) -> "pa.Array":
@@ -174,8 +184,12 @@ def _fast(data, buffer, start: int, end: int, header: BatchHeader) -> "pa.Record
     key_codes = key_offsets = None
     if flags & FLAG_KEYS:
         key_codes, at = _varints(u8, at, n, updates_at)
-        has_key = key_codes != 0
-        key_offsets = _offsets(np.where(has_key, key_codes - np.uint64(1), np.uint64(0)))
+        if int(key_codes.min()) > 0:  # every record has a key: its length is its code - 1
+            has_key = None
+            key_offsets = _offsets(key_codes - key_codes.dtype.type(1))
+        else:
+            has_key = key_codes != 0
+            key_offsets = _offsets(np.where(has_key, key_codes - key_codes.dtype.type(1), 0).astype(key_codes.dtype))
         keys_at = at
         at += int(key_offsets[-1])
         if at > updates_at:
@@ -216,16 +230,17 @@ def _fast(data, buffer, start: int, end: int, header: BatchHeader) -> "pa.Record
     if deltas is None:
         stamps = np.full(n, header.first_timestamp, np.int64)
     else:
+        deltas = deltas.astype(np.uint64, copy=False)
         signed = (deltas >> np.uint64(1)) ^ (np.uint64(0) - (deltas & np.uint64(1)))
         stamps = signed.view(np.int64) + np.int64(header.first_timestamp)  # wraps as the encoder's deltas do
         if int(deltas[0]) != 0 or int(stamps.max()) != header.max_timestamp:
             raise _Bail
     timestamps = pa.Array.from_buffers(TIMESTAMP_TYPE, n, [None, pa.py_buffer(stamps)])
     keys = (pa.nulls(n, pa.binary()) if key_codes is None
-            else _binary(buffer, keys_at, key_offsets, key_codes != 0))
+            else _binary(buffer, keys_at, key_offsets, has_key))
     values = _binary(buffer, values_at, value_offsets, None if tombstones is None else tombstones == 0)
     if header_parts is None:
-        headers = pa.ListArray.from_arrays(pa.array(np.zeros(n + 1, np.int32)), _EMPTY_PAIRS)
+        headers = _no_headers(n)
     else:
         counts, name_offsets, names_at, header_value_offsets, header_values_at = header_parts
         names = _binary(buffer, names_at, name_offsets, kind=pa.string())
@@ -240,6 +255,16 @@ def _fast(data, buffer, start: int, end: int, header: BatchHeader) -> "pa.Record
 
 
 _EMPTY_PAIRS = pa.array([], HEADERS_TYPE.value_type)
+_zero_offsets = pa.py_buffer(bytes(4 * 8193))
+
+
+def _no_headers(n: int) -> "pa.Array":
+    """A headers column of ``n`` empty lists (its offsets all 0, a shared zeroed buffer)."""
+    global _zero_offsets
+    zeros = _zero_offsets
+    if zeros.size < 4 * (n + 1):
+        zeros = _zero_offsets = pa.py_buffer(bytes(4 * (n + 1)))
+    return pa.Array.from_buffers(HEADERS_TYPE, n, [None, zeros], children=[_EMPTY_PAIRS])
 
 
 def empty_batch() -> "pa.RecordBatch":
@@ -248,12 +273,20 @@ def empty_batch() -> "pa.RecordBatch":
 
 
 def constant_strings(text: str, n: int) -> "pa.Array":
-    """A string array of ``n`` times ``text``, built without a Python object per row."""
+    """A string array of ``n`` times ``text``, built without a Python object per row (arrays of
+    up to 16,384 rows are kept and given again for the same arguments: Arrow arrays are immutable)."""
+    return _kept_strings(text, n) if n <= 1 << 14 else _strings(text, n)
+
+
+def _strings(text: str, n: int) -> "pa.Array":
     data = text.encode("utf-8")
     if len(data) * n > _INT32_MAX:
         return pa.array([text] * n, pa.large_string()).cast(pa.string())
     offsets = (np.arange(n + 1, dtype=np.int64) * len(data)).astype(np.int32)
     return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)])
+
+
+_kept_strings = functools.lru_cache(maxsize=16)(_strings)
 
 
 def within_times(batch, lo: int | None, hi: int | None):

@@ -356,9 +356,7 @@ def publish(target: StreamTarget, store: SegmentStore, token: uuid.UUID, version
         for path, size in files:
             data = store.storage.read(path, 0, size)
             for pos, header in iter_batches(data, segment=path):
-                columns = _staged_columns(data, pos, header, path)
-                writer.write_many(columns.values, columns.keys, timestamps=columns.timestamps, headers=columns.headers)
-                rows += len(columns)
+                rows += _publish_batch(writer, data, pos, header, path)
         writer.flush()
         return rows, writer.events_skipped
 
@@ -367,21 +365,25 @@ def publish(target: StreamTarget, store: SegmentStore, token: uuid.UUID, version
     return {"published": sum(r for r, _ in results), "skipped": sum(s for _, s in results)}
 
 
-def _staged_columns(data: bytes, pos: int, header, path: str) -> EventColumns:
-    """The rows of one staged batch (checksum verified by ``iter_batches``) as columns, decoded
-    column by column: ``write_many`` takes them without a call per row."""
+def _publish_batch(writer: EventWriter, data: bytes, pos: int, header, path: str) -> int:
+    """Queue the rows of one staged batch (checksum verified by ``iter_batches``) on ``writer``,
+    decoded column by column; returns how many. Without headers (the Spark source's Arrow rows)
+    the columns go to ``write_arrow`` as they are (no Python object per row), else to
+    ``write_many``: both number, route and encode the same events alike."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     from ..log.columnar import decode_arrow
 
     batch = decode_arrow(data, pos, header, segment=path, verify=False)
-    headers = batch.column(4)
-    pairs = None
-    if len(headers) and pc.max(pc.list_value_length(headers)).as_py():
-        pairs = [tuple((h["key"], h["value"]) for h in row) for row in headers.to_pylist()]
-    return EventColumns(values=batch.column(3).to_pylist(), keys=batch.column(2).to_pylist(),
-                        timestamps=batch.column(1).cast(pa.int64()).to_pylist(), headers=pairs)
+    if not batch.num_rows:
+        return 0
+    stamps, keys, values, headers = batch.column(1).cast(pa.int64()), batch.column(2), batch.column(3), batch.column(4)
+    if not len(headers.flatten()) and not values.null_count:
+        writer.write_arrow(values, keys, timestamps=stamps)
+        return batch.num_rows
+    pairs = [tuple((h["key"], h["value"]) for h in row) for row in headers.to_pylist()]
+    writer.write_many(values.to_pylist(), keys.to_pylist(), timestamps=stamps.to_pylist(), headers=pairs)
+    return batch.num_rows
 
 
 def abort_write(target: StreamTarget, token: uuid.UUID, version: int, files: list[list], *,

@@ -66,13 +66,17 @@ def events(spark, rows: int, partitions: int):
     return spark.range(rows, numPartitions=partitions).selectExpr(*EVENT_COLUMNS)
 
 
+LOADS: list[float] = []  #: the 1-minute load average after each timed phase (the machine may be shared)
+
+
 def timed(label: str, action) -> tuple[float, object]:
-    """Run ``action()``, printing the phase; (seconds, its result)."""
+    """Run ``action()``, printing the phase and the load average after it; (seconds, its result)."""
     print(f"  {label} ...", end="", flush=True)
     start = time.perf_counter()
     result = action()
     seconds = time.perf_counter() - start
-    print(f" {seconds:.2f} s", flush=True)
+    LOADS.append(os.getloadavg()[0])
+    print(f" {seconds:.2f} s (load {LOADS[-1]:.1f})", flush=True)
     return seconds, result
 
 
@@ -199,7 +203,8 @@ def ratios_per_round(runs: dict) -> dict:
 def markdown(meta: dict, lines: list, ratio: float) -> str:
     text = [f"# attrindex Spark data source vs Parquet ({meta['date']})", "",
             f"{meta['rows']:,} rows of ~{meta['value_bytes']} B payloads, {meta['partitions']} partitions, "
-            f"master {meta['master']}, {meta['cpus']} cpus, PySpark {meta['pyspark']}, Python {meta['python']}.", "",
+            f"master {meta['master']}, {meta['cpus']} cpus, PySpark {meta['pyspark']}, Python {meta['python']}; "
+            f"load average {meta['load_average'][0]:.1f} to {meta['load_average'][1]:.1f}.", "",
             "| phase | s | rows/s | vs Parquet |", "|---|---|---|---|"]
     for label, s, rate, r in lines:
         text.append(f"| {label} | {s:.2f} | {rate:,.0f} | {'' if r is None else f'{r:.2f}x'} |")
@@ -254,6 +259,8 @@ def main(argv=None) -> int:
         print(f"  goal: {phase} >= {goal}x parquet: {ratios[phase]:.2f}x (median of rounds), "
               f"{'met' if ratios[phase] >= goal else 'NOT met'}; per round {ratios_per_round(result['runs'])[phase]}")
     print(f"  commit summaries: {json.dumps(result['commits'], sort_keys=True)}")
+    meta["load_average"] = [min(LOADS), max(LOADS)]
+    print(f"  load average during the timed phases: {min(LOADS):.1f} to {max(LOADS):.1f}")
 
     record = {**meta, "ratio_direct_vs_parquet_write": ratio, "target_ratio": TARGET_RATIO,
               "phases": {phase: {"seconds": s, "rows_per_s": rate, "vs_parquet": r}
