@@ -797,3 +797,17 @@ def test_peek_header_reads_a_batch_sealed_anywhere_and_checks_its_fields():
                 forge(b"\x01\x01ab", count=2, version=2)):
         with pytest.raises(InvalidInputError, match="peek_header"):
             peek_header(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=3000), st.integers(0, (1 << 32) - 1))
+def test_the_checksum_is_zlibs_crc32_whichever_library_computes_it(data, seed):
+    """The stored checksums are zlib's CRC-32: ``attrindex.checksum`` (isal where installed) must
+    give the same values, seeded or not, so stores read the same with or without it."""
+    import zlib
+
+    from attrindex import checksum
+
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32(data, seed) == zlib.crc32(data, seed)
+    assert checksum.crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])

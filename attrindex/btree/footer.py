@@ -22,9 +22,10 @@ elsewhere (inside a page, inside garbage) are rejected.
 from __future__ import annotations
 
 import struct
-import zlib
 
 import attrs
+
+from .. import checksum
 
 MAGIC = b"AIXFOOT1"
 _LAYOUT = struct.Struct("<8sQIIQQQQqI")
@@ -58,7 +59,7 @@ EMPTY = Footer()
 
 
 def _crc(offset: int, body: bytes) -> int:
-    return zlib.crc32(body, zlib.crc32(_U64.pack(offset)))
+    return checksum.crc32(body, checksum.crc32(_U64.pack(offset)))
 
 
 def decode_footer(data: bytes, offset: int) -> Footer | None:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import functools
 import struct
-import zlib
 
 from storage_adapters.errors import CorruptDataError
 
+from .. import checksum
 from ..keys import KEY_SIZE, MIN_KEY
 
 FORMAT_VERSION = 1
@@ -95,7 +95,7 @@ def index_capacity(page_size: int) -> int:
 def page_checksum(offset: int, page: bytes | bytearray | memoryview) -> int:
     """The checksum of an encoded ``page`` written at segment byte ``offset`` (docs/format.md)."""
     view = memoryview(page)
-    return zlib.crc32(view[HEADER_SIZE:], zlib.crc32(view[:8], zlib.crc32(_U64.pack(offset))))
+    return checksum.crc32(view[HEADER_SIZE:], checksum.crc32(view[:8], checksum.crc32(_U64.pack(offset))))
 
 
 def encode_leaf(keys: list[bytes], values: list[int], offset: int) -> bytes:

@@ -47,6 +47,7 @@ from collections.abc import Iterator
 
 import attrs
 
+from .. import checksum
 from ..errors import CorruptDataError, InvalidInputError, MissingDependencyError
 from .varint import decode_varints, encode_lengths
 
@@ -576,7 +577,7 @@ def encode_batch_with_header(
     if codec == Codec.NONE:
         # no intermediate payload object: the pieces are copied once, into the batch itself
         for part in parts:
-            crc = zlib.crc32(part, crc)
+            crc = checksum.crc32(part, crc)
             total += len(part)
         payload_size = stored_size = total
     else:
@@ -584,7 +585,7 @@ def encode_batch_with_header(
         payload_size = len(payload)
         pieces = [_compress(codec, payload)]
         stored_size = len(pieces[0])
-        crc = zlib.crc32(pieces[0])
+        crc = checksum.crc32(pieces[0])
     size = BATCH_HEADER_SIZE + stored_size
     if payload_size > _U32_MAX or size > _U32_MAX:
         raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, payload_size)} bytes")
@@ -592,7 +593,7 @@ def encode_batch_with_header(
         BATCH_MAGIC, BATCH_VERSION, flags, size, count, update_count, payload_size,
         base_offset, first_ts, max_ts, batch_id, crc, 0,
     )[:_CHECKED_HEADER]
-    data = b"".join([header, _U32.pack(zlib.crc32(header, zlib.crc32(_U64.pack(position)))), *pieces])
+    data = b"".join([header, _U32.pack(checksum.crc32(header, checksum.crc32(_U64.pack(position)))), *pieces])
     return data, BatchHeader(size, base_offset, count, update_count, first_ts, max_ts, codec, payload_size, crc, flags,
                              batch_id)
 
@@ -650,7 +651,7 @@ def seal_header(head, position: int) -> bytes:
     seeded with ``position``: the CRC-32 of ``position`` as a little-endian u64, continued over
     ``head``. Such a header is valid at segment byte ``position`` only."""
     head = bytes(head[:_CHECKED_HEADER])
-    return head + _U32.pack(zlib.crc32(head, zlib.crc32(_U64.pack(position))))
+    return head + _U32.pack(checksum.crc32(head, checksum.crc32(_U64.pack(position))))
 
 
 def place_batches(data, position: int) -> bytes:
@@ -668,11 +669,11 @@ def place_batches(data, position: int) -> bytes:
     if type(data) is bytes and n >= BATCH_HEADER_SIZE:  # one batch (the usual append): no loop, no view
         magic, version, _flags, size = _PREFIX.unpack_from(data)
         if size == n and magic == BATCH_MAGIC and version == BATCH_VERSION:
-            crc = zlib.crc32(data[:_CHECKED_HEADER], zlib.crc32(_U64.pack(position)))
+            crc = checksum.crc32(data[:_CHECKED_HEADER], checksum.crc32(_U64.pack(position)))
             if crc == _U32.unpack_from(data, _CHECKED_HEADER)[0]:
                 return data
             return b"".join([data[:_CHECKED_HEADER], _U32.pack(crc), data[BATCH_HEADER_SIZE:]])
-    crc32, pack, view = zlib.crc32, _U64.pack, memoryview(data)
+    crc32, pack, view = checksum.crc32, _U64.pack, memoryview(data)
     at, moved = 0, []
     while at < n:
         if n - at < BATCH_HEADER_SIZE:
@@ -706,20 +707,20 @@ def _checksum_values(values, lengths_column: bytes, expected: int) -> tuple[int,
     copy. ``expected`` (the values' total ``len()``) only sizes the chunks. Raises TypeError or
     BufferError for a value that is not a contiguous buffer.
     """
-    crc = zlib.crc32(lengths_column)
+    crc = checksum.crc32(lengths_column)
     total = 0
     n = len(values)
     step = max(1, (_CHUNK_BYTES * n) // max(1, expected))
     if step == 1:
         for value in values:
             view = memoryview(value)
-            crc = zlib.crc32(view, crc)
+            crc = checksum.crc32(view, crc)
             total += view.nbytes
         return crc, total
     chunks = []
     for i in range(0, n, step):
         chunk = b"".join(values[i : i + step])
-        crc = zlib.crc32(chunk, crc)
+        crc = checksum.crc32(chunk, crc)
         total += len(chunk)
         chunks.append(chunk)
     values[:] = chunks  # the batch is then assembled from these few chunks
@@ -768,8 +769,8 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
         raise _corrupt_at(segment, position + pos)(_version_problem(version))
     if type(position) is not int or position < 0:
         raise InvalidInputError(f"position must be an int >= 0, got {position!r:.60}")
-    seed = zlib.crc32(_U64.pack(position + pos))
-    if zlib.crc32(memoryview(buf)[pos : pos + _CHECKED_HEADER], seed) != header_crc:
+    seed = checksum.crc32(_U64.pack(position + pos))
+    if checksum.crc32(memoryview(buf)[pos : pos + _CHECKED_HEADER], seed) != header_crc:
         raise _corrupt_at(segment, position + pos)(
             f"header checksum mismatch (damaged bytes, or a batch not written at byte {position + pos})")
     problem = _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts)
@@ -851,7 +852,7 @@ def check_batch(buf, pos: int, header: BatchHeader, *, position: int = 0, segmen
     end = pos + header.size
     if pos < 0 or end > len(buf):
         raise InvalidInputError(f"the batch at {pos} ({header.size} bytes) is not all in the buffer")
-    if zlib.crc32(memoryview(buf)[pos + BATCH_HEADER_SIZE : end]) != header.payload_crc:
+    if checksum.crc32(memoryview(buf)[pos + BATCH_HEADER_SIZE : end]) != header.payload_crc:
         raise _corrupt_at(segment, position + pos)("payload checksum mismatch")
 
 
@@ -886,7 +887,7 @@ def chain_end(data, position: int) -> int:
     n = len(data)
     _check_span(position, n)
     view = memoryview(data)
-    crc32, pack, unpack = zlib.crc32, _U64.pack, _FRAME.unpack_from
+    crc32, pack, unpack = checksum.crc32, _U64.pack, _FRAME.unpack_from
     at = 0
     while n - at >= BATCH_HEADER_SIZE:  # bounded: ``at`` moves by a size of at least a header
         magic, version, size, payload_crc, header_crc = unpack(data, at)
@@ -922,7 +923,7 @@ def _payload(buf, pos, header, corrupt, verify) -> tuple[bytes, int, int]:
     if pos < 0 or end > len(buf):
         raise InvalidInputError(f"the batch at {pos} ({header.size} bytes) is not all in the buffer")
     start = pos + BATCH_HEADER_SIZE
-    if verify and zlib.crc32(memoryview(buf)[start:end]) != header.payload_crc:
+    if verify and checksum.crc32(memoryview(buf)[start:end]) != header.payload_crc:
         raise corrupt("payload checksum mismatch")
     if header.codec == Codec.NONE:
         if header.payload_size != end - start:
@@ -1213,7 +1214,7 @@ class BatchColumns:
             stored = payload if codec == Codec.NONE else _compress(codec, payload)
             head = _HEADER.pack(
                 BATCH_MAGIC, BATCH_VERSION, flags, BATCH_HEADER_SIZE + len(stored), b - a, 0, len(payload),
-                header.base_offset + a, first_ts, max_ts, header.batch_id, zlib.crc32(stored), 0,
+                header.base_offset + a, first_ts, max_ts, header.batch_id, checksum.crc32(stored), 0,
             )[:_CHECKED_HEADER]
             out.append(b"".join([seal_header(head, 0), stored]))
         return out

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import functools
 import sys
-import zlib
 
+from .. import checksum
 from ..errors import InvalidInputError, MissingDependencyError
 
 try:
@@ -474,5 +474,5 @@ def encode_arrow(values, keys=None, timestamps=None, *, timestamp: int, base_off
     if len(payload) > 0xFFFFFFFF or size > 0xFFFFFFFF:
         raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, len(payload))} bytes")
     head = _HEADER.pack(BATCH_MAGIC, BATCH_VERSION, flags, size, n, update_count, len(payload), base_offset, first_ts,
-                        max_ts, batch_id, zlib.crc32(stored), 0)
+                        max_ts, batch_id, checksum.crc32(stored), 0)
     return b"".join([seal_header(head, 0), stored])

@@ -13,10 +13,9 @@ claimed (its header intact) are never given out again.
 
 from __future__ import annotations
 
-import zlib
-
 from storage_adapters.framing import Framing
 
+from .. import checksum
 from ..errors import CorruptDataError
 from .batch import BATCH_HEADER_SIZE, BATCH_MAGIC, chain_end, last_batch_end, place_batches, read_header
 
@@ -68,6 +67,6 @@ def torn_claim(data: bytes, position: int) -> int | None:
         return None
     if header is None:
         return None
-    if header.size <= len(data) and zlib.crc32(memoryview(data)[BATCH_HEADER_SIZE:header.size]) == header.payload_crc:
+    if header.size <= len(data) and checksum.crc32(memoryview(data)[BATCH_HEADER_SIZE:header.size]) == header.payload_crc:
         return None
     return header.next_offset
