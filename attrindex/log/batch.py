@@ -80,8 +80,8 @@ __all__ = [
 
 BATCH_MAGIC = b"AIXB"
 BATCH_VERSION = 3  # 1 (no batch id) and 2 (checksum not seeded with the position) were never released
-_HEADER = struct.Struct("<4sHHIIIIqqqQII")
-BATCH_HEADER_SIZE = _HEADER.size  # 64
+HEADER_STRUCT = struct.Struct("<4sHHIIIIqqqQII")
+BATCH_HEADER_SIZE = HEADER_STRUCT.size  # 64
 _CHECKED_HEADER = BATCH_HEADER_SIZE - 4  # the header checksum covers the bytes before it
 _PREFIX = struct.Struct("<4sHHI")  # magic, version, flags, size
 _FRAME = struct.Struct("<4sH2xI44xII")  # magic, version, size, payload CRC, header CRC
@@ -100,7 +100,7 @@ _U32_MAX = (1 << 32) - 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _U64_MASK = (1 << 64) - 1
 KEY_SIZE = 16
-_UPDATE_SIZE = KEY_SIZE + 8 + 1  # key, i64 value, removed flag
+UPDATE_SIZE = KEY_SIZE + 8 + 1  # key, i64 value, removed flag
 _BIG_ENDIAN = sys.byteorder == "big"
 
 # --------------------------------------------------------------------------------------- codecs
@@ -178,7 +178,8 @@ def codec_for(spec: str | int | Codec | None) -> Codec:
     return codec
 
 
-def _compress(codec: Codec, payload: bytes) -> bytes:
+def compress_payload(codec: Codec, payload: bytes) -> bytes:
+    """``payload`` compressed with ``codec`` (``MissingDependencyError`` if its package is missing)."""
     module = _require(codec)
     if codec == Codec.GZIP:
         compressor = zlib.compressobj(6, zlib.DEFLATED, 31)  # wbits 31: the gzip wrapper
@@ -423,7 +424,9 @@ def check_timestamps(stamps, what: str = "timestamp") -> list:
     return stamps
 
 
-def _encode_updates(attribute_updates) -> tuple[int, list[bytes]]:
+def encode_updates(attribute_updates) -> tuple[int, list[bytes]]:
+    """``(count, pieces)``: ``(keys, values)`` attribute updates as a batch stores them (``InvalidInputError``
+    for bad input, before anything is written)."""
     try:
         keys, values = attribute_updates
     except (TypeError, ValueError):
@@ -570,7 +573,7 @@ def encode_batch_with_header(
     if tombstones is not None:
         flags |= FLAG_TOMBSTONES
         parts.append(bytes(tombstones))
-    update_count, update_parts = _encode_updates(attribute_updates)
+    update_count, update_parts = encode_updates(attribute_updates)
     parts.extend(update_parts)
 
     pieces = [lengths_column, *values, *parts] if count else parts
@@ -583,13 +586,13 @@ def encode_batch_with_header(
     else:
         payload = b"".join(pieces)
         payload_size = len(payload)
-        pieces = [_compress(codec, payload)]
+        pieces = [compress_payload(codec, payload)]
         stored_size = len(pieces[0])
         crc = checksum.crc32(pieces[0])
     size = BATCH_HEADER_SIZE + stored_size
     if payload_size > _U32_MAX or size > _U32_MAX:
         raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, payload_size)} bytes")
-    header = _HEADER.pack(
+    header = HEADER_STRUCT.pack(
         BATCH_MAGIC, BATCH_VERSION, flags, size, count, update_count, payload_size,
         base_offset, first_ts, max_ts, batch_id, crc, 0,
     )[:_CHECKED_HEADER]
@@ -624,7 +627,7 @@ def rebase_batch(data: bytes, base_offset: int, batch_id: int | None = None, *, 
     writer that lost an append race resends without encoding the records again. The header is
     sealed for ``position``."""
     _check_position(position)
-    if type(base_offset) is not int or not 0 <= base_offset <= _I64_MAX - max(0, _HEADER.unpack_from(data)[4]):
+    if type(base_offset) is not int or not 0 <= base_offset <= _I64_MAX - max(0, HEADER_STRUCT.unpack_from(data)[4]):
         raise InvalidInputError(f"base_offset must be an int >= 0 leaving room for the batch, got {base_offset!r}")
     header = bytearray(data[:_CHECKED_HEADER])
     struct.pack_into("<q", header, 24, base_offset)
@@ -730,7 +733,8 @@ def _checksum_values(values, lengths_column: bytes, expected: int) -> tuple[int,
 # ------------------------------------------------------------------------------------- decoding
 
 
-def _corrupt_at(segment: str | None, offset: int):
+def corruption_at(segment: str | None, offset: int):
+    """``corrupt(what)``: the ``CorruptDataError`` for a batch of ``segment`` at log byte ``offset``."""
     where = f"segment {segment!r}: " if segment is not None else ""
 
     def corrupt(what: str) -> CorruptDataError:
@@ -759,23 +763,23 @@ def read_header(buf, pos: int = 0, *, position: int = 0, segment: str | None = N
         if available > 0:
             start = bytes(buf[pos : pos + min(available, len(BATCH_MAGIC))])
             if not BATCH_MAGIC.startswith(start):
-                raise _corrupt_at(segment, position + pos)(f"bad magic {start!r} in a {available}-byte tail")
+                raise corruption_at(segment, position + pos)(f"bad magic {start!r} in a {available}-byte tail")
         return None
     (magic, version, flags, size, count, update_count, payload_size,
-     base_offset, first_ts, max_ts, batch_id, payload_crc, header_crc) = _HEADER.unpack_from(buf, pos)
+     base_offset, first_ts, max_ts, batch_id, payload_crc, header_crc) = HEADER_STRUCT.unpack_from(buf, pos)
     if magic != BATCH_MAGIC:
-        raise _corrupt_at(segment, position + pos)(f"bad magic {magic!r}")
+        raise corruption_at(segment, position + pos)(f"bad magic {magic!r}")
     if version != BATCH_VERSION:  # before the checksum, which older versions seeded differently
-        raise _corrupt_at(segment, position + pos)(_version_problem(version))
+        raise corruption_at(segment, position + pos)(_version_problem(version))
     if type(position) is not int or position < 0:
         raise InvalidInputError(f"position must be an int >= 0, got {position!r:.60}")
     seed = checksum.crc32(_U64.pack(position + pos))
     if checksum.crc32(memoryview(buf)[pos : pos + _CHECKED_HEADER], seed) != header_crc:
-        raise _corrupt_at(segment, position + pos)(
+        raise corruption_at(segment, position + pos)(
             f"header checksum mismatch (damaged bytes, or a batch not written at byte {position + pos})")
     problem = _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts)
     if problem:
-        raise _corrupt_at(segment, position + pos)(problem)
+        raise corruption_at(segment, position + pos)(problem)
     if size > available and not partial:
         return None
     codec = Codec(flags & _CODEC_MASK)
@@ -792,7 +796,7 @@ def peek_header(buf, pos: int = 0) -> BatchHeader:
     if pos < 0 or len(buf) - pos < BATCH_HEADER_SIZE:
         raise InvalidInputError(f"peek_header: no whole batch header at {pos} in {len(buf)} bytes")
     (magic, version, flags, size, count, update_count, payload_size,
-     base_offset, first_ts, max_ts, batch_id, payload_crc, _crc) = _HEADER.unpack_from(buf, pos)
+     base_offset, first_ts, max_ts, batch_id, payload_crc, _crc) = HEADER_STRUCT.unpack_from(buf, pos)
     problem = (f"bad magic {magic!r}" if magic != BATCH_MAGIC else
                _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts))
     if not problem and size > len(buf) - pos:
@@ -815,7 +819,7 @@ def claimed_size(buf, pos: int = 0) -> int | None:
     what a header that fails its checksum still claims (None without the magic or a whole header)."""
     if len(buf) - pos < BATCH_HEADER_SIZE or bytes(buf[pos:pos + len(BATCH_MAGIC)]) != BATCH_MAGIC:
         return None
-    return _HEADER.unpack_from(buf, pos)[3]
+    return HEADER_STRUCT.unpack_from(buf, pos)[3]
 
 
 def _header_problem(version, flags, size, count, update_count, payload_size, base_offset, first_ts, max_ts) -> str:
@@ -839,7 +843,7 @@ def _header_problem(version, flags, size, count, update_count, payload_size, bas
         return "a batch with tombstones has no keys column (a tombstone needs a key)"
     if not flags & FLAG_TIMESTAMPS and max_ts != first_ts:
         return "timestamps differ but the batch has no timestamp column"
-    smallest = count * (1 + columns) + _UPDATE_SIZE * update_count  # a varint per record and column
+    smallest = count * (1 + columns) + UPDATE_SIZE * update_count  # a varint per record and column
     if payload_size < smallest or (count == 0 and payload_size != smallest):
         return f"payload of {payload_size} bytes cannot hold {count} records and {update_count} attribute updates"
     if flags & _CODEC_MASK == Codec.NONE and size - BATCH_HEADER_SIZE != payload_size:
@@ -853,7 +857,7 @@ def check_batch(buf, pos: int, header: BatchHeader, *, position: int = 0, segmen
     if pos < 0 or end > len(buf):
         raise InvalidInputError(f"the batch at {pos} ({header.size} bytes) is not all in the buffer")
     if checksum.crc32(memoryview(buf)[pos + BATCH_HEADER_SIZE : end]) != header.payload_crc:
-        raise _corrupt_at(segment, position + pos)("payload checksum mismatch")
+        raise corruption_at(segment, position + pos)("payload checksum mismatch")
 
 
 def iter_batches(
@@ -917,7 +921,7 @@ def last_batch_end(data, position: int) -> int | None:
     return None
 
 
-def _payload(buf, pos, header, corrupt, verify) -> tuple[bytes, int, int]:
+def batch_payload(buf, pos, header, corrupt, verify) -> tuple[bytes, int, int]:
     """The uncompressed payload as ``(data, start, end)``: ``data[start:end]`` (bytes, maybe ``buf``)."""
     end = pos + header.size
     if pos < 0 or end > len(buf):
@@ -966,7 +970,7 @@ class _Layout:
 def _layout(data, start: int, end: int, header: BatchHeader, corrupt) -> _Layout:
     count, flags = header.record_count, header.flags
     layout = _Layout()
-    updates_at = end - _UPDATE_SIZE * header.attribute_count
+    updates_at = end - UPDATE_SIZE * header.attribute_count
     if updates_at < start:
         raise corrupt("payload is too short for its attribute updates")
     layout.updates_at = updates_at
@@ -1061,8 +1065,8 @@ def decode_records(
     With ``verify`` (the default) the payload checksum is checked first. Any inconsistency in the
     payload is a ``CorruptDataError`` naming ``position + pos``.
     """
-    corrupt = _corrupt_at(segment, position + pos)
-    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    corrupt = corruption_at(segment, position + pos)
+    data, start, end = batch_payload(buf, pos, header, corrupt, verify)
     layout = _layout(data, start, end, header, corrupt)
     count = header.record_count
     if not count:
@@ -1091,8 +1095,8 @@ def decode_keys(
     """``(keys, tombstone flags)`` of the batch at ``buf[pos]``, without materializing values:
     what the log cleaner needs to decide which records survive. ``keys`` has one entry per record
     (``None`` for a keyless one); the flags are one byte per record (``None``: no tombstones)."""
-    corrupt = _corrupt_at(segment, position + pos)
-    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    corrupt = corruption_at(segment, position + pos)
+    data, start, end = batch_payload(buf, pos, header, corrupt, verify)
     layout = _layout(data, start, end, header, corrupt)
     if layout.key_codes is None:
         return [None] * header.record_count, None
@@ -1121,9 +1125,9 @@ def uniform_keys(
     n, flags = header.record_count, header.flags
     if not n or not flags & FLAG_KEYS or flags & FLAG_HEADERS:
         return None
-    corrupt = _corrupt_at(segment, position + pos)
-    data, start, end = _payload(buf, pos, header, corrupt, verify)
-    updates_at = end - _UPDATE_SIZE * header.attribute_count
+    corrupt = corruption_at(segment, position + pos)
+    data, start, end = batch_payload(buf, pos, header, corrupt, verify)
+    updates_at = end - UPDATE_SIZE * header.attribute_count
     if start + 2 * n > updates_at:
         return None
     first = data[start]
@@ -1211,8 +1215,8 @@ class BatchColumns:
                 flags |= FLAG_TOMBSTONES
                 parts.append(tombstones[a:b])
             payload = b"".join(parts)
-            stored = payload if codec == Codec.NONE else _compress(codec, payload)
-            head = _HEADER.pack(
+            stored = payload if codec == Codec.NONE else compress_payload(codec, payload)
+            head = HEADER_STRUCT.pack(
                 BATCH_MAGIC, BATCH_VERSION, flags, BATCH_HEADER_SIZE + len(stored), b - a, 0, len(payload),
                 header.base_offset + a, first_ts, max_ts, header.batch_id, checksum.crc32(stored), 0,
             )[:_CHECKED_HEADER]
@@ -1233,8 +1237,8 @@ def batch_columns(
 ) -> BatchColumns:
     """The columns of the batch at ``buf[pos]`` (see ``BatchColumns``), checked as strictly as
     ``decode_records`` checks them: any inconsistency is a ``CorruptDataError``."""
-    corrupt = _corrupt_at(segment, position + pos)
-    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    corrupt = corruption_at(segment, position + pos)
+    data, start, end = batch_payload(buf, pos, header, corrupt, verify)
     layout = _layout(data, start, end, header, corrupt)
     stamps = _timestamps(layout.deltas, header, corrupt) if layout.deltas is not None else None
     if layout.header_counts is not None:
@@ -1272,8 +1276,8 @@ def decode_attribute_updates(
     every reader or ``CorruptDataError`` for all of them.
     """
     n = header.attribute_count
-    corrupt = _corrupt_at(segment, position + pos)
-    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    corrupt = corruption_at(segment, position + pos)
+    data, start, end = batch_payload(buf, pos, header, corrupt, verify)
     at = _layout(data, start, end, header, corrupt).updates_at
     if not n:
         return [], []

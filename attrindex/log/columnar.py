@@ -37,8 +37,6 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise MissingDependencyError("Arrow reads need numpy and pyarrow: pip install 'attrindex[arrow]'") from exc
 
 from .batch import (
-    _HEADER,
-    _UPDATE_SIZE,
     BATCH_HEADER_SIZE,
     BATCH_MAGIC,
     BATCH_VERSION,
@@ -46,15 +44,17 @@ from .batch import (
     FLAG_KEYS,
     FLAG_TIMESTAMPS,
     FLAG_TOMBSTONES,
+    HEADER_STRUCT,
+    UPDATE_SIZE,
     BatchHeader,
     Codec,
     Record,
-    _compress,
-    _corrupt_at,
-    _encode_updates,
-    _payload,
+    batch_payload,
     codec_for,
+    compress_payload,
+    corruption_at,
     decode_records,
+    encode_updates,
     new_batch_id,
     seal_header,
 )
@@ -154,8 +154,8 @@ def decode_arrow(buf, pos: int, header: BatchHeader, *, position: int = 0, segme
     ``CorruptDataError`` ``decode_records`` raises. ``buffer`` may give ``pa.py_buffer(buf)``
     (made once for the many batches of one read); the arrays share their bytes with ``buf``.
     """
-    corrupt = _corrupt_at(segment, position + pos)
-    data, start, end = _payload(buf, pos, header, corrupt, verify)
+    corrupt = corruption_at(segment, position + pos)
+    data, start, end = batch_payload(buf, pos, header, corrupt, verify)
     if data is not buf or buffer is None:
         buffer = pa.py_buffer(data)
     try:
@@ -167,7 +167,7 @@ def decode_arrow(buf, pos: int, header: BatchHeader, *, position: int = 0, segme
 
 def _fast(data, buffer, start: int, end: int, header: BatchHeader) -> "pa.RecordBatch":
     n, flags = header.record_count, header.flags
-    updates_at = end - _UPDATE_SIZE * header.attribute_count
+    updates_at = end - UPDATE_SIZE * header.attribute_count
     if updates_at < start:
         raise _Bail
     if n == 0:
@@ -466,13 +466,13 @@ def encode_arrow(values, keys=None, timestamps=None, *, timestamp: int, base_off
             deltas = stamps - np.int64(first_ts)  # wraps to int64, as the record encoder's deltas do
             zigzag = (deltas << np.int64(1)) ^ (deltas >> np.int64(63))
             parts.append(_encode_varints(zigzag.view(np.uint64)))
-    update_count, update_parts = _encode_updates(attribute_updates)
+    update_count, update_parts = encode_updates(attribute_updates)
     parts.extend(update_parts)
     payload = b"".join(parts)
-    stored = payload if codec == Codec.NONE else _compress(codec, payload)
+    stored = payload if codec == Codec.NONE else compress_payload(codec, payload)
     size = BATCH_HEADER_SIZE + len(stored)
     if len(payload) > 0xFFFFFFFF or size > 0xFFFFFFFF:
         raise InvalidInputError(f"a batch must stay below 4 GiB, this one would be {max(size, len(payload))} bytes")
-    head = _HEADER.pack(BATCH_MAGIC, BATCH_VERSION, flags, size, n, update_count, len(payload), base_offset, first_ts,
+    head = HEADER_STRUCT.pack(BATCH_MAGIC, BATCH_VERSION, flags, size, n, update_count, len(payload), base_offset, first_ts,
                         max_ts, batch_id, checksum.crc32(stored), 0)
     return b"".join([seal_header(head, 0), stored])
