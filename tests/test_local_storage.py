@@ -238,6 +238,8 @@ real_write_all, real_fdatasync = local._write_all, os.fdatasync
 
 def write_all(fd, data, position):
     counts["write"] = counts.get("write", 0) + 1
+    if step == "before-write" and counts["write"] == call:
+        os.kill(os.getpid(), 9)  # between two writes (the zeros ahead and the bytes, or two appends)
     if step == "write" and counts["write"] == call:
         real_write_all(fd, data[: len(data) // 2], position)  # die half-way through the bytes
         os.kill(os.getpid(), 9)
@@ -262,27 +264,53 @@ for i in range(1000):
 """
 
 
-@pytest.mark.parametrize("step", ["write", "sync", "synced"])
+@pytest.mark.parametrize("step", ["write", "before-write", "sync", "synced"])
 def test_a_writer_killed_at_any_step_loses_no_acknowledged_append(tmp_path, step):
     root = str(tmp_path / "store")
     stored: list[tuple[int, bytes]] = []  # what the segment held after the previous kill
     for call in (1, 2, 3, 5, 9, 14):  # some kills land on a chunk's first append (rolling_size=256)
-        child = subprocess.run([sys.executable, "-c", _CHILD, root, step, str(call)],
-                               capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "PYTHONPATH": os.getcwd()})
-        assert child.returncode == -9, child.stderr
-        acknowledged = [(int(o), d.encode()) for o, d in (line.split(" ", 1) for line in child.stdout.splitlines())]
-        seg = _segment(root, rolling_size=256)  # opens without any error: a crash is no damage
-        whole = seg.read(0, seg.length)
-        appends, at = [], 0
-        for payload in FRAMING.payloads(whole):
-            appends.append((at, payload))
-            at += FRAMING.header_size + len(payload)
-        assert at == seg.length and FRAMING.chain_end(whole, 0) == seg.length  # whole frames only
-        expected = stored + acknowledged
-        assert appends[:len(expected)] == expected  # every acknowledged append, where it was acknowledged
-        assert len(appends) - len(expected) <= 1  # at most the one in flight became visible
-        stored = appends
+        stored = _kill_a_writer_and_check(root, step, call, stored)
+
+
+def test_crashes_in_a_row_leave_torn_writes_never_damage(tmp_path):
+    """A writer killed between its writes, then the next one killed half-way through its bytes:
+    every state is a crash's, so the store opens without error and keeps what was acknowledged
+    (the first kill must not leave a file whose end the next append's bytes then run past)."""
+    root = str(tmp_path / "store")
+    stored: list[tuple[int, bytes]] = []
+    for call in (2, 3, 4, 5, 6, 7, 8, 9):
+        stored = _kill_a_writer_and_check(root, "before-write", call, stored)
+        stored = _kill_a_writer_and_check(root, "write", 1, stored)
+
+
+def _kill_a_writer_and_check(root: str, step: str, call: int, stored: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """Run ``_CHILD`` until it is killed at ``step`` of its ``call``-th write or sync; check that
+    the segment opens with every acknowledged append where it was acknowledged (``stored``: what
+    it held after the previous kill), and that a torn write left after the end of the last chunk
+    has the zeros the storage keeps after it (``zeros_kept_after``: what tells it from a file cut
+    short). Return what it holds now."""
+    child = subprocess.run([sys.executable, "-c", _CHILD, root, step, str(call)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert child.returncode == -9, child.stderr
+    acknowledged = [(int(o), d.encode()) for o, d in (line.split(" ", 1) for line in child.stdout.splitlines())]
+    seg = _segment(root, rolling_size=256)  # opens without any error: a crash is no damage
+    whole = seg.read(0, seg.length)
+    appends, at = [], 0
+    for payload in FRAMING.payloads(whole):
+        appends.append((at, payload))
+        at += FRAMING.header_size + len(payload)
+    assert at == seg.length and FRAMING.chain_end(whole, 0) == seg.length  # whole frames only
+    expected = stored + acknowledged
+    assert appends[:len(expected)] == expected  # every acknowledged append, where it was acknowledged
+    assert len(appends) - len(expected) <= 1  # at most the one in flight became visible
+    last = seg.chunks()[-1]
+    with open(_chunk(root, last.name), "rb") as f:
+        file = f.read()
+    end = last.end - last.start
+    if file[end:].strip(b"\0"):
+        assert len(file) >= end + seg.storage.zeros_kept_after(end), (step, call, end, len(file))
+    return appends
 
 
 # -- formats with commit records -----------------------------------------------------------------
