@@ -353,7 +353,7 @@ class RollingSegment:
         path = f"{self._dir}/{chunk.name}"
         since = self._tail if self._tail_name == chunk.name else None
         return look_at_tail(lambda a, b: self.storage.read(path, a, b), chunk.start, self.framing,
-                            since=since, locked=locked)
+                            since=since, locked=locked, zeros_kept=self.storage.zeros_kept_after)
 
     @property
     def torn_tail(self) -> tuple[int, bytes] | None:
