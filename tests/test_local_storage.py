@@ -152,6 +152,27 @@ def test_a_torn_write_is_cut_with_a_warning_and_zeroed_by_the_next_append(tmp_pa
     assert _payloads(_segment(tmp_path)) == [b"one", b"x"]
 
 
+def test_a_handle_that_only_reads_says_what_a_torn_write_left_and_cuts_nothing(tmp_path, caplog):
+    seg = _segment(tmp_path)
+    seg.append(frame(b"one"))
+    end = seg.length
+    torn = FRAMING.place(frame(b"t" * 44), end)[:30]
+    with open(_chunk(tmp_path), "r+b") as f:
+        f.seek(end)
+        f.write(torn)
+        f.seek(0)
+        before = f.read()
+    with caplog.at_level("WARNING", logger="attrindex.storage"):
+        reader = _segment(tmp_path)
+        reader.refresh()
+        reader.poll()
+    found = [r.getMessage() for r in caplog.records if "torn write" in r.getMessage()]
+    assert len(found) == 1 and f"found 30 bytes of a torn write at position {end}" in found[0], found
+    assert reader.length == end and _payloads(reader) == [b"one"]
+    with open(_chunk(tmp_path), "rb") as f:
+        assert f.read() == before  # nothing cut: only an append into the chunk cuts
+
+
 def test_damage_before_a_valid_frame_is_reported_not_cut(tmp_path):
     seg = _segment(tmp_path)
     for payload in (b"a" * 30, b"b" * 30, b"c" * 30):
