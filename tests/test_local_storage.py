@@ -430,8 +430,10 @@ def _chunk_before_and_after(root: str, name: str, write) -> tuple[bytes, int, in
 @pytest.mark.parametrize("which", ["log batch", "tree update"])
 def test_an_append_torn_at_every_byte_is_cut_back_to_the_chain_before_it(tmp_path, which):
     """Every prefix of a real append (a record batch; a B+tree update of pages and a footer), as a
-    killed writer leaves it: the end is where the append began, the bytes are a torn write (none
-    is taken for damage), and the chunk's frames before it are all there."""
+    killed writer leaves it (in a file as long as after the append: its zeros ahead are written
+    first): the end is where the append began, the bytes are a torn write (none is taken for
+    damage), and the chunk's frames before it are all there. The same prefix at the end of a file
+    cut short there is damage."""
     from attrindex.btree.framing import TREE_FRAMING
     from attrindex.log.framing import LOG_FRAMING
     from attrindex.tree_index import TreeIndex
@@ -453,16 +455,21 @@ def test_an_append_torn_at_every_byte_is_cut_back_to_the_chain_before_it(tmp_pat
         framing = TREE_FRAMING
     prefix, append = after[:start], after[start:framing.chain_end(after, chunk_start) - chunk_start]
     assert append
+    kept = open_storage(root).zeros_kept_after
+    assert len(after) >= start + len(append) + kept(start + len(append))
     for cut in range(1, len(append)):
-        chunk = prefix + append[:cut] + bytes(4096)
-        look = look_at_tail(lambda a, b: chunk[a:b], chunk_start, framing)
+        chunk = prefix + append[:cut] + bytes(len(after) - start - cut)
+        look = look_at_tail(lambda a, b: chunk[a:b], chunk_start, framing, zeros_kept=kept)
         if not append[cut:].strip(b"\0"):  # the bytes not written were zeros anyway: the whole append
             assert look.end == chunk_start + start + len(append) and look.torn is None, cut
             continue
         assert (look.end, look.damaged_at) == (chunk_start + start, None), cut
         assert look.torn == (chunk_start + start, chunk_start + start + len(append[:cut].rstrip(b"\0"))), cut
-    whole = prefix + append + bytes(4096)
-    assert look_at_tail(lambda a, b: whole[a:b], chunk_start, framing).end == chunk_start + start + len(append)
+        if cut < kept(start):  # a file ending there is shorter than any crash leaves it
+            short = chunk[:start + cut]
+            cut_short = look_at_tail(lambda a, b: short[a:b], chunk_start, framing, zeros_kept=kept)
+            assert cut_short.damaged_at == chunk_start + start and cut_short.torn is None, cut
+    assert look_at_tail(lambda a, b: after[a:b], chunk_start, framing, zeros_kept=kept).end == chunk_start + start + len(append)
 
 
 def test_a_tail_readers_poll_is_quiet_over_a_known_torn_write_and_wakes_for_an_append(tmp_path):
