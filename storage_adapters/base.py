@@ -151,6 +151,15 @@ class ChunkStorage(abc.ABC):
             return inner.trimmed(path)
         raise NotImplementedError(f"{type(self).__name__} keeps no trim marks")
 
+    def zeros_kept_after(self, end: int) -> int:
+        """The fewest bytes a chunk file appended to in place keeps past the committed end of its
+        frames, at chunk offset ``end``, in every state that appends and crashes leave (local
+        disk: the zeros pre-written ahead, which an append writes before its own bytes). A file
+        shorter than that, with bytes of a torn write after ``end``, was cut short: damage, not a
+        crash (storage_adapters/tail.py). 0: nothing is kept (memory, objects)."""
+        inner = _inner(self)
+        return 0 if inner is None else inner.zeros_kept_after(end)
+
     def trim(self, path: str, size: int) -> None:
         """Cut chunk ``path`` back to ``size`` bytes, its end, durably: it will not grow again (the
         next chunk starts at ``size``). Call under ``lock``. Backends that keep nothing past a

@@ -269,6 +269,9 @@ class FaultyStorage(ChunkStorage):
         target = self._local_path(path)
         if target is not None:  # what a killed writer leaves: part of its bytes, not synced
             with open(target, "r+b" if os.path.exists(target) else "wb") as chunk:
+                # The backend makes the file long enough (its zeros ahead) before it writes the bytes.
+                chunk.truncate(max(os.fstat(chunk.fileno()).st_size,
+                                   position + len(data) + self.inner.zeros_kept_after(position + len(data))))
                 chunk.seek(position)
                 chunk.write(self._prefix(data))
         raise StorageError(f"injected fault: append to {path!r} was torn")

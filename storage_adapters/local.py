@@ -601,12 +601,12 @@ class LocalChunkStorage(ChunkStorage):
         step = min(max(end, MIN_PREWRITE_BYTES), PREWRITE_BYTES)
         if end + zeros > size - step // 4:
             zeros = max(zeros, step)  # zeros ahead, before the append's sync
+        if zeros:  # first: the file is long enough before any of the append's bytes are in it
+            _write_zeros(fd, end, zeros)
         if self.sync and len(data) > PACED_WRITE_BYTES and _SYNC_FILE_RANGE is not None:
             _write_paced(fd, data, position)
         else:
             _write_all(fd, data, position)
-        if zeros:
-            _write_zeros(fd, end, zeros)
         if self.sync:
             try:
                 os.fdatasync(fd)
@@ -627,6 +627,13 @@ class LocalChunkStorage(ChunkStorage):
                 f"local storage: append to {path!r}: fdatasync failed ({error}) and zeroing the bytes "
                 f"again failed too ({again}): the append may or may not have happened") from error
         raise _storage_error(error, "append (fdatasync)", path) from error
+
+    def zeros_kept_after(self, end: int) -> int:
+        """A quarter of the pre-write step at ``end``: a completed append leaves at least that many
+        zeros after its end (``_write``), and an append writes the zeros ahead that it needs before
+        its own bytes, so no crash leaves its bytes at the end of a file they made longer (a new
+        chunk's too: its zeros are written first)."""
+        return min(max(end, MIN_PREWRITE_BYTES), PREWRITE_BYTES) // 4
 
     def trim(self, path: str, size: int) -> None:
         """Cut the chunk ``path`` back to ``size`` bytes (its end: the zeros pre-written past it

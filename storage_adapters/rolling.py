@@ -281,8 +281,11 @@ class RollingSegment:
                 started = time.monotonic()
                 view = self._load_view()
                 if view is not None:
+                    known = (self._tail_name, self._tail.torn if self._tail is not None else None)
                     self._chunks, self._start_offset, self._markers, self._layout, tail = view
                     self._tail, self._tail_name = tail, (self._chunks[-1].name if tail is not None else None)
+                    if tail is not None and tail.torn is not None and known != (self._tail_name, tail.torn):
+                        self._say_torn_found(tail.torn)
                     self.view_changes += 1
                     self._view_time = self._listed_at = started
                     self._note_dead_objects()
@@ -292,6 +295,14 @@ class RollingSegment:
             f"segment {self.name!r}: {MAX_REFRESH_ATTEMPTS} listings in a row saw the segment change under "
             "them; no consistent view could be read"
         )
+
+    def _say_torn_found(self, torn: tuple[int, int]) -> None:
+        """Log, once per handle and torn write, what a look found after the committed end: any
+        handle says it (a read-only one too), and only the next append into the chunk cuts it."""
+        _log.warning("segment %r: found %d bytes of a torn write at position %d (chunk %s) after the "
+                     "committed end: the newest write before a crash, never committed; not read, and cut by "
+                     "the next append into the chunk (nothing is cut until then)", self.name, torn[1] - torn[0],
+                     torn[0], self._tail_name)
 
     def _load_view(self) -> tuple[list[ChunkInfo], int, list[int], _Layout, TailLook | None] | None:
         """``(chunks, start offset, markers, layout, the look at the last chunk's end)`` from one
@@ -353,7 +364,7 @@ class RollingSegment:
         path = f"{self._dir}/{chunk.name}"
         since = self._tail if self._tail_name == chunk.name else None
         return look_at_tail(lambda a, b: self.storage.read(path, a, b), chunk.start, self.framing,
-                            since=since, locked=locked)
+                            since=since, locked=locked, zeros_kept=self.storage.zeros_kept_after)
 
     @property
     def torn_tail(self) -> tuple[int, bytes] | None:

@@ -8,8 +8,10 @@ of the write that was torn. ``look_at_tail`` reads them and tells which:
 * bytes that are not zeros, with no valid frame among them, that begin as a frame written there
   begins (``Framing.may_be_torn``): the newest write was torn. The end stays where the chain
   stops, and the torn bytes are reported (the next append zeroes them);
-* a valid frame after such bytes, or bytes that no torn write can leave: damage below committed
-  data. The end is the end of the last valid frame, or of the last byte that is not zero, so the
+* a valid frame after such bytes, bytes that no torn write can leave, or torn-looking bytes in a
+  file shorter than the zeros its backend keeps after committed frames say it must be (it was cut
+  short: a truncation reaching back into older frames looks like a torn newest write otherwise):
+  damage below committed data. The end is the end of the last valid frame, or of the last byte that is not zero, so the
   layers above meet the damaged bytes where they read them and report them
   (``CorruptDataError``), as for any damage.
 
@@ -55,12 +57,15 @@ class TailLook:
 
 
 def look_at_tail(read: Callable[[int, int], bytes], start: int, framing: Framing, *,
-                 since: TailLook | None = None, locked: bool = False) -> TailLook:
+                 since: TailLook | None = None, locked: bool = False,
+                 zeros_kept: Callable[[int], int] | None = None) -> TailLook:
     """Look at the end of the chunk that starts at segment position ``start``.
 
     ``read(a, b)`` returns the chunk's bytes ``[a, b)`` (chunk offsets; shorter at the end of the
     file). ``since``: this handle's previous look at the same chunk, to go on from. ``locked``:
-    the caller holds the writers' lock, so no write is in flight.
+    the caller holds the writers' lock, so no write is in flight. ``zeros_kept(end)``: how many
+    bytes the file keeps at least past committed frames ending at chunk offset ``end``
+    (``ChunkStorage.zeros_kept_after``); ``None``: nothing is known.
     """
     origin = start
     if since is not None:
@@ -71,7 +76,7 @@ def look_at_tail(read: Callable[[int, int], bytes], start: int, framing: Framing
             origin = found
     previous = None
     for _attempt in range(MAX_DAMAGE_LOOKS):
-        found = _look_whole(read, start, framing, origin)
+        found = _look_whole(read, start, framing, origin, zeros_kept)
         if found.damaged_at is None or locked or found == previous:
             return found
         previous = found
@@ -127,7 +132,8 @@ def _mark_at(read: Callable[[int, int], bytes], start: int, end: int) -> bytes:
     return read(low - start, end - start) if end > low else b""
 
 
-def _look_whole(read: Callable[[int, int], bytes], start: int, framing: Framing, position: int) -> TailLook:
+def _look_whole(read: Callable[[int, int], bytes], start: int, framing: Framing, position: int,
+                zeros_kept: Callable[[int], int] | None = None) -> TailLook:
     """Read the chunk from ``position`` (where a frame starts) to the end of its file and judge."""
     data = read(position - start, 1 << 62)
     end = framing.chain_end(data, position)
@@ -140,6 +146,11 @@ def _look_whole(read: Callable[[int, int], bytes], start: int, framing: Framing,
             stored = end + len(data[end - position:].rstrip(b"\0"))
     if stored > end and not framing.may_be_torn(data[end - position:stored - position], end):
         # No crash leaves these bytes: damage, which the layers above meet below the end.
+        damaged, end = (end if damaged is None else damaged), stored
+    elif stored > end and zeros_kept is not None and \
+            position + len(data) < end + zeros_kept(end - start):
+        # A torn write never shortens the file, and it had that much past the chain's end before
+        # the write began: the file was cut short, below frames that were committed.
         damaged, end = (end if damaged is None else damaged), stored
     torn = (end, stored) if stored > end else None
     return TailLook(end, torn, bytes(data[end - position:stored - position]) if torn else b"",

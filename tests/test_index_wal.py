@@ -446,6 +446,24 @@ def test_a_damaged_newest_wal_batch_is_cut_as_a_torn_write(tmp_path, caplog):
         assert again.get(0) == 3 and again.get(1) == 1 and again.verify().ok
 
 
+def test_a_read_only_open_says_what_a_torn_wal_write_left_and_cuts_nothing(tmp_path, caplog):
+    root = str(tmp_path)
+    index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
+    index.update({i: 1 for i in range(20)})
+    index.update({i: 2 for i in range(10)})  # the newest write
+    position = index._wal._log.position
+    chunk = _wal_chunks(root)[-1]
+    _flip(chunk, position - 30)
+    with open(chunk, "rb") as f:
+        before = f.read()
+    with caplog.at_level("WARNING", logger="attrindex.storage"):
+        with AttributeIndex.open(root, mode="r") as reader:
+            assert reader.get_many(range(20)) == [1] * 20  # one write back, as a writer would cut it
+    assert any("torn write" in r.getMessage() and "nothing is cut" in r.getMessage() for r in caplog.records)
+    with open(chunk, "rb") as f:
+        assert f.read() == before
+
+
 def test_a_tree_rolled_back_by_repair_gets_its_updates_back_from_the_wal(tmp_path):
     root = str(tmp_path)
     index = AttributeIndex.open(root, page_size=256, merge_keys=1000)

@@ -152,6 +152,27 @@ def test_a_torn_write_is_cut_with_a_warning_and_zeroed_by_the_next_append(tmp_pa
     assert _payloads(_segment(tmp_path)) == [b"one", b"x"]
 
 
+def test_a_handle_that_only_reads_says_what_a_torn_write_left_and_cuts_nothing(tmp_path, caplog):
+    seg = _segment(tmp_path)
+    seg.append(frame(b"one"))
+    end = seg.length
+    torn = FRAMING.place(frame(b"t" * 44), end)[:30]
+    with open(_chunk(tmp_path), "r+b") as f:
+        f.seek(end)
+        f.write(torn)
+        f.seek(0)
+        before = f.read()
+    with caplog.at_level("WARNING", logger="attrindex.storage"):
+        reader = _segment(tmp_path)
+        reader.refresh()
+        reader.poll()
+    found = [r.getMessage() for r in caplog.records if "torn write" in r.getMessage()]
+    assert len(found) == 1 and f"found 30 bytes of a torn write at position {end}" in found[0], found
+    assert reader.length == end and _payloads(reader) == [b"one"]
+    with open(_chunk(tmp_path), "rb") as f:
+        assert f.read() == before  # nothing cut: only an append into the chunk cuts
+
+
 def test_damage_before_a_valid_frame_is_reported_not_cut(tmp_path):
     seg = _segment(tmp_path)
     for payload in (b"a" * 30, b"b" * 30, b"c" * 30):
@@ -238,6 +259,8 @@ real_write_all, real_fdatasync = local._write_all, os.fdatasync
 
 def write_all(fd, data, position):
     counts["write"] = counts.get("write", 0) + 1
+    if step == "before-write" and counts["write"] == call:
+        os.kill(os.getpid(), 9)  # between two writes (the zeros ahead and the bytes, or two appends)
     if step == "write" and counts["write"] == call:
         real_write_all(fd, data[: len(data) // 2], position)  # die half-way through the bytes
         os.kill(os.getpid(), 9)
@@ -262,27 +285,53 @@ for i in range(1000):
 """
 
 
-@pytest.mark.parametrize("step", ["write", "sync", "synced"])
+@pytest.mark.parametrize("step", ["write", "before-write", "sync", "synced"])
 def test_a_writer_killed_at_any_step_loses_no_acknowledged_append(tmp_path, step):
     root = str(tmp_path / "store")
     stored: list[tuple[int, bytes]] = []  # what the segment held after the previous kill
     for call in (1, 2, 3, 5, 9, 14):  # some kills land on a chunk's first append (rolling_size=256)
-        child = subprocess.run([sys.executable, "-c", _CHILD, root, step, str(call)],
-                               capture_output=True, text=True, timeout=120,
-                               env={**os.environ, "PYTHONPATH": os.getcwd()})
-        assert child.returncode == -9, child.stderr
-        acknowledged = [(int(o), d.encode()) for o, d in (line.split(" ", 1) for line in child.stdout.splitlines())]
-        seg = _segment(root, rolling_size=256)  # opens without any error: a crash is no damage
-        whole = seg.read(0, seg.length)
-        appends, at = [], 0
-        for payload in FRAMING.payloads(whole):
-            appends.append((at, payload))
-            at += FRAMING.header_size + len(payload)
-        assert at == seg.length and FRAMING.chain_end(whole, 0) == seg.length  # whole frames only
-        expected = stored + acknowledged
-        assert appends[:len(expected)] == expected  # every acknowledged append, where it was acknowledged
-        assert len(appends) - len(expected) <= 1  # at most the one in flight became visible
-        stored = appends
+        stored = _kill_a_writer_and_check(root, step, call, stored)
+
+
+def test_crashes_in_a_row_leave_torn_writes_never_damage(tmp_path):
+    """A writer killed between its writes, then the next one killed half-way through its bytes:
+    every state is a crash's, so the store opens without error and keeps what was acknowledged
+    (the first kill must not leave a file whose end the next append's bytes then run past)."""
+    root = str(tmp_path / "store")
+    stored: list[tuple[int, bytes]] = []
+    for call in (2, 3, 4, 5, 6, 7, 8, 9):
+        stored = _kill_a_writer_and_check(root, "before-write", call, stored)
+        stored = _kill_a_writer_and_check(root, "write", 1, stored)
+
+
+def _kill_a_writer_and_check(root: str, step: str, call: int, stored: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """Run ``_CHILD`` until it is killed at ``step`` of its ``call``-th write or sync; check that
+    the segment opens with every acknowledged append where it was acknowledged (``stored``: what
+    it held after the previous kill), and that a torn write left after the end of the last chunk
+    has the zeros the storage keeps after it (``zeros_kept_after``: what tells it from a file cut
+    short). Return what it holds now."""
+    child = subprocess.run([sys.executable, "-c", _CHILD, root, step, str(call)],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert child.returncode == -9, child.stderr
+    acknowledged = [(int(o), d.encode()) for o, d in (line.split(" ", 1) for line in child.stdout.splitlines())]
+    seg = _segment(root, rolling_size=256)  # opens without any error: a crash is no damage
+    whole = seg.read(0, seg.length)
+    appends, at = [], 0
+    for payload in FRAMING.payloads(whole):
+        appends.append((at, payload))
+        at += FRAMING.header_size + len(payload)
+    assert at == seg.length and FRAMING.chain_end(whole, 0) == seg.length  # whole frames only
+    expected = stored + acknowledged
+    assert appends[:len(expected)] == expected  # every acknowledged append, where it was acknowledged
+    assert len(appends) - len(expected) <= 1  # at most the one in flight became visible
+    last = seg.chunks()[-1]
+    with open(_chunk(root, last.name), "rb") as f:
+        file = f.read()
+    end = last.end - last.start
+    if file[end:].strip(b"\0"):
+        assert len(file) >= end + seg.storage.zeros_kept_after(end), (step, call, end, len(file))
+    return appends
 
 
 # -- formats with commit records -----------------------------------------------------------------
@@ -381,8 +430,10 @@ def _chunk_before_and_after(root: str, name: str, write) -> tuple[bytes, int, in
 @pytest.mark.parametrize("which", ["log batch", "tree update"])
 def test_an_append_torn_at_every_byte_is_cut_back_to_the_chain_before_it(tmp_path, which):
     """Every prefix of a real append (a record batch; a B+tree update of pages and a footer), as a
-    killed writer leaves it: the end is where the append began, the bytes are a torn write (none
-    is taken for damage), and the chunk's frames before it are all there."""
+    killed writer leaves it (in a file as long as after the append: its zeros ahead are written
+    first): the end is where the append began, the bytes are a torn write (none is taken for
+    damage), and the chunk's frames before it are all there. The same prefix at the end of a file
+    cut short there is damage."""
     from attrindex.btree.framing import TREE_FRAMING
     from attrindex.log.framing import LOG_FRAMING
     from attrindex.tree_index import TreeIndex
@@ -404,16 +455,21 @@ def test_an_append_torn_at_every_byte_is_cut_back_to_the_chain_before_it(tmp_pat
         framing = TREE_FRAMING
     prefix, append = after[:start], after[start:framing.chain_end(after, chunk_start) - chunk_start]
     assert append
+    kept = open_storage(root).zeros_kept_after
+    assert len(after) >= start + len(append) + kept(start + len(append))
     for cut in range(1, len(append)):
-        chunk = prefix + append[:cut] + bytes(4096)
-        look = look_at_tail(lambda a, b: chunk[a:b], chunk_start, framing)
+        chunk = prefix + append[:cut] + bytes(len(after) - start - cut)
+        look = look_at_tail(lambda a, b: chunk[a:b], chunk_start, framing, zeros_kept=kept)
         if not append[cut:].strip(b"\0"):  # the bytes not written were zeros anyway: the whole append
             assert look.end == chunk_start + start + len(append) and look.torn is None, cut
             continue
         assert (look.end, look.damaged_at) == (chunk_start + start, None), cut
         assert look.torn == (chunk_start + start, chunk_start + start + len(append[:cut].rstrip(b"\0"))), cut
-    whole = prefix + append + bytes(4096)
-    assert look_at_tail(lambda a, b: whole[a:b], chunk_start, framing).end == chunk_start + start + len(append)
+        if cut < kept(start):  # a file ending there is shorter than any crash leaves it
+            short = chunk[:start + cut]
+            cut_short = look_at_tail(lambda a, b: short[a:b], chunk_start, framing, zeros_kept=kept)
+            assert cut_short.damaged_at == chunk_start + start and cut_short.torn is None, cut
+    assert look_at_tail(lambda a, b: after[a:b], chunk_start, framing, zeros_kept=kept).end == chunk_start + start + len(append)
 
 
 def test_a_tail_readers_poll_is_quiet_over_a_known_torn_write_and_wakes_for_an_append(tmp_path):

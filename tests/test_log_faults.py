@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -147,6 +149,39 @@ def test_a_damaged_header_of_the_newest_batch_is_damage_not_a_torn_write(tmp_pat
         seg = store.segment("s")
         assert [r.offset for r in seg.read(0, 1000)] == list(range(30))
         assert increment(seg, 31).first_offset == repair.resume_offset
+
+
+@pytest.mark.parametrize("where", ["first", "older", "newest"])
+def test_a_last_chunk_cut_short_is_damage_never_a_rollback(tmp_path, caplog, where):
+    """The log's last chunk truncated inside one of its batches (the first, one with acknowledged
+    batches after it, the newest), nothing merged past the cut: what is left looks like a torn
+    write, but a torn write never makes the file shorter than the zeros the storage keeps after
+    the chain's end, so it is reported (it used to be cut as torn, the batches after the cut lost
+    with no error), and repair gives the batch at the cut up."""
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root, **SMALL) as store:
+        store.segment("s", create=True)
+    # A writer that dies after its appends were acknowledged: no close, so no merge covers them.
+    writer = (f"import os; from attrindex import SegmentStore\n"
+              f"seg = SegmentStore.open({root!r}, **{SMALL!r}).segment('s')\n"
+              f"for i in range(40): seg.append([b'rec-%d' % i], timestamp=i)\n"
+              f"os._exit(0)")
+    subprocess.run([sys.executable, "-c", writer], check=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    last = files(root, "s", "_log.seg")[-1]
+    batches = list(iter_batches(committed(last), position=start_of(last)))
+    assert len(batches) > 5
+    at, header = batches[{"first": 0, "older": -4, "newest": -1}[where]]
+    os.truncate(last, at + BATCH_HEADER_SIZE + 3)  # the header and part of the payload are left
+    with SegmentStore.open(root, **SMALL) as store, caplog.at_level("WARNING", logger="attrindex.storage"):
+        with pytest.raises(CorruptDataError) as caught:
+            store.segment("s")
+        assert caught.value.offset == start_of(last) + at
+        assert not store.verify_segment("s").ok
+        assert not any("torn write" in r.getMessage() for r in caplog.records)
+        repair = store.repair_segment("s")
+        assert repair.first_lost_offset == header.base_offset
+        seg = store.segment("s")
+        assert [r.value for r in seg.read(0, 1000)] == [b"rec-%d" % i for i in range(header.base_offset)]
 
 
 @pytest.mark.parametrize("kind", ["payload", "header", "chunk"])

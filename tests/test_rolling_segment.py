@@ -21,7 +21,7 @@ from storage_adapters import (
     open_storage,
 )
 
-from .framed import frame, offsets, open_segment, overhead, payloads, pieces
+from .framed import FRAMING, frame, offsets, open_segment, overhead, payloads, pieces
 
 
 def test_append_returns_offsets_and_reads_back(storage):
@@ -324,21 +324,32 @@ def test_a_sealed_chunk_file_shorter_than_its_successor_says_is_corrupt_data(tmp
         assert caught.value.segment == "s" and caught.value.offset == missing
 
 
-def test_a_last_chunk_cut_inside_a_frame_ends_at_the_last_whole_frame(tmp_path):
-    """The last chunk's end is the end of its chain of whole, valid frames: a file cut inside its
-    last frame (behind the segment's back) ends before that frame, for every new handle."""
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_last_chunk_cut_inside_a_frame_is_damage_unless_a_crash_could_leave_it(tmp_path, kept):
+    """The last chunk's end is the end of its chain of whole, valid frames, and a prefix of a frame
+    after it is a torn write, cut, when the file goes on for what the storage keeps after the
+    chain's end (``zeros_kept_after``): a crash never shortens the file. A file cut inside its last
+    frame (behind the segment's back) is shorter than that: damage, inside the end, so the layers
+    above meet it where they read it."""
     storage = open_storage(str(tmp_path))
     stored = pieces(storage, [b"record%d;" % i for i in range(3)])
     at = offsets(stored)
     seg = open_segment(storage, "s")
     for piece in stored:
         seg.append(piece)
-    os.truncate(tmp_path / "s.seg" / seg.chunks()[-1].name, at[3] - 1)
+    path = tmp_path / "s.seg" / seg.chunks()[-1].name
+    os.truncate(path, at[3] - 1)
+    if kept:
+        os.truncate(path, at[2] + storage.zeros_kept_after(at[2]))  # what a torn write leaves
     fresh = open_segment(storage, "s")
-    assert fresh.length == at[2] and fresh.torn_tail == (at[2], stored[2][:-1])
-    assert payloads(storage, fresh.read(0, fresh.length)) == [b"record0;", b"record1;"]
-    with pytest.raises(OffsetOutOfRangeError):
-        fresh.read(at[2], 1)
+    if kept:
+        assert fresh.length == at[2] and fresh.torn_tail == (at[2], stored[2][:-1])
+        assert payloads(storage, fresh.read(0, fresh.length)) == [b"record0;", b"record1;"]
+        with pytest.raises(OffsetOutOfRangeError):
+            fresh.read(at[2], 1)
+    else:
+        assert fresh.length == at[3] - 1 and fresh.torn_tail is None
+        assert FRAMING.chain_end(fresh.read(0, fresh.length), 0) == at[2]  # the damage, where it lies
 
 
 def test_refresh_and_read_stay_consistent_under_concurrent_append_and_truncate(tmp_path):

@@ -110,6 +110,26 @@ def test_torn_append_leaves_uncommitted_bytes(appendable_storage):
     assert data[:end + len(after)] == first + after and not data[end + len(after):].strip(b"\0")
 
 
+def test_a_torn_append_leaves_what_a_killed_writer_of_the_backend_leaves(tmp_path):
+    """On local disk an append writes the zeros it needs ahead of its bytes first, so a killed
+    writer never leaves its bytes at the end of a file they made longer: an injected tear of a new
+    chunk's first append leaves as many bytes after its prefix (what tells a torn write from a
+    file cut short: storage_adapters/tail.py)."""
+    from storage_adapters import open_storage
+
+    storage = open_storage(str(tmp_path / "store"))
+    faulty = FaultyStorage(storage, seed=5)
+    (torn,) = pieces(storage, [b"torn-first-bytes"])
+    with faulty.lock("d"):
+        faulty.script("torn", op="append")
+        with pytest.raises(StorageError, match="torn"):
+            faulty.append("d/n", 0, torn)
+    data = storage.read("d/n", 0, 1 << 20)
+    left = data.rstrip(b"\0")
+    assert left and torn.startswith(left)
+    assert len(data) >= storage.zeros_kept_after(0) > 0
+
+
 def test_bitflip_changes_one_bit_of_what_is_returned(storage):
     storage.create("d/a", bytes(64))
     faulty = FaultyStorage(storage, seed=7)

@@ -81,6 +81,28 @@ def test_damage_in_the_newest_frame_alone_is_cut_as_torn():
     assert look.end == ends[0] and look.torn == (ends[0], ends[1]) and look.damaged_at is None
 
 
+@settings(max_examples=200, deadline=None)
+@given(payloads=st.lists(st.binary(min_size=1, max_size=300), min_size=1, max_size=10), start=starts,
+       pick=st.data())
+def test_a_file_cut_short_inside_a_frame_is_damage_not_a_torn_write(payloads, start, pick):
+    # A torn write never shortens the file, which went on past the chain's end for at least what
+    # the backend keeps there (``zeros_kept``): the same torn-looking bytes at the end of a file
+    # cut short are damage, reported; followed by what the backend keeps, a crash's torn write.
+    data, ends = _frames([p.replace(b"\0", b"\1") for p in payloads], start)  # (zeros end a torn write)
+    i = pick.draw(st.integers(0, len(payloads) - 1))  # any frame, the newest too
+    begin = ends[i - 1] if i else start
+    cut = pick.draw(st.integers(begin + 1, ends[i] - 1)) - start
+    short = data[:cut]
+    kept = pick.draw(st.integers(start + cut - begin + 1, 5000))  # more than the file has after the chain
+    stored = start + len(short.rstrip(b"\0"))
+    look = look_at_tail(_reader(short), start, FRAMING, zeros_kept=lambda _end: kept)
+    assert look.damaged_at == begin and look.end == stored and look.torn is None
+    gap = begin + kept - (start + cut)  # the fewest zeros after the cut that a crash leaves
+    crash = look_at_tail(_reader(short + bytes(max(gap, 0))), start, FRAMING, zeros_kept=lambda _end: kept)
+    assert crash.end == begin and crash.torn == (begin, stored) and crash.damaged_at is None
+    assert crash.torn_bytes == short[begin - start:].rstrip(b"\0")
+
+
 def test_a_frame_placed_for_another_position_is_not_a_frame():
     frame = FRAMING.frame(b"payload", 0)
     assert FRAMING.chain_end(frame, 4096) == 4096  # stale bytes never pass for data

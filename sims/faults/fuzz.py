@@ -17,7 +17,8 @@ under a timer. The outcome is ``ok`` (every answer equals the model), ``error`` 
 ``AttrIndexError`` was raised: the damage was reported), ``rollback`` (the damage reached the
 newest frame of a log's or tree's last chunk, nothing valid after it, and the answers are exactly
 the state before the frames it reached: on local disk that cannot be told from a write torn by a
-crash, and is cut as one: docs/decisions/0001), ``wrong`` (any other answer that differs, answers
+crash, and is cut as one: docs/decisions/0001; a truncation only where it cuts exactly at a
+frame's end, see ``rollback_frames``), ``wrong`` (any other answer that differs, answers
 that disagree with each other, or an append after the damage that reused an offset other than
 those of such a cut), ``crash`` (an exception that is no project error) or ``hang`` (the timer
 fired). Only ``ok``, ``error`` and ``rollback`` are allowed; rollbacks are counted apart, with
@@ -330,12 +331,18 @@ def damage(path: str, target: str, attack: str, rng: random.Random, view: ChunkV
         return f"truncated to {cut}/{size}", cut
 
 
-def rollback_frames(view: ChunkView | None, first: int) -> int:
+def rollback_frames(view: ChunkView | None, first: int, attack: str = "flip") -> int:
     """How many frames of a last chunk, from the first one damage starting at byte ``first``
     reached to the newest: a rollback of as many writes is what a torn newest write could leave
-    (damage always reaches the newest frame when it starts in it or, for a zeroed range or a
-    truncation, runs to the end). 0 for damage anywhere else."""
+    (damage always reaches the newest frame when it starts in it or, for a zeroed range, runs to
+    the end). A truncation inside a frame leaves a file shorter than any crash leaves it (the
+    zeros kept after the chain's end: storage_adapters/tail.py), so it must be reported: 0. A
+    truncation exactly where a frame ends (or at the chunk's start) leaves a chunk that reads as
+    rolled past (trimmed), which nothing tells from a crash between the trim and the next chunk:
+    the frames after the cut. 0 for damage anywhere else."""
     if view is None or not view.frame_ends:
+        return 0
+    if attack == "truncate" and first not in (0, *view.frame_ends):
         return 0
     return sum(1 for end in view.frame_ends if end > first)
 
@@ -355,7 +362,7 @@ def run_trial(pristine: Pristine, scratch: str, seed: int, timeout: float = 3.0)
         outcome, note = run_query(lambda: QUERIES[pristine.kind](copy), timeout)
         reused, back = False, 0
         if outcome == "answered":
-            outcome, note, reused, back = judge_answers(pristine, note, rollback_frames(view, first))
+            outcome, note, reused, back = judge_answers(pristine, note, rollback_frames(view, first, attack))
         return Trial(seed, pristine.kind, target, attack, rel, detail, outcome, note, reused, back)
     finally:
         shutil.rmtree(copy, ignore_errors=True)

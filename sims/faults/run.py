@@ -28,7 +28,7 @@ from tests.history import check, fault_counts, load_history
 
 from . import fuzz, workload
 
-KILL_RATES = {**workload.DEFAULT_RATES, "enospc": 0.01}
+KILL_RATES = {**workload.DEFAULT_RATES, "enospc": 0.01, "torn": 0.01}
 
 
 def run_fuzz(trials: int, seed: int, timeout: float, scratch: str) -> fuzz.Tally:
@@ -46,7 +46,7 @@ def run_fuzz(trials: int, seed: int, timeout: float, scratch: str) -> fuzz.Tally
 
 def run_kill_loop(rounds: int, clients: int, ops: int, seed: int, scratch: str) -> dict:
     totals = {"rounds": 0, "kills": 0, "ops": 0, "unknown": 0, "duplicates": 0, "lost": 0, "violations": 0,
-              "lost_ack": 0, "fail_before": 0, "enospc": 0}
+              "lost_ack": 0, "fail_before": 0, "enospc": 0, "torn": 0}
     for n in tqdm(range(rounds), desc="kill loop", unit="round"):
         url, history = os.path.join(scratch, f"round-{n}", "store"), os.path.join(scratch, f"round-{n}", "history")
         os.makedirs(history)
@@ -63,7 +63,7 @@ def run_kill_loop(rounds: int, clients: int, ops: int, seed: int, scratch: str) 
         totals["duplicates"] += result.duplicates
         totals["lost"] += result.lost
         totals["violations"] += len(result.violations)
-        for kind in ("lost_ack", "fail_before", "enospc"):
+        for kind in ("lost_ack", "fail_before", "enospc", "torn"):
             totals[kind] += injected[kind]
         for violation in result.violations[:5]:
             tqdm.write(f"round {n} (seed {seed + n}): {violation}")
