@@ -366,6 +366,23 @@ class RollingSegment:
         return look_at_tail(lambda a, b: self.storage.read(path, a, b), chunk.start, self.framing,
                             since=since, locked=locked, zeros_kept=self.storage.zeros_kept_after)
 
+    def cut_short(self) -> bool:
+        """Whether the last chunk's file is shorter than its backend keeps it past committed
+        frames (``ChunkStorage.zeros_kept_after``: local disk): it was cut short behind the
+        segment's back, so bytes past this view's end may be lost, and nothing tells how many.
+        False on backends that keep nothing past a chunk's end, and for a segment with no chunk."""
+        last = self._chunks[-1] if self._chunks else None
+        if last is None:
+            return False
+        kept = self.storage.zeros_kept_after(last.length)
+        if not kept:
+            return False
+        try:
+            size = self.storage.size(f"{self._dir}/{last.name}")
+        except FileNotFoundError:
+            return True
+        return size < last.length + kept
+
     @property
     def torn_tail(self) -> tuple[int, bytes] | None:
         """``(position, bytes)`` of a torn write found after the end of the last chunk by the

@@ -180,8 +180,12 @@ def test_a_last_chunk_cut_short_is_damage_never_a_rollback(tmp_path, caplog, whe
         assert not any("torn write" in r.getMessage() for r in caplog.records)
         repair = store.repair_segment("s")
         assert repair.first_lost_offset == header.base_offset
+        # What lay past the cut is gone with no trace of how many records it held: the resume is
+        # a bound, above every offset given out (40 were acknowledged), never one of theirs.
+        assert not repair.resume_exact and repair.resume_offset >= 40
         seg = store.segment("s")
         assert [r.value for r in seg.read(0, 1000)] == [b"rec-%d" % i for i in range(header.base_offset)]
+        assert seg.append([b"after the repair"]).first_offset == repair.resume_offset
 
 
 @pytest.mark.parametrize("kind", ["payload", "header", "chunk"])

@@ -23,6 +23,9 @@ from .sparse_index import decode_chunk_index
 #: Most records one stored byte can stand for: zstd's densest block (4 bytes -> 128 KiB) packs
 #: fewer than 2**15 one-byte records per byte, and every record takes at least one payload byte.
 RECORDS_PER_BYTE_BOUND = 1 << 17
+#: Most bytes a last chunk cut short can have lost past its rolling size: one append that began
+#: below it (a batch is at most 4 GiB; a group of batches past the first is at most a few MiB).
+MAX_APPEND_BYTES = 1 << 33
 
 
 @attrs.frozen
@@ -245,7 +248,9 @@ def resume_offset(log: SegmentLog, start: int, first_lost: int) -> tuple[int, bo
     Every header in ``[start, length)`` whose own checksum holds tells its batch's offsets; the
     highest next offset among them bounds every record before it. Bytes after the last such batch
     may hold batches nobody can read: they are bounded by ``RECORDS_PER_BYTE_BOUND`` records per
-    byte, and the result is then an upper bound, not exact.
+    byte, and the result is then an upper bound, not exact. So is the result when the last chunk
+    was cut short (``RollingSegment.cut_short``): the bytes cut off count as unknown up to the
+    most the chunk could have held (its rolling size and one append after it).
     """
     best, covered = first_lost, start
     for chunk in log.bytes.chunks():
@@ -269,6 +274,9 @@ def resume_offset(log: SegmentLog, start: int, first_lost: int) -> tuple[int, bo
                     covered = max(covered, chunk.end)  # the hole after a replacement's bytes holds nothing
             i = buf.find(BATCH_MAGIC, i + 1)
     unknown = log.bytes.length - covered
+    if log.bytes.cut_short():
+        last = log.bytes.chunks()[-1]
+        unknown += max(log.bytes.rolling_size - last.length, 0) + MAX_APPEND_BYTES
     if unknown <= 0:
         return best, True
     return best + unknown * RECORDS_PER_BYTE_BOUND, False
