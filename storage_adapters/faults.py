@@ -255,13 +255,13 @@ class FaultyStorage(ChunkStorage):
             # What a create killed mid-way leaves on local disk: its temporary, partly written,
             # and nothing under the name (the name appears only by linking the whole file). An
             # object store creates whole objects or none.
-            from .local import _TEMP_PREFIX
+            from .local import TEMP_PREFIX
 
             if os.path.lexists(target):
                 raise ChunkExistsError(path)
             directory, base = os.path.split(target)
             os.makedirs(directory, exist_ok=True)
-            with open(os.path.join(directory, f"{_TEMP_PREFIX}{base}.torn{random.randrange(1 << 24):06x}"), "xb") as f:
+            with open(os.path.join(directory, f"{TEMP_PREFIX}{base}.torn{random.randrange(1 << 24):06x}"), "xb") as f:
                 f.write(self._prefix(data))
         raise StorageError(f"injected fault: create of {path!r} was torn")
 

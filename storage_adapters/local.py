@@ -34,7 +34,7 @@ from .base import ChunkStorage
 from .errors import ChunkExistsError, CorruptDataError, OutcomeUnknownError, StorageError, StorageFullError
 
 LOCK_NAME = ".lock"
-_TEMP_PREFIX = ".tmp-"  #: files being created; never listed (a crash may leave one behind)
+TEMP_PREFIX = ".tmp-"  #: files being created; never listed (a crash may leave one behind)
 #: A temporary older than this (by its mtime) is left by a crashed ``create`` and is deleted by a
 #: later ``create`` in its directory. A live create touches its file within one call; one stalled
 #: longer than this (a stopped process) fails at its link with a ``StorageError``: nothing appears.
@@ -274,7 +274,7 @@ class LocalChunkStorage(ChunkStorage):
                     raise _old_format(os.path.join(dirpath, name))
             rel_dir = os.path.relpath(dirpath, base)
             for name in filenames:
-                if name == LOCK_NAME or name.startswith(_TEMP_PREFIX):
+                if name == LOCK_NAME or name.startswith(TEMP_PREFIX):
                     continue
                 rel = name if rel_dir == "." else f"{rel_dir}/{name}"
                 with contextlib.suppress(FileNotFoundError):
@@ -323,7 +323,7 @@ class LocalChunkStorage(ChunkStorage):
             os.makedirs(directory, exist_ok=True)
             if os.path.lexists(target):
                 raise ChunkExistsError(path)
-            temporary = os.path.join(directory, f"{_TEMP_PREFIX}{os.path.basename(target)}.{secrets.token_hex(6)}")
+            temporary = os.path.join(directory, f"{TEMP_PREFIX}{os.path.basename(target)}.{secrets.token_hex(6)}")
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 try:
@@ -355,7 +355,7 @@ class LocalChunkStorage(ChunkStorage):
         cutoff = time.time() - TEMP_MAX_AGE_SECONDS
         with contextlib.suppress(OSError), os.scandir(directory) as entries:
             for entry in entries:
-                if not entry.name.startswith(_TEMP_PREFIX):
+                if not entry.name.startswith(TEMP_PREFIX):
                     continue
                 with contextlib.suppress(OSError):
                     if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
