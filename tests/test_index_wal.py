@@ -428,15 +428,23 @@ def test_a_damaged_wal_is_reported_and_repair_gives_up_only_the_damaged_batch(tm
         assert again.get(0) == 3 and again.verify().ok
 
 
-def test_a_damaged_newest_wal_batch_is_cut_as_a_torn_write(tmp_path, caplog):
-    # With nothing valid after it, damage to the newest write cannot be told from a torn write
-    # (docs/reliability.md, "The newest frame on local disk"): one write back, with a warning.
-    root = str(tmp_path)
+def _newest_wal_write_damaged(root: str) -> str:
+    """An index whose writer stopped (not closed: nothing merged) after two updates, 20 keys to 1
+    then 10 of them to 2, with a byte of the newest one's WAL batch flipped; its WAL chunk's path."""
     index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
     index.update({i: 1 for i in range(20)})
     index.update({i: 2 for i in range(10)})  # the newest write
     position = index._wal._log.position
-    _flip(_wal_chunks(root)[-1], position - 30)
+    chunk = _wal_chunks(root)[-1]
+    _flip(chunk, position - 30)
+    return chunk
+
+
+def test_a_damaged_newest_wal_batch_is_cut_as_a_torn_write(tmp_path, caplog):
+    # With nothing valid after it, damage to the newest write cannot be told from a torn write
+    # (docs/reliability.md, "The newest frame on local disk"): one write back, with a warning.
+    root = str(tmp_path)
+    _newest_wal_write_damaged(root)
     with caplog.at_level("WARNING", logger="attrindex.storage"):
         with AttributeIndex.open(root) as reopened:
             assert reopened.get_many(range(20)) == [1] * 20
@@ -448,12 +456,7 @@ def test_a_damaged_newest_wal_batch_is_cut_as_a_torn_write(tmp_path, caplog):
 
 def test_a_read_only_open_says_what_a_torn_wal_write_left_and_cuts_nothing(tmp_path, caplog):
     root = str(tmp_path)
-    index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
-    index.update({i: 1 for i in range(20)})
-    index.update({i: 2 for i in range(10)})  # the newest write
-    position = index._wal._log.position
-    chunk = _wal_chunks(root)[-1]
-    _flip(chunk, position - 30)
+    chunk = _newest_wal_write_damaged(root)
     with open(chunk, "rb") as f:
         before = f.read()
     with caplog.at_level("WARNING", logger="attrindex.storage"):
