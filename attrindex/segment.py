@@ -753,13 +753,18 @@ class Segment(BackgroundMerge):
     def start_offset(self) -> int:
         """The offset of the first record still stored (retention moves it forward)."""
         with self._lock:
-            for _attempt in range(MAX_OPEN_ATTEMPTS):
-                try:
-                    return self._log.start_offset
-                except TruncatedError:  # another handle's retention deleted the chunk it names: look again
-                    self._catch_up()
-            raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the first "
-                               f"chunk while its start offset was read ({MAX_OPEN_ATTEMPTS} tries)")
+            return self._start_offset()
+
+    def _start_offset(self) -> int:
+        """Under ``_lock``: the log's start offset, looked for again (bounded) while other handles'
+        retention deletes the chunk this view names first."""
+        for _attempt in range(MAX_OPEN_ATTEMPTS):
+            try:
+                return self._log.start_offset
+            except TruncatedError:  # another handle's retention deleted the chunk it names: look again
+                self._catch_up()
+        raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the first "
+                           f"chunk while its start offset was read ({MAX_OPEN_ATTEMPTS} tries)")
 
     def read(self, offset: int, max_records: int = 1000, *, max_bytes: int = DEFAULT_READ_BYTES) -> list[Record]:
         """Records from ``offset`` on, at most ``max_records`` (fewer at the end; ``[]`` past it).
@@ -1122,11 +1127,12 @@ class Segment(BackgroundMerge):
             self._check_open()
             self._ensure_attributes()
             log = self._log
+            start_offset = self._start_offset()  # (first: it may move the view on)
             chunks = log.bytes.chunks()
             stored = sum(c.stored for c in chunks)  # a hole holds nothing; a cut first chunk is still whole
             return SegmentStats(
                 name=self.name,
-                start_offset=log.start_offset,
+                start_offset=start_offset,
                 next_offset=log.next_offset,
                 log_bytes=stored,
                 log_chunks=len(chunks),

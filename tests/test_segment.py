@@ -387,6 +387,20 @@ def test_a_local_file_that_cannot_be_deleted_fails_the_delete(tmp_path):
         assert store.segment("s", create=True).read(0) == []
 
 
+def test_stats_of_a_handle_whose_first_chunk_another_handle_truncated_away():
+    """The handle's view still lists a first chunk that another handle's retention deleted (its
+    offset index never built: the open started at the attributes' checkpoint, in a later chunk):
+    ``stats`` reports the new start, as ``start_offset`` does, instead of a ``TruncatedError``."""
+    url = f"memory://stats-start-{uuid.uuid4().hex}"
+    writer = SegmentStore.open(url, log_rolling_size=300).segment("s", create=True)
+    for i in range(30):
+        writer.append([b"x" * 40], [(key(i % 3), i)], timestamp=i)
+    writer.flush()  # the attributes cover every batch: a new handle's open scans from the last chunk
+    other = SegmentStore.open(url, log_rolling_size=300).segment("s")
+    writer.apply_retention(start_offset=20)
+    assert other.stats().start_offset == writer.start_offset == other.start_offset > 0
+
+
 def test_read_before_start_after_retention(store):
     seg = store.segment("s", create=True)
     for i in range(10):
