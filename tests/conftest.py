@@ -286,3 +286,37 @@ def spark():
     session.sparkContext.setLogLevel("OFF")  # injected task failures would log pages of traces
     yield session
     session.stop()
+
+
+
+#: Modules run whole by one pytest-xdist worker: their module-scoped fixtures (a built store, a
+#: fuzzed corpus) are set up once, not once per worker.
+ONE_WORKER_MODULES = ("test_backup", "test_corruption_fuzz")
+#: The tests that start Spark (a JVM of 2 cores each): one worker runs them all, so one worker
+#: starts the session and the Connect server, one after the other.
+SPARK_TESTS = ("tests/test_spark.py::", "tests/test_spark_core.py::", "tests/test_spark_compaction.py::",
+               "tests/test_spark_connect.py::", "tests/test_spark_s3_checks.py::", "tests/test_demo.py::",
+               "tests/test_docs_examples.py::test_spark_examples_run")
+
+
+def work_group(nodeid: str) -> str:
+    """The unit of work a pytest-xdist worker takes whole: ``spark``, a module of
+    ``ONE_WORKER_MODULES``, or else the test alone."""
+    if nodeid.startswith(SPARK_TESTS):
+        return "spark"
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return module if module in ONE_WORKER_MODULES else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With ``-n N`` (``--dist load``): the workers take ``work_group``s, largest first (the Spark
+    group starts at once on one worker; single tests fill both workers around it)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_group(nodeid)
+
+    return WorkGroupScheduling(config, log)

@@ -143,7 +143,7 @@ def test_iterator_outlives_compaction_and_truncation(url):
 
 
 # -- recovery ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("url", [f"memory://index-{uuid.uuid4().hex}"])
+@pytest.mark.parametrize("url", [f"memory://index-{uuid.uuid4().hex}"], ids=["memory"])
 def test_committed_bytes_after_the_newest_footer_are_corruption_not_a_rollback(url):
     # Where a chunk's length is stored (memory, S3) every committed append of an index ends with a
     # footer, so committed bytes that do not are damage: reopening must say so, not silently fall

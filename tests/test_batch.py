@@ -765,7 +765,7 @@ def test_place_batches_seals_each_batch_for_where_it_lands(shapes, position, oth
     (b"\x00" * 64, "not a whole version 3 batch"),
     (encode_batch(0, [b"a"], timestamp=TS)[:-1], "not a whole version 3 batch"),
     (encode_batch(0, [b"a"], timestamp=TS) + b"\x00", "not a whole batch"),
-])
+], ids=["magic-only", "zeros", "cut-short", "a-byte-more"])
 def test_place_batches_refuses_what_is_not_whole_batches(data, problem):
     with pytest.raises(InvalidInputError, match=problem):
         place_batches(data, 0)

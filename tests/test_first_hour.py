@@ -161,7 +161,8 @@ SINGLE_KEYS = [b"x" * 16, bytearray(b"x" * 16), memoryview(b"x" * 16), "x" * 16,
 NOT_ITERABLE = [None, 7.5]
 
 
-@pytest.mark.parametrize("keys", SINGLE_KEYS + NOT_ITERABLE, ids=repr)
+@pytest.mark.parametrize("keys", SINGLE_KEYS + NOT_ITERABLE,
+                         ids=lambda keys: f"memoryview({bytes(keys)!r})" if isinstance(keys, memoryview) else repr(keys))
 def test_get_many_refuses_a_single_key(keys):
     with AttributeIndex.open(f"memory://first-hour-{uuid.uuid4().hex}") as idx:
         idx.update({b"x" * 16: 1})

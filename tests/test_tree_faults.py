@@ -84,7 +84,7 @@ def within(seconds: float, call):
 
 
 # -- class 2: the newest footer ----------------------------------------------------------------
-@pytest.mark.parametrize("url", [f"memory://tree-faults-{uuid.uuid4().hex}"])
+@pytest.mark.parametrize("url", [f"memory://tree-faults-{uuid.uuid4().hex}"], ids=["memory"])
 def test_damaged_newest_footer_is_corruption_on_open_and_on_reload(url):
     """Where a chunk's length is stored (memory, S3), bytes up to it are committed: a damaged
     newest footer is damage. (Local disk: the next test.)"""
