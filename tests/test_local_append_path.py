@@ -126,20 +126,24 @@ def test_an_append_to_an_existing_chunk_opens_no_file(tmp_path, monkeypatch):
     assert _payloads(fresh) == [b"first", b"second"] + [b"next-%d" % i for i in range(5)]
 
 
-def test_an_append_to_the_last_chunk_stats_only_the_lock_file_and_the_chunk(tmp_path, monkeypatch):
+def test_an_append_to_the_last_chunk_stats_only_the_lock_file(tmp_path, monkeypatch):
     """Pre-written zeros after the chunk's end say no writer rolled past it (a chunk is trimmed
     to its end before its successor is made), so no successor and no switch marker is looked
-    for: two ``stat`` calls an append (docs/storage.md, "Rolling into a new chunk")."""
+    for; and the chunk itself is never ``stat``-ed or ``fstat``-ed by an append (its descriptor
+    is checked through the kernel's name for it, its size by seeking: docs/storage.md): one
+    ``stat`` an append, of the lock file."""
     storage = LocalChunkStorage(str(tmp_path))
     seg = _segment(storage)
     seg.append(frame(b"first"))
     stats: list[str] = []
-    real = os.stat
-    monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.append(os.path.basename(str(path))), real(path, *a, **k))[1])
+    real_stat, real_fstat = os.stat, os.fstat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.append(os.path.basename(str(path))), real_stat(path, *a, **k))[1])
+    monkeypatch.setattr(os, "fstat", lambda fd: (stats.append(f"fd {fd}"), real_fstat(fd))[1])
     for i in range(5):
         seg.append(frame(b"next-%d" % i))
     monkeypatch.undo()
-    assert sorted(stats) == sorted([".lock", CHUNK] * 5)
+    assert stats == [".lock"] * 5
+    assert _payloads(_segment(LocalChunkStorage(str(tmp_path)))) == [b"first"] + [b"next-%d" % i for i in range(5)]
 
 
 def test_a_writer_that_skips_the_switch_check_still_appends_and_reads_beside_a_compaction(tmp_path):
@@ -175,16 +179,21 @@ def test_a_writer_that_skips_the_switch_check_still_appends_and_reads_beside_a_c
     assert _payloads(_segment(LocalChunkStorage(str(tmp_path)))) == model
 
 
-def test_an_append_lands_in_the_file_its_chunk_name_leads_to_now(tmp_path):
-    """The kept descriptor is checked against the name: a chunk deleted and made again (here by
-    hand, as a repair or a segment made again would) is written through a new descriptor."""
+@pytest.mark.parametrize("gone", ["deleted", "renamed"])
+def test_an_append_lands_in_the_file_its_chunk_name_leads_to_now(tmp_path, gone):
+    """The kept descriptor is checked against the name: a chunk deleted, or moved away, and made
+    again (here by hand, as a repair or a segment made again would) is written through a new
+    descriptor."""
     storage = LocalChunkStorage(str(tmp_path), sync=False)
     path = f"d/{CHUNK}"
     with storage.lock("d"):
         storage.append(path, 0, b"old-1;")
         storage.append(path, 6, b"old-2;")  # kept open now
     other = LocalChunkStorage(str(tmp_path), sync=False)
-    other.delete([path])
+    if gone == "deleted":
+        other.delete([path])
+    else:
+        os.rename(tmp_path / "d" / CHUNK, tmp_path / "d" / "moved-away")
     with other.lock("d"):
         other.append(path, 0, b"new-1;")
     with storage.lock("d"):
