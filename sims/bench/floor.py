@@ -10,8 +10,8 @@ median of the rounds' mean µs per call, and its ratio to LMDB's one-key transac
 * ``floor-chain``: the commit of docs/decisions/0001 (the chain of frames is the record): a
   pre-written file, ``pwrite`` of the batch, one ``fdatasync``;
 * ``floor-chain+checks``: that, plus what the shipped append does besides (docs/storage.md,
-  "Compare-and-append"): ``flock`` and its release, a ``stat`` of the lock file and of the chunk,
-  a ``pread`` of the bytes at the end;
+  "Compare-and-append"): ``flock`` and its release, a ``stat`` of the lock file, the kernel's name
+  for the chunk's descriptor and a seek to its end, a ``pread`` of the bytes at the end;
 * ``floor-chain-dsync``: the floor with one ``pwritev2(RWF_DSYNC)`` instead of write + sync;
 * ``rocksdb``, ``leveldb``: one ``put`` with ``sync=True`` (``rocksdict``, ``plyvel``), where installed.
 
@@ -54,8 +54,9 @@ class Floor:
         if self.checks:
             fcntl.flock(self.lock, fcntl.LOCK_EX)
             os.stat(self.path + ".lock")
-            os.stat(self.path)
-            os.pread(fd, 4096 + 64, max(position - 64, 0))
+            os.readlink(f"/proc/self/fd/{fd}")
+            os.lseek(fd, 0, os.SEEK_END)
+            os.pread(fd, 512 + 64, max(position - 64, 0))
         if self.dsync:
             os.pwritev(fd, [data], position, os.RWF_DSYNC)
         else:
