@@ -396,20 +396,32 @@ def test_staged_commit_publishes_only_the_winning_attempts_once(storage_url):
     assert collections.Counter(r.value for _, r in stream_records(url, options, "events")) == collections.Counter(expected)
 
 
+#: rows staged per partition by the crashed-commit tests
+CRASHED_SIZES = {0: 17, 1: 11, 2: 23}
+
+
+def _staged_with_manifest(storage_url, token, version, make_rows):
+    """Three partitions staged (``make_rows(name, n)``) and the commit's manifest recorded, as by
+    a commit that crashed right after: ``(target, attempts, plan)``."""
+    url, options = storage_url
+    target = target_for(storage_url, segments=3, batch_events=4)
+    first = [stage_attempt(target, token, version, p, 0, make_rows(f"a{p}", n)) for p, n in CRASHED_SIZES.items()]
+    plan = sorted([r.partition, r.staged] for r in first)
+    with SegmentStore.open(url, storage_options=options) as store:
+        assert CommitLedger(store.storage, "events").adopt_manifest(token, version, plan) == plan
+    return target, first, plan
+
+
 @pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
 @pytest.mark.parametrize("abort_between", [False, True])
 def test_staged_rerun_after_a_commit_crashed_mid_publish_publishes_the_manifest(storage_url, abort_between):
     url, options = storage_url
-    target = target_for(storage_url, segments=3, batch_events=4)
     token, version = write_token("crashed-commit"), 5
-    sizes = {0: 17, 1: 11, 2: 23}
-    first = [stage_attempt(target, token, version, p, 0, rows(f"a{p}", n)) for p, n in sizes.items()]
-
+    sizes = CRASHED_SIZES
     # The first commit recorded its manifest, published partition 0 and crashed.
-    plan = sorted([r.partition, r.staged] for r in first)
+    target, first, plan = _staged_with_manifest(storage_url, token, version, rows)
     with SegmentStore.open(url, storage_options=options) as store:
         ledger = CommitLedger(store.storage, "events")
-        assert ledger.adopt_manifest(token, version, plan) == plan
         done = publish(target, store, token, version, plan[:1])
         assert done == {"published": 17, "skipped": 0}
         assert ledger.committed(token, version) is None
@@ -533,13 +545,10 @@ def test_staged_arrow_rows_are_published_as_columns_into_what_a_direct_write_mak
 @pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
 def test_staged_arrow_rows_republished_after_a_crash_mid_publish_land_once(storage_url):
     url, options = storage_url
-    target = target_for(storage_url, segments=3, batch_events=4)
     token, version = write_token("arrow-crashed-commit"), 2
-    sizes = {0: 17, 1: 11, 2: 23}
-    first = [stage_attempt(target, token, version, p, 0, arrow_rows(f"a{p}", n)) for p, n in sizes.items()]
-    plan = sorted([r.partition, r.staged] for r in first)
+    sizes = CRASHED_SIZES
+    target, first, plan = _staged_with_manifest(storage_url, token, version, arrow_rows)
     with SegmentStore.open(url, storage_options=options) as store:
-        assert CommitLedger(store.storage, "events").adopt_manifest(token, version, plan) == plan
         assert publish(target, store, token, version, plan[:2]) == {"published": 28, "skipped": 0}
     summary = commit_write(target, token, version, first, staged=True)
     assert (summary["published"], summary["skipped"], summary["rows"]) == (51, 28, 51)
