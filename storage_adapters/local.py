@@ -153,6 +153,12 @@ def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _prewrite_step(end: int) -> int:
+    """How many zeros an append pre-writes ahead of a chunk's end ``end`` when they run low: as
+    far as the chunk's end again, ``MIN_PREWRITE_BYTES`` to ``PREWRITE_BYTES``."""
+    return min(max(end, MIN_PREWRITE_BYTES), PREWRITE_BYTES)
+
+
 def _fd_link(fd: int) -> str | None:
     """The path the kernel gives the file open on ``fd`` (Linux's ``/proc/self/fd``: it ends with
     `` (deleted)`` once the file has no name, and follows a rename), or ``None`` if unknown."""
@@ -621,7 +627,7 @@ class LocalChunkStorage(ChunkStorage):
                                    f"end at: cannot append there")
         end = position + len(data)
         zeros = max(clear_to - end, 0)  # a torn write's bytes past the new end, cleared with it
-        step = min(max(end, MIN_PREWRITE_BYTES), PREWRITE_BYTES)
+        step = _prewrite_step(end)
         if end + zeros > size - step // 4:
             zeros = max(zeros, step)  # zeros ahead, before the append's sync
         if zeros:  # first: the file is long enough before any of the append's bytes are in it
@@ -656,7 +662,7 @@ class LocalChunkStorage(ChunkStorage):
         zeros after its end (``_write``), and an append writes the zeros ahead that it needs before
         its own bytes, so no crash leaves its bytes at the end of a file they made longer (a new
         chunk's too: its zeros are written first)."""
-        return min(max(end, MIN_PREWRITE_BYTES), PREWRITE_BYTES) // 4
+        return _prewrite_step(end) // 4
 
     def trim(self, path: str, size: int) -> None:
         """Cut the chunk ``path`` back to ``size`` bytes (its end: the zeros pre-written past it

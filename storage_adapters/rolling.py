@@ -558,7 +558,8 @@ class RollingSegment:
         last chunk and no truncation deletes it."""
         with self.storage.lock(self._dir):
             self._catch_up()
-            stored_start = self._stored_start_offset() if self._rolls() else None
+            rolls = self._rolls()
+            stored_start = self._stored_start_offset() if rolls else None
             if stored_start is not None and stored_start > self.length:
                 # Another handle truncated past the end of this view: the walk from the view's last
                 # chunk found no successor because it was deleted (the walk raced the deletions, or
@@ -571,7 +572,7 @@ class RollingSegment:
                 raise BadOffsetError(self.name, expected_offset, offset)
             last = self._chunks[-1] if self._chunks else None
             clear_to = 0
-            if last is None or last.length >= self.rolling_size:  # (``_rolls``)
+            if rolls:
                 if last is not None:
                     self._trim(last)
                 last = ChunkInfo(offset, 0, chunk_name(offset))
@@ -868,10 +869,7 @@ class RollingSegment:
 
     def _after_durable_append(self) -> None:
         """Housekeeping after the append is durable: it must never turn the append into an error."""
-        chunks, start = self._chunks, self._start_offset
-        if (len(chunks) > 1 and chunks[0].end <= start) or self._doomed or \
-                any(m < start for m in self._markers):
-            self._delete_dead()
+        self._delete_dead()
 
     def _drop_truncated_predecessor(self) -> None:
         """Delete the chunks before the last that lie wholly below the start offset.
@@ -1136,6 +1134,9 @@ class RollingSegment:
     def _delete_dead(self) -> None:
         """After a truncation is durable: delete the chunks and markers it made dead. A failure is
         logged, not raised (the truncation holds), and retried by later appends and truncations."""
+        chunks, start = self._chunks, self._start_offset
+        if not ((len(chunks) > 1 and chunks[0].end <= start) or self._doomed or any(m < start for m in self._markers)):
+            return  # nothing is dead (after most appends)
         try:
             self._drop_truncated_predecessor()
             old = [m for m in self._markers if m < self._start_offset]

@@ -95,18 +95,13 @@ def _look_on(read: Callable[[int, int], bytes], start: int, framing: Framing, si
     data = read(known - len(mark), known + PROBE_BYTES)
     if data[:len(mark)] != mark:
         return None
-    if data[len(mark):len(mark) + 1] == b"\0":
-        # A frame never starts with a zero byte: nothing was appended since (a lone writer's usual
-        # look), and the pre-written zeros follow the known end.
-        if since.zeros_after and since.torn is None and since.damaged_at is None:
-            return since
-        return TailLook(since.end, zeros_after=True, mark=mark)
     position, buffer, window = since.end, data[len(mark):], PROBE_BYTES
     at_eof = len(buffer) < window
     while True:
-        end = framing.chain_end(buffer, position)
-        if end > position:
-            buffer, position = buffer[end - position:], end
+        if buffer[:1] != b"\0":  # (zeros at once: nothing appended, a lone writer's usual look)
+            end = framing.chain_end(buffer, position)
+            if end > position:
+                buffer, position = buffer[end - position:], end
         if not buffer:
             if at_eof:
                 return _clean(read, start, position, since, zeros_after=False)

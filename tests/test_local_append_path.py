@@ -179,11 +179,16 @@ def test_a_writer_that_skips_the_switch_check_still_appends_and_reads_beside_a_c
     assert _payloads(_segment(LocalChunkStorage(str(tmp_path)))) == model
 
 
+@pytest.mark.parametrize("proc", [True, False], ids=["proc", "no-proc"])
 @pytest.mark.parametrize("gone", ["deleted", "renamed"])
-def test_an_append_lands_in_the_file_its_chunk_name_leads_to_now(tmp_path, gone):
+def test_an_append_lands_in_the_file_its_chunk_name_leads_to_now(tmp_path, monkeypatch, gone, proc):
     """The kept descriptor is checked against the name: a chunk deleted, or moved away, and made
     again (here by hand, as a repair or a segment made again would) is written through a new
-    descriptor."""
+    descriptor; also without ``/proc`` (the kernel's name for a descriptor unknown: a ``stat``)."""
+    if not proc:
+        from storage_adapters import local
+
+        monkeypatch.setattr(local, "_fd_link", lambda fd: None)
     storage = LocalChunkStorage(str(tmp_path), sync=False)
     path = f"d/{CHUNK}"
     with storage.lock("d"):
