@@ -34,7 +34,8 @@ from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, Segmen
                      StorageError, StreamNotFoundError)
 from .log.cleanup_policy import CONFIG_DIR, load_policy, policy_from_options, store_policy
 from .locations import open_location
-from .segment import Segment, SegmentOptions
+from .options import SegmentOptions
+from .segment import Segment
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 
 STORE_MARKER = "_store"

@@ -181,8 +181,14 @@ class TreeIndex(IndexHandle):
         keys = key_list(keys)
         return self._get_many_canonical(keys if all_canonical_keys(keys) else [to_key(k) for k in keys])
 
-    # Lock-free: a segment's read view calls these for keys its overlays do not hold, beside the
-    # background merge's updates. Only ``_cache_found`` writes the cache (under its lock).
+    def lookups(self) -> tuple[ValueCache, Callable[[bytes], int | None], Callable[[list[bytes]], list]]:
+        """What a lock-free read view (``attrindex.read_view``) probes after its overlays: the recent
+        values, then ``get`` of one canonical key that their young generation did not hold, and
+        ``get_many`` of canonical keys. Both run beside the merge's updates, without a lock."""
+        return self._values, self._get_uncached, self._get_many_canonical
+
+    # Lock-free: a read view calls these for keys its overlays do not hold, beside the background
+    # merge's updates. Only ``_cache_found`` writes the cache (under its lock).
     def _cached_get(self, key: bytes) -> int | None:
         """``get`` for a canonical key: the young generation of the recent values, else the tree."""
         values = self._values

@@ -255,6 +255,6 @@ def test_the_wal_log_of_an_attribute_index_writes_chains(tmp_path):
     with AttributeIndex.open(str(tmp_path / "idx")) as index:
         for i in range(50):
             index.update({i.to_bytes(16, "big"): i})
-        log = index._wal._log
+        log = index._log
         assert log.bytes.framing is LOG_FRAMING
         assert all(chain == stored for _start, chain, stored in chains(log))
