@@ -27,18 +27,18 @@ from typing import Any, Callable, Iterator
 
 from storage_adapters.rolling import SEGMENT_SUFFIX
 
-from .errors import CorruptDataError, InvalidInputError, MergeBacklogError, StorageError, TruncatedError
+from .errors import InvalidInputError, MergeBacklogError, StorageError, TruncatedError
 from .listing import ListedStorage
 from .log.segment_log import LayoutChangedError, SegmentLog
 from .merge_runner import BACKPRESSURE_FAILURES, MergeRunner
 from .overlay import AttributeOverlay, merge_scan
 from .read_view import fallback_view, view_value, view_values
-from .replay import replay_range, replaying
+from . import replay
+from .replay import MAX_TREE_REFRESHES, replaying
 from .tree_index import TreeIndex
 
 BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an update waits for a merge to make room in tier 1
 MAX_OPEN_ATTEMPTS = 10  #: opens and scans that met a concurrent retention or cut before giving up
-_MAX_TREE_REFRESHES = 10  #: tree refreshes before a rebuild of tier 1 when others keep truncating the log
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -88,7 +88,7 @@ class AttributeState:
         self._tree = TreeIndex(self._log.storage, self.tree_name, **self.options.attribute_options)
         for attempt in range(MAX_OPEN_ATTEMPTS):
             try:
-                self._open_at_checkpoint()
+                replay.open_at_checkpoint(self._log, self._tree, self._overlay, self._overlay_filled)
                 break
             except TruncatedError:  # retention elsewhere removed what was being replayed
                 if attempt + 1 == MAX_OPEN_ATTEMPTS:
@@ -97,48 +97,6 @@ class AttributeState:
                 self._tree.refresh()  # retention merged first: replay from its newer checkpoint
         self._loaded = True
         self._publish()
-
-    def _open_at_checkpoint(self) -> None:
-        tree, log = self._tree, self._log
-        checkpoint = tree.checkpoint or 0  # type: ignore[union-attr]
-        self._overlay.clear()
-        resyncs = log.resyncs
-        log.open_at(checkpoint)
-        # Checked on the view open_at just listed, not an older one: another handle may have merged
-        # past this tree version and truncated the log below its new checkpoint since the tree was
-        # read, and open_at would then start at the log's new start, silently skipping the updates
-        # in between (they are in the newer tree version only).
-        if checkpoint < log.start_position:
-            tree.refresh()  # type: ignore[union-attr]
-            if (tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
-                raise TruncatedError(self.name, checkpoint, 0, log.start_position, log.bytes.length)
-            if log.bytes.length > log.start_position:
-                raise self._lost_between_error(checkpoint)
-        replayed = log.catch_up(replaying(self._overlay, checkpoint, self.name, self._overlay_filled), refresh=False)
-        if log.resyncs != resyncs or any(c.generation and c.end > checkpoint for c in log.bytes.chunks()):
-            # Chunks above this tree version's checkpoint were rewritten (log compaction drops the
-            # attribute updates of batches below its limit, a newer tree checkpoint) since the tree
-            # was read: the replay may have missed updates only a newer tree version holds.
-            tree.refresh()  # type: ignore[union-attr]
-            if (tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
-                raise TruncatedError(self.name, checkpoint, 0, log.start_position, log.bytes.length)
-        if checkpoint > log.bytes.length:
-            raise self._beyond_log_error(checkpoint)
-        _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
-                   self.name, log.position, replayed, checkpoint)
-
-    def _lost_between_error(self, checkpoint: int) -> CorruptDataError:
-        return CorruptDataError(
-            f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, but the log "
-            f"starts at {self._log.start_position}: attribute updates in between are lost",
-            segment=self.name, offset=checkpoint)
-
-    def _beyond_log_error(self, checkpoint: int) -> CorruptDataError:
-        return CorruptDataError(
-            f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, beyond the "
-            f"log's committed length {self._log.bytes.length}: committed log data was lost. The segment "
-            f"refuses appends until repaired: see SegmentStore.verify_segment / repair_segment",
-            segment=self.name, offset=self._log.bytes.length)
 
     @property
     def loaded(self) -> bool:
@@ -195,27 +153,10 @@ class AttributeState:
             listed.expire()  # later listings are live
 
     def _adopt_tree(self, tree: TreeIndex) -> int:
-        """The checks of ``open`` for a tree opened after the log, then tier 1 rebuilt from the log
-        between its checkpoint and the log's CURRENT position (readers moved it since the open);
-        return the batches replayed."""
-        log = self._log
-        for _attempt in range(MAX_OPEN_ATTEMPTS):
-            checkpoint = tree.checkpoint or 0
-            if checkpoint > log.position:  # others merged past this handle's view: look at the log's tail
-                log.catch_up(None)
-            if not (checkpoint < log.start_position and log.bytes.length > log.start_position):
-                break
-            # The log's view is newer than the tree: retention elsewhere merged first, then cut.
-            tree.refresh()
-            if (tree.checkpoint or 0) == checkpoint:
-                raise self._lost_between_error(checkpoint)
-        else:
-            raise StorageError(f"segment {self.name!r}: retention in another handle kept moving the log's start "
-                               f"while the attributes were loaded ({MAX_OPEN_ATTEMPTS} tries)")
-        if checkpoint > log.bytes.length:
-            raise self._beyond_log_error(checkpoint)
-        rebuilt, replayed = replay_range(log, max(checkpoint, log.start_position), log.position)
-        self._overlay, self._frozen = rebuilt, None  # published by the caller with the tree
+        """Tier 1 rebuilt for a tree opened after the log (``replay.adopt_tree``); return the batches
+        replayed (published by the caller with the tree)."""
+        self._overlay, replayed = replay.adopt_tree(self._log, tree)
+        self._frozen = None
         self._dirty_since = time.monotonic()
         return replayed
 
@@ -283,13 +224,13 @@ class AttributeState:
             self.catch_up()
             if log.start_position <= seen:  # nothing this handle had not replayed was cut
                 return
-        for _attempt in range(_MAX_TREE_REFRESHES):
+        for _attempt in range(MAX_TREE_REFRESHES):
             self.rebuild()  # replay the log from the tree's newest checkpoint (the overlay rebuilt aside)
             if (tree.checkpoint or 0) >= log.start_position:
                 return
             tree.refresh()
         raise StorageError(f"segment {self.name!r}: other handles kept truncating the log during refresh "
-                           f"({_MAX_TREE_REFRESHES} tries)")
+                           f"({MAX_TREE_REFRESHES} tries)")
 
     def settle(self) -> None:
         """Under the lock: if a rebuild of tier 1 failed, rebuild it now (raises if it cannot)."""
@@ -320,7 +261,7 @@ class AttributeState:
         try:
             if refresh_tree:
                 self.tree.refresh()
-            for _attempt in range(_MAX_TREE_REFRESHES):
+            for _attempt in range(MAX_TREE_REFRESHES):
                 try:
                     rebuilt, base = self._replayed_from_newest_tree()
                 except TruncatedError:
@@ -342,26 +283,14 @@ class AttributeState:
                 return
             raise StorageError(f"segment {self.name!r}: other handles kept merging and truncating the log while "
                                f"this handle rebuilt its pending attribute updates from the B+tree "
-                               f"({_MAX_TREE_REFRESHES} tries); try again")
+                               f"({MAX_TREE_REFRESHES} tries); try again")
         finally:
             if self._stale:
                 self._publish()  # reads rebuild first from now on, never serving the stale values
 
     def _replayed_from_newest_tree(self) -> tuple[AttributeOverlay, int]:
-        """One try of ``_replay_from_tree``: a new overlay holding the log's updates between the
-        newest tree version covering the log's start and the log's position, and that version's
-        checkpoint."""
-        tree, log = self.tree, self._log
-        for _attempt in range(_MAX_TREE_REFRESHES):
-            checkpoint = tree.checkpoint or 0
-            if checkpoint >= log.start_position:
-                break
-            tree.refresh()
-            if (tree.checkpoint or 0) == checkpoint:
-                break  # no newer version: the log cut held no updates (retention's empty batch)
-        checkpoint = tree.checkpoint or 0
-        rebuilt, _batches = replay_range(log, max(checkpoint, log.start_position), log.position)
-        return rebuilt, checkpoint
+        """One try of ``_replay_from_tree`` (``replay.from_newest_tree``)."""
+        return replay.from_newest_tree(self._log, self.tree)
 
     # -- updates ---------------------------------------------------------------------------------
     def apply(self, keys: list[bytes], values: list[int | None]) -> None:
@@ -611,7 +540,7 @@ class AttributeState:
         other handles that keep merging leave the rest to the next merge). ``force``: move the
         checkpoint to the log's position even with nothing pending. Raises a merge's error."""
         self.ensure_loaded()  # a lazily opened owner: what it merges is the log after the tree
-        for _lap in range(2 + _MAX_TREE_REFRESHES):
+        for _lap in range(2 + MAX_TREE_REFRESHES):
             with self._lock:
                 self.settle()  # (raises if tier 1 cannot be rebuilt: nothing stale is merged)
                 if self._frozen is None:

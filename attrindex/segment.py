@@ -156,8 +156,7 @@ class Segment:
         updates, replacements = _split_updates(attribute_updates)
         if not records and not updates and not replacements[0]:
             raise InvalidInputError(f"segment {self.name!r}: nothing to append (no records and no attribute updates)")
-        if expected_offset is not None and (type(expected_offset) is not int or expected_offset < 0):
-            raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
+        _check_expected_offset(expected_offset)
         stamp = int(time.time() * 1000) if timestamp is None else timestamp
         chosen = self.options.codec if codec is None else codec_for(codec)
         # One batch id per call: identical bytes at an offset then mean this call.
@@ -192,8 +191,7 @@ class Segment:
                 f"segment {self.name!r} has cleanup_policy {self._cached_policy().cleanup_policy!r}: a record has "
                 f"no key (compaction keeps the latest record per key); nothing was appended")
         updates, replacements = _split_updates(attribute_updates)
-        if expected_offset is not None and (type(expected_offset) is not int or expected_offset < 0):
-            raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
+        _check_expected_offset(expected_offset)
         stamp = int(time.time() * 1000) if timestamp is None else timestamp
         chosen = self.options.codec if codec is None else codec_for(codec)
         pending = PendingAppend(_ColumnRecords(values, keys, timestamps), updates, replacements, expected_offset,
@@ -527,18 +525,8 @@ class Segment:
         """
         if not options:
             raise InvalidInputError(f"segment {self.name!r}: configure() needs at least one option")
-        storage = self._log.storage
-        for _attempt in range(_policy.MAX_CONFIGURE_RACES):
-            current, version = _policy.load_policy(storage, self.name)
-            changed = _policy.policy_from_options(options, current)
-            try:
-                _policy.store_policy(storage, self.name, changed, version + 1)
-            except ChunkExistsError:
-                continue  # another process configured meanwhile: apply ours over theirs
-            self._policy_cache = changed
-            return changed
-        raise StorageError(f"segment {self.name!r}: configure lost {_policy.MAX_CONFIGURE_RACES} races in a row "
-                           "to other processes changing the policy; nothing was written")
+        self._policy_cache = _configure(self._log.storage, self.name, options)
+        return self._policy_cache
 
     def _cached_policy(self) -> _policy.CleanupPolicy:
         policy = self._policy_cache
@@ -692,6 +680,26 @@ class _ColumnRecords:
         from .log.columnar import arrow_records
 
         return iter(arrow_records(*self.columns))
+
+
+def _check_expected_offset(expected_offset: object) -> None:
+    if expected_offset is not None and (type(expected_offset) is not int or expected_offset < 0):
+        raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
+
+
+def _configure(storage, name: str, options: dict) -> _policy.CleanupPolicy:
+    """Store ``options`` over the newest stored policy as a new version (each version is written
+    once: a lost race to another process reads the new newest one and applies ``options`` over it)."""
+    for _attempt in range(_policy.MAX_CONFIGURE_RACES):
+        current, version = _policy.load_policy(storage, name)
+        changed = _policy.policy_from_options(options, current)
+        try:
+            _policy.store_policy(storage, name, changed, version + 1)
+        except ChunkExistsError:
+            continue  # another process configured meanwhile: apply ours over theirs
+        return changed
+    raise StorageError(f"segment {name!r}: configure lost {_policy.MAX_CONFIGURE_RACES} races in a row "
+                       "to other processes changing the policy; nothing was written")
 
 
 def _foreseen(updates: list[AttributeUpdate]) -> tuple[list[bytes], list[int | None]] | None:

@@ -26,6 +26,8 @@ from attrindex.attribute_index import AttributeIndex
 from attrindex.errors import InvalidInputError
 from attrindex.value_cache import MISSING
 
+from .merge_faults import MergeFaults, child_program_lines
+
 WAIT = 60.0  # seconds: bound of every wait below (a loaded machine); never a timed assertion
 
 
@@ -52,6 +54,12 @@ def merged_up_to_position(index: AttributeIndex) -> bool:
     state = index._attributes
     with index._lock:
         return state._frozen is None and (state.tree.checkpoint or 0) >= state._frozen_at and state.runner.merges > 0
+
+
+@pytest.fixture
+def merge_faults(monkeypatch, tmp_path_factory) -> MergeFaults:
+    """Scripted faults for the merge workers the test starts (``tests/merge_faults.py``)."""
+    return MergeFaults(monkeypatch, tmp_path_factory.mktemp("merge-faults"))
 
 
 def merge_error(index: AttributeIndex) -> str | None:
@@ -97,11 +105,11 @@ def test_merges_run_in_one_reused_worker_and_match_a_dict(tmp_path):
 
 
 @pytest.mark.parametrize("fault, lands", [("exit_before_commit", False), ("exit_after_commit", True)])
-def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault, lands):
+def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault, lands, merge_faults):
     index, model, rng = open_index(tmp_path), {}, random.Random(2)
     try:
         worker = index._attributes.runner.worker_for_merges()
-        worker.fault = fault
+        merge_faults.set(fault)
         write(index, model, rng, 3)
         if lands:  # the answer is lost, the tree covers the merge: that is a success
             wait_for(lambda: merged_up_to_position(index), "the merge that landed")
@@ -110,7 +118,7 @@ def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault
             error = wait_for(lambda: merge_error(index), "the failed merge to be recorded")
             assert "MergeWorkerError" in error
         check(index, model)  # reads never noticed
-        worker.fault = None
+        merge_faults.set(None)
         write(index, model, rng, 3)  # durable whatever the merge does
         wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "the retried merge")
         assert worker.starts >= 2
@@ -121,18 +129,18 @@ def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault
         check(reopened, model)
 
 
-def test_a_hung_worker_is_killed_after_the_timeout(tmp_path, monkeypatch):
+def test_a_hung_worker_is_killed_after_the_timeout(tmp_path, monkeypatch, merge_faults):
     """Hung = no progress for ``merge_hang_seconds`` (the 10-minute cap on one merge stays as it
     is: it must not be what ends the wait)."""
     monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(3)
     try:
         worker = index._attributes.runner.worker_for_merges()
-        worker.fault = "hang"
+        merge_faults.set("hang")
         write(index, model, rng, 3)
         error = wait_for(lambda: merge_error(index), "the hang to be noticed")
         assert "made no progress" in error and "merge_hang_seconds=0.3" in error
-        worker.fault = None
+        merge_faults.set(None)
         wait_for(lambda: merged_up_to_position(index), "the retried merge")
         assert worker.starts >= 2 and not index._attributes.runner.worker_disabled
         check(index, model)
@@ -169,13 +177,13 @@ def test_a_worker_stopped_from_outside_is_killed_and_replaced(tmp_path, monkeypa
         assert reopened.verify().ok
 
 
-def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path):
+def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path, merge_faults):
     """The worker hangs mid-merge and the hang allowance is long (10 minutes): close kills it at
     once (the WAL holds every acknowledged update) and merges in its own thread; every update
     acknowledged before and during the hang reads back, live and after reopening."""
     index, model, rng = open_index(tmp_path, merge_hang_seconds=600), {}, random.Random(11)
     worker = index._attributes.runner.worker_for_merges()
-    worker.fault = "hang"
+    merge_faults.set("hang")
     write(index, model, rng, 3)
     wal = index._attributes
     wait_for(lambda: wal.runner._mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
@@ -193,13 +201,13 @@ def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path):
         assert reopened.stats().pending_keys == 0  # close merged everything itself
 
 
-def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path):
+def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path, merge_faults):
     """``flush`` needs the merge mutex, which the merge thread holds while it waits on the worker:
     with a worker hung mid-merge, flush goes on once the hang is noticed and merges itself."""
     index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(13)
     try:
         worker = index._attributes.runner.worker_for_merges()
-        worker.fault = "hang"
+        merge_faults.set("hang")
         write(index, model, rng, 3)
         wal = index._attributes
         wait_for(lambda: wal.runner._mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
@@ -216,7 +224,7 @@ def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path):
 def test_workers_that_hang_at_start_leave_the_merges_to_a_thread(tmp_path, monkeypatch, caplog):
     """A worker that never says it is ready (stuck before or while opening the index) is killed
     once it stops making progress, not after a minute; three in a row send merges to a thread."""
-    monkeypatch.setattr(merge_worker, "_WORKER_MAIN", "import time; time.sleep(3600)")
+    monkeypatch.setattr(merge_worker, "WORKER_MAIN", "import time; time.sleep(3600)")
     monkeypatch.setattr(merge_worker, "_START_TIMEOUT", 3600.0)  # the cap must not be what ends the wait
     monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     with open_index(tmp_path, merge_hang_seconds=0.3) as index:
@@ -228,7 +236,7 @@ def test_workers_that_hang_at_start_leave_the_merges_to_a_thread(tmp_path, monke
     assert "did not start" in caplog.text and "made no progress" in caplog.text
 
 
-def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, caplog):
+def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, caplog, merge_faults):
     """Back-pressure on every update (``max_pending_bytes=2000``: a write of 100 keys is over it)
     and a worker that hangs on every merge: each hang ends the wait of the updates behind it
     within ``merge_hang_seconds``, never at the back-pressure bound; after ``MAX_FAILED_MERGES``
@@ -238,7 +246,7 @@ def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, cap
     index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3, max_pending_bytes=2000), {}, random.Random(12)
     try:
         worker = index._attributes.runner.worker_for_merges()
-        worker.fault = "hang"  # sent with every merge: every new worker hangs too
+        merge_faults.set("hang")  # read at every merge: every new worker hangs too
         wal = index._attributes
         deadline = time.monotonic() + WAIT
         while not wal.runner.worker_disabled:  # updates all along, while workers hang and are replaced
@@ -364,8 +372,7 @@ from attrindex import merge_runner
 merge_runner.MIN_WORKER_KEYS = 1
 from attrindex.attribute_index import AttributeIndex
 index = AttributeIndex.open(sys.argv[1], page_size=1024, merge_keys=100)
-worker = index._attributes.runner.worker_for_merges()
-worker.fault = "hang"  # the worker stays mid-merge until its writer dies
+worker = index._attributes.runner.worker_for_merges()  # (its merges hang: see the test)
 for i in range(20):
     index.update({(j * 7 + i).to_bytes(16, "big"): i for j in range(30)})
     print("acked", i, flush=True)
@@ -379,7 +386,8 @@ time.sleep(600)
 def test_writer_sigkilled_while_its_worker_merges(tmp_path):
     path = str(tmp_path / "index")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, path], stdout=subprocess.PIPE, text=True, env=env)
+    script = child_program_lines(tmp_path / "merge-fault", "hang") + _KILLED_WRITER  # it stays mid-merge
+    child = subprocess.Popen([sys.executable, "-c", script, path], stdout=subprocess.PIPE, text=True, env=env)
     acked, pid = [], None
     try:
         for line in child.stdout:
@@ -430,7 +438,7 @@ def test_model_with_frequent_worker_merges(tmp_path_factory, ops):
 
 
 def test_workers_that_never_start_leave_the_merges_to_a_thread(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(merge_worker, "_WORKER_MAIN", "import sys; sys.exit(3)")
+    monkeypatch.setattr(merge_worker, "WORKER_MAIN", "import sys; sys.exit(3)")
     monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     with open_index(tmp_path) as index:
         model = {}
@@ -513,7 +521,7 @@ def test_a_worker_whose_parent_is_gone_exits_quietly_when_it_cannot_answer(tmp_p
     broken pipe. It used to report that failure as a second answer, into the same broken pipe,
     and die with a BrokenPipeError traceback on stderr; it exits at once, status 0, silent."""
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(merge_worker.__file__))))
-    worker = subprocess.Popen([sys.executable, "-c", merge_worker._WORKER_MAIN, str(os.getpid())],
+    worker = subprocess.Popen([sys.executable, "-c", merge_worker.WORKER_MAIN, str(os.getpid())],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     worker.stdout.close()  # nobody reads the answers any more
     merge_worker._send(worker.stdin, ("merge", 1, None))  # before "open": answered with an error
