@@ -189,10 +189,11 @@ class AttributeIndex(IndexHandle):
         """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path (``str`` or
         ``os.PathLike``), ``s3://``.
 
-        ``mode="a"`` (the default) opens the index or creates it; ``mode="r"`` opens an existing
-        index read-only (nothing is written, not even a merge): a missing one (a mistyped path, an
-        empty directory) raises ``IndexNotFoundError`` and ``update`` raises ``InvalidInputError``.
-        A local path that is a regular file raises ``IndexNotFoundError`` in both modes.
+        ``mode="a"`` (the default) opens the index or creates it; ``mode="r+"`` opens an existing
+        index only; ``mode="r"`` opens an existing index read-only (nothing is written, not even a
+        merge; ``update`` raises ``InvalidInputError``). A missing index (a mistyped path, an empty
+        directory) raises ``IndexNotFoundError`` in modes "r+" and "r", and a local path that is a
+        regular file in every mode. ``SegmentStore.open`` takes the same modes but "r".
 
         ``options``: ``page_size`` (default 32768), ``rolling_size`` of the tree (4 MiB),
         ``cache_bytes`` for decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi),

@@ -28,14 +28,14 @@ def test_verify_and_open_beside_a_merging_writer_with_retention(tmp_path):
     verifies = opens = 0
     false_damage = []
     try:
-        with SegmentStore.open(root, create=False) as store:
+        with SegmentStore.open(root, mode="r+") as store:
             deadline = time.monotonic() + 3.5
             while time.monotonic() < deadline and writer.poll() is None:
                 report = store.verify_segment("s")
                 verifies += 1
                 if not report.ok:
                     false_damage.append(report.damage)
-                with SegmentStore.open(root, create=False) as reader:
+                with SegmentStore.open(root, mode="r+") as reader:
                     try:
                         reader.segment("s").get_attribute(1)
                     except RecordTruncatedError:
