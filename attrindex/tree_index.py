@@ -82,10 +82,10 @@ class IndexStats:
     updates_written: int  #: appends this handle made
     pages_relocated: int  #: pages this handle moved to the tail for compaction
     storage_reads: int  #: page reads that went to storage
-    cache_hits: int  #: page lookups served by the page cache (tier 2); descents that follow an
+    cache_hits: int  #: page lookups served by the page cache; descents that follow an
     #: index page's references to children still decoded in memory bypass the cache and are not counted
     cache_misses: int
-    value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
+    value_cache_hits: int  #: lookups served by the recent-values cache
     value_cache_misses: int
     pending_keys: int = 0  #: ``AttributeIndex``: keys in its write-ahead log not yet merged into the tree
     wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
@@ -126,7 +126,7 @@ class TreeIndex(IndexHandle):
         self._versions_adopted = 0  # versions written by others that the tree adopted
         self._closed = False
         self._read_only = False  # set by open(mode="r")
-        # Another writer's state makes tier 1 stale: the tree says when it adopts one.
+        # Another writer's version makes the recent values stale: the tree says when it adopts one.
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
                                 policy=policy_for(compaction), on_external_change=self._external_change)
 
@@ -295,7 +295,7 @@ class TreeIndex(IndexHandle):
                 self._values.clear()
             elif len(keys) <= _CACHE_UPDATES_UP_TO:
                 self._values.put_many(keys, values)
-            else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
+            else:  # a bulk load: refresh what is cached, do not flood the recent values with it
                 # In steps: one dict of a 250k-key merge is a C call holding the GIL for 0.1-0.5 s
                 # (the background merge's), which an update in another thread would wait out.
                 for i in range(0, len(keys), _CACHE_UPDATES_UP_TO):
@@ -323,7 +323,7 @@ class TreeIndex(IndexHandle):
         try:
             return self._tree.bulk_load(pairs, checkpoint=checkpoint, progress=progress)
         finally:
-            # Tier 1 may hold values the load replaced (also after a failure: a settled lost
+            # The recent values may hold values the load replaced (also after a failure: a settled lost
             # acknowledgement may have loaded them): drop it, as when another writer's version
             # is adopted.
             self._external_change()

@@ -1,6 +1,7 @@
-"""The shape of the code: the import graph of the two packages has no cycle, the storage layer never
-imports the layers above it, no module imports another module's private names, and no module uses
-a private member of an object another module defines.
+"""The shape of the code: the import graph of the two packages has no cycle; every module sits in
+one layer of the map in docs/architecture.md and imports no layer above its own (so the storage
+layer never imports ``attrindex``); no module imports another module's private names, and no
+module uses a private member of an object another module defines.
 
 Modules still over the size limit are listed by name: the list may only shrink (a module that
 fits is taken off it, and a new one over the limit fails).
@@ -9,7 +10,9 @@ fits is taken off it, and a new one over the limit fails).
 from __future__ import annotations
 
 import ast
+import fnmatch
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("attrindex", "storage_adapters")
@@ -175,3 +178,40 @@ def test_the_reach_finder_finds_a_reach():
     source = "class A:\n    def __init__(self):\n        self._mine = 1\n    def f(self, b):\n" \
              "        return self._mine + b._mine + b._theirs + self._helper()\n"
     assert _private_reaches(source) == [(5, "b._theirs")]
+
+
+def _layers() -> list[tuple[str, list[str]]]:
+    """``(layer, module patterns)`` of each row of the layer table in docs/architecture.md, bottom first."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[0] in ("layer", "") or set(cells[0]) <= {"-"}:
+            continue
+        patterns, package = [], ""
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            full = package + name if name.startswith(".") else name
+            package = full.rpartition(".")[0] if "." in full else full
+            patterns.append(full)
+        rows.append((cells[0], patterns))
+    return rows
+
+
+def _layer_of(module: str, layers: list[tuple[str, list[str]]]) -> list[int]:
+    return [i for i, (_name, patterns) in enumerate(layers) if any(fnmatch.fnmatchcase(module, p) for p in patterns)]
+
+
+def test_every_module_is_in_exactly_one_layer_of_the_map():
+    layers = _layers()
+    assert len(layers) >= 8
+    placed = {module: _layer_of(module, layers) for module in MODULES}
+    assert {module: rows for module, rows in placed.items() if len(rows) != 1} == {}
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    layers = _layers()
+    rank = {module: _layer_of(module, layers)[0] for module in MODULES}
+    upward = sorted((name, target) for name, targets in _graph().items() for target in targets
+                    if rank[target] > rank[name])
+    assert upward == []
