@@ -25,9 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from storage_adapters.rolling import SEGMENT_SUFFIX
-
 from .errors import InvalidInputError, MergeBacklogError, StorageError, TruncatedError
+from .layout import rolling_dir
 from .listing import ListedStorage
 from .log.segment_log import LayoutChangedError, SegmentLog
 from .merge_runner import BACKPRESSURE_FAILURES, MergeRunner
@@ -145,7 +144,7 @@ class AttributeState:
         """The B+tree, opened from one live listing of its directory (it looks twice)."""
         storage = self._log.storage
         inner = storage.inner if isinstance(storage, ListedStorage) else storage  # (expired: the open is over)
-        directory = self.tree_name + SEGMENT_SUFFIX
+        directory = rolling_dir(self.tree_name)
         listed = ListedStorage(inner, directory, inner.list_files(directory))
         try:
             return TreeIndex(listed, self.tree_name, **self.options.attribute_options)

@@ -36,7 +36,8 @@ import attrs
 
 from ..errors import AttrIndexError, ChunkExistsError, CorruptDataError
 from ..log.batch import Record, encode_batch, iter_batches, place_batches
-from ..store import STREAMS_DIR, SegmentStore
+from ..layout import stream_dir
+from ..store import SegmentStore
 from .checks import check_write_target
 from ..writer import EventWriter
 
@@ -139,7 +140,7 @@ class CommitLedger:
     def __init__(self, storage, stream: str):
         self.storage = storage
         self.stream = stream
-        self.root = f"{STREAMS_DIR}/{stream}/_commits"
+        self.root = f"{stream_dir(stream)}/_commits"
 
     def _path(self, token: uuid.UUID, version: int) -> str:
         return f"{self.root}/{token.hex}/{version:020d}"
@@ -193,7 +194,7 @@ def _load_json(data: bytes, path: str) -> Any:
 
 
 def staging_dir(stream: str, token: uuid.UUID, version: int) -> str:
-    return f"{STREAMS_DIR}/{stream}/_staging/{token.hex}/{version:020d}"
+    return f"{stream_dir(stream)}/_staging/{token.hex}/{version:020d}"
 
 
 # -- tasks ------------------------------------------------------------------------------------
