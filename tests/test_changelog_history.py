@@ -3,7 +3,7 @@ each rule rejects a hand-made history that breaks it."""
 
 from __future__ import annotations
 
-from tests.changelog_history import check_changelog
+from testkit.changelog_history import check_changelog
 
 
 class History:

@@ -19,7 +19,7 @@ import pytest
 
 from sims.faults import workload
 from sims.faults.spark_protocol import spark_protocol_run
-from tests.history import check, fault_counts, load_history
+from testkit.history import check, fault_counts, load_history
 
 LOCAL_RATES = {**workload.DEFAULT_RATES, "enospc": 0.01}
 S3_RATES = {"fail_before": 0.02, "lost_ack": 0.06, "latency": 0.02}  # short runs: more faults per op

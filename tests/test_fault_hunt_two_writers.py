@@ -33,8 +33,7 @@ import pytest
 from attrindex import AttributeIndex
 from attrindex.log import segment_log
 from storage_adapters import open_storage
-
-from . import history
+from testkit import history
 
 ROOT = str(Path(__file__).resolve().parents[1])
 N = 60
@@ -194,7 +193,7 @@ from attrindex import merge_runner
 from attrindex.attribute_index import AttributeIndex
 from attrindex.log import segment_log
 from storage_adapters.rolling import SEGMENT_SUFFIX
-from tests.history import Recorder
+from testkit.history import Recorder
 
 merge_runner.MIN_WORKER_KEYS = 1
 path, client, updates, races_wanted = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

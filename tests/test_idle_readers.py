@@ -16,7 +16,7 @@ from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 from tests.conftest import make_s3_url
 from tests.framed import offsets, open_segment, overhead, pieces
-from tests.s3_requests import counting
+from testkit.s3_requests import counting
 
 
 @pytest.fixture

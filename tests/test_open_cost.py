@@ -17,7 +17,7 @@ from attrindex.errors import ConditionalUpdateError, CorruptDataError, InvalidIn
 from attrindex.segment import Segment
 from attrindex.listing import ListedStorage
 from tests.conftest import make_s3_url
-from tests.s3_requests import counting
+from testkit.s3_requests import counting
 
 
 @pytest.fixture

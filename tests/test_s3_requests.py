@@ -24,8 +24,8 @@ from storage_adapters import (
 )
 from storage_adapters.faults import FaultyStorage
 from storage_adapters.s3 import is_precondition_failed
+from testkit.moto_server import S3_KEY, S3_SECRET, free_port, make_s3_url
 
-from .conftest import S3_KEY, S3_SECRET, _free_port, make_s3_url
 from .s3_proxy import S3Proxy
 
 
@@ -134,7 +134,7 @@ def test_opening_a_store_and_a_segment(s3_options):
 
 def test_counters_agree_with_the_servers_log(tmp_path):
     """Cross-check: a moto server of our own logs every HTTP request; its log and our counters agree."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "moto.log"
     with open(log_path, "wb") as log:
         server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
