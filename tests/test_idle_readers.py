@@ -1,6 +1,6 @@
 """Idle tail readers are cheap: one shared, backing-off poller per segment handle.
 
-Requests are counted on moto's S3 server through the s3fs client (tests/s3_requests.py).
+Requests are counted on moto's S3 server through the s3fs client (testkit/s3_requests.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Opening a segment on S3 costs a few requests, and reads never ask for files that do not exist.
 
-Counted on moto's server through the s3fs client (tests/s3_requests.py). S3 segments keep no
+Counted on moto's server through the s3fs client (testkit/s3_requests.py). S3 segments keep no
 index files, so a cold read of a sealed chunk must not ask for one.
 """
 
