@@ -1,8 +1,8 @@
-"""Opening a storage URL for an index or a store (attrindex/locations.py, attrindex/store.py, attrindex/layout.py):
-an open of what is not there in mode ``'r'`` (read-only) or ``'r+'`` (an existing one only) raises
-and creates nothing; what a creating open made opens that way even when empty; a regular file is
-neither an index nor a store; a store from before its marker is recognised by its segments or
-streams; unknown modes are refused before anything is created.
+"""Opening a storage URL for an index or a store (attrindex/locations.py, attrindex/store.py,
+attrindex/layout.py): an open of what is not there in mode ``'r'`` (read-only) or ``'r+'`` (an
+existing one only) raises and creates nothing; what a creating open made opens that way even when
+empty; a regular file is neither an index nor a store; a store from before its marker is
+recognised by its segments or streams; unknown modes are refused before anything is created.
 """
 
 from __future__ import annotations
