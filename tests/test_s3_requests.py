@@ -52,7 +52,7 @@ def test_rolling_append_is_one_put(s3_options):
 
 
 def test_segment_and_writer_appends_are_one_put(s3_options):
-    store = SegmentStore.open(make_s3_url(s3_options), s3_options)
+    store = SegmentStore.open(make_s3_url(s3_options), storage_options=s3_options)
     segment = store.segment("a", create=True)
     segment.append([b"warm-up"])
     assert _only(_cost(store.storage, lambda: segment.append([b"r"], [(uuid.uuid4(), 5)])), put=1)
@@ -72,7 +72,7 @@ def test_segment_and_writer_appends_are_one_put(s3_options):
 def test_the_first_append_of_a_process_to_a_bucket_also_probes_conditional_writes(s3_options):
     # docs/cost.md: the exclusive-create probe (once per bucket and process) comes with the first
     # create: a PUT, a second PUT that S3 refuses with 412, and a DELETE; then one PUT an append.
-    store = SegmentStore.open(make_s3_url(s3_options), s3_options)  # a new bucket: not probed yet
+    store = SegmentStore.open(make_s3_url(s3_options), storage_options=s3_options)  # a new bucket: not probed yet
     segment = store.segment("orders", create=True)
     before = store.stats().requests
     segment.append([b"one record"])
