@@ -1,6 +1,6 @@
 """Log compaction, consolidation and retention racing writers and a tail reader in other
 processes, over injected storage faults and SIGKILLs, judged by the changelog checker
-(tests/changelog_history.py): the bounded form of ``python -m sims.faults.compaction``.
+(testkit/changelog_history.py): the bounded form of ``python -m sims.faults.compaction``.
 
 Each round: two writer processes (keyed records, tombstones, conditional appends, a counter), a
 compactor looping ``compact``, a consolidator looping ``compact_chunks`` (and ``apply_retention``
