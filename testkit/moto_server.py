@@ -66,6 +66,18 @@ def options(endpoint: str) -> dict:
 
 
 @contextlib.contextmanager
+def die_with_parent() -> None:
+    """In a child process: be killed when the process that started it dies (a killed pytest or sims
+    driver never runs its teardown). Linux only (``PR_SET_PDEATHSIG``); elsewhere the teardown does it."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def running(*, switch_interval: float | None = None, timeout: float = 30.0) -> Iterator[dict]:
     """Run the server in a child process on a free loopback port; yield its storage options.
 
@@ -79,7 +91,8 @@ def running(*, switch_interval: float | None = None, timeout: float = 30.0) -> I
         command[3:3] = ["--switch-interval", repr(switch_interval)]
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                              preexec_fn=die_with_parent)
     try:
         deadline = time.monotonic() + timeout
         while True:

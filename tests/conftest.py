@@ -15,7 +15,7 @@ import pytest
 
 from storage_adapters import open_storage
 from testkit import moto_server
-from testkit.moto_server import S3_KEY, S3_SECRET, free_port, make_s3_url  # noqa: F401 - for the tests
+from testkit.moto_server import S3_KEY, S3_SECRET, die_with_parent, free_port, make_s3_url  # noqa: F401 - for the tests
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +136,7 @@ def seaweedfs_options(tmp_path_factory):
                f"-s3.config={config}", "-volume.max=20", "-master.volumeSizeLimitMB=64",
                *(f"-{name}={port}" for name, port in ports.items())]
     log = open(root / "weed.log", "wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, preexec_fn=_die_with_parent)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, preexec_fn=die_with_parent)
     options = {"endpoint_url": f"http://127.0.0.1:{ports['s3.port']}", "key": S3_KEY, "secret": S3_SECRET}
     try:
         _wait_until_writable(server, options, root / "weed.log")
@@ -149,18 +149,6 @@ def seaweedfs_options(tmp_path_factory):
             server.kill()
             server.wait(timeout=10)
         log.close()
-
-
-def _die_with_parent() -> None:
-    """In the child: be killed when the test process dies (weed ignores SIGTERM for a long while, and
-    a killed pytest never runs the fixture's teardown). Linux only; elsewhere the teardown does it."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _wait_until_writable(server, options, log_path, timeout: float = 60) -> None:

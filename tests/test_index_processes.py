@@ -18,7 +18,7 @@ from testkit import history
 
 from . import workers
 from .conftest import make_s3_url
-from .test_processes import _run
+from .workers import run_together
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
@@ -29,7 +29,7 @@ def test_processes_updating_disjoint_keys_lose_nothing(backend, tmp_path, reques
         options = request.getfixturevalue("s3_options")
         url, count = make_s3_url(options), 60
     writers, batch = 3, 10
-    out = _run(workers.index_disjoint_writer, lambda i: (url, options, i, count, batch), writers)
+    out = run_together(workers.index_disjoint_writer, lambda i: (url, options, i, count, batch), writers)
     assert sorted(w for w, _ in out) == list(range(writers))
     index = AttributeIndex.open(url, storage_options=options, page_size=1024)
     expected = {workers_key: workers_key * 10 for w in range(writers) for workers_key in (w + 1000 * i for i in range(count))}
