@@ -14,7 +14,7 @@ the latter with ``retention_bytes``), tiny log chunks, ``min_compaction_lag_ms``
   ACCUMULATE counter, some conditional (``expected_offset``);
 - a **compactor** looping ``compact(min_lag_ms=0)`` (on ``delete,compact`` it applies retention
   first);
-- a **consolidator** looping ``compact_chunks`` and, on ``delete,compact``, ``apply_retention``;
+- a **consolidator** looping ``consolidate`` and, on ``delete,compact``, ``apply_retention``;
 - a **tail reader** following the segment from offset 0, restarting at the start offset on
   ``RecordTruncatedError``, looking up offsets by time now and then (on its handle, which meets
   every switch), recording every record it sees.
@@ -202,14 +202,14 @@ def compactor(config: dict, client: str, seed: int) -> None:
 
 
 def consolidator(config: dict, client: str, seed: int) -> None:
-    """``compact_chunks`` (and ``apply_retention`` on ``delete,compact``) until the stop file appears."""
+    """``consolidate`` (and ``apply_retention`` on ``delete,compact``) until the stop file appears."""
     me = Client(config, client, seed, config["rates"])
     retains = config["variant"] == "delete,compact"
     try:
         seg = me.segment()
         while not me.stopped():
             with me.operation("consolidate") as out:
-                out["merged"] = seg.compact_chunks(target_size=4 * ROLL)
+                out["merged"] = seg.consolidate(target_size=4 * ROLL)
             me.count("consolidate", bool(out))
             if retains:
                 with me.operation("retention") as out:
@@ -374,7 +374,7 @@ def _quiet_compaction(url: str, options: dict, retains: bool) -> dict:
         seg = store.segment(SEGMENT)
         for _ in range(3):
             seg.compact(min_lag_ms=0, tombstone_retention_ms=0)
-        seg.compact_chunks(target_size=4 * ROLL)
+        seg.consolidate(target_size=4 * ROLL)
         if retains:
             seg.apply_retention(max_bytes=RETAIN)
     return final_state(url, options)
