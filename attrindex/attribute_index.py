@@ -145,24 +145,24 @@ class AttributeIndex(IndexHandle):
                 state.track_base()
         except CorruptDataError as exc:
             log.close()
-            external = self._external_checkpoint()
-            if external is None:
+            checkpoint = self._checkpoint_without_wal()
+            if checkpoint is None:
                 raise
-            raise InvalidInputError(
-                f"index {self._name!r} at {self._storage.url!r} has a tree with checkpoint {external} but no "
-                f"write-ahead log at {self.wal_name!r}. Either it was written with update(checkpoint={external}) "
-                f"before indexes had a write-ahead log (that checkpoint is a position in another log: open it "
-                f"with attrindex.tree_index.TreeIndex), or its write-ahead log was deleted or not copied with "
-                f"the tree (restore {self.wal_name!r} beside it: the updates after the checkpoint are only "
-                f"there). See docs/design.md, 'Write path'") from exc
+            raise CorruptDataError(
+                f"index {self._name!r} at {self._storage.url!r}: its tree covers write-ahead log position "
+                f"{checkpoint}, but there is no write-ahead log at {self.wal_name!r} (deleted, or not copied "
+                f"with the tree: restore it beside the tree, the updates after that position are only there). "
+                f"A tree written by TreeIndex.update(checkpoint=...) is not an AttributeIndex: open it with "
+                f"attrindex.tree_index.TreeIndex. See docs/design.md, 'Write path'", segment=exc.segment,
+                offset=exc.offset) from exc
         except BaseException:
             log.close()
             raise
         self._lock, self._log, self._attributes = lock, log, state
         self._appender = Appender(log, state, lock)
 
-    def _external_checkpoint(self) -> int | None:
-        """The tree's checkpoint if it cannot be a WAL position (no WAL was ever written)."""
+    def _checkpoint_without_wal(self) -> int | None:
+        """The tree's checkpoint when it is not 0 and no WAL chunk exists (None otherwise)."""
         if self._storage.list_files(f"{self.wal_name}/{LOG_DIR}.seg"):
             return None
         tree = TreeIndex(self._storage, self._name, **self._options.attribute_options)

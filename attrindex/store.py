@@ -91,8 +91,8 @@ class SegmentStore:
         ``_store`` marker; ``mode="r+"`` opens an existing store only, and a missing one (a
         mistyped path, an empty directory or bucket prefix) raises ``StoreNotFoundError``.
         (``AttributeIndex.open`` takes the same modes, and ``"r"`` for read-only.) A store is
-        recognised by its marker, or by any segment or stream in it. A local path that is a
-        regular file raises ``StoreNotFoundError`` in both modes. ``storage_options`` go to the
+        recognised by its marker. A local path that is a regular file raises
+        ``StoreNotFoundError`` in both modes. ``storage_options`` go to the
         storage (``s3://``: ``endpoint_url``, credentials ...); ``options`` are ``SegmentOptions``.
         """
         if mode not in ("a", "r+"):
@@ -383,12 +383,8 @@ def check_segment_count(segments: object) -> int:
 
 
 def store_exists(storage: ChunkStorage) -> bool:
-    """Whether ``storage``'s root holds a store: its ``_store`` marker, or (a store written before
-    the marker) any segment or stream marker; the latter lists the whole store, once per open."""
-    if storage.exists(STORE_MARKER):
-        return True
-    return any(path.endswith("/" + SEGMENT_MARKER) or path.startswith(STREAMS_DIR + "/")
-               for path in storage.list_files(""))
+    """Whether ``storage``'s root holds a store: its ``_store`` marker (written by a creating open)."""
+    return storage.exists(STORE_MARKER)
 
 
 def mark_store_created(storage: ChunkStorage) -> None:

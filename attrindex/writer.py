@@ -247,7 +247,7 @@ class _SegmentState:
     pending_bytes: int = 0
     digest: _EventDigest = attrs.Factory(_EventDigest)  #: of events 1..``hashed``
     hashed: int = 0
-    stored_digest: int | None = None  #: the digest stored with event number ``acked`` (None: none)
+    stored_digest: int | None = None  #: the digest stored with event number ``acked`` (None: ``acked`` is 0)
     replayed: list = attrs.Factory(list)  #: skipped events not digested yet (numbers ``hashed+1``...)
     since: float = 0.0  #: linger: when the oldest queued event was queued (monotonic; an upper bound)
     sending: bool = False  #: linger: a flusher is appending from this queue now
@@ -536,7 +536,17 @@ class EventWriter:
         """Read the stored event number and digest (one consistent view of the segment)."""
         state.segment.refresh()
         number, digest = state.segment.get_attributes([self._key, self._digest_key])
+        self._check_digest_stored(state, number or 0, digest)
         state.acked, state.stored_digest = number or 0, digest
+
+    def _check_digest_stored(self, state: _SegmentState, number: int, digest: int | None) -> None:
+        """An ``EventWriter`` stores an event number with the digest of those events, in one
+        append: a number without a digest was written by something else under this writer's id."""
+        if number and digest is None:
+            raise WriterConflictError(
+                f"writer {self.writer_id} on segment {state.segment.name!r}: the segment holds event number "
+                f"{number} under this writer's id but no digest of those events, so they were not written "
+                f"by an EventWriter; write these events under a new writer_id")
 
     def _replayed(self, state: _SegmentState, record: tuple) -> None:
         """A skipped event: digest it; once the replay reaches the stored number, compare."""
@@ -545,8 +555,7 @@ class EventWriter:
             state.digest.update(state.replayed)
             state.hashed += len(state.replayed)
             state.replayed.clear()
-        if state.hashed == state.acked and state.stored_digest is not None \
-                and state.digest.value() != state.stored_digest:
+        if state.hashed == state.acked and state.digest.value() != state.stored_digest:
             raise WriterConflictError(
                 f"writer {self.writer_id} on segment {state.segment.name!r}: events 1..{state.acked} resent "
                 f"by this writer differ from the ones stored under its id (a reused writer id with other "
@@ -596,6 +605,7 @@ class EventWriter:
     def _adopt(self, state: _SegmentState, current: int, stored_digest: int | None) -> None:
         """The segment holds events up to ``current`` (digest ``stored_digest``): they are
         acknowledged if they are this writer's, and the rest is resent."""
+        self._check_digest_stored(state, current, stored_digest)
         sent = state.acked + len(state.pending)
         if self.shared and current > sent:
             # A twin got further: everything queued is written, and so are the next events up to
@@ -616,7 +626,7 @@ class EventWriter:
         digest = state.digest.copy()
         for piece in state.pending.prefix(current - state.acked):
             digest.update(piece)
-        if stored_digest is not None and digest.value() != stored_digest:
+        if current and digest.value() != stored_digest:
             raise WriterConflictError(
                 f"writer {self.writer_id} on segment {state.segment.name!r}: events up to {current} are stored "
                 f"under this writer's id, but they are not the ones it sent: is another writer using the same id?")

@@ -1,4 +1,4 @@
-"""Bulk load (issue 11): a fresh B+tree built bottom-up in one append, checked against a dict, the
+"""Bulk load: a fresh B+tree built bottom-up in one append, checked against a dict, the
 tree's own verify, its shape, reopening, bad input, another writer's race and storage faults; and
 ``AttributeIndex.bulk_load`` beside another handle's pending updates, merges and refreshes."""
 

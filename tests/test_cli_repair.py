@@ -74,8 +74,8 @@ def test_segment_verify_finds_damage_and_repair_says_what_is_lost(tmp_path, caps
 
 def test_index_verify_and_repair_roll_back_a_damaged_newest_update(tmp_path, capsys):
     root = str(tmp_path / "idx")
-    # Five versions of the tree, written as before indexes had a write-ahead log (whose replay
-    # would bring a rolled-back version back): the CLI opens this layout unchanged.
+    # Five versions of the tree, written by TreeIndex (checkpoint 0, no write-ahead log whose
+    # replay would bring a rolled-back version back): the CLI opens it as an index.
     with TreeIndex.open(root, page_size=256) as index:
         for version in range(5):
             index.update({key: version for key in range(30)})

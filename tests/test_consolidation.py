@@ -1,4 +1,4 @@
-"""Consolidation (issue 12): runs of small log chunks merged into large ones by an atomic switch.
+"""Consolidation: runs of small log chunks merged into large ones by an atomic switch.
 
 On S3 a segment written by many appends is one object per append; consolidated, it is read with
 about one GET per 8 MiB, and a record by offset with one GET once the chunks are known. Requests

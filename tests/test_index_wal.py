@@ -3,8 +3,8 @@ overlay and merged into the B+tree (``TreeIndex``) in large sorted batches.
 
 A dict model under updates, merges, bulk loads and reopens; a child process SIGKILLed right after
 updates return; lost acknowledgements and failed appends on the WAL, and faults in the truncation
-of its merged part; indexes written before the WAL
-existed; verify and repair of a damaged WAL and of a damaged tree whose updates the WAL still holds.
+of its merged part; a tree without its WAL; verify and repair of a damaged WAL and of a damaged
+tree whose updates the WAL still holds.
 """
 
 from __future__ import annotations
@@ -397,41 +397,22 @@ def test_a_wal_truncation_whose_answer_is_lost_or_fails_loses_and_revives_nothin
         assert reopened.verify().ok
 
 
-# -- the layout written before the WAL -------------------------------------------------------------
-def test_an_index_written_before_the_wal_opens_and_reads_unchanged(tmp_path):
-    root = str(tmp_path)
-    with TreeIndex.open(root, page_size=256) as old:
-        old.update({i: i for i in range(300)})
-        old.update({i: None for i in range(0, 300, 3)})
-    assert sorted(os.listdir(root)) == ["attributes.seg"]  # a tree alone
-    with AttributeIndex.open(root, mode="r") as index:
-        assert len(index) == 200 and index.get_many([0, 1, 299]) == [None, 1, 299]
-        assert list(index.items(0, 5)) == [(k(1), 1), (k(2), 2), (k(4), 4)]
-        assert index.verify().ok and index.stats().pending_keys == 0
-    assert sorted(os.listdir(root)) == ["attributes.seg"]  # a read-only open wrote nothing
-    with AttributeIndex.open(root, page_size=256) as index:
-        index.update({0: 0})
-    with AttributeIndex.open(root, mode="r") as index:
-        assert len(index) == 201 and index.get(0) == 0 and index.verify().ok
-
-
-def test_a_tree_with_another_logs_checkpoint_is_refused_with_a_clear_error(tmp_path):
-    with TreeIndex.open(str(tmp_path)) as old:
-        old.update({1: 1}, checkpoint=500)
-    with pytest.raises(InvalidInputError, match="checkpoint=500.*TreeIndex"):
+# -- a tree without its WAL -----------------------------------------------------------------------
+def test_a_tree_index_with_its_own_checkpoint_is_refused_as_an_attribute_index(tmp_path):
+    with TreeIndex.open(str(tmp_path)) as tree:
+        tree.update({1: 1}, checkpoint=500)
+    with pytest.raises(CorruptDataError, match="position 500, but there is no write-ahead log.*TreeIndex"):
         AttributeIndex.open(str(tmp_path))
     assert TreeIndex.open(str(tmp_path)).checkpoint == 500  # still readable as what it is
 
 
 def test_an_index_whose_wal_was_deleted_is_refused_with_an_error_that_names_the_wal(tmp_path):
-    """On disk, a tree whose WAL is gone looks like a tree from before WALs: the error names both
-    causes and the missing WAL, not only the old-format one."""
     root = str(tmp_path)
     with AttributeIndex.open(root, page_size=256) as index:
         index.update({1: 1})
         index.flush()
     shutil.rmtree(os.path.join(root, "attributes", "_wal"))
-    with pytest.raises(InvalidInputError, match="no write-ahead log at 'attributes/_wal'.*deleted or not copied"):
+    with pytest.raises(CorruptDataError, match="no write-ahead log at 'attributes/_wal' .deleted, or not copied"):
         AttributeIndex.open(root)
 
 

@@ -112,21 +112,15 @@ def test_a_created_store_opens_without_create_even_when_empty(storage_url):
         assert store.segments() == []
 
 
-def test_a_store_from_before_the_marker_is_recognised_by_its_segments(tmp_path):
+def test_segments_without_the_store_marker_are_not_a_store_in_mode_r_plus(tmp_path):
+    """A store is its ``_store`` marker: segments and streams without it are refused by name."""
     with SegmentStore.open(str(tmp_path)) as store:
         store.segment("orders/0", create=True).append([b"v"])
-    (tmp_path / STORE_MARKER).unlink()
-    with SegmentStore.open(str(tmp_path), mode="r+") as store:
-        assert store.segments() == ["orders/0"]
-        assert store.segment("orders/0").read(0)[0].value == b"v"
-
-
-def test_a_store_from_before_the_marker_is_recognised_by_its_streams(tmp_path):
-    with SegmentStore.open(str(tmp_path)) as store:
         store.create_stream("events", 2)
     (tmp_path / STORE_MARKER).unlink()
-    with SegmentStore.open(str(tmp_path), mode="r+") as store:
-        assert store.stream_segments("events") == ["events/0", "events/1"]
+    with pytest.raises(StoreNotFoundError, match="no store at URL"):
+        SegmentStore.open(str(tmp_path), mode="r+")
+    assert not (tmp_path / STORE_MARKER).exists()  # nothing was written
 
 
 @pytest.mark.parametrize("mode", ["r", "w", "c", None, True])

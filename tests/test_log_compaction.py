@@ -1,4 +1,4 @@
-"""Key-based log compaction (issue 13): tombstones, cleanup policies, the cleaner's rules.
+"""Key-based log compaction: tombstones, cleanup policies, the cleaner's rules.
 
 Kafka's cleaner cases, a hypothesis model (dict key -> last value, surviving offsets), other
 processes appending and tailing during compaction, and SIGKILL during compaction.
@@ -35,26 +35,7 @@ from .conftest import make_s3_url
 
 DAY = 86_400_000
 
-# A batch encoded by the format before tombstones existed (main at 8519730, format version 2): a batch
-# without tombstones encodes to the same fields and payload byte for byte; only the version (3) and
-# the header checksum, seeded with the position since version 3, differ. Version 2 is not read.
-OLD_BATCH = bytes.fromhex(
-    "4149584202003800690000000200000001000000290000000700000000000000050000000000000009000000000000002a00000000"
-    "000000610efd859b28067f0200763103006b31000801000101687861616161616161616161616161616161030000000000000000")
-
-
 # ------------------------------------------------------------------------------- tombstones
-
-
-def test_batches_without_tombstones_are_unchanged():
-    fresh = encode_batch(7, [Record(b"v1", b"k1", 5, (("h", b"x"),)), Record(b"", None, 9)], timestamp=5,
-                         attribute_updates=([b"a" * 16], [3]), batch_id=42)
-    assert fresh[:4] + fresh[6:60] + fresh[64:] == OLD_BATCH[:4] + OLD_BATCH[6:60] + OLD_BATCH[64:]
-    assert (fresh[4], OLD_BATCH[4]) == (3, 2)
-    records = decode_records(fresh, 0, read_header(fresh))
-    assert [(r.value, r.key, r.offset) for r in records] == [(b"v1", b"k1", 7), (b"", None, 8)]
-    with pytest.raises(CorruptDataError, match="format version 2"):
-        read_header(OLD_BATCH)
 
 
 @pytest.mark.parametrize("codec", ["none", "gzip"])

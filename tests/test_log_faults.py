@@ -1,6 +1,6 @@
 """Faults in a segment's log and attributes: committed data is never a torn tail, damage is reported
 by position until an explicit repair, no acknowledged offset is ever reused, and work after the
-durable point of an append never fails it (issue 10, classes 1, 4 and 5)."""
+durable point of an append never fails it."""
 
 from __future__ import annotations
 
@@ -56,10 +56,10 @@ def fill_counter(root: str, count: int = 100, **options) -> None:
             increment(seg, i)
 
 
-# -- class 1: committed data is never a torn tail --------------------------------------------------
+# -- committed data is never a torn tail -----------------------------------------------------------
 def test_a_bit_flip_in_the_middle_of_the_last_chunk_is_corruption_not_a_torn_tail(tmp_path):
-    """The issue's reproduction: it used to cut the log there, roll the counter back to about
-    half and let the next append reuse the offsets of the lost records."""
+    """Not cut as a torn tail: that would roll the counter back to about half and let the next
+    append reuse the offsets of the lost records."""
     root = str(tmp_path / "store")
     fill_counter(root)
     last = files(root, "s", "_log.seg")[-1]
@@ -156,8 +156,8 @@ def test_a_last_chunk_cut_short_is_damage_never_a_rollback(tmp_path, caplog, whe
     """The log's last chunk truncated inside one of its batches (the first, one with acknowledged
     batches after it, the newest), nothing merged past the cut: what is left looks like a torn
     write, but a torn write never makes the file shorter than the zeros the storage keeps after
-    the chain's end, so it is reported (it used to be cut as torn, the batches after the cut lost
-    with no error), and repair gives the batch at the cut up."""
+    the chain's end, so it is reported (cut as torn, the batches after the cut would be lost with
+    no error), and repair gives the batch at the cut up."""
     root = str(tmp_path / "store")
     with SegmentStore.open(root, **SMALL) as store:
         store.segment("s", create=True)
@@ -222,7 +222,7 @@ def test_the_newest_batches_damaged_after_a_merge_are_given_up_and_never_reused(
         assert store.verify_segment("s").ok
 
 
-# -- class 1 and 2: verify and repair --------------------------------------------------------------
+# -- verify and repair -----------------------------------------------------------------------------
 def test_verify_reports_every_damaged_range_and_repair_gives_up_only_those(tmp_path):
     root = str(tmp_path / "store")
     fill_counter(root, 300, **SMALL)
@@ -408,7 +408,7 @@ def test_random_damage_in_the_log_never_reuses_an_acknowledged_offset(tmp_path, 
         assert store.verify_segment("s").ok
 
 
-# -- class 4: work after the durable point never fails an append ---------------------------------
+# -- work after the durable point never fails an append ------------------------------------------
 @pytest.mark.parametrize("backend", ["memory", "local"])
 def test_a_failed_merge_after_a_durable_append_never_fails_it(storage_url, caplog):
     """ENOSPC on the attribute index's writes (a full disk) while an append merges tier 1: the
@@ -464,7 +464,7 @@ def test_close_raises_a_merge_that_still_fails(tmp_path):
         assert store.segment("s").get_attribute(COUNTER) == 1
 
 
-# -- class 5: a batch recognises itself ------------------------------------------------------------
+# -- a batch recognises itself ---------------------------------------------------------------------
 def test_lost_acknowledgements_on_log_appends_neither_duplicate_nor_fail(storage_url):
     """Every log write's response is lost (the write happened), for two writers racing on the
     same segment: each append returns once, offsets are contiguous, no record is duplicated and
@@ -599,8 +599,8 @@ LATEST = key(999)  #: every batch writes its offset here: the value a repaired l
                          indirect=["backend"])
 @pytest.mark.parametrize("kind", ["payload", "header", "chunk"])
 def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
-    """The issue's case: one flipped byte in the 5th of 10 one-append objects on S3 made repair cut
-    offsets 4-9. Now exactly the damaged batches are lost: a batch whose payload is damaged (its
+    """One flipped byte in the 5th of 10 one-append objects on S3 loses offset 4 only, never 4-9:
+    exactly the damaged batches are lost: a batch whose payload is damaged (its
     header tells its extent), whose header is damaged (batches resume at the next one that frames
     the rest of its chunk), or a whole chunk (on S3 one append's object) of garbage. Intact batches
     after the damage are kept, readers step over the gap, the attributes are those the kept batches
@@ -725,17 +725,17 @@ def test_log_compaction_after_a_repair_keeps_every_kept_record(storage_url):
 
 
 def test_an_append_that_keeps_losing_races_gives_up_with_a_clear_error(tmp_path, monkeypatch):
-    import attrindex.segment
+    import attrindex.appender
     from attrindex.errors import StorageError
 
     root = str(tmp_path / "store")
     with SegmentStore.open(root) as one, SegmentStore.open(root) as two:
         stale, other = one.segment("s", create=True), two.segment("s")
         other.append([b"first"])  # the stale handle's next compare-and-append loses
-        monkeypatch.setattr(attrindex.segment, "MAX_APPEND_RACES", 1)
+        monkeypatch.setattr(attrindex.appender, "MAX_APPEND_RACES", 1)
         with pytest.raises(StorageError, match="lost the race"):
             stale.append([b"mine"])
-        monkeypatch.setattr(attrindex.segment, "MAX_APPEND_RACES", 10_000)
+        monkeypatch.setattr(attrindex.appender, "MAX_APPEND_RACES", 10_000)
         assert stale.append([b"mine"]).first_offset == 1
         assert [r.value for r in stale.read(0)] == [b"first", b"mine"]
 

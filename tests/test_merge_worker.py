@@ -518,8 +518,8 @@ def test_a_segment_with_records_merges_in_the_worker_when_asked(tmp_path):
 
 def test_a_worker_whose_parent_is_gone_exits_quietly_when_it_cannot_answer(tmp_path):
     """The parent died (or dropped the answer pipe) while the worker worked: its answer meets a
-    broken pipe. It used to report that failure as a second answer, into the same broken pipe,
-    and die with a BrokenPipeError traceback on stderr; it exits at once, status 0, silent."""
+    broken pipe. It does not report that failure as a second answer into the same broken pipe
+    (which would die with a BrokenPipeError traceback on stderr): it exits at once, status 0, silent."""
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(merge_worker.__file__))))
     worker = subprocess.Popen([sys.executable, "-c", merge_worker.WORKER_MAIN, str(os.getpid())],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -227,8 +227,8 @@ def test_s3_unreachable_endpoint_is_a_storage_error():
 
 def test_a_silent_s3_endpoint_fails_each_request_after_max_attempts_read_timeouts(silent_endpoint):
     # The endpoint accepts connections and never answers. botocore's attempts are the only
-    # retries: s3fs's own loop used to run them again 5 times (25 for a read), so a CLI with 2
-    # attempts of 60 s took 607 s to give up on one listing.
+    # retries: s3fs's own retry loop, left on, would run them again 5 times (25 for a read), so a
+    # CLI with 2 attempts of 60 s would take 607 s to give up on one listing.
     storage = open_storage("s3://silent/data", endpoint_url=silent_endpoint.url, key=S3_KEY, secret=S3_SECRET,
                            read_timeout=0.3, max_attempts=2)
     assert storage.max_attempts == 2 and storage.worst_case_seconds == 2 * (10 + 0.3) + 1

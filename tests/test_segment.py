@@ -428,7 +428,7 @@ def test_a_handle_that_only_reads_writes_nothing(storage_url):
 
 
 def test_a_batch_larger_than_the_read_window(store):
-    """Batches bigger than the 1 MiB scan window are read whole (this used to loop forever)."""
+    """Batches bigger than the 1 MiB scan window are read whole (a read that waits for a batch to fit the window would loop forever)."""
     seg = store.segment("s", create=True)
     seg.append([b"x" * (3 << 20)])
     seg.append([b"y"])

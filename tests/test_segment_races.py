@@ -113,10 +113,10 @@ def test_retention_is_not_failed_by_its_housekeeping(tmp_path, kind):
 
 
 def test_a_merge_that_fails_while_rebuilding_tier_1_keeps_it_whole():
-    """Found by the fault-history run (two compare-and-sets both succeeded against one value): a
-    merge that finds another handle's merge ahead of it rebuilds tier 1 from the log; a read failing
-    half-way used to leave tier 1 cleared, so the handle answered, and validated conditions, with
-    values older than the log it had already read."""
+    """A merge that finds another handle's merge ahead of it rebuilds tier 1 from the log; a read
+    failing half-way must not leave tier 1 cleared, or the handle would answer, and validate
+    conditions, with values older than the log it had already read (two compare-and-sets would
+    both succeed against one value)."""
     url = f"memory://rebuild-{os.getpid()}-{time.monotonic_ns()}"
     with SegmentStore.open(url) as first, SegmentStore.open(url) as second:
         a = first.segment("s", create=True)

@@ -1,4 +1,4 @@
-"""Spark reads of a compacted segment return what ``Segment.read`` returns (issue 13)."""
+"""Spark reads of a compacted segment return what ``Segment.read`` returns."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The B+tree under faults: damaged footers and pages, bounded loops, readers during another process's
-compaction, failed truncations, verify and repair (issue 10, classes 2, 3 and 6)."""
+compaction, failed truncations, verify and repair."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def within(seconds: float, call):
     return outcome["value"]
 
 
-# -- class 2: the newest footer ----------------------------------------------------------------
+# -- the newest footer -------------------------------------------------------------------------
 @pytest.mark.parametrize("url", [f"memory://tree-faults-{uuid.uuid4().hex}"], ids=["memory"])
 def test_damaged_newest_footer_is_corruption_on_open_and_on_reload(url):
     """Where a chunk's length is stored (memory, S3), bytes up to it are committed: a damaged
@@ -131,8 +131,8 @@ def test_damaged_newest_footer_on_local_disk_is_a_torn_update(tmp_path, caplog):
 
 
 def test_damaged_tail_over_a_truncated_previous_version_raises_instead_of_hanging(url):
-    # The previous footer's pages are below the truncation offset: the old code fell back to it and
-    # looped forever in get() (TruncatedError, reload, same state, ...).
+    # The previous footer's pages are below the truncation offset: a handle that fell back to it
+    # would loop forever in get() (TruncatedError, reload, same state, ...).
     idx = TreeIndex.open(url, page_size=256, rolling_size=1024, compaction="pravega")
     step = 0
     while True:
@@ -153,7 +153,7 @@ def test_damaged_tail_over_a_truncated_previous_version_raises_instead_of_hangin
         within(10, lambda: TreeIndex.repair_at(url))
 
 
-# -- class 3: every loop bounded ---------------------------------------------------------------
+# -- every loop bounded ------------------------------------------------------------------------
 def _dangling_index(url: str) -> tuple[int, int]:
     """An index whose newest version routes to a page below the truncation offset, with a footer
     that claims otherwise (as damage could). Returns (dangling page offset, truncation offset)."""
@@ -288,7 +288,7 @@ def test_failed_chunk_deletions_do_not_fail_the_update(url, caplog):
     assert dict(reopened.items()) == model and reopened.verify().ok
 
 
-# -- class 6: readers during another process's compaction ---------------------------------------
+# -- readers during another process's compaction ------------------------------------------------
 _UPDATER = textwrap.dedent("""
     import sys, time
     from attrindex.tree_index import TreeIndex
@@ -456,7 +456,7 @@ def test_repair_of_a_first_update_goes_back_to_empty(url):
     assert TreeIndex.open(url).get(1) == 1
 
 
-# -- class 7: bit flips in live pages ----------------------------------------------------------
+# -- bit flips in live pages -------------------------------------------------------------------
 def test_a_bit_flipped_on_read_is_corruption_never_a_wrong_value(url):
     storage = FaultyStorage(open_storage(url), seed=3)
     idx = TreeIndex(storage, page_size=256)

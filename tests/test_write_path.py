@@ -76,7 +76,7 @@ def test_a_lone_append_behind_another_handle_is_rebased_to_the_true_tail(tmp_pat
 
 
 def test_batch_ids_differ_across_forked_children_and_ignore_the_random_module():
-    """Ids no longer come from a system call each: a forked child must still draw its own, and
+    """Ids are not drawn by a system call each: a forked child must still draw its own, and
     a caller seeding ``random`` (hypothesis does) must not make them repeat."""
     import multiprocessing
     import random

@@ -255,8 +255,8 @@ def _sort_into(run: SortedRun, collected: list[tuple[bytes, int | None]], order:
     as it goes. Keys that share a float (or repeat) fail the check: the pairs are then sorted
     again by the keys themselves (nearly sorted already, so cheap unless many share floats) and
     deduplicated. CPU time of the sort and pack for 1M random pairs: 0.55-0.6 s, and of the
-    whole read 0.95-1.0 s (dealt into buckets by key byte in Python, before: 1.2-1.26 s; one sort
-    by the bytes keys costs 0.7 s alone, by floats 0.25 s).
+    whole read 0.95-1.0 s (dealing the pairs into buckets by key byte in Python instead: 1.2-1.26 s;
+    one sort by the bytes keys costs 0.7 s alone, by floats 0.25 s).
     """
     if progress is not None:  # the sort pass starts: one C call (4.5 s of CPU for 10M pairs)
         progress(0, len(collected))

@@ -1,4 +1,4 @@
-"""Key-based log compaction (issue 13): cleaning throughput next to a raw read of the same bytes.
+"""Key-based log compaction: cleaning throughput next to a raw read of the same bytes.
 
     python -m sims.logcompaction.run [--records 1000000] [--keys 10000] [--value-size 100]
                                      [--batch 1000] [--rolling-size 8MiB] [--dir DIR]

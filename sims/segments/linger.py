@@ -1,7 +1,7 @@
 """EventWriter linger on S3 (moto): requests per second of a steady stream of small events.
 
 10,000 events/s of 100 bytes into a 4-segment stream from one process, with ``linger_ms=100``
-(issue 12's goal: <= 50 PUTs/s, each event durable within linger + one append), against the
+(the goal: <= 50 PUTs/s, each event durable within linger + one append), against the
 same stream written synchronously with a ``flush()`` per 10 ms tick (what a caller needing the
 same durability delay does without linger). Requests are counted at the s3fs client
 (testkit/s3_requests.py); moto's server (testkit/moto_server.py) is started here on a free loopback port.

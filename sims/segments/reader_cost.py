@@ -2,8 +2,8 @@
 
 Idle readers: N readers (threads) waiting at the tail of one segment handle for ``--seconds``,
 with the old fixed 0.05 s poll interval and with the default backoff (0.05 s doubling to 1 s),
-as requests per reader-hour (the first seconds of the backoff included). Before issue 12 every
-poll was a LIST (one per reader): about 52,000 LISTs per reader-hour. Opening: ``SegmentStore.open``
+as requests per reader-hour (the first seconds of the backoff included). A poll that LISTs the
+segment (one per reader) would make about 52,000 LISTs per reader-hour. Opening: ``SegmentStore.open``
 plus ``segment()`` of an existing segment, by request kind. Counted by the storage's own counters.
 
     python -m sims.segments.reader_cost [--seconds 6]

@@ -17,7 +17,7 @@ the second is warm), checks the row count and the total payload bytes, and repor
 times (imports and opening excluded) and the CPU time of the second (all of the process's
 threads: both sides read with threads). Prints records/s per round with the load average, the
 medians of each and the ratios, and records per CPU-second (less disturbed than wall time on a
-shared machine); the issue's goal is >= 5M records/s for attrindex (the warm read). Writes
+shared machine); the goal is >= 5M records/s for attrindex (the warm read). Writes
 arrow-read.json to --out.
 """
 
