@@ -335,7 +335,7 @@ class AttributeIndex(IndexHandle):
         merge into the tree that may follow never fails the update (``stats().merge_error``).
         ``OutcomeUnknownError`` means storage could not settle whether the append was written
         (``refresh()`` and read to find out). ``checkpoint`` is refused: an index's checkpoint
-        is now its WAL position (``TreeIndex`` keeps positions of other logs).
+        is its WAL position (``TreeIndex`` keeps positions of other logs).
         """
         self._check_writable()
         _refuse_checkpoint(checkpoint)
