@@ -65,7 +65,6 @@ def options(endpoint: str) -> dict:
     return {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET}
 
 
-@contextlib.contextmanager
 def die_with_parent() -> None:
     """In a child process: be killed when the process that started it dies (a killed pytest or sims
     driver never runs its teardown). Linux only (``PR_SET_PDEATHSIG``); elsewhere the teardown does it."""
@@ -78,6 +77,7 @@ def die_with_parent() -> None:
         pass
 
 
+@contextlib.contextmanager
 def running(*, switch_interval: float | None = None, timeout: float = 30.0) -> Iterator[dict]:
     """Run the server in a child process on a free loopback port; yield its storage options.
 

@@ -12,7 +12,7 @@ import pytest
 
 from attrindex import SegmentStore
 from attrindex.errors import RecordTruncatedError, StorageError, TruncatedError
-from attrindex.attribute_state import AttributeState
+from attrindex import replay
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 
@@ -48,20 +48,20 @@ def test_verify_and_open_beside_a_merging_writer_with_retention(tmp_path):
 
 
 def test_open_looks_again_when_retention_removes_what_it_replays(monkeypatch):
-    real_open, calls = AttributeState._open_at_checkpoint, []
+    real_open, calls = replay.open_at_checkpoint, []
 
-    def racing_open(self):
+    def racing_open(log, *args):
         calls.append(1)
         if len(calls) == 1:
-            raise TruncatedError(self.name, 0, 1, 10, 20)  # what a concurrent retention causes
-        return real_open(self)
+            raise TruncatedError(log.segment, 0, 1, 10, 20)  # what a concurrent retention causes
+        return real_open(log, *args)
 
-    monkeypatch.setattr(AttributeState, "_open_at_checkpoint", racing_open)
+    monkeypatch.setattr(replay, "open_at_checkpoint", racing_open)
     with SegmentStore.open("memory://open-race-1") as store:
         store.segment("s", create=True).append([b"x"])
     assert len(calls) == 2
 
-    monkeypatch.setattr(AttributeState, "_open_at_checkpoint", lambda self: (_ for _ in ()).throw(TruncatedError(self.name, 0, 1, 10, 20)))
+    monkeypatch.setattr(replay, "open_at_checkpoint", lambda log, *_: (_ for _ in ()).throw(TruncatedError(log.segment, 0, 1, 10, 20)))
     with SegmentStore.open("memory://open-race-2") as store:
         with pytest.raises(StorageError, match="retention") as caught:
             store.segment("s", create=True)
@@ -76,9 +76,9 @@ def test_open_after_a_retention_race_replays_from_the_newer_checkpoint(tmp_path,
         seg = store.segment("s", create=True)
         for i in range(20):
             seg.append([b"r%02d" % i], [(1, i)])
-    real_open, raced = AttributeState._open_at_checkpoint, []
+    real_open, raced = replay.open_at_checkpoint, []
 
-    def racing_open(self):
+    def racing_open(log, *args):
         if not raced:  # the handle under test: another handle appends and applies retention now
             raced.append(1)
             with SegmentStore.open(root, **options) as other:
@@ -86,10 +86,10 @@ def test_open_after_a_retention_race_replays_from_the_newer_checkpoint(tmp_path,
                 for i in range(20, 40):
                     seg.append([b"r%02d" % i], [(1, i)] + ([(2, i)] if i < 30 else []))
                 assert seg.apply_retention(max_bytes=600) > 0  # key 2's batches: merged, then deleted
-            raise TruncatedError(self.name, 0, 1, 10, 20)  # what its replay then meets
-        return real_open(self)
+            raise TruncatedError(log.segment, 0, 1, 10, 20)  # what its replay then meets
+        return real_open(log, *args)
 
-    monkeypatch.setattr(AttributeState, "_open_at_checkpoint", racing_open)
+    monkeypatch.setattr(replay, "open_at_checkpoint", racing_open)
     with SegmentStore.open(root, **options) as store:
         seg = store.segment("s")
         assert seg.get_attributes([1, 2]) == [39, 29]
