@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .log.batch import BatchHeader, decode_attribute_updates
+from .log.batch.decode import decode_attribute_updates
+from .log.batch.header import BatchHeader
 from .log.segment_log import BatchVisitor, SegmentLog
 from .overlay import AttributeOverlay
 

@@ -32,8 +32,10 @@ from .conditional import AttributeUpdate, UpdateType, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
                      InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
 from .keys import canonical_batch, pair_list, to_key, to_keys
-from .log.batch import (Codec, Record, codec_for, encode_batch, encode_batch_with_header, new_batch_id, read_header,
-                        rebase_batch, record_list)
+from .log.batch.compression import Codec, codec_for
+from .log.batch.encode import encode_batch, encode_batch_with_header, new_batch_id, rebase_batch
+from .log.batch.header import read_header
+from .log.batch.records import Record, record_list
 from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError,
                               SegmentLog)
 from .log.retention import plan_retention

@@ -119,7 +119,7 @@ def test_an_open_racing_log_compaction_sees_every_attribute_update(backend, tmp_
     updates of the batches it rewrites below its limit (a newer tree version holds them); an open
     that read the older tree version replayed the rewritten batches and missed them."""
     from attrindex import SegmentStore
-    from attrindex.log.batch import Record
+    from attrindex.log.batch.records import Record
 
     url = _url(backend, tmp_path)
     store = SegmentStore.open(url, log_rolling_size=200, flush_keys=10**6, flush_seconds=10**6)

@@ -19,8 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attrindex import Record, SegmentStore
-from attrindex.log.batch import (BATCH_HEADER_SIZE, available_codecs, chain_end, encode_batch, last_batch_end,
-                                 place_batches)
+from attrindex.log.batch.chain import chain_end, last_batch_end, place_batches
+from attrindex.log.batch.compression import available_codecs
+from attrindex.log.batch.encode import encode_batch
+from attrindex.log.batch.header import BATCH_HEADER_SIZE
 from attrindex.log.framing import LOG_FRAMING, LogFraming, torn_claim
 from storage_adapters.framing import Framing
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from attrindex import SegmentStore
 from attrindex.errors import InvalidInputError, LayoutConflictError
-from attrindex.log.batch import encode_batch, place_batches
+from attrindex.log.batch.chain import place_batches
+from attrindex.log.batch.encode import encode_batch
 from attrindex.log.segment_log import INDEX_DIR, LOG_DIR
 
 

@@ -53,8 +53,11 @@ import attrs
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, InvalidInputError, LayoutConflictError, StorageError, TruncatedError
-from .batch import (BatchHeader, Record, batch_columns, decode_keys, decode_records, encode_batch, peek_header,
-                    place_batches, uniform_keys)
+from .batch.chain import place_batches
+from .batch.decode import batch_columns, decode_keys, decode_records, uniform_keys
+from .batch.encode import encode_batch
+from .batch.header import BatchHeader, peek_header
+from .batch.records import Record
 from .segment_log import LayoutChangedError
 
 _log = logging.getLogger("attrindex.cleaner")

@@ -45,8 +45,10 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import chunk_name
 
 from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
-from .batch import (BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches,
-                    read_header)
+from .batch.chain import iter_batches
+from .batch.decode import decode_records
+from .batch.header import BATCH_HEADER_SIZE, BatchHeader, check_batch, read_header
+from .batch.records import Record
 from .framing import LOG_FRAMING, torn_claim
 from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
 
