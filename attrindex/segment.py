@@ -30,14 +30,14 @@ from storage_adapters.rolling import SEGMENT_SUFFIX
 from .tree_index import TreeIndex
 from .conditional import AttributeUpdate, UpdateType, resolve_updates
 from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
-                     InvalidInputError, LayoutConflictError, RecordTruncatedError, StorageError, TruncatedError)
+                     InvalidInputError, LayoutChangedError, LayoutConflictError, RecordTruncatedError, StorageError,
+                     TruncatedError)
 from .keys import canonical_batch, pair_list, to_key, to_keys
 from .log.batch.compression import Codec, codec_for
 from .log.batch.encode import encode_batch, encode_batch_with_header, new_batch_id, rebase_batch
 from .log.batch.header import read_header
 from .log.batch.records import Record, record_list
-from .log.segment_log import (DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, LayoutChangedError,
-                              SegmentLog)
+from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog
 from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner

@@ -24,8 +24,7 @@ import weakref
 from typing import Iterator
 
 from .btree.tree import TreeMovedError
-from .errors import MergeBacklogError, StorageError, TruncatedError
-from .log.segment_log import LayoutChangedError
+from .errors import LayoutChangedError, MergeBacklogError, StorageError, TruncatedError
 from .merge_worker import (MAX_FAILED_MERGES, MAX_FAILED_STARTS, MergeWorker, MergeWorkerError, WorkerGaveUpError,
                            WorkerStartError, worker_storage)
 from .overlay import AttributeOverlay, merge_overlay

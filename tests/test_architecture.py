@@ -1,6 +1,7 @@
 """The shape of the code: the import graph of the two packages has no cycle, the storage layer never
-imports the layers above it, and no module imports another module's private names (attribute
-reaches into another class's private members are not checked here).
+imports the layers above it, and no module imports another module's private names. Attribute
+reaches into another object's private members are checked for the log's modules
+(``attrindex/log``) only.
 
 Modules still over the size limit are listed by name: the list may only shrink (a module that
 fits is taken off it, and a new one over the limit fails).
@@ -126,3 +127,48 @@ def test_modules_stay_under_the_size_limit():
     over = {path for path, lines in sizes.items() if lines > MAX_MODULE_LINES}
     assert over <= OVERSIZED, f"over {MAX_MODULE_LINES} lines: {sorted(over - OVERSIZED)}"
     assert over == OVERSIZED, f"under the limit now, take them off OVERSIZED: {sorted(OVERSIZED - over)}"
+
+
+def _private_reaches(source: str) -> list[str]:
+    """``obj._name`` in ``source`` where ``obj`` is not ``self``/``cls`` and no class of the module
+    defines ``_name`` (as a method, a class attribute or a ``self._name`` assignment)."""
+    tree = ast.parse(source)
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    own.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    own.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    own.add(item.target.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            own.add(node.attr)
+    return sorted(ast.unparse(node) for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in own
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")))
+
+
+def test_the_log_modules_reach_into_no_other_objects_private_members():
+    found = {str(path.relative_to(ROOT)): reaches for name, path in MODULES.items()
+             if name.startswith("attrindex.log") and (reaches := _private_reaches(path.read_text()))}
+    assert found == {}
+
+
+def test_the_reach_finder_finds_a_reach():
+    source = """
+class Log:
+    def __init__(self):
+        self._mine = 1
+
+    def ok(self, other: "Log"):
+        return self._mine + other._mine
+
+def clean(log):
+    log._sync()
+    return log._chunks[log._mine]
+"""
+    assert _private_reaches(source) == ["log._chunks", "log._sync"]

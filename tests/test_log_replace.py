@@ -223,7 +223,7 @@ def test_stale_handle_reads_by_offset_after_a_switch(storage_url):
     _fill(writer, 30)
     writer.flush()  # the stale handle opens at the checkpoint: no summaries of old chunks
     stale = _store(url, options).segment("s")
-    assert all(c.summary is None for c in stale._log._chunks[:-1])
+    assert all(c.summary is None for c in stale._log.chunks[:-1])
     sealed = _sealed(writer._log)
     dropped = set()
 
