@@ -19,7 +19,8 @@ from .log.batch.records import Record
 from .log.cleaner import CompactionStats
 from .log.cleanup_policy import CleanupPolicy
 from .reader import SegmentReader
-from .segment import AppendResult, Segment, SegmentStats
+from .appender import AppendResult
+from .segment import Segment, SegmentStats
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport
 from .tree_index import IndexStats
 from .store import SegmentStore

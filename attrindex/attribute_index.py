@@ -1,17 +1,16 @@
 """``AttributeIndex``: the public key-value index (16-byte keys, int64 values) over any storage URL.
 
-It is a facade over a private ``Segment`` (the machinery the segments use, reused, not copied):
+It owns three parts, the ones a ``Segment`` is built of too (see docs/architecture.md):
 
-* the segment's record-batch log named ``NAME/_wal`` is the write-ahead log: each ``update`` is one
-  attribute-only batch appended to it (REPLACE semantics, ``None`` removes) and returns when that
-  append is durable;
-* the segment's tier-1 overlay serves the updates at once;
-* its attribute B+tree, a ``TreeIndex`` kept at the index's own name ``NAME``, gets the overlay as
-  large sorted batches (the segment's merge) with the WAL position it covers as its checkpoint;
-* opening replays the WAL after that checkpoint. An index written before the WAL existed is a
-  tree with no WAL, and opens unchanged.
+* a record-batch log (``SegmentLog``) named ``NAME/_wal``, the write-ahead log: each ``update`` is
+  one attribute-only batch appended to it (REPLACE semantics, ``None`` removes) by the
+  ``Appender`` (group commit), and returns when that append is durable;
+* the ``AttributeState``: its tier-1 overlays serve the updates at once, and its merge moves them
+  into the B+tree, a ``TreeIndex`` kept at the index's own name ``NAME``, as large sorted batches
+  with the WAL position they cover as the tree's checkpoint; the WAL below it is then deleted;
+* opening replays the WAL after that checkpoint.
 
-See docs/design.md, "Write path". The helpers other modules import from here are re-exported.
+See docs/design.md, "Write path".
 """
 
 from __future__ import annotations
@@ -37,12 +36,14 @@ from .handle import IndexHandle
 from .keys import KEY_SIZE, all_canonical_keys, all_canonical_values, canonical_batch, to_key
 from .locations import index_storage
 from .value_cache import MISSING
+from .appender import Appender
+from .attribute_state import AttributeState
 from .log.framing import LOG_FRAMING
-from .log.segment_log import LOG_DIR
+from .log.segment_log import LOG_DIR, SegmentLog
 from .merge_worker import DEFAULT_HANG_SECONDS
-from .overlay import AttributeOverlay, sort_keys
-from .segment import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES, Segment,
+from .options import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES,
                       SegmentOptions)
+from .overlay import AttributeOverlay, sort_keys
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
                          IndexStats, TreeIndex, key_list)
@@ -127,13 +128,23 @@ class AttributeIndex(IndexHandle):
         self._read_only = False  # set by open(mode="r")
         self._updates_written = 0  # WAL appends made by this handle
         self._len_cache: tuple[tuple, int] | None = None  # (state it was counted at, count)
-        self._wal = self._open_wal()
+        self._open_wal()
 
-    def _open_wal(self) -> Segment:
-        """The private segment: the WAL at ``NAME/_wal`` and the tree at ``NAME``, replayed."""
+    def _open_wal(self) -> None:
+        """The parts: the WAL at ``NAME/_wal``, the tree at ``NAME`` with the WAL replayed after its
+        checkpoint, and the appender. Their lock: updates, catch-up, freezing and the read view."""
+        lock = threading.RLock()
+        log = SegmentLog(self._storage, self.wal_name, rolling_size=self._options.log_rolling_size,
+                         index_interval_bytes=self._options.index_interval_bytes)
+        state = AttributeState(log, self._name, self._options, lock)
         try:
-            wal = Segment(self._storage, self.wal_name, self._options, tree_name=self._name)
+            with lock:
+                state.open()
+                # Tier 1 is the WAL replayed from the tree version just read: merges check that
+                # the tree is still that version (another handle's bulk load is no replay of it).
+                state.track_base()
         except CorruptDataError as exc:
+            log.close()
             external = self._external_checkpoint()
             if external is None:
                 raise
@@ -144,10 +155,11 @@ class AttributeIndex(IndexHandle):
                 f"with attrindex.tree_index.TreeIndex), or its write-ahead log was deleted or not copied with "
                 f"the tree (restore {self.wal_name!r} beside it: the updates after the checkpoint are only "
                 f"there). See docs/design.md, 'Write path'") from exc
-        # Tier 1 is the WAL replayed from the tree version just read: merges check that the tree
-        # is still that version (another handle's bulk load is no replay of the WAL).
-        wal._tier1_base = wal._index.checkpoint or 0
-        return wal
+        except BaseException:
+            log.close()
+            raise
+        self._lock, self._log, self._attributes = lock, log, state
+        self._appender = Appender(log, state, lock)
 
     def _external_checkpoint(self) -> int | None:
         """The tree's checkpoint if it cannot be a WAL position (no WAL was ever written)."""
@@ -177,10 +189,11 @@ class AttributeIndex(IndexHandle):
         """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path (``str`` or
         ``os.PathLike``), ``s3://``.
 
-        ``mode="a"`` (the default) opens the index or creates it; ``mode="r"`` opens an existing
-        index read-only (nothing is written, not even a merge): a missing one (a mistyped path, an
-        empty directory) raises ``IndexNotFoundError`` and ``update`` raises ``InvalidInputError``.
-        A local path that is a regular file raises ``IndexNotFoundError`` in both modes.
+        ``mode="a"`` (the default) opens the index or creates it; ``mode="r+"`` opens an existing
+        index only; ``mode="r"`` opens an existing index read-only (nothing is written, not even a
+        merge; ``update`` raises ``InvalidInputError``). A missing index (a mistyped path, an empty
+        directory) raises ``IndexNotFoundError`` in modes "r+" and "r", and a local path that is a
+        regular file in every mode. ``SegmentStore.open`` takes the same modes but "r".
 
         ``options``: ``page_size`` (default 32768), ``rolling_size`` of the tree (4 MiB),
         ``cache_bytes`` for decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi),
@@ -201,9 +214,9 @@ class AttributeIndex(IndexHandle):
     # -- reading -------------------------------------------------------------------------------
     def get(self, key: object) -> int | None:
         """The value stored for ``key``, or ``None``."""
-        # The hot path: ``Segment._current_value`` inlined (a Python call is ~5% of a warm lookup).
-        # No lock and no closed check: one read of the WAL's read view (a closed handle's raises).
-        active, frozen, recent, tree_get, _tree_get_many = self._wal._view
+        # The hot path: ``read_view.view_value`` inlined (a Python call is ~5% of a warm lookup).
+        # No lock and no closed check: one read of the read view (a closed handle's raises).
+        active, frozen, recent, tree_get, _tree_get_many = self._attributes.view
         if type(key) is not bytes or len(key) != KEY_SIZE:
             key = to_key(key)
         if active is not None:  # the overlay's lookup table (``AttributeOverlay.lookup``); None: empty
@@ -229,13 +242,15 @@ class AttributeIndex(IndexHandle):
         self._check_open()
         keys = key_list(keys)
         canonical = keys if all_canonical_keys(keys) else [to_key(k) for k in keys]
-        return self._wal._current_values(canonical)  # lock-free, from one read view
+        return self._attributes.values(canonical)  # lock-free, from one read view
 
     def items(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` pairs with ``start <= key < stop`` in ascending key order: the WAL's
         pending updates merged over the tree (a snapshot of the pending ones, the tree read lazily)."""
         self._check_open()
-        return self._wal.attributes(start, stop)
+        low = None if start is None else to_key(start)
+        high = None if stop is None else to_key(stop)
+        return self._attributes.items(low, high)
 
     def split_keys(self, parts: int) -> list[bytes]:
         """Up to ``parts - 1`` ascending keys cutting the stored keys into about equal ranges
@@ -244,7 +259,8 @@ class AttributeIndex(IndexHandle):
         self._check_open()
         if type(parts) is not int or not 0 <= parts <= MAX_SPLIT_PARTS:
             raise InvalidInputError(f"parts must be an int in [0, {MAX_SPLIT_PARTS}], got {parts!r:.60}")
-        return self._wal.attribute_split_keys(parts)
+        with self._lock:
+            return self._attributes.tree.split_keys(parts)
 
     def __len__(self) -> int:
         """The exact number of keys: the tree's count corrected for the WAL's pending updates.
@@ -254,29 +270,20 @@ class AttributeIndex(IndexHandle):
         lookups run on a snapshot of the pending updates without the WAL's lock: updates beside
         a ``len`` wait for one copy of the active overlay, not for the count."""
         self._check_open()
-        wal = self._wal
+        attributes = self._attributes
         for _attempt in range(MAX_REFRESH_ATTEMPTS):
-            with wal._lock:
-                wal._settle_tier1()  # (a failed rebuild left tier 1 stale: rebuilt first, or raise)
-                state = self._len_state()
+            with self._lock:
+                attributes.settle()  # (a failed rebuild left tier 1 stale: rebuilt first, or raise)
+                state, frozen, active = attributes.pending_snapshot()
                 cached = self._len_cache
                 if cached is not None and cached[0] == state:
                     return cached[1]
-                frozen, active = wal._frozen, wal._overlay.copy_values()  # a frozen overlay never changes
             count = self._count_snapshot(state[0], frozen, active)
             if count is not None:
                 self._len_cache = (state, count)
                 return count
-        with wal._merge_mutex, wal._lock:  # merges kept moving the tree: count with merges held off
+        with attributes.runner.merging(), self._lock:  # merges kept moving the tree: count with merges held off
             return self._count()
-
-    def _len_state(self) -> tuple:
-        """What ``len`` depends on (under the WAL's lock): the WAL position, the tree's version
-        and the overlays (they change only with the position, a merge or a rebuild)."""
-        wal = self._wal
-        frozen = wal._frozen
-        return (wal._log.position, wal._index.version.footer_offset, id(wal._overlay), len(wal._overlay),
-                id(frozen), 0 if frozen is None else len(frozen))
 
     def _count_snapshot(self, position: int, frozen: AttributeOverlay | None, active: dict) -> int | None:
         """The count at WAL ``position`` from a snapshot of tier 1 (without the lock), or None if
@@ -284,7 +291,7 @@ class AttributeIndex(IndexHandle):
 
         Any tree version up to ``position`` overlaid with tier 1 as of ``position`` is the state at
         ``position``: a merge landing meanwhile moves into the tree only what tier 1 overrides."""
-        tree = self._wal._index
+        tree = self._attributes.tree
         version = tree.version
         if version.footer.checkpoint > position:
             return None
@@ -303,11 +310,11 @@ class AttributeIndex(IndexHandle):
 
     def _count(self) -> int:
         """Tree entries + pending keys present now - pending keys the tree holds (under the lock)."""
-        wal = self._wal
-        wal._settle_tier1()
-        tree = wal._index
+        attributes = self._attributes
+        attributes.settle()
+        tree = attributes.tree
         entries = tree.version.footer.entry_count
-        pending, now = wal._pending_items()
+        pending, now = attributes.pending_items()
         if not pending:
             return entries
         stored = tree.get_many(pending)
@@ -371,15 +378,15 @@ class AttributeIndex(IndexHandle):
         """
         self._check_writable()
         run = read_pairs(pairs, progress)  # checked and sorted before anything is written
-        wal = self._wal
-        tree, log = wal._index, wal._log
-        with wal._merge_mutex:  # no background merge until the load is in the tree
+        attributes = self._attributes
+        tree, log = attributes.tree, self._log
+        with attributes.runner.merging():  # no background merge until the load is in the tree
             for _attempt in range(MAX_REFRESH_ATTEMPTS):
-                wal._drain()
-                with wal._lock:
-                    wal._append_empty_batch(int(time.time() * 1000))  # the load's place in the WAL
+                attributes.drain()
+                with self._lock:
+                    self._appender.append_empty(int(time.time() * 1000))  # the load's place in the WAL
                     position = log.position
-                    if not len(wal._overlay) and wal._frozen is None:  # no update slipped in before it
+                    if not attributes.pending_keys:  # no update slipped in before it
                         break
             else:
                 raise StorageError(f"index {self._name!r}: updates kept arriving during bulk_load "
@@ -397,7 +404,7 @@ class AttributeIndex(IndexHandle):
         # In the caller's order: nothing reads a WAL batch's updates in key order (replay applies
         # them to the overlay, the merge sorts the overlay), and sorting 1,000 random keys took
         # ~15% of an update's CPU.
-        self._wal._append_replacements(list(batch), list(batch.values()))  # durable when it returns
+        self._appender.append_replacements(list(batch), list(batch.values()), self._options.codec)  # durable
         self._updates_written += 1
 
     def flush(self) -> None:
@@ -406,14 +413,14 @@ class AttributeIndex(IndexHandle):
         Not needed for durability (every update already is). Raises the storage error if the
         merge fails; the updates stay in the WAL and a later merge retries."""
         self._check_writable()
-        self._wal.flush()
+        self._attributes.flush()
 
     @property
     def checkpoint(self) -> int | None:
         """The WAL byte position the tree covers: updates before it are merged into the tree
         (``None`` before the first merge)."""
         self._check_open()
-        return self._wal._index.checkpoint
+        return self._attributes.tree.checkpoint
 
     def refresh(self) -> None:
         """Pick up updates made by other handles or processes (the version seen never goes back).
@@ -421,29 +428,8 @@ class AttributeIndex(IndexHandle):
         Raises ``CorruptDataError`` if the tree's newest footer or the WAL is damaged: see
         ``verify`` and ``repair``."""
         self._check_open()
-        wal = self._wal
-        with wal._merge_mutex, wal._lock:  # no merge of this handle's meanwhile
-            tree, log = wal._index, wal._log
-            # The tree first: another handle may have merged and truncated the WAL below the new
-            # checkpoint, and what it cut is then in the tree. Tier 1 holds the WAL from the tree
-            # version it was built on: while the tree is still that version, catching up with the
-            # WAL is enough. Any other version (another handle merged or bulk loaded, or an
-            # earlier refresh adopted it and then failed) rebuilds tier 1 from it: over a bulk
-            # load, tier 1's values from before the load would shadow the loaded ones.
-            tree.refresh()
-            if (tree.checkpoint or 0) == wal._tier1_base:
-                seen = log.position
-                wal._catch_up()
-                if log.start_position <= seen:  # nothing this handle had not replayed was cut
-                    return
-            for _attempt in range(MAX_REFRESH_ATTEMPTS):
-                # Replay the WAL from the tree's newest checkpoint (the overlay is rebuilt aside).
-                wal._rebuild_overlay()
-                if (tree.checkpoint or 0) >= log.start_position:
-                    return
-                tree.refresh()
-            raise StorageError(f"index {self._name!r}: other handles kept truncating the WAL during refresh "
-                               f"({MAX_REFRESH_ATTEMPTS} tries)")
+        with self._attributes.runner.merging(), self._lock:  # no merge of this handle's meanwhile
+            self._attributes.refresh()
 
     # -- inspection ----------------------------------------------------------------------------
     def stats(self) -> IndexStats:
@@ -455,12 +441,13 @@ class AttributeIndex(IndexHandle):
         plus ``wal_bytes``; ``pending_keys`` are in the WAL, not yet merged into the tree.
         """
         self._check_open()
-        segment = self._wal.stats()
-        count = len(self)  # not under the WAL's lock: it may wait for a merge (lock order: merge, then lock)
-        tree = segment.attributes
+        with self._lock:
+            tree = self._attributes.tree.stats()
+            wal_bytes = sum(c.stored for c in self._log.bytes.chunks())  # a hole holds nothing
+            pending = self._attributes.pending_keys
+        count = len(self)  # not under the lock: it may wait for a merge (lock order: merge, then lock)
         return attrs.evolve(tree, entry_count=count, updates_written=self._updates_written,
-                            storage_bytes=tree.storage_bytes + segment.log_bytes,
-                            pending_keys=segment.pending_attributes, wal_bytes=segment.log_bytes)
+                            storage_bytes=tree.storage_bytes + wal_bytes, pending_keys=pending, wal_bytes=wal_bytes)
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> IndexVerifyReport:
         """Read every committed byte of the tree and of the WAL and report every damaged range.
@@ -501,12 +488,11 @@ class AttributeIndex(IndexHandle):
 
         Stop other writers first."""
         self._check_writable()
-        wal = self._wal
-        wal._wrote = False  # no merge on the way out: the tree may be what is damaged
         with contextlib.suppress(CorruptDataError, StorageError):
-            wal.close()
+            self._attributes.close(merge=False)  # no merge on the way out: the tree may be what is damaged
+        self._log.close()
         report = self._repair(self._storage, self._name, self._options)
-        self._wal = self._open_wal()
+        self._open_wal()
         self._len_cache = None
         return report
 
@@ -541,7 +527,10 @@ class AttributeIndex(IndexHandle):
         if self._closed:
             return
         self._closed = True
-        self._wal.close()
+        try:
+            self._attributes.close()
+        finally:
+            self._log.close()
 
     def _location(self) -> tuple[str, str]:
         return self._name, self._storage.url

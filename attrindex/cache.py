@@ -1,4 +1,4 @@
-"""A sharded, byte-charged LRU cache of decoded pages: the B+tree's tier-2 cache.
+"""A sharded, byte-charged LRU cache of decoded pages: the B+tree's page cache.
 
 Modelled on LevelDB's ``ShardedLRUCache`` (``util/cache.cc``), in idiomatic Python: there is no
 pinning or reference counting, because a caller's Python reference keeps a value alive after it has

@@ -98,7 +98,8 @@ def _open_store(args: argparse.Namespace, *, writes: bool, create: bool = False,
     from .store import SegmentStore
 
     try:
-        store = SegmentStore.open(args.url, storage_options=storage_options(args), create=create)
+        store = SegmentStore.open(args.url, storage_options=storage_options(args),
+                                   mode="a" if create else "r+")
     except StoreNotFoundError as exc:
         if missing is None:
             raise

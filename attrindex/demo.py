@@ -142,7 +142,7 @@ def claim_run(url: str, storage_options: dict | None = None, *, rows: int = 0) -
 def _stream_records(url: str, options: dict, stream: str) -> int:
     from .store import SegmentStore
 
-    with SegmentStore.open(url, storage_options=options, create=False) as store:
+    with SegmentStore.open(url, storage_options=options, mode="r+") as store:
         return sum(s.next_offset - s.start_offset for s in (store.segment(n).stats() for n in store.stream_segments(stream)))
 
 
@@ -225,7 +225,7 @@ def run_demo(spark, url: str, storage_options: dict | None = None, *, rows: int 
     say(f"      {report.attributes_loaded:,} users loaded in {report.load_seconds:.1f} s; {report.lookups:,} lookups,"
         f" {report.lookup_mismatches} mismatches")
 
-    with SegmentStore.open(url, storage_options=driver, create=False) as store:
+    with SegmentStore.open(url, storage_options=driver, mode="r+") as store:
         report.segments = [store.segment(name).stats() for name in store.stream_segments(report.stream)]
         report.totals = store.segment(report.totals_segment).stats()
     df.unpersist()

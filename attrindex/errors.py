@@ -104,7 +104,7 @@ class IndexNotFoundError(AttrIndexError, LookupError):
 
 
 class StoreNotFoundError(AttrIndexError, LookupError):
-    """A store opened without ``create`` (``SegmentStore.open(url, create=False)``) does not exist
+    """A store opened with ``mode="r+"`` (``SegmentStore.open(url, mode="r+")``) does not exist
     at its URL, or the URL cannot hold one (a regular file)."""
 
 

@@ -28,16 +28,19 @@ class IndexHandle:
     def _open_at(cls, url: str | os.PathLike[str], name: str, mode: str, storage_options: Mapping[str, Any] | None,
                  options: dict[str, Any]) -> Self:
         """``open``'s work for every index class: the storage at ``url``, the index ``name`` in it
-        (created in mode "a" after a handle built with ``options`` checked them), read-only in "r"."""
-        if mode not in ("a", "r"):
-            raise InvalidInputError(f"mode must be 'a' (open or create) or 'r' (read-only), got {mode!r}")
+        (created in mode "a" after a handle built with ``options`` checked them; an existing one
+        only in "r+" and "r"), read-only in "r"."""
+        if mode not in ("a", "r+", "r"):
+            raise InvalidInputError(f"mode must be 'a' (open or create), 'r+' (an existing index) or 'r' (read-only), "
+                                    f"got {mode!r:.60}")
         validate_segment_name(name)
         what = f"index {name!r}"
         storage = open_location(url, storage_options, what=what, not_found=IndexNotFoundError)
         try:
             if not index_exists(storage, name):
-                if mode == "r":
-                    raise IndexNotFoundError(f"no {what} at URL {storage.url!r} (opened read-only, so nothing was created)")
+                if mode != "a":
+                    raise IndexNotFoundError(f"no {what} at URL {storage.url!r} (opened with mode {mode!r}, so nothing "
+                                             f"was created)")
                 cls(storage, name, **options).close()  # type: ignore[call-arg]  # options checked before the marker
                 mark_index_created(storage, name)
             index = cls(storage, name, **options)  # type: ignore[call-arg]

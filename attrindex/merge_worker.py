@@ -60,6 +60,7 @@ from storage_adapters.local import LocalChunkStorage
 
 from .errors import StorageError
 from .overlay import merge_overlay
+from .replay import for_merge
 
 #: The longest one merge may take even while the worker makes progress (a worker spinning without
 #: end); a worker that makes none is killed after ``hang_seconds`` (see the module's docstring).
@@ -74,8 +75,9 @@ WORKER_PACED_WRITE_BYTES = 256 << 10
 MAX_FAILED_STARTS = 3  #: workers in a row that failed to start before merges stay in the writer's process
 _PARENT_POLL_SECONDS = 0.1  #: how often a worker looks whether its parent still lives
 _FRAME = struct.Struct(">I")
-# (not ``-m attrindex.merge_worker``: the package imports this module before runpy would run it)
-_WORKER_MAIN = "import sys; from attrindex.merge_worker import main; sys.exit(main(sys.argv[1:]))"
+#: The program a worker process runs (tests run one that wraps it with scripted faults). Not
+#: ``-m attrindex.merge_worker``: the package imports this module before runpy would run it.
+WORKER_MAIN = "import sys; from attrindex.merge_worker import main; sys.exit(main(sys.argv[1:]))"
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -121,7 +123,6 @@ class MergeWorker:
         self.peak_rss = 0  #: the largest peak resident set size a worker reported (bytes)
         self._failed_starts = 0  #: in a row
         self._failed_merges = 0  #: merges in a row that got no answer (the worker died or hung)
-        self.fault: str | None = None  #: tests only: "exit_before_commit", "exit_after_commit" or "hang"
 
     @property
     def pid(self) -> int | None:
@@ -136,7 +137,7 @@ class MergeWorker:
         that was the ``MAX_FAILED_MERGES``-th merge in a row without an answer."""
         process = self._running()
         try:
-            _send(process.stdin, ("merge", at, self.fault))
+            _send(process.stdin, ("merge", at))
             answer = self._answer(process, MERGE_WORKER_TIMEOUT)
         except (OSError, EOFError, ValueError, pickle.UnpicklingError, TimeoutError) as exc:
             code = self._kill()
@@ -196,7 +197,7 @@ class MergeWorker:
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the directory holding attrindex
         env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
-            process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, str(os.getpid())],
+            process = subprocess.Popen([sys.executable, "-c", WORKER_MAIN, str(os.getpid())],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         except OSError as exc:
             raise MergeWorkerError(f"the merge worker could not be started: {exc}") from exc
@@ -324,32 +325,13 @@ class _Host:
         self.log = SegmentLog(self.storage, spec["wal_name"], rolling_size=spec["log_rolling_size"],
                               index_interval_bytes=spec["index_interval_bytes"])
 
-    def merge(self, at: int, fault: str | None) -> int:
+    def merge(self, at: int) -> int:
         self.tree.refresh()
         covered = self.tree.checkpoint or 0
         if covered >= at:
             return covered  # merged already (a retry after a lost answer, or another handle)
-        overlay = replay_log(self.log, covered, at)
-        if fault == "exit_before_commit":
-            os._exit(17)
-        if fault == "hang":
-            time.sleep(3600)
-        merge_overlay(self.tree, overlay, at)
-        if fault == "exit_after_commit":
-            os._exit(18)
+        merge_overlay(self.tree, for_merge(self.log, covered, at), at)
         return self.tree.checkpoint or 0
-
-
-def replay_log(log, since: int, at: int):
-    """The attribute updates of the log's batches in ``[since, at)`` as an overlay (``since`` and
-    ``at`` are batch boundaries: checkpoints and freeze positions are)."""
-    from .replay import replay_range
-
-    log.open_at(since)
-    if since < log.start_position:
-        raise StorageError(f"segment {log.segment!r}: the log starts at byte {log.start_position}, after the tree's "
-                           f"checkpoint {since}: the updates in between are not in the log")
-    return replay_range(log, since, at)[0]
 
 
 def _watch_parent(parent: int) -> None:
@@ -378,7 +360,7 @@ def main(argv: list[str]) -> int:
                 host = _Host(request[1])
                 answer: tuple = ("ok", None)
             else:
-                checkpoint = host.merge(request[1], request[2])
+                checkpoint = host.merge(request[1])
                 answer = ("ok", (checkpoint, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
             answer = ("error", f"{type(exc).__name__}: {exc}")

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 class Pollable(Protocol):
     """What a poller needs from a segment handle."""
-
-    _appended: threading.Condition  #: notified on appends through the handle and on close
 
     @property
     def next_offset(self) -> int: ...
@@ -30,16 +28,17 @@ class Pollable(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    def _poll_storage(self) -> bool:
-        """Look for appends made elsewhere (cheaply), catch up; True if records arrived."""
-
 
 class SegmentPoller:
     """Shared backoff state of the polls of one segment handle (see the module docstring)."""
 
-    def __init__(self, segment: Pollable, min_interval: float, max_interval: float):
+    def __init__(self, segment: Pollable, appended: threading.Condition, poll: Callable[[], bool],
+                 min_interval: float, max_interval: float):
+        """``appended``: the segment's condition, notified on appends through it and on close;
+        ``poll()``: one look for appends made elsewhere (cheap), catching up; True if records came."""
         self._segment = segment
-        self._cond = segment._appended
+        self._cond = appended
+        self._poll = poll
         self.min_interval = min_interval
         self.max_interval = max_interval
         self._interval = min_interval  #: the wait after the next empty poll grows from this
@@ -75,7 +74,7 @@ class SegmentPoller:
                 self._polling = True
             found = False
             try:
-                found = self._segment._poll_storage()
+                found = self._poll()
             finally:
                 with self._cond:
                     self._polling = False

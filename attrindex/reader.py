@@ -26,8 +26,11 @@ class SegmentReader:
     until ``cancel()``. Get one from ``Segment.reader``.
     """
 
-    def __init__(self, segment, offset: int):
+    def __init__(self, segment, offset: int, *, fetch, wait, wake):
+        """``fetch(offset, max_records, max_bytes, whole_batches=True)``, ``wait(offset, timeout,
+        cancelled)`` and ``wake()`` are the segment's, given by ``Segment.reader``."""
         self.segment = segment
+        self._fetch, self._wait, self._wake = fetch, wait, wake
         self.position = offset  #: the offset of the next record this reader returns
         self._buffer: list[Record] = []
         self._next = 0
@@ -45,7 +48,7 @@ class SegmentReader:
         return self._wait_for(self._fetch_records, timeout)
 
     def _fetch_records(self) -> Record | None:
-        records = self.segment._read(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
+        records = self._fetch(self.position, _FETCH_RECORDS, _FETCH_BYTES, whole_batches=True)
         if not records:
             return None
         self._buffer, self._next = records, 0
@@ -67,7 +70,7 @@ class SegmentReader:
             if self.segment.next_offset > self.position:  # readable yet read nothing (a cut gap?): no spin
                 self._cancelled.wait(min(remaining, _STALL_WAIT))
                 continue
-            self.segment._wait(self.position, remaining, self._cancelled)
+            self._wait(self.position, remaining, self._cancelled)
         return None
 
     def read_arrow(self, max_records: int = 65536, timeout: float | None = None):
@@ -127,7 +130,7 @@ class SegmentReader:
     def cancel(self) -> None:
         """Stop the reader: a waiting ``read`` returns ``None`` now, and every later one too."""
         self._cancelled.set()
-        self.segment._wake_readers()
+        self._wake()
 
     @property
     def cancelled(self) -> bool:

@@ -5,12 +5,11 @@ the *resolved* attribute values (the result of checking the conditions), written
 compare-and-append at the log position this handle last saw. So the check and the write are
 atomic: a writer that loses the race catches up from the log tail, re-validates and retries.
 
-Attribute state = the B+tree (a checkpoint of the state up to a log position, stored in its
-footer) + tier 1, sorted overlays of the values in the log after that position. Tier 1 is merged
-into the tree in large sorted batches by a background thread (``attrindex.segment_merge``);
-opening a segment reads the tree's footer and replays the log after its checkpoint. Concurrent
-appends of one handle are group-committed (``attrindex.write_queue``): one storage append each
-group, each call keeping its own batch, result and errors.
+A ``Segment`` owns its parts and does the records' jobs itself: the log (``SegmentLog``), the
+attribute state (``AttributeState``: the B+tree, tier 1, the read view and the merge), the
+appender (``Appender``: group commit and conditions), and the poller its tail readers share.
+Maintenance (retention, consolidation, key compaction and its policy) is here too: each step
+takes the merge mutex and the lock in that order, so no append lands between a merge and a cut.
 """
 
 from __future__ import annotations
@@ -19,109 +18,31 @@ import logging
 import threading
 import time
 from collections.abc import Mapping  # (isinstance checks: typing.Mapping's is ~5x slower)
-from itertools import compress, repeat
-from operator import is_
 from typing import Any, Iterable, Iterator
 
 import attrs
 
-from storage_adapters.rolling import SEGMENT_SUFFIX
-
-from .tree_index import TreeIndex
-from .conditional import AttributeUpdate, UpdateType, resolve_updates
-from .errors import (BadOffsetError, ChunkExistsError, ConditionalUpdateError, CorruptDataError, HoleError,
-                     InvalidInputError, LayoutChangedError, LayoutConflictError, RecordTruncatedError, StorageError,
-                     TruncatedError)
+from .appender import AppendResult, Appender, PendingAppend
+from .attribute_state import MAX_OPEN_ATTEMPTS, AttributeState
+from .conditional import AttributeUpdate, UpdateType
+from .errors import (ChunkExistsError, HoleError, InvalidInputError, LayoutChangedError, LayoutConflictError,
+                     RecordTruncatedError, StorageError, TruncatedError)
 from .keys import canonical_batch, pair_list, to_key, to_keys
 from .log.batch.compression import Codec, codec_for
-from .log.batch.encode import encode_batch, encode_batch_with_header, new_batch_id, rebase_batch
-from .log.batch.header import read_header
+from .log.batch.encode import encode_batch_with_header, new_batch_id
 from .log.batch.records import Record, record_list
-from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE, SegmentLog
+from .log.segment_log import SegmentLog
 from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
-from .listing import ListedStorage
-from .merge_worker import DEFAULT_HANG_SECONDS
-from .overlay import AttributeOverlay, merge_scan, probe_many
+from .options import SegmentOptions
 from .poller import SegmentPoller
-from .replay import replay_range, replaying
 from .reader import SegmentReader
-from .segment_merge import BACKPRESSURE_WAIT_SECONDS, MERGE_RETRY_MIN_SECONDS, MERGE_RETRY_SECONDS, BackgroundMerge
-from .value_cache import MISSING, ValueCache
-from .write_queue import WriteQueue, WriteRequest
 
 ATTRIBUTES_NAME = "_attributes"
-DEFAULT_FLUSH_KEYS = 250_000
-DEFAULT_FLUSH_BYTES = 64 << 20
-DEFAULT_FLUSH_SECONDS = 30.0
 DEFAULT_READ_BYTES = 8 << 20  # one GET per 8 MiB of a consolidated log on object stores
-DEFAULT_MIN_POLL_INTERVAL = 0.05  #: a tail reader's first poll after records came
-DEFAULT_MAX_POLL_INTERVAL = 1.0  #: ... backing off to this: an idle reader costs 1 request/s
-MAX_OPEN_ATTEMPTS = 10  #: opens that met a concurrent retention before giving up
-MAX_APPEND_RACES = 10_000  #: lost compare-and-append races in a row before an append gives up
-DEFAULT_MAX_PENDING_BYTES = 256 << 20
-MAX_GROUP_BYTES = 4 << 20  #: about this much of concurrent appends is written as one group
-MAX_GROUP_REQUESTS = 4096  #: appends in one group at most
 
 _log = logging.getLogger("attrindex.segment")
-
-# The recent values of a read view that holds nothing (a closed handle's, or one whose attributes
-# are not loaded yet): every key falls through to the view's tree lookups, which raise or load.
-_NO_VALUES = ValueCache(0)  # capacity 0: never holds a value
-
-
-@attrs.frozen
-class AppendResult:
-    """Where an append landed: the offsets of its first and last records.
-
-    An append of attribute updates only has no records: ``first_offset == last_offset + 1``, the
-    offset the next record will get.
-    """
-
-    first_offset: int
-    last_offset: int
-
-    @property
-    def record_count(self) -> int:
-        return self.last_offset - self.first_offset + 1
-
-
-@attrs.frozen
-class SegmentOptions:
-    """Tuning of a segment handle (all have defaults; see ``SegmentStore.open``)."""
-
-    log_rolling_size: int = DEFAULT_LOG_ROLLING_SIZE
-    index_interval_bytes: int = DEFAULT_INDEX_INTERVAL_BYTES
-    codec: Codec = attrs.field(default=Codec.NONE, converter=codec_for)
-    flush_keys: int = DEFAULT_FLUSH_KEYS
-    flush_bytes: int = DEFAULT_FLUSH_BYTES
-    flush_seconds: float = DEFAULT_FLUSH_SECONDS
-    poll_interval: float | None = None  #: if set: a fixed interval (min = max = it), the old behaviour
-    attribute_options: dict = attrs.field(factory=dict)
-    #: Appends wait (back-pressure) while tier 1 (the overlay being filled plus the one being
-    #: merged) holds more than this many bytes, until the background merge makes room.
-    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
-    #: After each merge, delete the log below the chunk holding the B+tree's checkpoint (records
-    #: there are lost: for logs kept only as a write-ahead log of the attributes).
-    truncate_merged_log: bool = False
-    min_poll_interval: float = DEFAULT_MIN_POLL_INTERVAL
-    max_poll_interval: float = DEFAULT_MAX_POLL_INTERVAL
-    #: Merge tier 1 into the B+tree in a worker process (local disk only; elsewhere in a thread):
-    #: the merge's CPU then never holds this process's GIL, so appends keep their latency. The
-    #: worker replays the log itself, which assumes no log compaction rewrites batches meanwhile
-    #: (so segments default to the thread; ``AttributeIndex`` turns it on).
-    merge_process: bool = False
-    #: With ``merge_process``: a worker that makes no progress (no CPU time, no read or write of its
-    #: merging thread) this many seconds is hung: it is killed and the merge retried, so appends
-    #: waiting for room in tier 1 wait about this long at most behind it (``attrindex.merge_worker``).
-    merge_hang_seconds: float = DEFAULT_HANG_SECONDS
-
-    def poll_intervals(self) -> tuple[float, float]:
-        """``(min, max)`` seconds between a waiting reader's polls for other handles' appends."""
-        if self.poll_interval is not None:
-            return self.poll_interval, self.poll_interval
-        return self.min_poll_interval, self.max_poll_interval
 
 
 @attrs.frozen
@@ -149,7 +70,7 @@ class SegmentStats:
     requests: Any = None
 
 
-class Segment(BackgroundMerge):
+class Segment:
     """One segment: records with offsets 0, 1, 2, ... and attributes (16-byte key -> int64).
 
     Get one from ``SegmentStore.segment``. Every method is safe to call from several threads;
@@ -166,111 +87,26 @@ class Segment(BackgroundMerge):
         first needed; ``SegmentStore`` asks for it on object stores, where each is a request."""
         self.name = name
         self.options = options
-        self._lock = threading.RLock()
-        self._appended = threading.Condition(self._lock)
+        self._lock = threading.RLock()  #: appends, catch-up, freezing and the view (shared with its parts)
+        self._appended = threading.Condition(self._lock)  #: records arrived or the handle closed
         self._log = SegmentLog(storage, name, rolling_size=options.log_rolling_size,
                                index_interval_bytes=options.index_interval_bytes)
         self.tree_name = f"{name}/{ATTRIBUTES_NAME}" if tree_name is None else tree_name
-        self._tree: TreeIndex | None = None  #: the attributes' B+tree once loaded (see ``_index``)
-        self._attributes_loaded = False  #: tree opened and tier 1 replayed (``_ensure_attributes``)
-        # Tier 1 is two overlays (LevelDB's memtable and immutable memtable): appends go to the
-        # active one; a full one is frozen and merged into the B+tree by a background thread while
-        # a fresh active one takes new appends. Reads look in active, then frozen, then the tree.
-        self._overlay = AttributeOverlay()
-        self._frozen: AttributeOverlay | None = None
-        self._frozen_at = 0  #: log position the frozen overlay covers up to (its merge's checkpoint)
-        self._dirty_since = time.monotonic()  #: when the active overlay got its first update
-        self._merged = threading.Condition(self._lock)  #: a merge ended (back-pressure waits on it)
-        self._wake = threading.Event()  #: wakes the merge thread (an event: a wake-up is never missed)
-        self._merge_retry_at = 0.0  #: after a failed background merge, the thread waits until then
-        self._merge_mutex = threading.Lock()  #: one merge at a time; taken before ``_lock``, never inside it
-        self._merger: threading.Thread | None = None  #: started by the first append
-        self._stopping = False
-        self._merges = 0
-        self._merge_error: BaseException | None = None  #: the last failed merge (None after a success)
-        #: a catch-up stepped over log bytes tier 1 never replayed (another handle's cut) and the
-        #: rebuild from the tree has not succeeded yet: tier 1 may hold values the tree has replaced,
-        #: so nothing reads or merges it until one does (``_catch_up``, ``_settle_tier1``)
-        self._tier1_stale = False
-        self._worker = None  #: the merge worker process host (``merge_process``), made by the first merge
-        self._worker_disabled = False  #: no worker process could be started: merges run in this process
-        self._queue = WriteQueue(MAX_GROUP_BYTES, MAX_GROUP_REQUESTS)
-        self._wrote = False  #: whether this handle appended (only writers merge tier 1 on close)
-        self._closed = False
+        self._attributes = AttributeState(self._log, self.tree_name, options, self._lock,
+                                          caught_up=self._appended.notify_all)
+        self._appender = Appender(self._log, self._attributes, self._lock, appended=self._appended.notify_all)
         self._poller: SegmentPoller | None = None  #: made by the first reader that waits
-        self._view: tuple = ()  #: what lock-free reads look at: see ``_publish_view``
+        self._policy_cache: _policy.CleanupPolicy | None = None
         with self._lock:
             if lazy_attributes:
                 self._open_tail()
-                self._publish_view()
-                return
-            self._tree = TreeIndex(storage, self.tree_name, **options.attribute_options)
-            for attempt in range(MAX_OPEN_ATTEMPTS):
-                try:
-                    self._open()
-                    break
-                except TruncatedError:  # retention elsewhere removed what was being replayed
-                    if attempt + 1 == MAX_OPEN_ATTEMPTS:
-                        raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the "
-                                           f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
-                    self._tree.refresh()  # retention merged first: replay from its newer checkpoint
-            self._attributes_loaded = True
-            self._publish_view()
-
-    # -- opening and catching up ---------------------------------------------------------------
-    @property
-    def _index(self) -> TreeIndex:
-        """The attributes' B+tree, loaded first if this handle opened lazily."""
-        if not self._attributes_loaded:
-            self._ensure_attributes()
-        return self._tree  # type: ignore[return-value]
-
-    def _open(self) -> None:
-        """Read the tree's checkpoint and replay the log after it into tier 1."""
-        checkpoint = self._tree.checkpoint or 0  # type: ignore[union-attr]
-        self._overlay.clear()
-        resyncs = self._log.resyncs
-        self._log.open_at(checkpoint)
-        # Checked on the view open_at just listed, not an older one: another handle may have merged
-        # past this tree version and truncated the log below its new checkpoint since the tree was
-        # read, and open_at would then start at the log's new start, silently skipping the updates
-        # in between (they are in the newer tree version only).
-        if checkpoint < self._log.start_position:
-            self._tree.refresh()  # type: ignore[union-attr]
-            if (self._tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
-                raise TruncatedError(self.name, checkpoint, 0, self._log.start_position, self._log.bytes.length)
-            if self._log.bytes.length > self._log.start_position:
-                raise self._lost_between_error(checkpoint)
-        replayed = self._log.catch_up(self._replayer(checkpoint), refresh=False)
-        if self._log.resyncs != resyncs or any(c.generation and c.end > checkpoint for c in self._log.bytes.chunks()):
-            # Chunks above this tree version's checkpoint were rewritten (log compaction drops the
-            # attribute updates of batches below its limit, a newer tree checkpoint) since the tree
-            # was read: the replay may have missed updates only a newer tree version holds.
-            self._tree.refresh()  # type: ignore[union-attr]
-            if (self._tree.checkpoint or 0) != checkpoint:  # type: ignore[union-attr]
-                raise TruncatedError(self.name, checkpoint, 0, self._log.start_position, self._log.bytes.length)
-        if checkpoint > self._log.bytes.length:
-            raise self._beyond_log_error(checkpoint)
-        _log.debug("segment %r: opened at log byte %d; replayed %d batches after the attribute checkpoint %d",
-                   self.name, self._log.position, replayed, checkpoint)
-
-    def _lost_between_error(self, checkpoint: int) -> CorruptDataError:
-        return CorruptDataError(
-            f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, but the log "
-            f"starts at {self._log.start_position}: attribute updates in between are lost",
-            segment=self.name, offset=checkpoint)
-
-    def _beyond_log_error(self, checkpoint: int) -> CorruptDataError:
-        return CorruptDataError(
-            f"segment {self.name!r}: the attribute index covers the log up to byte {checkpoint}, beyond the "
-            f"log's committed length {self._log.bytes.length}: committed log data was lost. The segment "
-            f"refuses appends until repaired: see SegmentStore.verify_segment / repair_segment",
-            segment=self.name, offset=self._log.bytes.length)
+            else:
+                self._attributes.open()
 
     # -- lazy opening (object stores: docs/segments.md, "Opening") -------------------------------
     def _open_tail(self) -> None:
         """Open only the log's last chunk (its first header gives the next offset; one request on an
-        object store), scanning it to the end; the attributes wait for ``_ensure_attributes``."""
+        object store), scanning it to the end; the attributes wait for ``AttributeState.ensure_loaded``."""
         for attempt in range(MAX_OPEN_ATTEMPTS):
             try:
                 self._log.open_at(self._log.bytes.length)  # the end lies in the last chunk
@@ -281,117 +117,10 @@ class Segment(BackgroundMerge):
                     raise StorageError(f"segment {self.name!r}: other handles kept removing or replacing the log's "
                                        f"last chunk while it was opened ({MAX_OPEN_ATTEMPTS} tries)") from None
 
-    def _ensure_attributes(self) -> None:
-        """Load the attribute state if this handle opened lazily: idempotent, thread-safe (takes
-        ``_lock``, so callers holding ``_merge_mutex`` keep the lock order). Its errors (a checkpoint
-        beyond the log, lost commits) go to the caller that needed attributes; the next one retries."""
-        if self._attributes_loaded:
-            return
-        with self._lock:
-            if self._attributes_loaded:
-                return
-            self._check_open()  # a closed handle opens nothing
-            tree = self._open_tree()
-            try:
-                for attempt in range(MAX_OPEN_ATTEMPTS):
-                    try:
-                        replayed = self._adopt_tree(tree)
-                        break
-                    except (TruncatedError, LayoutChangedError):  # retention or compaction elsewhere meanwhile
-                        if attempt + 1 == MAX_OPEN_ATTEMPTS:
-                            raise StorageError(f"segment {self.name!r}: retention in another handle kept removing "
-                                               f"the log being replayed ({MAX_OPEN_ATTEMPTS} tries)") from None
-                        tree.refresh()  # retention merged first: replay from its newer checkpoint
-                        self._log.catch_up(None)
-            except BaseException:
-                tree.close()
-                raise
-            self._tree, self._attributes_loaded = tree, True
-            self._publish_view()
-            _log.debug("segment %r: attributes loaded at log byte %d; replayed %d batches after the checkpoint %d",
-                       self.name, self._log.position, replayed, tree.checkpoint or 0)
-
-    def _open_tree(self) -> TreeIndex:
-        """The attributes' B+tree, opened from one live listing of its directory (it looks twice)."""
-        storage = self._log.storage
-        inner = storage.inner if isinstance(storage, ListedStorage) else storage  # (expired: the open is over)
-        directory = self.tree_name + SEGMENT_SUFFIX
-        listed = ListedStorage(inner, directory, inner.list_files(directory))
-        try:
-            return TreeIndex(listed, self.tree_name, **self.options.attribute_options)
-        finally:
-            listed.expire()  # later listings are live
-
-    def _adopt_tree(self, tree: TreeIndex) -> int:
-        """The checks of ``_open`` for a tree opened after the log, then tier 1 rebuilt from the log
-        between its checkpoint and this handle's CURRENT position (readers moved it since the
-        open); return the batches replayed."""
-        log = self._log
-        for _attempt in range(MAX_OPEN_ATTEMPTS):
-            checkpoint = tree.checkpoint or 0
-            if checkpoint > log.position:  # others merged past this handle's view: look at the log's tail
-                log.catch_up(None)
-            if not (checkpoint < log.start_position and log.bytes.length > log.start_position):
-                break
-            # The log's view is newer than the tree: retention elsewhere merged first, then cut.
-            tree.refresh()
-            if (tree.checkpoint or 0) == checkpoint:
-                raise self._lost_between_error(checkpoint)
-        else:
-            raise StorageError(f"segment {self.name!r}: retention in another handle kept moving the log's start "
-                               f"while the attributes were loaded ({MAX_OPEN_ATTEMPTS} tries)")
-        if checkpoint > log.bytes.length:
-            raise self._beyond_log_error(checkpoint)
-        rebuilt, replayed = replay_range(log, max(checkpoint, log.start_position), log.position)
-        self._overlay, self._frozen = rebuilt, None  # published by the caller with the tree
-        self._dirty_since = time.monotonic()
-        return replayed
-
-    def _replayer(self, since: int):
-        """The visitor that replays the log's batches from ``since`` into tier 1 as it is scanned."""
-        return replaying(self._overlay, since, self.name, self._overlay_filled)
-
     def _catch_up(self) -> int:
-        """Read what other writers appended since this handle last looked; return batches seen.
-
-        If another handle truncated the log past what this one had replayed (retention, or
-        ``truncate_merged_log`` after its merge), the updates cut are in the B+tree: refresh it
-        and rebuild tier 1 from its checkpoint. So too if chunks this handle had not replayed to the
-        end were replaced (log compaction drops the updates of the batches it rewrites: they are in
-        the B+tree), which moved the log's position (``SegmentLog.resyncs``). If the scan fails
-        after such a step, tier 1 is marked stale (``_tier1_stale``): rebuilt before any use."""
-        replayed, resyncs = self._log.position, self._log.resyncs
-        loaded = self._attributes_loaded  # not yet: the lazy load replays from the tree up to the new position
-
-        def stepped_over() -> bool:  # the scan moved past bytes it never replayed
-            return loaded and (self._log.start_position > replayed or self._log.resyncs != resyncs)
-
-        try:
-            seen = self._scan_tail(self._replayer(0) if loaded else None)
-        except BaseException:
-            if stepped_over():  # this handle's position moved past updates tier 1 lacks
-                self._tier1_stale = True
-                self._publish_view()
-            raise
-        if stepped_over() or self._tier1_stale:
-            self._tier1_stale = True  # until the rebuild succeeds
-            self._replay_from_tree(refresh_tree=True)
-        if seen:
-            self._appended.notify_all()
-        return seen
-
-    def _scan_tail(self, visit) -> int:
-        """``SegmentLog.catch_up``, listing again when another handle's truncation deleted a chunk
-        between the scan's listing and its read (a merge elsewhere covers it): the scan restarts
-        at the new start and ``_catch_up`` rebuilds tier 1 from the tree. (A writer that lost an
-        append race failed its update with this ``TruncatedError`` once.)"""
-        for _attempt in range(MAX_OPEN_ATTEMPTS):
-            try:
-                return self._log.catch_up(visit)
-            except TruncatedError:
-                continue
-        raise StorageError(f"segment {self.name!r}: other handles kept truncating the log while this handle read "
-                           f"its tail ({MAX_OPEN_ATTEMPTS} tries); try again")
+        """Under ``_lock``: read what other writers appended since this handle last looked (the
+        attribute state replays it into tier 1 and wakes readers); return batches seen."""
+        return self._attributes.catch_up()
 
     def refresh(self) -> None:
         """Catch up with appends made through other handles or processes."""
@@ -429,12 +158,11 @@ class Segment(BackgroundMerge):
         updates, replacements = _split_updates(attribute_updates)
         if not records and not updates and not replacements[0]:
             raise InvalidInputError(f"segment {self.name!r}: nothing to append (no records and no attribute updates)")
-        if expected_offset is not None and (type(expected_offset) is not int or expected_offset < 0):
-            raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
+        _check_expected_offset(expected_offset)
         stamp = int(time.time() * 1000) if timestamp is None else timestamp
         chosen = self.options.codec if codec is None else codec_for(codec)
         # One batch id per call: identical bytes at an offset then mean this call.
-        pending = _PendingAppend(records, updates, replacements, expected_offset, stamp, chosen, new_batch_id())
+        pending = PendingAppend(records, updates, replacements, expected_offset, stamp, chosen, new_batch_id())
         if updates is None:  # no conditions: encode here, outside the lock (bad records raise here too)
             # At the offset and position this handle last saw: for a lone writer the leader writes
             # it unchanged (SegmentLog.append_many seals it again only if the position moved).
@@ -444,8 +172,7 @@ class Segment(BackgroundMerge):
             pending.encoded, size = (*replacements, data, header), len(data)
         else:
             size = sum(len(r) if isinstance(r, bytes) else 64 for r in records) + 40 * len(updates)
-        self._check_open()
-        return self._queue.submit(WriteRequest(pending, size), self._write_group)
+        return self._appender.submit(pending, size)
 
     def append_arrow(self, values, keys=None, timestamps=None,
                      attribute_updates: Iterable[AttributeUpdate | tuple] = (), expected_offset: int | None = None, *,
@@ -466,11 +193,10 @@ class Segment(BackgroundMerge):
                 f"segment {self.name!r} has cleanup_policy {self._cached_policy().cleanup_policy!r}: a record has "
                 f"no key (compaction keeps the latest record per key); nothing was appended")
         updates, replacements = _split_updates(attribute_updates)
-        if expected_offset is not None and (type(expected_offset) is not int or expected_offset < 0):
-            raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
+        _check_expected_offset(expected_offset)
         stamp = int(time.time() * 1000) if timestamp is None else timestamp
         chosen = self.options.codec if codec is None else codec_for(codec)
-        pending = _PendingAppend(_ColumnRecords(values, keys, timestamps), updates, replacements, expected_offset,
+        pending = PendingAppend(_ColumnRecords(values, keys, timestamps), updates, replacements, expected_offset,
                                  stamp, chosen, new_batch_id())
         outcome = replacements if updates is None else _foreseen(updates)
         if outcome is not None:
@@ -482,126 +208,7 @@ class Segment(BackgroundMerge):
             pending.encoded, size = (*outcome, data, None), len(data)
         else:
             size = len(values.buffers()[2] or b"") + 40 * len(updates)
-        self._check_open()
-        return self._queue.submit(WriteRequest(pending, size), self._write_group)
-
-    def _append_replacements(self, keys: list[bytes], values: list[int | None]) -> AppendResult:
-        """``append((), (keys, values))`` for input already checked (``AttributeIndex.update``):
-        ``keys`` unique 16-byte ``bytes`` in any order, ``values`` int64 or ``None``; REPLACE semantics."""
-        stamp, batch_id = int(time.time() * 1000), new_batch_id()
-        data, header = encode_batch_with_header(self._log.append_offset, (), timestamp=stamp,
-                                                attribute_updates=(keys, values), codec=self.options.codec,
-                                                batch_id=batch_id, position=self._log.position)
-        pending = _PendingAppend([], None, (keys, values), None, stamp, self.options.codec, batch_id,
-                                 (keys, values, data, header))
-        self._check_open()
-        return self._queue.submit(WriteRequest(pending, len(data)), self._write_group)
-
-    def _write_group(self, group: list[WriteRequest]) -> None:
-        """The leader's part of group commit: validate the group's appends in order, write those
-        that pass as one durable append, settle each request with its result or its own error."""
-        with self._lock:
-            self._check_open()
-            self._ensure_attributes()  # conditions read the current values; tier 1 takes the updates
-            self._wait_for_room()
-            self._check_open()  # (closed while waiting?)
-            fresh = False  # whether the view was just caught up with the log's tail
-            for _lap in _bounded_races(self.name):
-                outcome = self._plan_group(group, fresh)
-                if outcome is None:  # a failure on a stale view: only the true tail can fail an append
-                    self._catch_up()
-                    fresh = True
-                    continue
-                planned, failures = outcome
-                for request, error in failures:
-                    request.settle(error=error)
-                if not planned:
-                    return
-                try:
-                    self._log.append_many([p[3] for p in planned], [p[4] for p in planned])
-                except BadOffsetError:  # another writer appended first: re-validate the whole group
-                    for request, _error in failures:
-                        request.error = None  # unsettle: the new tail decides again
-                    self._catch_up()
-                    fresh = True
-                    continue
-                was_empty = not len(self._overlay)
-                for request, keys, values, _data, header in planned:  # durable: nothing below raises
-                    if keys:
-                        self._overlay.apply(keys, values)
-                        self._overlay_filled()  # (before the settle: its caller may read at once)
-                    request.settle(AppendResult(header.base_offset, header.last_offset))
-                if was_empty and len(self._overlay):  # flush_seconds counts from here
-                    self._dirty_since = time.monotonic()
-                    self._wake.set()
-                self._after_durable()
-                return
-
-    def _plan_group(self, group: list[WriteRequest], fresh: bool):
-        """``(planned, failures)`` for the group against the current view, or ``None`` when a
-        member failed and the view may be stale. ``planned``: ``(request, keys, values, batch,
-        header)`` of the members that pass, in order; ``failures``: ``(request, error)``."""
-        next_offset = self._log.append_offset
-        if len(group) == 1:
-            # A lone writer's usual append (an index update): no conditions, encoded at this end
-            # with its own random id. Written as encoded, nothing to check or rebase.
-            lone = group[0].payload
-            encoded = lone.encoded
-            if lone.updates is None and lone.expected_offset is None and encoded is not None and \
-                    encoded[3] is not None and encoded[3].base_offset == next_offset:
-                return [(group[0], *encoded)], []
-        planned, failures = [], []
-        earlier: dict[bytes, int | None] = {}  # values set by earlier members of the group
-
-        def current(keys: list[bytes]) -> list[int | None]:
-            found = self._current_values(keys)
-            return [earlier.get(k, v) for k, v in zip(keys, found)] if earlier else found
-
-        for request in group:
-            a: _PendingAppend = request.payload
-            try:
-                keys, values = a.replacements if a.updates is None else resolve_updates(a.updates, current)
-                if a.expected_offset is not None and a.expected_offset != next_offset:
-                    raise BadOffsetError(self.name, a.expected_offset, next_offset)
-            except (ConditionalUpdateError, BadOffsetError) as exc:
-                if not fresh:
-                    return None
-                failures.append((request, exc))
-                continue
-            batch_id = a.batch_id
-            encoded = a.encoded
-            if encoded is not None and encoded[0] == keys and encoded[1] == values:
-                header = encoded[3]
-                if header is None or header.base_offset != next_offset or header.batch_id != batch_id:
-                    data = rebase_batch(encoded[2], next_offset, batch_id)  # encoded before, or a lost race
-                    header = read_header(data)
-                    a.encoded = (keys, values, data, header)
-                else:
-                    data = encoded[2]  # as encoded (a lone attribute batch, the WAL's usual case)
-            else:
-                try:
-                    data, header = encode_batch_with_header(next_offset, a.records, timestamp=a.stamp,
-                                                            attribute_updates=(keys, values), codec=a.codec,
-                                                            batch_id=batch_id)
-                except Exception as exc:  # noqa: BLE001 - bad records fail their own append only
-                    failures.append((request, exc))
-                    continue
-                a.encoded = (keys, values, data, header)
-            planned.append((request, keys, values, data, header))
-            next_offset = header.next_offset
-            if keys:
-                earlier.update(zip(keys, values))
-        return planned, failures
-
-    def _after_durable(self) -> None:
-        """After a durable write: wake readers, start the merge thread, freeze tier 1 if it is due.
-        Never raises (the write is durable)."""
-        self._wrote = True
-        self._appended.notify_all()
-        if self._merger is None and not self._stopping:
-            self._start_merger()
-        if self._frozen is None and self._merge_due():
-            self._freeze()
+        return self._appender.submit(pending, size)
 
     def update_attributes(self, updates: Iterable[AttributeUpdate | tuple] | Mapping[object, int | None],
                           expected_offset: int | None = None) -> AppendResult:
@@ -612,137 +219,36 @@ class Segment(BackgroundMerge):
             raise InvalidInputError(f"segment {self.name!r}: no attribute updates given")
         return self.append((), updates, expected_offset)
 
-    # -- the read view: lock-free reads (docs/design.md, "Reads") --------------------------------
-    def _publish_view(self) -> None:
-        """Publish what reads look at, in ONE attribute assignment (under ``_lock``): the tuple
-        ``(active overlay's lookup table or None while it is empty, frozen overlay's or None, the
-        tree's recent values, tree get, tree get_many)``. Readers take no lock: they read ``_view`` once and probe its
-        parts in that order, so they never see the active overlay of one state with the frozen
-        one of another. Called whenever a part is replaced: a freeze, the end of a merge (after
-        the tree and its recent values hold the frozen overlay's values, so a read never goes
-        back), a rebuild of tier 1, the attributes' lazy load, and close (a view whose lookups
-        raise). Appends change the active overlay's dicts in place: they publish only when they
-        fill an empty one (``_overlay_filled``), before anyone is told of them."""
-        if self._closed:
-            view = (None, None, _NO_VALUES, self._closed_read, self._closed_read)
-        elif not self._attributes_loaded or self._tier1_stale:  # the first read loads or rebuilds
-            view = (None, None, _NO_VALUES, self._load_and_get, self._load_and_get_many)
-        else:
-            tree, frozen = self._tree, self._frozen
-            overlay = self._overlay  # empty: None, so reads skip it (the read-mostly case)
-            view = (overlay.lookup if len(overlay) else None, None if frozen is None else frozen.lookup,
-                    tree._values,  # type: ignore[union-attr]
-                    tree._get_uncached, tree._get_many_canonical)  # type: ignore[union-attr]
-        self._view = view
-
-    def _overlay_filled(self) -> None:
-        """After updates were applied to the active overlay (under ``_lock``): publish it if the
-        view skips it as empty. Called before the updates are acknowledged or returned."""
-        if self._attributes_loaded and self._view[0] is None and len(self._overlay):
-            self._publish_view()  # (not while opening: the open publishes when it is done)
-
-    def _current_value(self, key: bytes) -> int | None:
-        """The current value of one canonical key, without a lock: from one read view, the active
-        overlay, the frozen one being merged, the tree's recent values, then the tree (the hot
-        path: dict probes, no lists)."""
-        active, frozen, recent, tree_get, _tree_get_many = self._view
-        if active is not None:  # the overlay's lookup table (``AttributeOverlay.lookup``)
-            value = active[key[-2]].get(key, MISSING)
-            if value is not MISSING:
-                return value  # type: ignore[return-value]
-        if frozen is not None:
-            value = frozen[key[-2]].get(key, MISSING)
-            if value is not MISSING:
-                return value  # type: ignore[return-value]
-        value = recent.young.get(key, MISSING)
-        if value is MISSING:
-            return tree_get(key)
-        recent.hits += 1
-        return value  # type: ignore[return-value]
-
-    def _current_values(self, keys: list[bytes]) -> list[int | None]:
-        """``_current_value`` for each canonical key, in order, from one read view; the keys no
-        overlay holds go to the tree as one ``get_many``. Every step is one C-level call (``map``,
-        ``compress``): no Python loop per key."""
-        active, frozen, _recent, _tree_get, tree_get_many = self._view
-        if active is None:  # an empty overlay: nothing to probe
-            if frozen is None:
-                return list(tree_get_many(keys))
-            found: list[object] = [MISSING] * len(keys)
-            missing = keys
-        else:
-            found = probe_many(active, keys)
-            missing = list(compress(keys, map(is_, found, repeat(MISSING))))
-            if not missing:
-                return found  # type: ignore[return-value]
-        if frozen is None:
-            fill = dict(zip(missing, tree_get_many(missing)))
-        else:
-            older = probe_many(frozen, missing)
-            still = list(compress(missing, map(is_, older, repeat(MISSING))))
-            stored = dict(zip(still, tree_get_many(still))) if still else {}
-            fill = dict(zip(missing, map(stored.get, missing, older)))
-        # A key is in ``fill`` exactly where the overlay had no entry: elsewhere the overlay's value.
-        return list(map(fill.get, keys, found))  # type: ignore[arg-type]
-
-    def _closed_read(self, _keys: object) -> object:
-        raise InvalidInputError(f"segment {self.name!r} handle is closed")
-
-    def _load_and_get(self, key: bytes) -> int | None:
-        """A lazily opened handle's first read, or the first after a failed rebuild of tier 1:
-        load the attributes or rebuild tier 1 (which publishes their view; raises if it cannot)."""
-        self._ensure_attributes()
-        with self._lock:  # the new view is published under the lock: read it, not the old one
-            self._settle_tier1()
-            return self._current_value(key)
-
-    def _load_and_get_many(self, keys: list[bytes]) -> list[int | None]:
-        self._ensure_attributes()
-        with self._lock:
-            self._settle_tier1()
-            return self._current_values(keys)
-
-    def _pending_items(self) -> tuple[list[bytes], list[int | None]]:
-        """Tier 1 (under ``_lock``): every pending key ascending with its newest value (``None``
-        for a removal), the active overlay over the frozen one."""
-        if self._frozen is None:
-            return self._overlay.sorted_items()
-        merged = dict(zip(*self._frozen.sorted_items()))
-        merged.update(zip(*self._overlay.sorted_items()))
-        keys = sorted(merged)
-        return keys, [merged[k] for k in keys]
-
     # -- attributes ----------------------------------------------------------------------------
     def get_attribute(self, key: object) -> int | None:
-        """The value of attribute ``key`` (``None`` if absent). Takes no lock (see ``_publish_view``)."""
-        return self._current_value(to_key(key))
+        """The value of attribute ``key`` (``None`` if absent). Takes no lock (``attrindex.read_view``)."""
+        return self._attributes.value(to_key(key))
 
     def get_attributes(self, keys: Iterable[object]) -> list[int | None]:
         """Values of ``keys`` in input order (``None`` where absent). Takes no lock."""
         canonical = to_keys(keys)
         self._check_open()  # (no key: no lookup that would raise it)
-        return self._current_values(canonical)
+        return self._attributes.values(canonical)
 
     def attributes(self, start: object = None, stop: object = None) -> Iterator[tuple[bytes, int]]:
         """``(key, value)`` with ``start <= key < stop`` ascending: tier 1 merged over the B+tree."""
         low = None if start is None else to_key(start)
         high = None if stop is None else to_key(stop)
-        with self._lock:  # snapshots: appends and merges may follow
-            self._ensure_attributes()
-            self._settle_tier1()
-            overlay = list(self._overlay.items(low, high))
-            frozen = [] if self._frozen is None else list(self._frozen.items(low, high))
-        # The tree's scan starts later, from whatever version is current then: a merge meanwhile
-        # only moves into it what the frozen snapshot holds anyway.
-        tree = self._index.items(low, high)
-        return merge_scan(iter(overlay), merge_scan(iter(frozen), tree) if frozen else tree)
+        return self._attributes.items(low, high)
 
     def attribute_split_keys(self, parts: int) -> list[bytes]:
         """Keys cutting the attributes into about ``parts`` ranges for parallel scans (by the
         B+tree's pages; attributes still in tier 1 only are not weighed)."""
         with self._lock:
             self._check_open()
-            return self._index.split_keys(parts)
+            return self._attributes.tree.split_keys(parts)
+
+    def flush(self) -> None:
+        """Merge every attribute update seen so far into the B+tree (one sorted batch), now.
+
+        Raises the storage error if the merge fails (for example ``StorageFullError``); the
+        updates stay in tier 1 and in the log, and a later flush or the background merge retries."""
+        self._attributes.flush()
 
     # -- reading records -----------------------------------------------------------------------
     @property
@@ -886,7 +392,7 @@ class Segment(BackgroundMerge):
                 start = self._log.next_offset if found is None else found
             else:
                 start = self._log.start_offset if offset is None else offset
-        return SegmentReader(self, start)
+        return SegmentReader(self, start, fetch=self._read, wait=self._wait, wake=self._wake_readers)
 
     def offset_for_timestamp(self, timestamp: int) -> int | None:
         """The first offset whose record timestamp is ``>= timestamp``, or ``None`` if none is."""
@@ -911,7 +417,8 @@ class Segment(BackgroundMerge):
         with self._lock:
             poller = self._poller
             if poller is None:
-                poller = self._poller = SegmentPoller(self, *self.options.poll_intervals())
+                poller = self._poller = SegmentPoller(self, self._appended, self._poll_storage,
+                                                      *self.options.poll_intervals())
         poller.wait(offset, timeout, cancelled)
 
     def _poll_storage(self) -> bool:
@@ -922,11 +429,11 @@ class Segment(BackgroundMerge):
             if self._log.position >= self._log.bytes.length and not self._log.bytes.poll():
                 return False
         except StorageError:
-            if self._closed:  # closed while polling: the reader returns None
+            if self.closed:  # closed while polling: the reader returns None
                 return False
             raise
         with self._lock:
-            if self._closed:
+            if self.closed:
                 return False
             before = self._log.next_offset
             self._catch_up()
@@ -950,11 +457,12 @@ class Segment(BackgroundMerge):
             if value is not None and (type(value) is not int or value < 0):
                 raise InvalidInputError(f"{name} must be an int >= 0 or None, got {value!r}")
         now = int(time.time() * 1000) if now_ms is None else now_ms
-        with self._merging(), self._lock:  # rare: appends wait for the retention
+        attributes = self._attributes
+        with attributes.runner.merging(), self._lock:  # rare: appends wait for the retention
             self._check_open()
-            self._ensure_attributes()
+            attributes.ensure_loaded()
             self._catch_up()
-            self._drain(force=True)  # with _lock held: no append lands between the merge and the cut
+            attributes.drain(force=True)  # with _lock held: no append lands between the merge and the cut
             if start_offset is not None and start_offset > self._log.next_offset:
                 raise InvalidInputError(f"segment {self.name!r}: start_offset {start_offset} is past the end "
                                         f"(next offset {self._log.next_offset})")
@@ -962,7 +470,7 @@ class Segment(BackgroundMerge):
             if position >= self._log.position > self._log.start_position:
                 # Nothing readable would be left, and with it the next offset: keep an empty batch
                 # that records it (Kafka rolls a new segment for the same reason).
-                position = self._append_empty_batch(now)
+                position = self._appender.append_empty(now)
             if position > self._log.start_position:
                 self._log.truncate_at(position)
                 _log.info("segment %r: retention removed the log below byte %d (%d chunks)", self.name, position, deleted)
@@ -1002,15 +510,6 @@ class Segment(BackgroundMerge):
             _log.info("segment %r: merged %d runs of small log chunks (target %d bytes)", self.name, merged, target)
         return merged
 
-    def _append_empty_batch(self, timestamp: int) -> int:
-        """Append a batch with no records and no updates; return its byte position."""
-        for _lap in _bounded_races(self.name):
-            data = encode_batch(self._log.append_offset, [], timestamp=timestamp)
-            try:
-                return self._log.append(data, read_header(data))
-            except BadOffsetError:
-                self._catch_up()
-
     # -- compaction (attrindex.log.cleaner; docs/segments.md, "Compaction") -----------------------
     def cleanup_policy(self) -> _policy.CleanupPolicy:
         """The segment's cleanup policy as stored (read afresh: another process may change it)."""
@@ -1028,21 +527,11 @@ class Segment(BackgroundMerge):
         """
         if not options:
             raise InvalidInputError(f"segment {self.name!r}: configure() needs at least one option")
-        storage = self._log.storage
-        for _attempt in range(_policy.MAX_CONFIGURE_RACES):
-            current, version = _policy.load_policy(storage, self.name)
-            changed = _policy.policy_from_options(options, current)
-            try:
-                _policy.store_policy(storage, self.name, changed, version + 1)
-            except ChunkExistsError:
-                continue  # another process configured meanwhile: apply ours over theirs
-            self._policy_cache = changed
-            return changed
-        raise StorageError(f"segment {self.name!r}: configure lost {_policy.MAX_CONFIGURE_RACES} races in a row "
-                           "to other processes changing the policy; nothing was written")
+        self._policy_cache = _configure(self._log.storage, self.name, options)
+        return self._policy_cache
 
     def _cached_policy(self) -> _policy.CleanupPolicy:
-        policy = getattr(self, "_policy_cache", None)
+        policy = self._policy_cache
         return self.cleanup_policy() if policy is None else policy
 
     def _check_compactable(self, records: list) -> None:
@@ -1084,12 +573,13 @@ class Segment(BackgroundMerge):
         deleted = 0
         if policy.deletes and (policy.retention_ms is not None or policy.retention_bytes is not None):
             deleted = self.apply_retention(policy.retention_ms, policy.retention_bytes, now_ms=now)
-        with self._merge_mutex, self._lock:  # as retention: no append lands between the merge and the limit
+        attributes = self._attributes
+        with attributes.runner.merging(), self._lock:  # as retention: no append lands between the merge and the limit
             self._check_open()
-            self._ensure_attributes()
+            attributes.ensure_loaded()
             self._catch_up()
-            self._drain(force=True)  # no attribute update may live only in a batch the cleaner rewrites
-            limit = self._index.checkpoint or 0
+            attributes.drain(force=True)  # no attribute update may live only in a batch the cleaner rewrites
+            limit = attributes.tree.checkpoint or 0
         cleaner = LogCleaner(self._cleaner_log(), limit=limit, now_ms=now,
                              min_lag_ms=policy.min_compaction_lag_ms if min_lag_ms is None else min_lag_ms,
                              tombstone_retention_ms=(policy.tombstone_retention_ms if tombstone_retention_ms is None
@@ -1100,7 +590,7 @@ class Segment(BackgroundMerge):
         finally:
             cleaner.log.close()
             with self._lock:
-                if not self._closed:
+                if not self.closed:
                     self._catch_up()  # this handle's view of the rewritten chunks is stale
         _log.info("segment %r: compacted %d -> %d records in %d chunks", self.name, cleaner.records_before,
                   cleaner.records_after, cleaner.chunks_cleaned)
@@ -1127,7 +617,7 @@ class Segment(BackgroundMerge):
         """Offsets, sizes and attribute state of this segment."""
         with self._lock:
             self._check_open()
-            self._ensure_attributes()
+            self._attributes.ensure_loaded()
             log = self._log
             start_offset = self._start_offset()  # (first: it may move the view on)
             chunks = log.bytes.chunks()
@@ -1139,15 +629,10 @@ class Segment(BackgroundMerge):
                 log_bytes=stored,
                 log_chunks=len(chunks),
                 max_timestamp=None if log.max_timestamp == -(1 << 63) else log.max_timestamp,
-                pending_attributes=len(self._overlay) + (0 if self._frozen is None else len(self._frozen)),
-                attribute_checkpoint=self._index.checkpoint,
-                attributes=self._index.stats(),
-                merge_error=None if self._merge_error is None else f"{type(self._merge_error).__name__}: {self._merge_error}",
-                pending_bytes=self._pending_bytes(),
-                merges=self._merges,
-                append_groups=self._queue.groups,
-                appends_grouped=self._queue.requests,
+                append_groups=self._appender.groups,
+                appends_grouped=self._appender.requests,
                 requests=log.bytes.storage.requests,
+                **self._attributes.stats(),
             )
 
     def close(self, *, merge: bool = True) -> None:
@@ -1158,36 +643,20 @@ class Segment(BackgroundMerge):
         ``merge=False``: the handle is closed at once (appends and reads raise from then on, no
         merge starts) and the pending updates are left in the log; a merge already writing is
         waited for. ``SegmentStore.delete_segment`` closes so before deleting anything."""
-        with self._lock:
-            if self._closed:
-                return
-            if not merge:
-                self._closed = True
-                self._publish_view()  # reads from now on raise
-        self._stop_merger()
-        with self._merging(), self._lock:
-            if merge and self._closed:
-                return  # closed by another thread meanwhile
-            try:
-                if merge and self._wrote:  # a handle that only read leaves the merge to the writers
-                    self._drain()
-            finally:
-                self._closed = True
-                self._publish_view()
-                self._appended.notify_all()
-                self._merged.notify_all()
-                self._log.close()
-                self._close_worker()
-                if self._tree is not None:  # (a lazy handle that never needed attributes has none)
-                    self._tree.close()
+        try:
+            self._attributes.close(merge=merge)
+        finally:
+            with self._lock:
+                if self._attributes.closed:
+                    self._appended.notify_all()
+                    self._log.close()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._attributes.closed
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidInputError(f"segment {self.name!r} handle is closed")
+        self._attributes.check_open()
 
     def __enter__(self) -> "Segment":
         return self
@@ -1197,21 +666,6 @@ class Segment(BackgroundMerge):
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, next_offset={self._log.next_offset})"
-
-
-@attrs.define(slots=True)
-class _PendingAppend:
-    """One ``append`` call waiting in the group-commit queue (checked arguments, its batch id)."""
-
-    records: list
-    updates: list | None
-    replacements: tuple
-    expected_offset: int | None
-    stamp: int
-    codec: Codec
-    batch_id: int
-    #: (keys, values, batch, its header or None) of the last try: a lost race needs only a rebase
-    encoded: tuple | None = None
 
 
 class _ColumnRecords:
@@ -1230,6 +684,26 @@ class _ColumnRecords:
         return iter(arrow_records(*self.columns))
 
 
+def _check_expected_offset(expected_offset: object) -> None:
+    if expected_offset is not None and (type(expected_offset) is not int or expected_offset < 0):
+        raise InvalidInputError(f"expected_offset must be an int >= 0 or None, got {expected_offset!r}")
+
+
+def _configure(storage, name: str, options: dict) -> _policy.CleanupPolicy:
+    """Store ``options`` over the newest stored policy as a new version (each version is written
+    once: a lost race to another process reads the new newest one and applies ``options`` over it)."""
+    for _attempt in range(_policy.MAX_CONFIGURE_RACES):
+        current, version = _policy.load_policy(storage, name)
+        changed = _policy.policy_from_options(options, current)
+        try:
+            _policy.store_policy(storage, name, changed, version + 1)
+        except ChunkExistsError:
+            continue  # another process configured meanwhile: apply ours over theirs
+        return changed
+    raise StorageError(f"segment {name!r}: configure lost {_policy.MAX_CONFIGURE_RACES} races in a row "
+                       "to other processes changing the policy; nothing was written")
+
+
 def _foreseen(updates: list[AttributeUpdate]) -> tuple[list[bytes], list[int | None]] | None:
     """``resolve_updates``' result if every update passes, when that does not depend on the current
     values (no ``ACCUMULATE``): sorted keys, and each key's last value; else ``None``."""
@@ -1240,14 +714,6 @@ def _foreseen(updates: list[AttributeUpdate]) -> tuple[list[bytes], list[int | N
         final[update.key] = update.value
     keys = sorted(final)
     return keys, [final[k] for k in keys]
-
-
-def _bounded_races(name: str) -> Iterator[int]:
-    """Laps of an append loop: each lost race means another writer appended; give up after
-    ``MAX_APPEND_RACES`` of them with a clear error rather than spin."""
-    yield from range(MAX_APPEND_RACES)
-    raise StorageError(f"segment {name!r}: an append lost the race to other writers {MAX_APPEND_RACES} times "
-                       f"in a row; nothing of it was written")
 
 
 def _split_updates(given) -> tuple[list[AttributeUpdate] | None, tuple[list[bytes], list[int | None]]]:
@@ -1285,5 +751,4 @@ def _pair_update(update: object) -> AttributeUpdate:
     raise InvalidInputError(f"an attribute update must be an AttributeUpdate or a (key, value) pair, got {update!r}")
 
 
-__all__ = ["AppendResult", "BACKPRESSURE_WAIT_SECONDS", "MERGE_RETRY_MIN_SECONDS", "MERGE_RETRY_SECONDS", "Segment",
-           "SegmentOptions", "SegmentStats"]
+__all__ = ["ATTRIBUTES_NAME", "Segment", "SegmentStats"]

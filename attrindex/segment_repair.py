@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import threading
 from typing import Any
 
 import attrs
@@ -28,7 +29,9 @@ from .log.batch.encode import encode_batch
 from .log.batch.header import read_header
 from .log.segment_log import INDEX_DIR, SegmentLog
 from .log.verify import RECORDS_PER_BYTE_BOUND, LogScan, resume_offset, scan_log
-from .segment import ATTRIBUTES_NAME, Segment, SegmentOptions
+from .attribute_state import AttributeState
+from .options import SegmentOptions
+from .segment import ATTRIBUTES_NAME
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -305,12 +308,18 @@ def _repair_attributes(storage: ChunkStorage, name: str, options: SegmentOptions
                        f"be rebuilt from it; the index's values up to its checkpoint are kept"
                        + (" (updates from lost batches may remain in it)" if beyond_cut else ""))
     RollingSegment.remove(storage, _tree_name(name, tree_name))
-    segment = Segment(storage, name, options, tree_name=tree_name)  # an empty index: the whole log is replayed
+    lock, log = threading.RLock(), _open_log(storage, name, options)
+    attributes = AttributeState(log, _tree_name(name, tree_name), options, lock)
     try:
-        keys = segment.stats().pending_attributes
-        segment.flush()
+        with lock:
+            attributes.open()  # an empty index: the whole log is replayed
+            keys = attributes.pending_keys
+        attributes.flush()
     finally:
-        segment.close()
+        try:
+            attributes.close(merge=False)
+        finally:
+            log.close()
     return True, f"{why}: rebuilt from the whole log, lost batches left out ({keys} keys)"
 
 

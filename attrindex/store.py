@@ -3,7 +3,7 @@
 Layout under the store's root (docs/storage.md): segment ``NAME`` keeps everything under ``NAME/``
 in names starting with ``_``, which segment names may not use, so no two segments can collide::
 
-    _store                        marker: the store exists (written by SegmentStore.open(create=True))
+    _store                        marker: the store exists (written by SegmentStore.open(mode="a"))
     NAME/_segment                 marker: the segment exists
     NAME/_log.seg/, NAME/_index/, NAME/_gaps/   the record log (attrindex.log)
     NAME/_attributes.seg/         the attributes' B+tree
@@ -34,7 +34,8 @@ from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, Segmen
                      StorageError, StreamNotFoundError)
 from .log.cleanup_policy import CONFIG_DIR, load_policy, policy_from_options, store_policy
 from .locations import open_location
-from .segment import Segment, SegmentOptions
+from .options import SegmentOptions
+from .segment import Segment
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 
 STORE_MARKER = "_store"
@@ -91,25 +92,27 @@ class SegmentStore:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls, url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *, create: bool = True,
+    def open(cls, url: str | os.PathLike[str], *, mode: str = "a", storage_options: Mapping[str, Any] | None = None,
              **options: Any) -> "SegmentStore":
         """Open the store at ``url`` (``memory://``, ``file://`` or a path: ``str`` or ``os.PathLike``, ``s3://``).
 
-        ``create=True`` (the default) creates the store if it is missing, by writing its ``_store``
-        marker; ``create=False`` opens an existing store only, and a missing one (a mistyped path,
-        an empty directory or bucket prefix) raises ``StoreNotFoundError``. A store is recognised by
-        its marker, or, for stores written before the marker, by any segment or stream in it. A
-        local path that is a regular file raises ``StoreNotFoundError`` either way.
+        ``mode="a"`` (the default) opens the store or creates it if it is missing, by writing its
+        ``_store`` marker; ``mode="r+"`` opens an existing store only, and a missing one (a
+        mistyped path, an empty directory or bucket prefix) raises ``StoreNotFoundError``.
+        (``AttributeIndex.open`` takes the same modes, and ``"r"`` for read-only.) A store is
+        recognised by its marker, or by any segment or stream in it. A local path that is a
+        regular file raises ``StoreNotFoundError`` in both modes. ``storage_options`` go to the
+        storage (``s3://``: ``endpoint_url``, credentials ...); ``options`` are ``SegmentOptions``.
         """
-        if not isinstance(create, bool):
-            raise InvalidInputError(f"create must be True or False, got {create!r}")
+        if mode not in ("a", "r+"):
+            raise InvalidInputError(f"mode must be 'a' (open or create) or 'r+' (an existing store), got {mode!r:.60}")
         segment_options(options)  # before the storage is opened (a local root is created then)
         storage = open_location(url, _storage_options(storage_options), what="store", not_found=StoreNotFoundError)
         try:
-            if not create and not store_exists(storage):
-                raise StoreNotFoundError(f"no store at URL {storage.url!r} (opened with create=False, so nothing was created)")
+            if mode == "r+" and not store_exists(storage):
+                raise StoreNotFoundError(f"no store at URL {storage.url!r} (opened with mode 'r+', so nothing was created)")
             store = cls(storage, **options)
-            if create and not storage.exists(STORE_MARKER):
+            if mode == "a" and not storage.exists(STORE_MARKER):
                 mark_store_created(storage)
         except BaseException:
             storage.close()

@@ -82,10 +82,10 @@ class IndexStats:
     updates_written: int  #: appends this handle made
     pages_relocated: int  #: pages this handle moved to the tail for compaction
     storage_reads: int  #: page reads that went to storage
-    cache_hits: int  #: page lookups served by the page cache (tier 2); descents that follow an
+    cache_hits: int  #: page lookups served by the page cache; descents that follow an
     #: index page's references to children still decoded in memory bypass the cache and are not counted
     cache_misses: int
-    value_cache_hits: int  #: lookups served by the recent-values cache (tier 1)
+    value_cache_hits: int  #: lookups served by the recent-values cache
     value_cache_misses: int
     pending_keys: int = 0  #: ``AttributeIndex``: keys in its write-ahead log not yet merged into the tree
     wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
@@ -126,7 +126,7 @@ class TreeIndex(IndexHandle):
         self._versions_adopted = 0  # versions written by others that the tree adopted
         self._closed = False
         self._read_only = False  # set by open(mode="r")
-        # Another writer's state makes tier 1 stale: the tree says when it adopts one.
+        # Another writer's version makes the recent values stale: the tree says when it adopts one.
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
                                 policy=policy_for(compaction), on_external_change=self._external_change)
 
@@ -158,10 +158,11 @@ class TreeIndex(IndexHandle):
     ) -> "TreeIndex":
         """Open the index ``name`` at a storage URL: ``memory://``, ``file://`` or a path, ``s3://``.
 
-        ``mode="a"`` (the default) opens the index or creates it; ``mode="r"`` opens an existing
-        index read-only: a missing one (a mistyped path, an empty directory) raises
-        ``IndexNotFoundError`` and ``update`` raises ``InvalidInputError``. A local path that is a
-        regular file raises ``IndexNotFoundError`` in both modes.
+        ``mode="a"`` (the default) opens the index or creates it; ``mode="r+"`` opens an existing
+        index only; ``mode="r"`` opens an existing index read-only (``update`` raises
+        ``InvalidInputError``). A missing index (a mistyped path, an empty directory) raises
+        ``IndexNotFoundError`` in modes "r+" and "r", and a local path that is a regular file in
+        every mode.
 
         ``options``: ``page_size`` (default 32768), ``rolling_size`` (4 MiB), ``cache_bytes`` for
         decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
@@ -181,8 +182,14 @@ class TreeIndex(IndexHandle):
         keys = key_list(keys)
         return self._get_many_canonical(keys if all_canonical_keys(keys) else [to_key(k) for k in keys])
 
-    # Lock-free: a segment's read view calls these for keys its overlays do not hold, beside the
-    # background merge's updates. Only ``_cache_found`` writes the cache (under its lock).
+    def lookups(self) -> tuple[ValueCache, Callable[[bytes], int | None], Callable[[list[bytes]], list]]:
+        """What a lock-free read view (``attrindex.read_view``) probes after its overlays: the recent
+        values, then ``get`` of one canonical key that their young generation did not hold, and
+        ``get_many`` of canonical keys. Both run beside the merge's updates, without a lock."""
+        return self._values, self._get_uncached, self._get_many_canonical
+
+    # Lock-free: a read view calls these for keys its overlays do not hold, beside the background
+    # merge's updates. Only ``_cache_found`` writes the cache (under its lock).
     def _cached_get(self, key: bytes) -> int | None:
         """``get`` for a canonical key: the young generation of the recent values, else the tree."""
         values = self._values
@@ -288,7 +295,7 @@ class TreeIndex(IndexHandle):
                 self._values.clear()
             elif len(keys) <= _CACHE_UPDATES_UP_TO:
                 self._values.put_many(keys, values)
-            else:  # a bulk load: refresh what is cached, do not flood tier 1 with it
+            else:  # a bulk load: refresh what is cached, do not flood the recent values with it
                 # In steps: one dict of a 250k-key merge is a C call holding the GIL for 0.1-0.5 s
                 # (the background merge's), which an update in another thread would wait out.
                 for i in range(0, len(keys), _CACHE_UPDATES_UP_TO):
@@ -316,7 +323,7 @@ class TreeIndex(IndexHandle):
         try:
             return self._tree.bulk_load(pairs, checkpoint=checkpoint, progress=progress)
         finally:
-            # Tier 1 may hold values the load replaced (also after a failure: a settled lost
+            # The recent values may hold values the load replaced (also after a failure: a settled lost
             # acknowledgement may have loaded them): drop it, as when another writer's version
             # is adopted.
             self._external_change()

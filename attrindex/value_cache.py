@@ -1,4 +1,4 @@
-"""Tier 1 of the cache: recent attribute values (and known absences), in two dict generations.
+"""The recent-values cache: recent attribute values (and known absences), in two dict generations.
 
 A lookup is one or two dict probes; there is no per-hit bookkeeping. New entries go to the young
 generation; when it fills, it becomes the old one and the previous old one is dropped. A hit in the

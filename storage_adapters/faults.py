@@ -243,7 +243,7 @@ class FaultyStorage(ChunkStorage):
         """The file behind ``path`` if the inner backend is local disk (the only one with torn state)."""
         from .local import LocalChunkStorage
 
-        return self.inner._abs(path) if isinstance(self.inner, LocalChunkStorage) else None
+        return self.inner.file_path(path) if isinstance(self.inner, LocalChunkStorage) else None
 
     def _prefix(self, data: bytes) -> bytes:
         with self._guard:

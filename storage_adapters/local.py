@@ -271,6 +271,10 @@ class LocalChunkStorage(ChunkStorage):
             return os.path.join(self.root, path)
         return f"{self.root}/{path}"  # os.path.join's result for a relative path, without its checks
 
+    def file_path(self, path: str) -> str:
+        """The file behind the storage path ``path`` (for tools that act on the file itself)."""
+        return self._abs(path)
+
     # -- reading -------------------------------------------------------------------------------
     def list_files(self, directory: str) -> dict[str, int]:
         base = self._abs(directory)

@@ -79,7 +79,7 @@ def test_damage_in_one_segment_fails_a_threaded_table_with_corrupt_data_error(tm
         at = data.index(b"value-1-100")
         handle.seek(at)
         handle.write(b"V")
-    with SegmentStore.open(str(tmp_path / "store"), create=False) as store:
+    with SegmentStore.open(str(tmp_path / "store"), mode="r+") as store:
         with pytest.raises(CorruptDataError):
             scan_stream(store, "events").to_table()
         assert scan_stream(store, "events", segments=[names[0], names[2]]).to_table().num_rows == 800

@@ -55,7 +55,7 @@ def _build(root: str, rounds: int = 1) -> None:
 
 def _contents(root: str) -> dict:
     """Everything a reader of the store sees (opening it read-only where there is a mode)."""
-    store = SegmentStore.open(root, create=False)
+    store = SegmentStore.open(root, mode="r+")
     try:
         seen = {}
         for name in ("plain", "compacted", "consolidated"):
@@ -193,7 +193,7 @@ def test_a_copy_taken_while_a_writer_appends_reads_as_a_clean_prefix(tmp_path):
         writer.kill()
         writer.wait(60)
     for dst in copies:
-        store = SegmentStore.open(dst, create=False)
+        store = SegmentStore.open(dst, mode="r+")
         try:
             segment = store.segment("hot")
             records = segment.read(0, max_records=1 << 20, max_bytes=1 << 30)

@@ -64,7 +64,7 @@ def test_segment_verify_finds_damage_and_repair_says_what_is_lost(tmp_path, caps
     assert 0 < victim < 39 and f"{39 - victim} intact batches after the first damaged one kept" in said
 
     assert main(["segment", "verify", root, "s"]) == 0
-    with SegmentStore.open(root, create=False) as store:
+    with SegmentStore.open(root, mode="r+") as store:
         seg = store.segment("s")
         kept = [r.offset for r in seg.read(0, 1000)]
         assert kept == [i for i in range(40) if i != victim]  # every batch but the damaged one

@@ -498,7 +498,7 @@ def test_a_compacted_segment_is_created_fed_tombstones_configured_and_compacted_
     assert capsys.readouterr().out == ("configured: cleanup_policy delete,compact, min_compaction_lag 3,600,000 ms, "
                                        "tombstone_retention 0 ms, retention 604,800,000 ms, "
                                        "retention_bytes 1,073,741,824\n")
-    with SegmentStore.open(url, create=False) as store:
+    with SegmentStore.open(url, mode="r+") as store:
         policy = store.segment("users").cleanup_policy()
     assert (policy.cleanup_policy, policy.min_compaction_lag_ms, policy.retention_bytes) == ("delete,compact",
                                                                                              3_600_000, 1 << 30)
@@ -517,7 +517,7 @@ def test_bad_compaction_input_is_refused_before_anything_is_written(tmp_path, ca
     capsys.readouterr()
     assert main(["segment", "append", url, "users", *argv]) == 2
     assert message in capsys.readouterr().err
-    with SegmentStore.open(url, create=False) as store:
+    with SegmentStore.open(url, mode="r+") as store:
         assert store.segment("users").next_offset == 1
 
 
@@ -539,7 +539,7 @@ def _wait_for_offset(url: str, name: str, offset: int, timeout: float = 60) -> N
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with SegmentStore.open(url, create=False) as store:
+            with SegmentStore.open(url, mode="r+") as store:
                 if store.segment(name).next_offset >= offset:
                     return
         except LookupError:  # not created yet
@@ -566,7 +566,7 @@ def test_ctrl_c_during_a_stdin_append_says_exactly_which_lines_landed(tmp_path):
     err = append.stderr.read()
     assert err == ("attrindex: interrupted: appended 20 records at offsets 0..19, the first 20 lines of the input; "
                    "nothing after them was appended (resume from the 21st)\n")
-    with SegmentStore.open(url, create=False) as store:
+    with SegmentStore.open(url, mode="r+") as store:
         assert [r.value for r in store.segment("s").read(0)] == [f"line {i}".encode() for i in range(20)]
 
 
@@ -591,7 +591,7 @@ def test_ctrl_c_while_appending_reports_what_the_store_holds(tmp_path):
     match = re.fullmatch(r"attrindex: interrupted: appended (\d+) records at offsets 0\.\.(\d+), the first \1 lines "
                          r"of the input; nothing after them was appended \(resume from the \d+\w\w\)\n", err)
     assert match, err
-    with SegmentStore.open(url, create=False) as store:
+    with SegmentStore.open(url, mode="r+") as store:
         assert store.segment("s").next_offset == int(match[1]) == int(match[2]) + 1
 
 

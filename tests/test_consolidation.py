@@ -193,7 +193,7 @@ def test_a_rebuild_of_pending_attributes_takes_in_chunks_switched_under_it(tmp_p
     log.batches = batches_after_a_switch
     try:
         with other._lock:
-            other._replay_from_tree(refresh_tree=True)
+            other._attributes._replay_from_tree(refresh_tree=True)
     finally:
         del log.batches
     assert switched and switched[0] > 0

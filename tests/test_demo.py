@@ -57,7 +57,7 @@ def test_the_demo_reruns_on_its_store_and_keeps_it(spark, tmp_path, monkeypatch,
         lookups = int(re.search(r"  lookups              ([\d,]+) users looked up, 0 mismatches", text)[1].replace(",", ""))
         assert lookups > (1000 if run == 1 else 0)
     # what the reports name is there, and holds what they said
-    with SegmentStore.open(url, create=False) as store:
+    with SegmentStore.open(url, mode="r+") as store:
         for run in (1, 2):
             assert _records(store, f"run-{run}/shop-events") == RUNS[run][0]
             loaded = int(re.search(r"([\d,]+) users loaded", "\n".join(first if run == 1 else second))[1].replace(",", ""))

@@ -48,7 +48,7 @@ def test_a_merge_by_a_handle_that_wrote_before_a_bulk_load_never_undoes_the_load
     if b_merges_first:
         b.refresh()
         b.flush()
-        assert b.checkpoint == a._wal._log.position
+        assert b.checkpoint == a._log.position
     a.flush()  # was: merged A's tier 1 (1 -> 1) over the loaded tree
     b.refresh()
     assert b.get_many([1, 2, 3, 5]) == [loaded, 1, 3, 5]

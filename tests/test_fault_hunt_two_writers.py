@@ -59,7 +59,7 @@ def test_an_update_whose_rebuild_meets_another_merge_and_truncation_goes_through
     raced = []
 
     def batches(self, start, end, *args, **kwargs):
-        if self is b._wal._log and not raced:  # B's rebuild, about to read the WAL from C
+        if self is b._log and not raced:  # B's rebuild, about to read the WAL from C
             raced.append(start)
             a.flush()  # A merges past C and cuts the WAL past it
         return real(self, start, end, *args, **kwargs)
@@ -114,7 +114,7 @@ def test_a_failed_catch_up_never_serves_or_merges_stale_values(backend, fails, t
         scan_failures = []
 
         def scan_chunk(self, *args, **kwargs):
-            if self is b._wal._log and self.resyncs and not scan_failures:
+            if self is b._log and self.resyncs and not scan_failures:
                 scan_failures.append(True)
                 raise StorageError("injected: reading the WAL's tail failed")
             return real_scan(self, *args, **kwargs)
@@ -124,7 +124,7 @@ def test_a_failed_catch_up_never_serves_or_merges_stale_values(backend, fails, t
         real = segment_log.SegmentLog.batches
 
         def batches(self, start, end, *args, **kwargs):
-            if self is b._wal._log and len(rebuild_failures) < 2:
+            if self is b._log and len(rebuild_failures) < 2:
                 rebuild_failures.append(start)
                 raise StorageError("injected: reading the WAL failed")
             return real(self, start, end, *args, **kwargs)
@@ -154,7 +154,7 @@ def test_catch_ups_that_keep_meeting_truncations_end_in_a_clear_error(where, mon
     """Every loop is bounded: a catch-up whose scan, or whose rebuild, meets a fresh truncation
     every time gives up with a ``StorageError`` that says so (nothing written), not with the raw
     ``TruncatedError``; the handle works again once the truncations stop."""
-    from attrindex import segment_merge
+    from attrindex import attribute_state
     from attrindex.errors import StorageError, TruncatedError
 
     url = f"memory://hunt-bound-{uuid.uuid4().hex}"
@@ -169,7 +169,7 @@ def test_catch_ups_that_keep_meeting_truncations_end_in_a_clear_error(where, mon
         monkeypatch.setattr(segment_log.SegmentLog, "catch_up", truncated)
         message = "kept truncating the log while this handle read its tail"
     else:
-        monkeypatch.setattr(segment_merge.BackgroundMerge, "_replayed_from_newest_tree", truncated)
+        monkeypatch.setattr(attribute_state.AttributeState, "_replayed_from_newest_tree", truncated)
         message = "kept merging and truncating the log while this handle rebuilt"
     with pytest.raises(StorageError, match=message) as raised:
         b.update({1001: 2})
@@ -190,13 +190,13 @@ def test_catch_ups_that_keep_meeting_truncations_end_in_a_clear_error(where, mon
 # held.
 _WRITER = """
 import glob, sys, threading, time
-from attrindex import segment_merge
+from attrindex import merge_runner
 from attrindex.attribute_index import AttributeIndex
 from attrindex.log import segment_log
 from storage_adapters.rolling import SEGMENT_SUFFIX
 from tests.history import Recorder
 
-segment_merge.MIN_WORKER_KEYS = 1
+merge_runner.MIN_WORKER_KEYS = 1
 path, client, updates, races_wanted = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 HOLD = 2.0
 real, calls, raced = segment_log.SegmentLog.batches, [0], [0]

@@ -161,7 +161,7 @@ def test_an_update_that_lost_a_race_survives_a_truncation_during_its_catch_up(ba
     for i in range(N):
         a.update({i: i})  # B's view is now several chunks behind
     real = rolling.RollingSegment.read
-    b_bytes = b._wal._log.bytes
+    b_bytes = b._log.bytes
     raced = []
 
     def read(self, offset, length):

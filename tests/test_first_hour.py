@@ -54,6 +54,25 @@ def test_a_read_only_handle_reads_and_refuses_writes(storage_url):
         assert idx.get(KEY) == 7 and idx.stats().updates_written == 0
 
 
+def test_an_existing_only_open_of_a_missing_index_raises_and_creates_nothing(storage_url):
+    url, options = storage_url
+    with pytest.raises(IndexNotFoundError, match="mode 'r\\+'"):
+        AttributeIndex.open(url, mode="r+", storage_options=options)
+    with open_storage(url, **options) as storage:
+        assert storage.list_files("") == {}
+
+
+def test_an_existing_only_open_reads_and_writes(storage_url):
+    url, options = storage_url
+    with AttributeIndex.open(url, storage_options=options) as idx:
+        idx.update({KEY: 7})
+    with AttributeIndex.open(url, mode="r+", storage_options=options) as idx:
+        assert not idx.read_only and idx.get(KEY) == 7
+        idx.update({KEY: 8})
+    with AttributeIndex.open(url, mode="r", storage_options=options) as idx:
+        assert idx.get(KEY) == 8
+
+
 def test_read_only_open_of_another_name_is_missing(tmp_path):
     AttributeIndex.open(str(tmp_path), "one").close()
     with pytest.raises(IndexNotFoundError, match="no index 'two'"):
@@ -80,24 +99,24 @@ def test_a_regular_file_is_neither_an_index_nor_a_store(tmp_path, scheme, under)
     for mode in ("a", "r"):
         with pytest.raises(IndexNotFoundError, match="is a regular file"):
             AttributeIndex.open(url, mode=mode)
-    for create in (True, False):
+    for mode in ("a", "r+"):
         with pytest.raises(StoreNotFoundError, match="is a regular file"):
-            SegmentStore.open(url, create=create)
+            SegmentStore.open(url, mode=mode)
     assert regular.read_bytes() == b"not a store"
 
 
 def test_opening_a_missing_store_without_create_raises_and_creates_nothing(storage_url):
     url, options = storage_url
     with pytest.raises(StoreNotFoundError, match="no store at URL"):
-        SegmentStore.open(url, options, create=False)
+        SegmentStore.open(url, storage_options=options, mode="r+")
     with open_storage(url, **options) as storage:
         assert storage.list_files("") == {}
 
 
 def test_a_created_store_opens_without_create_even_when_empty(storage_url):
     url, options = storage_url
-    SegmentStore.open(url, options).close()
-    with SegmentStore.open(url, options, create=False) as store:
+    SegmentStore.open(url, storage_options=options).close()
+    with SegmentStore.open(url, storage_options=options, mode="r+") as store:
         assert store.segments() == []
 
 
@@ -105,7 +124,7 @@ def test_a_store_from_before_the_marker_is_recognised_by_its_segments(tmp_path):
     with SegmentStore.open(str(tmp_path)) as store:
         store.segment("orders/0", create=True).append([b"v"])
     (tmp_path / STORE_MARKER).unlink()
-    with SegmentStore.open(str(tmp_path), create=False) as store:
+    with SegmentStore.open(str(tmp_path), mode="r+") as store:
         assert store.segments() == ["orders/0"]
         assert store.segment("orders/0").read(0)[0].value == b"v"
 
@@ -114,13 +133,15 @@ def test_a_store_from_before_the_marker_is_recognised_by_its_streams(tmp_path):
     with SegmentStore.open(str(tmp_path)) as store:
         store.create_stream("events", 2)
     (tmp_path / STORE_MARKER).unlink()
-    with SegmentStore.open(str(tmp_path), create=False) as store:
+    with SegmentStore.open(str(tmp_path), mode="r+") as store:
         assert store.stream_segments("events") == ["events/0", "events/1"]
 
 
-def test_create_must_be_a_bool(tmp_path):
-    with pytest.raises(InvalidInputError, match="create"):
-        SegmentStore.open(str(tmp_path), create="no")
+@pytest.mark.parametrize("mode", ["r", "w", "c", None, True])
+def test_an_unknown_store_mode_is_refused_before_anything_is_created(tmp_path, mode):
+    with pytest.raises(InvalidInputError, match="mode must be 'a'"):
+        SegmentStore.open(str(tmp_path / "store"), mode=mode)
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- closed handles ------------------------------------------------------------------------------

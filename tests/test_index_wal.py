@@ -138,7 +138,7 @@ def test_an_update_is_one_wal_append_served_at_once_and_merged_later(tmp_path):
     index.flush()  # one sorted merge into the tree, at the WAL's position
     stats = index.stats()
     assert (stats.pending_keys, stats.entry_count, stats.height) == (0, 100, 1)
-    assert index.checkpoint == index._wal._log.position
+    assert index.checkpoint == index._log.position
     index.update({i: None for i in range(0, 100, 2)} | {1000: 1})  # removals and an insert pending
     assert len(index) == 51 and index.verify().entries == 100  # exact; the tree merges later
     index.close()
@@ -171,7 +171,7 @@ def test_reopening_replays_the_wal_after_the_trees_checkpoint(tmp_path):
 def test_a_read_only_handle_writes_nothing_not_even_a_merge(tmp_path):
     with AttributeIndex.open(str(tmp_path), merge_keys=1000) as index:
         index.update({1: 1})
-        index._wal._wrote = False  # leave the update in the WAL only, as a killed writer would
+        index._attributes._wrote = False  # leave the update in the WAL only, as a killed writer would
     before = {path: os.path.getsize(os.path.join(d, path)) for d, _, files in os.walk(tmp_path) for path in files}
     with AttributeIndex.open(str(tmp_path), mode="r") as reader:
         assert reader.get(1) == 1 and reader.stats().pending_keys == 1
@@ -219,7 +219,7 @@ def test_bulk_load_is_ordered_between_earlier_and_later_updates(tmp_path):
     assert index.bulk_load(((i, i) for i in range(5, 500)), progress=lambda done, total: None) == 500
     index.update({7: 70})  # after the load: replayed over it
     assert index.get_many([0, 5, 7, 499]) == [-1, 5, 70, 499]
-    index._wal._wrote = False  # no merge on close: reopening must replay the later update only
+    index._attributes._wrote = False  # no merge on close: reopening must replay the later update only
     index.close()
     reopened = AttributeIndex.open(str(tmp_path), **SMALL)
     assert reopened.get_many([0, 5, 7, 499]) == [-1, 5, 70, 499] and len(reopened) == 500
@@ -409,7 +409,7 @@ def test_a_damaged_wal_is_reported_and_repair_gives_up_only_the_damaged_batch(tm
     index.update({i: 1 for i in range(20)})
     index.flush()  # in the tree
     index.update({i: 2 for i in range(10)})  # in the WAL only (never merged: the handle is dropped)
-    position = index._wal._log.position
+    position = index._log.position
     index.update({20: 5})  # a later batch: the damage below is not the newest write
     chunk = _wal_chunks(root)[-1]
     _flip(chunk, position - 30)  # inside the batch of the 2s
@@ -434,7 +434,7 @@ def _newest_wal_write_damaged(root: str) -> str:
     index = AttributeIndex.open(root, page_size=256, merge_keys=1000)
     index.update({i: 1 for i in range(20)})
     index.update({i: 2 for i in range(10)})  # the newest write
-    position = index._wal._log.position
+    position = index._log.position
     chunk = _wal_chunks(root)[-1]
     _flip(chunk, position - 30)
     return chunk
@@ -473,7 +473,7 @@ def test_a_tree_rolled_back_by_repair_gets_its_updates_back_from_the_wal(tmp_pat
     for version in range(3):
         index.update({i: version for i in range(30)})
         index.flush()
-    index._wal._wrote = False
+    index._attributes._wrote = False
     index.close()
     tree = RollingSegment(open_storage(root), "attributes", framing=TREE_FRAMING)
     last = tree.chunks()[-1]
@@ -521,7 +521,7 @@ def test_the_cli_repairs_a_damaged_wal(tmp_path, capsys):
     index = AttributeIndex.open(root, merge_keys=1000)
     index.update({1: 1})
     index.update({2: 2})
-    position = index._wal._log.position
+    position = index._log.position
     index.update({3: 3})  # a later batch: the damage below is not the newest write
     _flip(_wal_chunks(root)[-1], position - 30)  # inside the second batch
     assert main(["index", "verify", root]) == 3
@@ -595,7 +595,7 @@ def test_len_counted_while_a_merge_makes_its_version_current_is_exact():
     index = AttributeIndex.open(f"memory://wal-len-{uuid.uuid4().hex}", merge_keys=10**6, merge_process=False)
     index.update({n: n for n in range(10)})
     assert len(index) == 10  # looks the 10 pending keys up in the tree: absent, and cached so
-    tree = index._wal._index._tree
+    tree = index._attributes.tree._tree
     write_version, counts = tree.update, []
 
     def write_version_then_count(*args, **kwargs):
@@ -662,7 +662,7 @@ def test_max_pending_bytes_reaches_the_wal_and_is_checked():
     index = AttributeIndex.open(f"memory://wal-mpb-{uuid.uuid4().hex}", max_pending_bytes=4096, merge_keys=10**6)
     for n in range(20):  # far beyond 4 KiB pending: updates wait for merges instead of piling up
         index.update({n * 100 + i: i for i in range(100)})
-    assert index._wal.options.max_pending_bytes == 4096 and index.stats().pending_keys < 2000
+    assert index._attributes.options.max_pending_bytes == 4096 and index.stats().pending_keys < 2000
     assert len(index) == 2000
 
 

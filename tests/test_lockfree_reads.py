@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from attrindex import AttributeIndex, SegmentStore, segment_merge, write_queue
+from attrindex import AttributeIndex, SegmentStore, merge_runner, write_queue
 from attrindex.errors import InvalidInputError
 from attrindex.tree_index import TreeIndex
 from attrindex.value_cache import MISSING, ValueCache
@@ -130,7 +130,7 @@ def run_threads(targets: list, seconds: float, stop: threading.Event, until=lamb
 @pytest.mark.parametrize("in_worker", [False, True], ids=["merge-in-thread", "merge-in-worker-process"])
 def test_threaded_reads_never_go_back_under_merges_reopen_and_another_handle(tmp_path, monkeypatch, in_worker):
     if in_worker:  # every background merge of handle a and b goes to its worker process
-        monkeypatch.setattr(segment_merge, "MIN_WORKER_KEYS", 1)
+        monkeypatch.setattr(merge_runner, "MIN_WORKER_KEYS", 1)
     url = str(tmp_path / "idx")
     own = [key(i) for i in range(2 * KEYS_PER_WRITER)]
     other = [key(1000 + i) for i in range(KEYS_PER_WRITER)]
@@ -148,11 +148,11 @@ def test_threaded_reads_never_go_back_under_merges_reopen_and_another_handle(tmp
             (reader, a, own, versions, stop, 10 * lap + 4),
             (reader, a, own, versions, stop, 10 * lap + 5),
             (reader, a, other, versions, stop, 10 * lap + 6, True),
-        ], seconds=2.0, stop=stop, until=lambda: a._wal._merges >= 3)
+        ], seconds=2.0, stop=stop, until=lambda: a._attributes.runner.merges >= 3)
         assert not failures, failures
         assert not versions.errors, versions.errors[:5]
-        merges = a._wal.stats().merges
-        assert (a._wal._worker is not None) == in_worker  # (the merges ran where the variant says)
+        merges = a._attributes.runner.merges
+        assert (a._attributes.runner.worker is not None) == in_worker  # (the merges ran where the variant says)
         b.close()
         a.close()
         assert merges >= 3, "the run should have merged many times"
@@ -218,7 +218,7 @@ def test_reads_do_not_wait_for_the_handles_lock(tmp_path):
     segment = SegmentStore.open(f"memory://lockfree-{uuid.uuid4().hex}").segment("s", create=True)
     segment.update_attributes({key(5): 5})
     results: list = []
-    locks = [index._wal._lock, segment._lock]
+    locks = [index._lock, segment._lock]
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -323,14 +323,14 @@ def test_a_rebuild_of_tier1_adopts_the_tree_that_covers_another_handles_cut(tmp_
     a.update({key(2): 2})  # in a's tier 1 only, and in the WAL
     for i in range(20):
         b.update({key(100 + i): i})  # rolls WAL chunks
-    wal = a._wal
-    with wal._lock:
-        wal._catch_up()  # a replays b's updates: its position is the WAL's end
+    state = a._attributes
+    with a._lock:
+        state.catch_up()  # a replays b's updates: its position is the WAL's end
     b.flush()  # b's tree covers everything and b cuts the WAL below its checkpoint's chunk
-    with wal._lock:
-        wal._catch_up()
-        assert (wal._index.checkpoint or 0) < wal._log.start_position <= wal._log.position  # a's tree is stale
-        wal._rebuild_overlay()
+    with a._lock:
+        state.catch_up()
+        assert (state.tree.checkpoint or 0) < a._log.start_position <= a._log.position  # a's tree is stale
+        state.rebuild()
     assert a.get(key(2)) == 2 and a.get_many([key(1), key(2), key(119)]) == [1, 2, 19]
     b.close()
     a.close()

@@ -552,7 +552,7 @@ def test_verify_and_repair_on_every_backend(storage_url):
     from storage_adapters import open_storage
 
     url, options = storage_url
-    with SegmentStore.open(url, options, log_rolling_size=1024) as store:
+    with SegmentStore.open(url, storage_options=options, log_rolling_size=1024) as store:
         seg = store.segment("s", create=True)
         for i in range(20):
             increment(seg, i)
@@ -560,7 +560,7 @@ def test_verify_and_repair_on_every_backend(storage_url):
     chunks = sorted(n for n in storage.list_files("s/_log.seg") if n.isdigit())
     victim = chunks[len(chunks) // 2]
     rot(storage, f"s/_log.seg/{victim}", BATCH_HEADER_SIZE + 3)  # the first batch's payload
-    with SegmentStore.open(url, options, log_rolling_size=1024) as store:
+    with SegmentStore.open(url, storage_options=options, log_rolling_size=1024) as store:
         report = store.verify_segment("s")
         assert [d.start for d in report.damage] == [int(victim)]
         with pytest.raises(CorruptDataError):
@@ -575,7 +575,7 @@ def test_verify_and_repair_on_every_backend(storage_url):
         assert increment(seg, 20).first_offset == 20
         assert seg.get_attribute(COUNTER) == 21  # what the last kept batch wrote, plus one
         assert store.verify_segment("s").ok
-    with SegmentStore.open(url, options, log_rolling_size=1024) as store:
+    with SegmentStore.open(url, storage_options=options, log_rolling_size=1024) as store:
         seg = store.segment("s")
         assert [r.offset for r in seg.read(0, 100)] == kept + [20]
         assert seg.get_attribute(COUNTER) == 21
@@ -611,7 +611,7 @@ def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
     from storage_adapters import open_storage
 
     url, options = storage_url
-    with SegmentStore.open(url, options, **SMALL) as store:
+    with SegmentStore.open(url, storage_options=options, **SMALL) as store:
         seg = store.segment("s", create=True)
         for i in range(30):
             seg.append([b"rec-%d" % i], [AttributeUpdate(key(i), UpdateType.REPLACE, value=i),
@@ -636,7 +636,7 @@ def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
         rewrite(storage, path, 0, bytes(b ^ 0x5A for b in whole))
     lost = [offset for *_rest, offset in touched]
     kept = [i for i in range(30) if i not in lost]
-    with SegmentStore.open(url, options, **SMALL) as store:
+    with SegmentStore.open(url, storage_options=options, **SMALL) as store:
         report = store.verify_segment("s")
         assert [(d.start, d.end) for d in report.damage] == [(int(name) + touched[0][1], int(name) + touched[-1][1] + touched[-1][2])]
         assert report.records == len(kept)
@@ -663,7 +663,7 @@ def test_repair_gives_up_only_the_damaged_batches(storage_url, where, kind):
         resume = repair.resume_offset
         assert seg.append([b"next"], [(LATEST, 100)], timestamp=2000).first_offset == resume
         assert store.verify_segment("s").ok
-    with SegmentStore.open(url, options, **SMALL) as store:  # reopened: the sparse indexes are rebuilt
+    with SegmentStore.open(url, storage_options=options, **SMALL) as store:  # reopened: the sparse indexes are rebuilt
         seg = store.segment("s")
         assert [r.offset for r in seg.read(0, 100)] == kept + [resume]
         for offset in kept:
@@ -706,7 +706,7 @@ def test_log_compaction_after_a_repair_keeps_every_kept_record(storage_url):
     from attrindex.log.batch.records import Record
 
     url, options = storage_url
-    with SegmentStore.open(url, options, **SMALL) as store:
+    with SegmentStore.open(url, storage_options=options, **SMALL) as store:
         seg = store.segment("s", create=True, cleanup_policy="compact")
         for i in range(60):  # unique keys but one, rewritten later: compaction drops its first value
             seg.append([Record(key=b"k%d" % (15 if i == 40 else i), value=b"v%d" % i)], timestamp=i)
@@ -714,14 +714,14 @@ def test_log_compaction_after_a_repair_keeps_every_kept_record(storage_url):
     spans = [(name, p) for name, start, data in committed_chunks(storage, "s/_log") for p, _h in iter_batches(data, position=start)]
     name, at = spans[10]
     rot(storage, f"s/_log.seg/{name}", at + BATCH_HEADER_SIZE + 3)
-    with SegmentStore.open(url, options, **SMALL) as store:
+    with SegmentStore.open(url, storage_options=options, **SMALL) as store:
         assert store.repair_segment("s").lost_offsets == (range(10, 11),)
         seg = store.segment("s")
         expected = [(i, b"v%d" % i) for i in range(60) if i not in (10, 15)]
         assert seg.compact(min_lag_ms=0).chunks_cleaned >= 1
         assert [(r.offset, r.value) for r in seg.read(0, 100)] == expected
         assert store.verify_segment("s").ok
-    with SegmentStore.open(url, options, **SMALL) as store:
+    with SegmentStore.open(url, storage_options=options, **SMALL) as store:
         assert [(r.offset, r.value) for r in store.segment("s").read(0, 100)] == expected
 
 

@@ -232,8 +232,8 @@ def test_a_segment_log_writes_chains_that_end_at_each_chunks_end(storage_url):
     """Appends (lone, grouped, with retries after another writer went first), a cleaner that moves
     batches into replacement chunks, and a consolidation: every chunk stays one whole chain."""
     url, options = storage_url
-    with SegmentStore.open(url, options, log_rolling_size=2000) as store, \
-            SegmentStore.open(url, options, log_rolling_size=2000) as other:
+    with SegmentStore.open(url, storage_options=options, log_rolling_size=2000) as store, \
+            SegmentStore.open(url, storage_options=options, log_rolling_size=2000) as other:
         seg = store.segment("s", create=True, cleanup_policy="compact", min_compaction_lag_ms=0)
         two = other.segment("s")
         for i in range(120):
@@ -258,6 +258,6 @@ def test_the_wal_log_of_an_attribute_index_writes_chains(tmp_path):
     with AttributeIndex.open(str(tmp_path / "idx")) as index:
         for i in range(50):
             index.update({i.to_bytes(16, "big"): i})
-        log = index._wal._log
+        log = index._log
         assert log.bytes.framing is LOG_FRAMING
         assert all(chain == stored for _start, chain, stored in chains(log))

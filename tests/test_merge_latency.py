@@ -81,7 +81,7 @@ def test_index_updates_reads_and_len_go_on_while_a_merge_is_blocked_in_tree_stor
         model = {key(i): i for i in range(60)}
         index.update(model)  # 60 pending keys >= merge_keys: frozen and merged in the background
         assert storage.entered.wait(20), "the background merge never reached the tree's storage"
-        assert index._wal._merge_mutex.locked() and index._wal._frozen is not None
+        assert index._attributes.runner._mutex.locked() and index._attributes._frozen is not None
         for round_ in range(5):  # several appends, each durable, while the merge stays blocked
             batch = {key(1000 + 10 * round_ + j): j for j in range(10)} | {key(round_): -round_}
             assert returns_promptly(lambda: index.update(batch))[0] is True
@@ -90,7 +90,7 @@ def test_index_updates_reads_and_len_go_on_while_a_merge_is_blocked_in_tree_stor
         assert got == list(model.values())
         assert returns_promptly(lambda: index.get(key(3)))[0] == -3  # the active overlay over the frozen one
         assert returns_promptly(lambda: len(index))[0] == len(model)
-        assert not storage.gate.is_set() and index._wal._frozen is not None  # it was blocked all along
+        assert not storage.gate.is_set() and index._attributes._frozen is not None  # it was blocked all along
     finally:
         storage.gate.set()
     index.flush()
@@ -190,7 +190,7 @@ def test_an_update_does_not_wait_for_len_counting_the_pending_keys():
     index = AttributeIndex(open_storage(f"memory://len-{uuid.uuid4().hex}"), "idx", merge_keys=10**6)
     index.bulk_load({key(i): i for i in range(100)})
     index.update({key(i): (None if i % 2 else -i) for i in range(50)} | {key(500): 5})
-    tree = index._wal._index._tree  # the B+tree itself: the count reads it, not the recent-values cache
+    tree = index._attributes.tree._tree  # the B+tree itself: the count reads it, not the recent-values cache
     gate, entered, real = threading.Event(), threading.Event(), tree.get_many
 
     def held_lookup(keys):

@@ -21,17 +21,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attrindex import SegmentStore, merge_worker, segment_merge
+from attrindex import SegmentStore, attribute_state, merge_runner, merge_worker
 from attrindex.attribute_index import AttributeIndex
 from attrindex.errors import InvalidInputError
 from attrindex.value_cache import MISSING
+
+from .merge_faults import MergeFaults, child_program_lines
 
 WAIT = 60.0  # seconds: bound of every wait below (a loaded machine); never a timed assertion
 
 
 @pytest.fixture(autouse=True)
 def every_merge_in_the_worker(monkeypatch):
-    monkeypatch.setattr(segment_merge, "MIN_WORKER_KEYS", 1)
+    monkeypatch.setattr(merge_runner, "MIN_WORKER_KEYS", 1)
 
 
 def key(n: int) -> bytes:
@@ -49,9 +51,21 @@ def wait_for(condition, what: str):
 
 
 def merged_up_to_position(index: AttributeIndex) -> bool:
-    wal = index._wal
-    with wal._lock:
-        return wal._frozen is None and (wal._tree.checkpoint or 0) >= wal._frozen_at and wal._merges > 0
+    state = index._attributes
+    with index._lock:
+        return state._frozen is None and (state.tree.checkpoint or 0) >= state._frozen_at and state.runner.merges > 0
+
+
+@pytest.fixture
+def merge_faults(monkeypatch, tmp_path_factory) -> MergeFaults:
+    """Scripted faults for the merge workers the test starts (``tests/merge_faults.py``)."""
+    return MergeFaults(monkeypatch, tmp_path_factory.mktemp("merge-faults"))
+
+
+def merge_error(index: AttributeIndex) -> str | None:
+    """Why the index's last merge failed (as ``Segment.stats().merge_error`` says it), or None."""
+    error = index._attributes.runner.error
+    return None if error is None else f"{type(error).__name__}: {error}"
 
 
 def check(index: AttributeIndex, model: dict) -> None:
@@ -78,9 +92,9 @@ def test_merges_run_in_one_reused_worker_and_match_a_dict(tmp_path):
             write(index, model, rng, 5)
             wait_for(lambda: merged_up_to_position(index), "the merge")
             check(index, model)
-        worker = index._wal._worker
+        worker = index._attributes.runner.worker
         assert worker is not None and worker.starts == 1 and index.stats().pending_keys < len(model)
-        assert index._wal.stats().merges >= 3 and index._wal.stats().merge_error is None
+        assert index._attributes.runner.merges >= 3 and merge_error(index) is None
         pid = worker.pid
     finally:
         index.close()
@@ -91,23 +105,22 @@ def test_merges_run_in_one_reused_worker_and_match_a_dict(tmp_path):
 
 
 @pytest.mark.parametrize("fault, lands", [("exit_before_commit", False), ("exit_after_commit", True)])
-def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault, lands):
+def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault, lands, merge_faults):
     index, model, rng = open_index(tmp_path), {}, random.Random(2)
     try:
-        worker = index._wal._merge_worker()
-        worker.fault = fault
+        worker = index._attributes.runner.worker_for_merges()
+        merge_faults.set(fault)
         write(index, model, rng, 3)
-        wal = index._wal
         if lands:  # the answer is lost, the tree covers the merge: that is a success
             wait_for(lambda: merged_up_to_position(index), "the merge that landed")
-            assert wal.stats().merge_error is None
+            assert merge_error(index) is None
         else:
-            error = wait_for(lambda: wal.stats().merge_error, "the failed merge to be recorded")
+            error = wait_for(lambda: merge_error(index), "the failed merge to be recorded")
             assert "MergeWorkerError" in error
         check(index, model)  # reads never noticed
-        worker.fault = None
+        merge_faults.set(None)
         write(index, model, rng, 3)  # durable whatever the merge does
-        wait_for(lambda: merged_up_to_position(index) and wal.stats().merge_error is None, "the retried merge")
+        wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "the retried merge")
         assert worker.starts >= 2
         check(index, model)
     finally:
@@ -116,20 +129,20 @@ def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault
         check(reopened, model)
 
 
-def test_a_hung_worker_is_killed_after_the_timeout(tmp_path, monkeypatch):
+def test_a_hung_worker_is_killed_after_the_timeout(tmp_path, monkeypatch, merge_faults):
     """Hung = no progress for ``merge_hang_seconds`` (the 10-minute cap on one merge stays as it
     is: it must not be what ends the wait)."""
-    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(3)
     try:
-        worker = index._wal._merge_worker()
-        worker.fault = "hang"
+        worker = index._attributes.runner.worker_for_merges()
+        merge_faults.set("hang")
         write(index, model, rng, 3)
-        error = wait_for(lambda: index._wal.stats().merge_error, "the hang to be noticed")
+        error = wait_for(lambda: merge_error(index), "the hang to be noticed")
         assert "made no progress" in error and "merge_hang_seconds=0.3" in error
-        worker.fault = None
+        merge_faults.set(None)
         wait_for(lambda: merged_up_to_position(index), "the retried merge")
-        assert worker.starts >= 2 and not index._wal._worker_disabled
+        assert worker.starts >= 2 and not index._attributes.runner.worker_disabled
         check(index, model)
     finally:
         index.close()
@@ -138,20 +151,20 @@ def test_a_hung_worker_is_killed_after_the_timeout(tmp_path, monkeypatch):
 def test_a_worker_stopped_from_outside_is_killed_and_replaced(tmp_path, monkeypatch):
     """SIGSTOP (a debugger, a frozen cgroup, swap death): the worker lives but does nothing, at
     whatever moment it was stopped (mid-merge, or idle and then sent the next merge)."""
-    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(10)
     stopped = []
     try:
         for _round in range(3):
             write(index, model, rng, 3)
-            pid = wait_for(lambda: index._wal._worker is not None and index._wal._worker.pid, "a worker")
+            pid = wait_for(lambda: index._attributes.runner.worker is not None and index._attributes.runner.worker.pid, "a worker")
             time.sleep(rng.random() * 0.05)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
             write(index, model, rng, 3)  # durable whatever the worker does
-            wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None
-                     and index._wal._worker.pid not in stopped, "a merge by a new worker")
+            wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None
+                     and index._attributes.runner.worker.pid not in stopped, "a merge by a new worker")
             check(index, model)
         assert not any(_alive(pid) for pid in stopped)
     finally:
@@ -164,16 +177,16 @@ def test_a_worker_stopped_from_outside_is_killed_and_replaced(tmp_path, monkeypa
         assert reopened.verify().ok
 
 
-def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path):
+def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path, merge_faults):
     """The worker hangs mid-merge and the hang allowance is long (10 minutes): close kills it at
     once (the WAL holds every acknowledged update) and merges in its own thread; every update
     acknowledged before and during the hang reads back, live and after reopening."""
     index, model, rng = open_index(tmp_path, merge_hang_seconds=600), {}, random.Random(11)
-    worker = index._wal._merge_worker()
-    worker.fault = "hang"
+    worker = index._attributes.runner.worker_for_merges()
+    merge_faults.set("hang")
     write(index, model, rng, 3)
-    wal = index._wal
-    wait_for(lambda: wal._merge_mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
+    wal = index._attributes
+    wait_for(lambda: wal.runner._mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
     pid = worker.pid
     write(index, model, rng, 3)  # acknowledged while the worker hangs
     check(index, model)
@@ -181,23 +194,23 @@ def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path):
     closer.start()
     closer.join(WAIT)  # (10 minutes without the kill at close)
     assert not closer.is_alive(), "close waited for the hung worker"
-    assert not _alive(pid) and wal._merge_error is None
+    assert not _alive(pid) and merge_error(index) is None
     with open_index(tmp_path) as reopened:
         check(reopened, model)
         assert reopened.verify().ok
         assert reopened.stats().pending_keys == 0  # close merged everything itself
 
 
-def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path):
+def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path, merge_faults):
     """``flush`` needs the merge mutex, which the merge thread holds while it waits on the worker:
     with a worker hung mid-merge, flush goes on once the hang is noticed and merges itself."""
     index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3), {}, random.Random(13)
     try:
-        worker = index._wal._merge_worker()
-        worker.fault = "hang"
+        worker = index._attributes.runner.worker_for_merges()
+        merge_faults.set("hang")
         write(index, model, rng, 3)
-        wal = index._wal
-        wait_for(lambda: wal._merge_mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
+        wal = index._attributes
+        wait_for(lambda: wal.runner._mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
         flusher = threading.Thread(target=index.flush)
         flusher.start()
         flusher.join(WAIT)  # (10 minutes when only the cap on one merge ended the wait)
@@ -211,38 +224,38 @@ def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path):
 def test_workers_that_hang_at_start_leave_the_merges_to_a_thread(tmp_path, monkeypatch, caplog):
     """A worker that never says it is ready (stuck before or while opening the index) is killed
     once it stops making progress, not after a minute; three in a row send merges to a thread."""
-    monkeypatch.setattr(merge_worker, "_WORKER_MAIN", "import time; time.sleep(3600)")
+    monkeypatch.setattr(merge_worker, "WORKER_MAIN", "import time; time.sleep(3600)")
     monkeypatch.setattr(merge_worker, "_START_TIMEOUT", 3600.0)  # the cap must not be what ends the wait
-    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     with open_index(tmp_path, merge_hang_seconds=0.3) as index:
         model = {}
         write(index, model, random.Random(14), 4)
-        wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None, "the merge")
-        assert index._wal._worker_disabled and index._wal._worker.starts == merge_worker.MAX_FAILED_STARTS
+        wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "the merge")
+        assert index._attributes.runner.worker_disabled and index._attributes.runner.worker.starts == merge_worker.MAX_FAILED_STARTS
         check(index, model)
     assert "did not start" in caplog.text and "made no progress" in caplog.text
 
 
-def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, caplog):
+def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, caplog, merge_faults):
     """Back-pressure on every update (``max_pending_bytes=2000``: a write of 100 keys is over it)
     and a worker that hangs on every merge: each hang ends the wait of the updates behind it
     within ``merge_hang_seconds``, never at the back-pressure bound; after ``MAX_FAILED_MERGES``
     hangs the merges run in the writer's process and back-pressure works again."""
-    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
-    monkeypatch.setattr(segment_merge, "BACKPRESSURE_WAIT_SECONDS", 20.0)  # what a writer would wait without
+    monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(attribute_state, "BACKPRESSURE_WAIT_SECONDS", 20.0)  # what a writer would wait without
     index, model, rng = open_index(tmp_path, merge_hang_seconds=0.3, max_pending_bytes=2000), {}, random.Random(12)
     try:
-        worker = index._wal._merge_worker()
-        worker.fault = "hang"  # sent with every merge: every new worker hangs too
-        wal = index._wal
+        worker = index._attributes.runner.worker_for_merges()
+        merge_faults.set("hang")  # read at every merge: every new worker hangs too
+        wal = index._attributes
         deadline = time.monotonic() + WAIT
-        while not wal._worker_disabled:  # updates all along, while workers hang and are replaced
+        while not wal.runner.worker_disabled:  # updates all along, while workers hang and are replaced
             assert time.monotonic() < deadline, "the merges never left the hanging worker"
             write(index, model, rng, 1)
             assert "appending anyway" not in caplog.text, "an update waited out the back-pressure bound"
             time.sleep(0.02)
         write(index, model, rng, 3)
-        wait_for(lambda: merged_up_to_position(index) and wal.stats().merge_error is None, "a merge in the thread")
+        wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "a merge in the thread")
         assert worker.starts == merge_worker.MAX_FAILED_MERGES
         check(index, model)
     finally:
@@ -254,19 +267,19 @@ def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, cap
 
 
 def test_a_worker_killed_from_outside_at_any_moment(tmp_path, monkeypatch):
-    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     monkeypatch.setattr(merge_worker, "MAX_FAILED_STARTS", 1000)  # kills during its start too
     index, model, rng = open_index(tmp_path, merge_keys=100), {}, random.Random(4)
     try:
         for round_ in range(4):
             write(index, model, rng, 4)
-            pid = wait_for(lambda: index._wal._worker is not None and index._wal._worker.pid, "a worker")
+            pid = wait_for(lambda: index._attributes.runner.worker is not None and index._attributes.runner.worker.pid, "a worker")
             time.sleep(rng.random() * 0.05)  # before, during or after its merge
             with contextlib.suppress(ProcessLookupError):  # (it may have been replaced meanwhile)
                 os.kill(pid, signal.SIGKILL)
             check(index, model)
         write(index, model, rng, 2)
-        wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None, "a clean merge")
+        wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "a clean merge")
         check(index, model)
     finally:
         index.close()
@@ -299,9 +312,9 @@ def test_readers_never_see_a_value_go_back_across_the_swap(tmp_path):
             noise = {key(rng.randrange(50_000)): generation for _ in range(300)}
             index.update({**noise, **{k: generation for k in hot}})
             wait_for(lambda: merged_up_to_position(index), "the merge")
-            assert not len(index._wal._overlay)  # so the reads below come from the tree
+            assert not len(index._attributes._overlay)  # so the reads below come from the tree
             if generation > 1:  # read (cached) last round: the worker's merge dropped, not kept, them
-                assert index._wal._tree._values.peek(hot[0])[0] in (MISSING, generation)
+                assert index._attributes.tree._values.peek(hot[0])[0] in (MISSING, generation)
             assert index.get_many(hot) == [generation] * len(hot)
             assert index.get(hot[0]) == generation
     finally:
@@ -309,7 +322,7 @@ def test_readers_never_see_a_value_go_back_across_the_swap(tmp_path):
         thread.join(WAIT)
     try:
         assert not problems
-        assert index._wal.stats().merges >= 7 and index._wal._worker.starts == 1
+        assert index._attributes.runner.merges >= 7 and index._attributes.runner.worker.starts == 1
     finally:
         index.close()
 
@@ -348,19 +361,18 @@ def test_reads_through_pages_the_workers_compaction_deletes(tmp_path):
     try:
         assert not problems, problems
         assert index.stats().start_offset > start  # chunks under old roots were deleted meanwhile
-        assert index._wal._worker.starts == 1
+        assert index._attributes.runner.worker.starts == 1
     finally:
         index.close()
 
 
 _KILLED_WRITER = """
 import sys, time
-from attrindex import segment_merge
-segment_merge.MIN_WORKER_KEYS = 1
+from attrindex import merge_runner
+merge_runner.MIN_WORKER_KEYS = 1
 from attrindex.attribute_index import AttributeIndex
 index = AttributeIndex.open(sys.argv[1], page_size=1024, merge_keys=100)
-worker = index._wal._merge_worker()
-worker.fault = "hang"  # the worker stays mid-merge until its writer dies
+worker = index._attributes.runner.worker_for_merges()  # (its merges hang: see the test)
 for i in range(20):
     index.update({(j * 7 + i).to_bytes(16, "big"): i for j in range(30)})
     print("acked", i, flush=True)
@@ -374,7 +386,8 @@ time.sleep(600)
 def test_writer_sigkilled_while_its_worker_merges(tmp_path):
     path = str(tmp_path / "index")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
-    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, path], stdout=subprocess.PIPE, text=True, env=env)
+    script = child_program_lines(tmp_path / "merge-fault", "hang") + _KILLED_WRITER  # it stays mid-merge
+    child = subprocess.Popen([sys.executable, "-c", script, path], stdout=subprocess.PIPE, text=True, env=env)
     acked, pid = [], None
     try:
         for line in child.stdout:
@@ -410,7 +423,7 @@ def test_model_with_frequent_worker_merges(tmp_path_factory, ops):
     try:
         for op in ops:
             if op == "wait":  # for the worker's merge, when the overlay is due for one
-                wait_for(lambda: index._wal._frozen is None, "the merge")
+                wait_for(lambda: index._attributes._frozen is None, "the merge")
             elif op == "reopen":
                 index.close()
                 index = open_index(path, merge_keys=20)
@@ -425,13 +438,13 @@ def test_model_with_frequent_worker_merges(tmp_path_factory, ops):
 
 
 def test_workers_that_never_start_leave_the_merges_to_a_thread(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(merge_worker, "_WORKER_MAIN", "import sys; sys.exit(3)")
-    monkeypatch.setattr(segment_merge, "MERGE_RETRY_MIN_SECONDS", 0.01)
+    monkeypatch.setattr(merge_worker, "WORKER_MAIN", "import sys; sys.exit(3)")
+    monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     with open_index(tmp_path) as index:
         model = {}
         write(index, model, random.Random(7), 4)
-        wait_for(lambda: merged_up_to_position(index) and index._wal.stats().merge_error is None, "the merge")
-        assert index._wal._worker_disabled and index._wal._worker.starts == merge_worker.MAX_FAILED_STARTS
+        wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "the merge")
+        assert index._attributes.runner.worker_disabled and index._attributes.runner.worker.starts == merge_worker.MAX_FAILED_STARTS
         check(index, model)
     assert "merging in the writer's process from now on" in caplog.text
 
@@ -447,7 +460,7 @@ def test_options_that_cannot_cross_to_a_process_keep_the_merge_in_a_thread(tmp_p
         model = {}
         write(index, model, random.Random(9), 3)
         wait_for(lambda: merged_up_to_position(index), "the merge")
-        assert index._wal._worker_disabled and index._wal._worker is None
+        assert index._attributes.runner.worker_disabled and index._attributes.runner.worker is None
         check(index, model)
 
 
@@ -464,12 +477,12 @@ def test_merge_process_option(tmp_path):
         model = {}
         write(index, model, random.Random(6), 4)
         wait_for(lambda: merged_up_to_position(index), "the merge")
-        assert index._wal._worker is None
+        assert index._attributes.runner.worker is None
         check(index, model)
     with AttributeIndex.open("memory://merge-process", merge_keys=50) as index:  # not local: in a thread
         index.update({key(i): i for i in range(100)})
         wait_for(lambda: merged_up_to_position(index), "the merge")
-        assert index._wal._worker is None and index.get(key(7)) == 7
+        assert index._attributes.runner.worker is None and index.get(key(7)) == 7
 
 
 def _alive(pid: int) -> bool:
@@ -494,8 +507,8 @@ def test_a_segment_with_records_merges_in_the_worker_when_asked(tmp_path):
             segment.append([f"r{i}".encode()], list(updates.items()))
             model.update(updates)
             records.append(f"r{i}".encode())
-        wait_for(lambda: segment.stats().merges >= 1 and segment._frozen is None, "the merge")
-        assert segment._worker is not None and segment._worker.starts == 1
+        wait_for(lambda: segment.stats().merges >= 1 and segment._attributes._frozen is None, "the merge")
+        assert segment._attributes.runner.worker is not None and segment._attributes.runner.worker.starts == 1
         assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
     with SegmentStore.open(str(tmp_path)) as store:
         segment = store.segment("s")
@@ -508,7 +521,7 @@ def test_a_worker_whose_parent_is_gone_exits_quietly_when_it_cannot_answer(tmp_p
     broken pipe. It used to report that failure as a second answer, into the same broken pipe,
     and die with a BrokenPipeError traceback on stderr; it exits at once, status 0, silent."""
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(merge_worker.__file__))))
-    worker = subprocess.Popen([sys.executable, "-c", merge_worker._WORKER_MAIN, str(os.getpid())],
+    worker = subprocess.Popen([sys.executable, "-c", merge_worker.WORKER_MAIN, str(os.getpid())],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     worker.stdout.close()  # nobody reads the answers any more
     merge_worker._send(worker.stdin, ("merge", 1, None))  # before "open": answered with an error

@@ -48,7 +48,7 @@ def test_opening_an_existing_segment_lists_once_and_reads_two_objects(s3_url, ap
     before = store.storage.requests
     assert seg.next_offset == appends and [r.value for r in seg.read(appends - 1, 1)] == [b"r%d" % (appends - 1)]
     assert (store.storage.requests - before).by_kind()["LIST"] == 0  # records never load the attributes
-    assert seg._tree is None
+    assert not seg._attributes.loaded
     before = store.storage.requests
     assert seg.get_attribute(appends - 1) == appends - 1
     # The first attribute read opens the B+tree (a live look at its directory, its footer) and
@@ -227,7 +227,7 @@ def test_a_lazy_handle_sees_updates_appended_by_another_handle_after_it_opened(s
         # A reader moves the log's position past the updates before anything loads them: the
         # load must replay up to where the log is now, not where it was opened.
         lazy.refresh()  # (what a waiting reader's poll does)
-        assert len(lazy.read(0, 100)) == 30 and lazy._tree is None
+        assert len(lazy.read(0, 100)) == 30 and not lazy._attributes.loaded
         keys = list(range(40))
         expected = [model.get(k) for k in keys]
         assert lazy.get_attributes(keys) == expected
@@ -290,7 +290,7 @@ def test_closing_a_read_only_lazy_handle_writes_nothing(s3_url, use):
         if use != "attributes":
             with pytest.raises(InvalidInputError):  # closed: the attributes are not loaded any more
                 seg.get_attribute(9)
-            assert seg._tree is None
+            assert not seg._attributes.loaded
 
 
 @pytest.mark.parametrize("read_first", [False, True])
@@ -324,7 +324,7 @@ def test_a_lazy_handle_raises_a_checkpoint_beyond_the_log_when_attributes_are_ne
     with SegmentStore.open(url, storage_options=options) as store:
         seg = store.segment("s")
         eager = _eager(store)  # writes a tree claiming more log than there is, as damage would
-        eager._index.update_sorted([b"\x00" * 16], [1], checkpoint=10 ** 6)
+        eager._attributes.tree.update_sorted([b"\x00" * 16], [1], checkpoint=10 ** 6)
         eager.close()
         assert [r.value for r in seg.read(0, 10)] == [b"r0", b"r1", b"r2"]  # records still read
         for _ in range(2):  # raised to each caller that needs attributes, never half-loaded
@@ -332,7 +332,7 @@ def test_a_lazy_handle_raises_a_checkpoint_beyond_the_log_when_attributes_are_ne
                 seg.get_attribute(1)
         with pytest.raises(CorruptDataError):
             seg.append([b"x"], [(1, 2)])
-        assert seg._tree is None
+        assert not seg._attributes.loaded
 
 
 @pytest.mark.parametrize("tree_ahead", [True, False])
@@ -356,7 +356,7 @@ def test_retention_elsewhere_between_the_tree_s_open_and_the_replay(s3_url, tree
                 other.append([b"r%d" % i], [(i % 4, -i)])
                 model[i % 4] = -i
             other.flush()  # the tree covers log bytes past this handle's view
-        opened = lazy._open_tree
+        opened = lazy._attributes._open_tree
 
         def racing():
             tree = opened()
@@ -366,7 +366,7 @@ def test_retention_elsewhere_between_the_tree_s_open_and_the_replay(s3_url, tree
             assert other.apply_retention(start_offset=28) > 0  # merges first, then cuts the log
             return tree
 
-        lazy._open_tree = racing
+        lazy._attributes._open_tree = racing
         seen = dict(model)  # as of the lazy handle's view (20 records)
         keys = sorted(model) + [50, 51, 52, 99]
         first = lazy.get_attributes(keys)
@@ -474,7 +474,7 @@ def test_a_fault_while_loading_the_attributes_fails_that_call_and_the_next_one_l
         try:  # the right values (a flipped bit found by a checksum, then read again) or a clear error
             first = seg.get_attributes(range(4))
         except (StorageError, CorruptDataError):
-            assert seg._tree is None  # nothing half-loaded: the next call loads
+            assert not seg._attributes.loaded  # nothing half-loaded: the next call loads
             assert kind == "fail_before"
         else:
             assert first == [0, 1, 20, 3] and kind == "bitflip_read"

@@ -73,7 +73,7 @@ def test_every_os_pathlike_opens_as_its_local_path(tmp_path, as_path):
     assert not AttributeIndex.repair_at(as_path(str(tmp_path / "attrs"))).rolled_back
     with SegmentStore.open(as_path(str(tmp_path / "events"))) as store:
         store.segment("s", create=True).append([b"v"])
-    with SegmentStore.open(str(tmp_path / "events"), create=False) as store:
+    with SegmentStore.open(str(tmp_path / "events"), mode="r+") as store:
         assert [r.value for r in store.segment("s").read(0)] == [b"v"]
 
 

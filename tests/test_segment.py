@@ -419,12 +419,12 @@ def test_a_handle_that_only_reads_writes_nothing(storage_url):
         seg.append([b"a"], [(key(1), 1)])  # left in tier 1: below every flush threshold
     with reopen(storage_url) as store:
         seg = store.segment("s")
-        length = seg._index._segment.length
+        length = seg._attributes.tree._segment.length
         assert seg.read(0)[0].value == b"a" and seg.get_attribute(key(1)) == 1
         log_length = seg._log.bytes.length
     with reopen(storage_url) as store:  # closing the reader wrote no index update, no log bytes
         seg = store.segment("s")
-        assert (seg._index._segment.length, seg._log.bytes.length) == (length, log_length)
+        assert (seg._attributes.tree._segment.length, seg._log.bytes.length) == (length, log_length)
 
 
 def test_a_batch_larger_than_the_read_window(store):

@@ -144,13 +144,13 @@ def test_appends_do_not_merge_on_the_callers_thread(tmp_path):
     store = SegmentStore.open(str(tmp_path / "s"), flush_keys=1)
     seg = store.segment("s", create=True)
     merging_threads = []
-    inner = seg._index.update_sorted
+    inner = seg._attributes.tree.update_sorted
 
     def spy(*args, **kwargs):
         merging_threads.append(threading.current_thread())
         return inner(*args, **kwargs)
 
-    seg._index.update_sorted = spy
+    seg._attributes.tree.update_sorted = spy
     for i in range(5):
         seg.update_attributes({key(i): i})
     assert wait_until(lambda: seg.stats().attribute_checkpoint == seg._log.position)
@@ -176,7 +176,7 @@ def test_a_handle_dropped_without_close_lets_its_thread_end(tmp_path):
     store = SegmentStore.open(str(tmp_path / "s"), flush_keys=1)
     seg = store.segment("s", create=True)
     seg.update_attributes({key(1): 1})
-    thread = seg._merger
+    thread = seg._attributes.runner._thread
     assert thread.is_alive()
     del seg, store
     gc.collect()
@@ -193,7 +193,7 @@ def test_read_only_handles_start_no_thread(tmp_path):
     with SegmentStore.open(root) as store:
         seg = store.segment("s")
         assert seg.get_attribute(key(1)) == 1 and list(seg.attributes()) == [(key(1), 1)]
-        assert seg._merger is None and threading.active_count() == before
+        assert seg._attributes.runner._thread is None and threading.active_count() == before
 
 
 # -- a failing merge ---------------------------------------------------------------------------
@@ -259,14 +259,14 @@ def test_backpressure_blocks_appends_until_the_merge_makes_room(tmp_path):
     store = SegmentStore.open(str(tmp_path / "s"), flush_keys=10, max_pending_bytes=5_000)
     seg = store.segment("s", create=True)
     gate, entered = threading.Event(), threading.Event()
-    inner = seg._index.update_sorted
+    inner = seg._attributes.tree.update_sorted
 
     def slow_merge(*args, **kwargs):
         entered.set()
         assert gate.wait(20)
         return inner(*args, **kwargs)
 
-    seg._index.update_sorted = slow_merge
+    seg._attributes.tree.update_sorted = slow_merge
     n = 0
     while not entered.is_set():  # fill until the thread is stuck in a merge
         seg.update_attributes({key(n): n})
@@ -300,7 +300,7 @@ def test_one_failed_merge_over_max_pending_bytes_only_delays_the_append(tmp_path
     store = SegmentStore.open(str(tmp_path / "s"), flush_keys=10, max_pending_bytes=5_000)
     seg = store.segment("s", create=True)
     gate, entered, calls = threading.Event(), threading.Event(), []
-    inner = seg._index.update_sorted
+    inner = seg._attributes.tree.update_sorted
 
     def merge_failing_once(*args, **kwargs):
         calls.append(1)
@@ -310,7 +310,7 @@ def test_one_failed_merge_over_max_pending_bytes_only_delays_the_append(tmp_path
             raise StorageError("injected: one failed merge")
         return inner(*args, **kwargs)
 
-    seg._index.update_sorted = merge_failing_once
+    seg._attributes.tree.update_sorted = merge_failing_once
     n = 0
     while not entered.is_set():  # fill until the thread is stuck in the merge that will fail
         seg.update_attributes({key(n): n})
@@ -444,7 +444,7 @@ def test_a_group_is_one_storage_append_and_failures_stay_with_their_caller(tmp_p
     for name, fn in members.items():  # queued in this order: the group validates in it
         threads.append(threading.Thread(target=call, args=(name, fn)))
         threads[-1].start()
-        assert wait_until(lambda: len(seg._queue._waiting) == len(threads) + 1)
+        assert wait_until(lambda: len(seg._appender._queue._waiting) == len(threads) + 1)
     gate.set()
     for thread in [leader, *threads]:
         thread.join(20)
@@ -473,7 +473,7 @@ def _grouped_appends(root: str, members: int) -> None:
         for i in range(members):
             threads.append(threading.Thread(target=seg.append, args=([b"m%d" % i],)))
             threads[-1].start()
-            assert wait_until(lambda: len(seg._queue._waiting) == len(threads))
+            assert wait_until(lambda: len(seg._appender._queue._waiting) == len(threads))
         gate.set()
         for thread in threads:
             thread.join(20)

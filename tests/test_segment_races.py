@@ -12,7 +12,7 @@ import pytest
 
 from attrindex import SegmentStore
 from attrindex.errors import RecordTruncatedError, StorageError, TruncatedError
-from attrindex.segment import Segment
+from attrindex.attribute_state import AttributeState
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 
@@ -28,14 +28,14 @@ def test_verify_and_open_beside_a_merging_writer_with_retention(tmp_path):
     verifies = opens = 0
     false_damage = []
     try:
-        with SegmentStore.open(root, create=False) as store:
+        with SegmentStore.open(root, mode="r+") as store:
             deadline = time.monotonic() + 3.5
             while time.monotonic() < deadline and writer.poll() is None:
                 report = store.verify_segment("s")
                 verifies += 1
                 if not report.ok:
                     false_damage.append(report.damage)
-                with SegmentStore.open(root, create=False) as reader:
+                with SegmentStore.open(root, mode="r+") as reader:
                     try:
                         reader.segment("s").get_attribute(1)
                     except RecordTruncatedError:
@@ -48,7 +48,7 @@ def test_verify_and_open_beside_a_merging_writer_with_retention(tmp_path):
 
 
 def test_open_looks_again_when_retention_removes_what_it_replays(monkeypatch):
-    real_open, calls = Segment._open, []
+    real_open, calls = AttributeState._open_at_checkpoint, []
 
     def racing_open(self):
         calls.append(1)
@@ -56,12 +56,12 @@ def test_open_looks_again_when_retention_removes_what_it_replays(monkeypatch):
             raise TruncatedError(self.name, 0, 1, 10, 20)  # what a concurrent retention causes
         return real_open(self)
 
-    monkeypatch.setattr(Segment, "_open", racing_open)
+    monkeypatch.setattr(AttributeState, "_open_at_checkpoint", racing_open)
     with SegmentStore.open("memory://open-race-1") as store:
         store.segment("s", create=True).append([b"x"])
     assert len(calls) == 2
 
-    monkeypatch.setattr(Segment, "_open", lambda self: (_ for _ in ()).throw(TruncatedError(self.name, 0, 1, 10, 20)))
+    monkeypatch.setattr(AttributeState, "_open_at_checkpoint", lambda self: (_ for _ in ()).throw(TruncatedError(self.name, 0, 1, 10, 20)))
     with SegmentStore.open("memory://open-race-2") as store:
         with pytest.raises(StorageError, match="retention") as caught:
             store.segment("s", create=True)
@@ -76,7 +76,7 @@ def test_open_after_a_retention_race_replays_from_the_newer_checkpoint(tmp_path,
         seg = store.segment("s", create=True)
         for i in range(20):
             seg.append([b"r%02d" % i], [(1, i)])
-    real_open, raced = Segment._open, []
+    real_open, raced = AttributeState._open_at_checkpoint, []
 
     def racing_open(self):
         if not raced:  # the handle under test: another handle appends and applies retention now
@@ -89,7 +89,7 @@ def test_open_after_a_retention_race_replays_from_the_newer_checkpoint(tmp_path,
             raise TruncatedError(self.name, 0, 1, 10, 20)  # what its replay then meets
         return real_open(self)
 
-    monkeypatch.setattr(Segment, "_open", racing_open)
+    monkeypatch.setattr(AttributeState, "_open_at_checkpoint", racing_open)
     with SegmentStore.open(root, **options) as store:
         seg = store.segment("s")
         assert seg.get_attributes([1, 2]) == [39, 29]

@@ -15,7 +15,7 @@ from attrindex import AttributeIndex, SegmentStore
 
 idx = AttributeIndex.open("memory://x")
 value: str = idx.get(1)
-store = SegmentStore.open("memory://x", create="yes")
+store = SegmentStore.open("memory://x", mode=3)
 store.segment(7)
 '''
 
@@ -45,7 +45,7 @@ def test_mypy_sees_the_real_signatures(tmp_path):
     errors = [line.split(": error: ")[1] for line in result.stdout.splitlines() if ": error: " in line]
     assert len(errors) == 3, result.stdout  # in line order
     assert 'Incompatible types in assignment (expression has type "int | None", variable has type "str")' in errors[0]
-    assert '"create"' in errors[1] and '"bool"' in errors[1]
+    assert '"mode"' in errors[1] and '"str"' in errors[1]
     assert '"segment"' in errors[2] and 'expected "str"' in errors[2]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from attrindex import AttributeIndex, SegmentStore
-from attrindex import segment as segment_module
+from attrindex import appender as appender_module
 from attrindex.log import framing as framing_module
 
 
@@ -18,7 +18,7 @@ def _spy(monkeypatch, module, name, calls):
 def test_a_lone_writer_writes_in_its_own_thread_and_waits_on_no_one(tmp_path, monkeypatch):
     index = AttributeIndex.open(str(tmp_path), "i")
     index.update({b"k" * 16: 1})
-    storage = index._wal._log.bytes.storage
+    storage = index._log.bytes.storage
     threads, waits = [], []
     real_append = type(storage).append
     monkeypatch.setattr(type(storage), "append",
@@ -46,7 +46,7 @@ def test_a_lone_batch_is_written_as_encoded(tmp_path, monkeypatch):
     index.update({b"a" * 16: 1})
     calls: list[str] = []
     for name in ("rebase_batch", "encode_batch", "encode_batch_with_header", "read_header", "new_batch_id"):
-        _spy(monkeypatch, segment_module, name, calls)
+        _spy(monkeypatch, appender_module, name, calls)
     placed = []  # (bytes given, bytes written) of each placement (the log's framing, on the append)
     real_place = framing_module.place_batches
     monkeypatch.setattr(framing_module, "place_batches",

@@ -183,10 +183,10 @@ def _merge_leaf(keys: list[bytes], values: list[int], ukeys: Sequence[bytes], uv
 class BTreeIndex:
     """The B+tree over one segment. Keys and values passed here are already canonical.
 
-    ``cache`` is the tier-2 page cache (anything with ``get_or_load``/``insert``/``erase``), ``None``
+    ``cache`` is the page cache (anything with ``get_or_load``/``insert``/``erase``), ``None``
     to disable; ``policy`` a compaction policy from ``compaction.py``; ``on_external_change`` is
     called whenever the tree adopts a state written by another handle, so caches derived from the
-    old state (tier 1) can be dropped.
+    old state (the recent values) can be dropped.
     """
 
     def __init__(self, segment: RollingSegment, *, page_size: int = 32768, cache=None, policy=None,

@@ -104,7 +104,7 @@ def committed_summary(url: str, stream: str, write_id: str, storage_options: dic
     from ..store import SegmentStore
 
     try:
-        with SegmentStore.open(url, storage_options=storage_options, create=False) as store:
+        with SegmentStore.open(url, storage_options=storage_options, mode="r+") as store:
             store.stream_segments(stream)
             return CommitLedger(store.storage, stream).committed(write_token(write_id), 0)
     except StoreNotFoundError as exc:

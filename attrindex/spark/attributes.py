@@ -190,7 +190,7 @@ def lookup(df, key_col: str, url: str, segment: str, value_col: str = "value", s
         from ..store import SegmentStore
         from .arrow import attribute_keys, column_named
 
-        with SegmentStore.open(url, storage_options=options, create=False) as opened:
+        with SegmentStore.open(url, storage_options=options, mode="r+") as opened:
             handle = opened.segment(segment)
             for batch in batches:
                 keys = attribute_keys(column_named(batch, key_col), key_col)
@@ -209,7 +209,7 @@ def check_segment(url: str, segment: str, storage_options: dict) -> None:
     from ..store import SegmentStore
 
     try:
-        with SegmentStore.open(url, storage_options=storage_options, create=False) as store:
+        with SegmentStore.open(url, storage_options=storage_options, mode="r+") as store:
             store.segment(segment)
     except StoreNotFoundError as exc:
         raise SegmentNotFoundError(f"segment {segment!r} does not exist: {exc}") from None

@@ -33,7 +33,8 @@ import time
 
 from attrindex.attribute_index import AttributeIndex
 from attrindex.log.segment_log import SegmentLog
-from attrindex.segment import Segment
+from attrindex.appender import Appender
+from attrindex.attribute_state import AttributeState
 from storage_adapters import local
 
 BATCH = 1000
@@ -58,10 +59,10 @@ class Probe:
 
 
 def instrument(probe: Probe) -> None:
-    """Wrap the Segment/SegmentLog methods on the append and merge paths with timers."""
+    """Wrap the Appender, AttributeState and SegmentLog methods on the append and merge paths with timers."""
     clock = time.perf_counter
-    write_group, wait_for_room = Segment._write_group, Segment._wait_for_room
-    append_many, merge_once = SegmentLog.append_many, Segment._merge_once
+    write_group, wait_for_room = Appender._write_group, AttributeState.wait_for_room
+    append_many, merge_once = SegmentLog.append_many, AttributeState._merge_once
 
     def timed_write_group(self, group):
         t = clock()
@@ -86,13 +87,13 @@ def instrument(probe: Probe) -> None:
         finally:
             probe.merges.append((start, clock() - start, time.thread_time() - cpu, keys, t["sync"]))
 
-    Segment._write_group = timed_write_group
+    Appender._write_group = timed_write_group
     local._write_out = timed("sync", local._write_out)  # write-back of the data, then the fsync
     os.fsync = timed("sync", os.fsync)
-    Segment._wait_for_room = timed("room", wait_for_room)
+    AttributeState.wait_for_room = timed("room", wait_for_room)
     SegmentLog.append_many = timed("append", append_many)
-    Segment._merge_once = timed_merge
-    truncate = Segment._truncate_merged
+    AttributeState._merge_once = timed_merge
+    truncate = AttributeState._truncate_merged
 
     def timed_truncate(self):
         start = clock()
@@ -100,7 +101,7 @@ def instrument(probe: Probe) -> None:
             return truncate(self)
         finally:
             probe.truncations.append(clock() - start)
-    Segment._truncate_merged = timed_truncate
+    AttributeState._truncate_merged = timed_truncate
 
 
 def watch_gc(probe: Probe) -> list:
@@ -131,8 +132,8 @@ def percentiles(values: list[float]) -> str:
 
 
 def merging(index: AttributeIndex) -> bool:
-    wal = index._wal
-    return wal._frozen is not None or wal._merge_mutex.locked()
+    state = index._attributes
+    return state._frozen is not None or state.runner._mutex.locked()
 
 
 def run(args) -> int:
@@ -161,7 +162,7 @@ def run(args) -> int:
             wall, cpu = clock() - start, time.thread_time() - cpu
             rows.append((start - begin, wall, cpu, before or merging(index), t))
         elapsed, process_cpu = clock() - begin, time.process_time() - cpu_begin
-        worker = index._wal._worker
+        worker = index._attributes.runner.worker
         worker_rss = 0 if worker is None else worker.peak_rss
         index.close()
     finally:

@@ -66,7 +66,7 @@ def segment_run(directory: str, threads: int, per_thread: int, grouped: bool) ->
     store = SegmentStore.open(directory)
     seg = store.segment("g", create=True)
     if not grouped:
-        seg._queue.max_group_requests = 1
+        seg._appender._queue.max_group_requests = 1
     offsets: list[int] = []
 
     def work(t: int, i: int) -> None:

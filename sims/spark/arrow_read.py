@@ -80,7 +80,7 @@ def child(kind: str, work: str) -> None:
             from attrindex import SegmentStore
             from attrindex.arrow import scan_stream
 
-            store = SegmentStore.open(os.path.join(work, "store"), create=False)
+            store = SegmentStore.open(os.path.join(work, "store"), mode="r+")
             scanner = scan_stream(store, "events")
             start, start_cpu = time.perf_counter(), time.process_time()
             table = scanner.to_table()

@@ -42,7 +42,7 @@ def read_only(url: str) -> bool:
 
 def segment_use(url: str) -> list[Record]:
     try:
-        store: SegmentStore = SegmentStore.open(url, create=False)
+        store: SegmentStore = SegmentStore.open(url, mode="r+")
     except StoreNotFoundError:
         store = SegmentStore.open(url, codec="none")
     with store:
