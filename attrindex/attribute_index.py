@@ -37,6 +37,7 @@ from .keys import KEY_SIZE, all_canonical_keys, all_canonical_values, canonical_
 from .locations import index_storage
 from .value_cache import MISSING
 from .appender import Appender
+from .layout import log_name, wal_name
 from .attribute_state import AttributeState
 from .log.framing import LOG_FRAMING
 from .log.segment_log import LOG_DIR, SegmentLog
@@ -48,7 +49,6 @@ from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_seg
 from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
                          IndexStats, TreeIndex, key_list)
 
-WAL_NAME = "_wal"  #: the write-ahead log of index ``NAME`` is the segment log ``NAME/_wal``
 #: WAL chunk size: space comes back a whole merged chunk at a time, so small next to the tree
 DEFAULT_WAL_ROLLING_SIZE = 4 << 20
 MAX_REFRESH_ATTEMPTS = 10  #: refreshes that met another handle's WAL truncation before giving up
@@ -174,7 +174,7 @@ class AttributeIndex(IndexHandle):
     @property
     def wal_name(self) -> str:
         """The segment name of the write-ahead log (``NAME/_wal``)."""
-        return f"{self._name}/{WAL_NAME}"
+        return wal_name(self._name)
 
     @classmethod
     def open(
@@ -474,7 +474,7 @@ class AttributeIndex(IndexHandle):
     def _verify(storage: ChunkStorage, name: str, options: SegmentOptions,
                 progress: Callable[[int, int], None] | None) -> IndexVerifyReport:
         check_progress(progress)
-        wal_report = verify_segment(storage, f"{name}/{WAL_NAME}", options, tree_name=name)
+        wal_report = verify_segment(storage, wal_name(name), options, tree_name=name)
         tree = wal_report.attributes
         if tree is None:  # the tree could not be read at all: its damage is in the WAL report's
             return IndexVerifyReport(0, 0, 0, 0, damage=list(wal_report.damage), wal=wal_report)
@@ -514,7 +514,7 @@ class AttributeIndex(IndexHandle):
     def _repair(storage: ChunkStorage, name: str, options: SegmentOptions) -> WalIndexRepairReport:
         tree = TreeIndex.repair_at(storage, name)
         lost = tree.rolled_back and _advance_below_wal(storage, name, options)
-        wal = repair_segment(storage, f"{name}/{WAL_NAME}", options, tree_name=name, rebuild_attributes=False)
+        wal = repair_segment(storage, wal_name(name), options, tree_name=name, rebuild_attributes=False)
         fields = attrs.asdict(tree, recurse=False)
         fields["damage"] = tree.damage + wal.damage
         return WalIndexRepairReport(**fields, wal=wal, merged_updates_lost=lost)
@@ -540,7 +540,7 @@ def _advance_below_wal(storage: ChunkStorage, name: str, options: SegmentOptions
     """After a tree rollback: if the kept version's checkpoint lies below the WAL's start (the WAL
     between was truncated after a merge), those updates are gone; move the checkpoint to the
     WAL's start so the index opens, and say so (True)."""
-    wal = RollingSegment(storage, f"{name}/{WAL_NAME}/{LOG_DIR}", framing=LOG_FRAMING)
+    wal = RollingSegment(storage, log_name(wal_name(name)), framing=LOG_FRAMING)
     tree = TreeIndex(storage, name, **options.attribute_options)
     try:
         start, covered = wal.start_offset, tree.checkpoint or 0

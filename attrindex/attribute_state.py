@@ -25,9 +25,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from storage_adapters.rolling import SEGMENT_SUFFIX
-
 from .errors import InvalidInputError, LayoutChangedError, MergeBacklogError, StorageError, TruncatedError
+from .layout import rolling_dir
 from .listing import ListedStorage
 from .log.segment_log import SegmentLog
 from .merge_runner import BACKPRESSURE_FAILURES, MergeRunner
@@ -85,17 +84,21 @@ class AttributeState:
         """Open the tree and replay the log after its checkpoint into tier 1 (under the lock; the
         log's view is opened at the checkpoint). Retried while retention elsewhere removes what is
         being replayed."""
-        self._tree = TreeIndex(self._log.storage, self.tree_name, **self.options.attribute_options)
-        for attempt in range(MAX_OPEN_ATTEMPTS):
-            try:
-                replay.open_at_checkpoint(self._log, self._tree, self._overlay, self._overlay_filled)
-                break
-            except TruncatedError:  # retention elsewhere removed what was being replayed
-                if attempt + 1 == MAX_OPEN_ATTEMPTS:
-                    raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the "
-                                       f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
-                self._tree.refresh()  # retention merged first: replay from its newer checkpoint
-        self._loaded = True
+        tree = TreeIndex(self._log.storage, self.tree_name, **self.options.attribute_options)
+        try:
+            for attempt in range(MAX_OPEN_ATTEMPTS):
+                try:
+                    replay.open_at_checkpoint(self._log, tree, self._overlay, self._overlay_filled)
+                    break
+                except TruncatedError:  # retention elsewhere removed what was being replayed
+                    if attempt + 1 == MAX_OPEN_ATTEMPTS:
+                        raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the "
+                                           f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
+                    tree.refresh()  # retention merged first: replay from its newer checkpoint
+        except BaseException:
+            tree.close()
+            raise
+        self._tree, self._loaded = tree, True
         self._publish()
 
     @property
@@ -145,7 +148,7 @@ class AttributeState:
         """The B+tree, opened from one live listing of its directory (it looks twice)."""
         storage = self._log.storage
         inner = storage.inner if isinstance(storage, ListedStorage) else storage  # (expired: the open is over)
-        directory = self.tree_name + SEGMENT_SUFFIX
+        directory = rolling_dir(self.tree_name)
         listed = ListedStorage(inner, directory, inner.list_files(directory))
         try:
             return TreeIndex(listed, self.tree_name, **self.options.attribute_options)
@@ -506,31 +509,9 @@ class AttributeState:
 
     def _truncate_merged(self) -> None:
         """With ``truncate_merged_log``: delete the log below the chunk holding the tree's
-        checkpoint (never above it). Best effort: a failure leaves more log, which is harmless.
-        The lock is held only to plan and to update the view: the durable marker and the
-        deletions run beside appends (they write at the end, far above the cut)."""
-        if not self.options.truncate_merged_log:
-            return
-        log = self._log
-        with self._lock:
-            if self._closed:
-                return
-            covered = self.tree.checkpoint or 0
-            cut = max((c.start for c in log.bytes.chunks() if c.start <= covered), default=0)
-            if cut <= log.start_position or cut > log.position:
-                return
-            derived = log.derived_below(cut)
-        try:
-            log.bytes.truncate(cut)
-        except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
-            _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
-                         "next merge): %s", self.name, cut, exc)
-            return
-        with self._lock:
-            if not self._closed:
-                log.forget_below(cut)
-        log.delete_derived(derived)
-        _log.debug("segment %r: truncated the merged log below byte %d", self.name, cut)
+        checkpoint (``truncate_merged``). Best effort: a failure leaves more log, which is harmless."""
+        if self.options.truncate_merged_log:
+            truncate_merged(self._log, self._lock, lambda: self._closed, lambda: self.tree.checkpoint or 0)
 
     def drain(self, *, force: bool = False) -> None:
         """Merge everything tier 1 holds, in the calling thread (merge mutex held; the lock may be
@@ -637,6 +618,33 @@ class AttributeState:
         return dict(pending_attributes=self.pending_keys, attribute_checkpoint=self.tree.checkpoint,
                     attributes=self.tree.stats(), merge_error=None if error is None else f"{type(error).__name__}: {error}",
                     pending_bytes=self.pending_bytes(), merges=self.runner.merges)
+
+
+def truncate_merged(log: SegmentLog, lock: threading.RLock, closed: Callable[[], bool],
+                    covered: Callable[[], int]) -> None:
+    """Delete ``log`` below the chunk holding the checkpoint ``covered()`` (never above it). The
+    lock is held only to plan and to update the log's view: the durable marker and the deletions
+    run beside appends (they write at the end, far above the cut). Best effort: a failure is
+    logged and the next merge tries again."""
+    with lock:
+        if closed():
+            return
+        checkpoint = covered()
+        cut = max((c.start for c in log.bytes.chunks() if c.start <= checkpoint), default=0)
+        if cut <= log.start_position or cut > log.position:
+            return
+        derived = log.derived_below(cut)
+    try:
+        log.bytes.truncate(cut)
+    except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
+        _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
+                     "next merge): %s", log.segment, cut, exc)
+        return
+    with lock:
+        if not closed():
+            log.forget_below(cut)
+    log.delete_derived(derived)
+    _log.debug("segment %r: truncated the merged log below byte %d", log.segment, cut)
 
 
 __all__ = ["AttributeState", "BACKPRESSURE_WAIT_SECONDS", "MAX_OPEN_ATTEMPTS"]

@@ -30,13 +30,13 @@ from typing import Any, Callable, Iterator
 import attrs
 
 from .errors import AttrIndexError, ChunkExistsError, InvalidInputError, MissingDependencyError, StorageError
+from .layout import DEMO_RUNS_DIR
 
 STREAM = "shop-events"
 TOTALS = "user-purchase-totals"
 USERS = 50_000
 DAY_MS = 86_400_000
 START_MS = 1_763_683_200_000  # 2025-11-21T00:00:00Z
-RUNS_DIR = "_demo"  #: run claims: names starting with "_" never collide with segments
 JAVA_MIN = 17
 TASK_ATTEMPTS = 4  #: local[N] runs as local[N,4]: the injected failures need a retry
 
@@ -127,12 +127,12 @@ def claim_run(url: str, storage_options: dict | None = None, *, rows: int = 0) -
     options = _driver_options(url, dict(storage_options or {}))
     with SegmentStore.open(url, storage_options=options) as store:  # creates the store if it is new
         storage = store.storage
-        numbers = [int(m[1]) for m in map(re.compile(rf"{RUNS_DIR}/run-(\d+)").fullmatch, storage.list_files(RUNS_DIR)) if m]
+        numbers = [int(m[1]) for m in map(re.compile(rf"{DEMO_RUNS_DIR}/run-(\d+)").fullmatch, storage.list_files(DEMO_RUNS_DIR)) if m]
         first = max(numbers, default=0) + 1
         claim = json.dumps({"rows": rows, "started_ms": int(time.time() * 1000)}).encode()
         for run in range(first, first + 100):  # another demo on the same store may take a number first
             try:
-                storage.create(f"{RUNS_DIR}/run-{run}", claim)
+                storage.create(f"{DEMO_RUNS_DIR}/run-{run}", claim)
                 return run
             except ChunkExistsError:
                 continue

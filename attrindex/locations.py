@@ -18,11 +18,11 @@ from typing import Any, Mapping
 
 from storage_adapters import ChunkStorage, InvalidInputError, open_storage
 from storage_adapters.local import LocalChunkStorage
-from storage_adapters.rolling import SEGMENT_SUFFIX, validate_segment_name
+from storage_adapters.rolling import validate_segment_name
 
 from .errors import IndexNotFoundError
+from .layout import index_created_marker, rolling_dir
 
-INDEX_CREATED_MARKER = "_created"
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +60,12 @@ def _regular_file_in_the_way(storage: ChunkStorage) -> str | None:
 
 def index_exists(storage: ChunkStorage, name: str) -> bool:
     """Whether the index ``name`` has ever been created or written in ``storage``."""
-    return bool(storage.list_files(name + SEGMENT_SUFFIX))
+    return bool(storage.list_files(rolling_dir(name)))
 
 
 def mark_index_created(storage: ChunkStorage, name: str) -> None:
     """Make an index that has no update yet recognisable as existing (idempotent)."""
-    storage.put_marker(f"{name}{SEGMENT_SUFFIX}/{INDEX_CREATED_MARKER}")
+    storage.put_marker(index_created_marker(name))
     log.info("created index %r at %s", name, storage.url)
 
 

@@ -27,6 +27,7 @@ from .attribute_state import MAX_OPEN_ATTEMPTS, AttributeState
 from .conditional import AttributeUpdate, UpdateType
 from .errors import (ChunkExistsError, HoleError, InvalidInputError, LayoutChangedError, LayoutConflictError,
                      RecordTruncatedError, StorageError, TruncatedError)
+from .layout import attributes_name
 from .keys import canonical_batch, pair_list, to_key, to_keys
 from .log.batch.compression import Codec, codec_for
 from .log.batch.encode import encode_batch_with_header, new_batch_id
@@ -39,7 +40,6 @@ from .options import SegmentOptions
 from .poller import SegmentPoller
 from .reader import SegmentReader
 
-ATTRIBUTES_NAME = "_attributes"
 DEFAULT_READ_BYTES = 8 << 20  # one GET per 8 MiB of a consolidated log on object stores
 
 _log = logging.getLogger("attrindex.segment")
@@ -91,7 +91,7 @@ class Segment:
         self._appended = threading.Condition(self._lock)  #: records arrived or the handle closed
         self._log = SegmentLog(storage, name, rolling_size=options.log_rolling_size,
                                index_interval_bytes=options.index_interval_bytes)
-        self.tree_name = f"{name}/{ATTRIBUTES_NAME}" if tree_name is None else tree_name
+        self.tree_name = attributes_name(name) if tree_name is None else tree_name
         self._attributes = AttributeState(self._log, self.tree_name, options, self._lock,
                                           caught_up=self._appended.notify_all)
         self._appender = Appender(self._log, self._attributes, self._lock, appended=self._appended.notify_all)
@@ -751,4 +751,4 @@ def _pair_update(update: object) -> AttributeUpdate:
     raise InvalidInputError(f"an attribute update must be an AttributeUpdate or a (key, value) pair, got {update!r}")
 
 
-__all__ = ["ATTRIBUTES_NAME", "Segment", "SegmentStats"]
+__all__ = ["Segment", "SegmentStats"]

@@ -27,11 +27,11 @@ from .damage import Damage
 from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
 from .log.batch.encode import encode_batch
 from .log.batch.header import read_header
-from .log.segment_log import INDEX_DIR, SegmentLog
+from .layout import INDEX_DIR, attributes_name
+from .log.segment_log import SegmentLog
 from .log.verify import RECORDS_PER_BYTE_BOUND, LogScan, resume_offset, scan_log
 from .attribute_state import AttributeState
 from .options import SegmentOptions
-from .segment import ATTRIBUTES_NAME
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -108,7 +108,7 @@ def _open_log(storage: ChunkStorage, name: str, options: SegmentOptions) -> Segm
 
 def _tree_name(name: str, tree_name: str | None) -> str:
     """Where segment ``name``'s attribute B+tree lives (see ``Segment``'s ``tree_name``)."""
-    return f"{name}/{ATTRIBUTES_NAME}" if tree_name is None else tree_name
+    return attributes_name(name) if tree_name is None else tree_name
 
 
 def _verify_attributes(storage: ChunkStorage, name: str, options: SegmentOptions,

@@ -1,16 +1,9 @@
 """``SegmentStore``: the segments (and streams of segments) under one storage URL.
 
-Layout under the store's root (docs/storage.md): segment ``NAME`` keeps everything under ``NAME/``
-in names starting with ``_``, which segment names may not use, so no two segments can collide::
-
-    _store                        marker: the store exists (written by SegmentStore.open(mode="a"))
-    NAME/_segment                 marker: the segment exists
-    NAME/_log.seg/, NAME/_index/, NAME/_gaps/   the record log (attrindex.log)
-    NAME/_attributes.seg/         the attributes' B+tree
-    NAME/_config/, NAME/_cleaner/ cleanup policy versions, cleaner checkpoints (attrindex.log.cleaner)
-    _streams/STREAM/_count.N      marker: STREAM is a stream of N segments STREAM/0 ... STREAM/N-1
-
-(Stream markers live apart from the segments so finding one lists a few names, not every chunk.)
+The paths under the store's root are named by ``attrindex.layout``: segment ``NAME`` keeps
+everything under ``NAME/`` in names starting with ``_``, which segment names may not use, so no
+two segments can collide. Stream markers live apart from the segments (``_streams/``), so finding
+one lists a few names, not every chunk.
 """
 
 from __future__ import annotations
@@ -26,22 +19,20 @@ import attrs
 
 from storage_adapters import ChunkStorage
 from storage_adapters.requests import RequestCounters
-from storage_adapters.rolling import SEGMENT_SUFFIX, RollingSegment, validate_segment_name
+from storage_adapters.rolling import RollingSegment, validate_segment_name
 
 from .tree_index import TreeIndex
 from .listing import ListedStorage
 from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError,
                      StorageError, StreamNotFoundError)
-from .log.cleanup_policy import CONFIG_DIR, load_policy, policy_from_options, store_policy
+from .layout import CONFIG_DIR, SEGMENT_MARKER, STORE_MARKER, STREAMS_DIR, segment_parts, stream_dir
+from .log.cleanup_policy import load_policy, policy_from_options, store_policy
 from .locations import open_location
 from .options import SegmentOptions
 from .segment import Segment
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 
-STORE_MARKER = "_store"
-SEGMENT_MARKER = "_segment"
 _STREAM_MARKER = re.compile(r"_count\.(\d+)")
-STREAMS_DIR = "_streams"
 MAX_STREAM_SEGMENTS = 1 << 16
 _SIZE_OPTIONS = ("log_rolling_size", "index_interval_bytes", "flush_keys", "flush_bytes", "max_pending_bytes")
 
@@ -242,13 +233,12 @@ class SegmentStore:
             segment = self._segments.pop(name, None)
         if segment is not None:
             segment.close(merge=False)  # no merge of it writes from now on
-        parts = self._segment_parts(name)
-        for part in sorted(parts - {SEGMENT_MARKER}):
-            if part.endswith(SEGMENT_SUFFIX):
-                RollingSegment.remove(self.storage, f"{name}/{part[:-len(SEGMENT_SUFFIX)]}")
-            else:
-                self.storage.remove_directory(f"{name}/{part}")
-                self.storage.delete([f"{name}/{part}"])  # a file rather than a directory
+        rolling, others = segment_parts(self._segment_parts(name))
+        for part in rolling:
+            RollingSegment.remove(self.storage, f"{name}/{part}")
+        for part in others:
+            self.storage.remove_directory(f"{name}/{part}")
+            self.storage.delete([f"{name}/{part}"])  # a file rather than a directory
         left = self._segment_parts(name) - {SEGMENT_MARKER}
         if left:
             raise StorageError(f"segment {name!r}: could not delete {sorted(left)} (the segment still exists; "
@@ -270,7 +260,7 @@ class SegmentStore:
         if existing is not None and existing != segments:
             raise InvalidInputError(f"stream {name!r} has {existing} segments, not {segments}")
         if existing is None:
-            self.storage.put_marker(f"{STREAMS_DIR}/{name}/_count.{segments}")
+            self.storage.put_marker(f"{stream_dir(name)}/_count.{segments}")
             existing = self._stream_count(name)
             if existing != segments:  # another process created it with another count at the same time
                 raise InvalidInputError(f"stream {name!r} has {existing} segments, not {segments}")
@@ -288,7 +278,7 @@ class SegmentStore:
         return stream_segment_names(name, count)
 
     def _stream_count(self, name: str) -> int | None:
-        counts = sorted(int(m[1]) for m in map(_STREAM_MARKER.fullmatch, self.storage.list_files(f"{STREAMS_DIR}/{name}")) if m)
+        counts = sorted(int(m[1]) for m in map(_STREAM_MARKER.fullmatch, self.storage.list_files(stream_dir(name))) if m)
         return counts[0] if counts else None  # two racing creators: the smallest count wins everywhere
 
     # -- inspection ----------------------------------------------------------------------------

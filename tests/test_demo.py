@@ -85,7 +85,7 @@ def test_the_closing_hint_pastes_as_is_with_the_storage_options_given(s3_options
     # demo was given (the endpoint and credentials here; nested ones as JSON).
     url = make_s3_url(s3_options)
     options = {**s3_options, "client_kwargs": {"region_name": "us-east-1"}}
-    with SegmentStore.open(url, options) as store:
+    with SegmentStore.open(url, storage_options=options) as store:
         store.segment("run-1/events/0", create=True).append([b"e"])
     hint = list_command(url, options, "run-1")
     words = shlex.split(hint)

@@ -721,3 +721,32 @@ def test_write_arrow_checks_every_column_before_queueing_and_lingers_like_write_
         lingering.write_arrow(pa.array([b"x", b"y"], pa.binary()), pa.array([b"k", None], pa.binary()),
                               timestamps=pa.array([5, None], pa.int64())).wait(30)
     assert sorted(v for _, _, v in stream_events(store, "s")) == [b"x", b"y"]
+
+
+def test_a_backlog_refusal_is_raised_at_once_not_resent(tmp_path):
+    """``MergeBacklogError`` is the segment's own bound (it waited for room and wrote nothing):
+    the writer raises it on the first refusal instead of waiting ``retries`` times more, and
+    once the merge works again the same writer sends the events it still holds, once each."""
+    from attrindex.errors import MergeBacklogError
+    from storage_adapters.faults import FaultyStorage
+
+    root = str(tmp_path / "s")
+    faulty = FaultyStorage(open_storage(root), seed=5)
+    store = SegmentStore(faulty, flush_keys=1, max_pending_bytes=2_000)
+    writer = EventWriter(store, "s", segments=1, retries=5, retry_delay=0)
+    writer.write(b"0")
+    writer.flush()
+    segment = store.segment("s/0")
+    faulty.script("fail_before", op="append", path_contains="_attributes", times=1_000_000)
+    with pytest.raises(MergeBacklogError):  # tier 1 filled by other updates while every merge fails
+        for n in range(10_000):
+            segment.update_attributes({(n + 1).to_bytes(16, "big"): n})
+    writer.write(b"1")
+    with pytest.raises(MergeBacklogError):
+        writer.flush()
+    assert writer.retried_appends == 0 and writer.appends == 2
+    faulty.enabled = False
+    writer.flush()  # the merge works again: the queued event goes out, once
+    assert sorted(v for _, _, v in stream_events(store, "s")) == [b"0", b"1"]
+    assert writer.last_event_numbers() == {"s/0": 2}
+    store.close()

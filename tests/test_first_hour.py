@@ -16,7 +16,7 @@ import pytest
 import attrindex
 from attrindex import AttributeIndex, SegmentStore
 from attrindex.errors import IndexNotFoundError, InvalidInputError, StoreNotFoundError
-from attrindex.store import STORE_MARKER
+from attrindex.layout import STORE_MARKER
 from storage_adapters import open_storage
 
 KEY = b"k" * 16

@@ -442,7 +442,7 @@ def test_a_failed_merge_after_a_durable_append_never_fails_it(storage_url, caplo
     seg.flush()
     assert seg.stats().merge_error is None and seg.stats().pending_attributes == 0
     store.close()
-    with SegmentStore.open(url, options) as fresh:
+    with SegmentStore.open(url, storage_options=options) as fresh:
         seg = fresh.segment("s")
         assert [r.value for r in seg.read(0, 100)] == [b"rec-0", b"rec-1", b"rec-2"]
         assert seg.get_attribute(COUNTER) == 3
@@ -502,7 +502,7 @@ def test_lost_acknowledgements_on_log_appends_neither_duplicate_nor_fail(storage
     for faulty, store in zip(faults, stores):
         faulty.enabled = False
         store.close()
-    with SegmentStore.open(url, options) as fresh:
+    with SegmentStore.open(url, storage_options=options) as fresh:
         seg = fresh.segment("s")
         records = seg.read(0, 1000)
         assert [r.offset for r in records] == list(range(writers * per_writer))

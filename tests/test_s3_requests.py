@@ -92,7 +92,7 @@ def test_the_cost_pages_first_example_holds_on_s3(s3_options):
     opening = 'SegmentStore.open("memory://cost-demo")'
     assert opening in code
     namespace = {"URL": make_s3_url(s3_options), "OPTIONS": s3_options}  # a new bucket: not probed yet
-    exec(compile(code.replace(opening, "SegmentStore.open(URL, OPTIONS)"), page, "exec"), namespace)
+    exec(compile(code.replace(opening, "SegmentStore.open(URL, storage_options=OPTIONS)"), page, "exec"), namespace)
     assert namespace["spent"].put == 1
     namespace["store"].close()
 
@@ -125,7 +125,7 @@ def test_listing_is_one_list_and_a_missing_file_one_head(s3_options):
 def test_opening_a_store_and_a_segment(s3_options):
     """Opening an existing segment only reads (no PUT, no DELETE)."""
     url = make_s3_url(s3_options)
-    with SegmentStore.open(url, s3_options) as store:
+    with SegmentStore.open(url, storage_options=s3_options) as store:
         store.segment("a", create=True).append([b"r"] * 3, [(1, 1)])
     storage = open_storage(url, **s3_options)
     counts = _cost(storage, lambda: SegmentStore(storage).segment("a"))

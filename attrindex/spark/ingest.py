@@ -38,7 +38,8 @@ from ..errors import AttrIndexError, ChunkExistsError, CorruptDataError
 from ..log.batch.chain import iter_batches, place_batches
 from ..log.batch.encode import encode_batch
 from ..log.batch.records import Record
-from ..store import STREAMS_DIR, SegmentStore
+from ..layout import stream_dir
+from ..store import SegmentStore
 from .checks import check_write_target
 from ..writer import EventWriter
 
@@ -141,7 +142,7 @@ class CommitLedger:
     def __init__(self, storage, stream: str):
         self.storage = storage
         self.stream = stream
-        self.root = f"{STREAMS_DIR}/{stream}/_commits"
+        self.root = f"{stream_dir(stream)}/_commits"
 
     def _path(self, token: uuid.UUID, version: int) -> str:
         return f"{self.root}/{token.hex}/{version:020d}"
@@ -195,7 +196,7 @@ def _load_json(data: bytes, path: str) -> Any:
 
 
 def staging_dir(stream: str, token: uuid.UUID, version: int) -> str:
-    return f"{STREAMS_DIR}/{stream}/_staging/{token.hex}/{version:020d}"
+    return f"{stream_dir(stream)}/_staging/{token.hex}/{version:020d}"
 
 
 # -- tasks ------------------------------------------------------------------------------------

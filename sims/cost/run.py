@@ -80,7 +80,7 @@ def measure(backend: str, options: dict, scratch: str, args) -> dict[str, dict[s
     """``{operation: {kind: requests per operation}}`` on one backend."""
     rows: dict[str, dict[str, float]] = {}
     url, opts = new_location(backend, options, scratch)
-    store = SegmentStore.open(url, opts)
+    store = SegmentStore.open(url, storage_options=opts)
     storage = store.storage
     segment = store.segment("s", create=True)
     segment.append([b"warm-up"])
