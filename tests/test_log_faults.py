@@ -726,17 +726,17 @@ def test_log_compaction_after_a_repair_keeps_every_kept_record(storage_url):
 
 
 def test_an_append_that_keeps_losing_races_gives_up_with_a_clear_error(tmp_path, monkeypatch):
-    import attrindex.segment
+    import attrindex.appender
     from attrindex.errors import StorageError
 
     root = str(tmp_path / "store")
     with SegmentStore.open(root) as one, SegmentStore.open(root) as two:
         stale, other = one.segment("s", create=True), two.segment("s")
         other.append([b"first"])  # the stale handle's next compare-and-append loses
-        monkeypatch.setattr(attrindex.segment, "MAX_APPEND_RACES", 1)
+        monkeypatch.setattr(attrindex.appender, "MAX_APPEND_RACES", 1)
         with pytest.raises(StorageError, match="lost the race"):
             stale.append([b"mine"])
-        monkeypatch.setattr(attrindex.segment, "MAX_APPEND_RACES", 10_000)
+        monkeypatch.setattr(attrindex.appender, "MAX_APPEND_RACES", 10_000)
         assert stale.append([b"mine"]).first_offset == 1
         assert [r.value for r in stale.read(0)] == [b"first", b"mine"]
 
