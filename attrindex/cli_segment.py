@@ -453,7 +453,7 @@ def _segment_consolidate(args: argparse.Namespace) -> int:
     with _open_store(args, writes=True) as store:
         segment = store.segment(args.name)
         before = segment.stats().log_chunks
-        merged = segment.compact_chunks(target)
+        merged = segment.consolidate(target)
         after = segment.stats().log_chunks
     print(f"merged {merged} runs of small chunks: {before:,} chunks before, {after:,} after")
     return 0

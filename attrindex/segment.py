@@ -477,7 +477,7 @@ class Segment:
             return deleted
 
     # -- consolidation -------------------------------------------------------------------------
-    def compact_chunks(self, target_size: int | None = None) -> int:
+    def consolidate(self, target_size: int | None = None) -> int:
         """Merge runs of small sealed log chunks into chunks of up to ``target_size`` bytes (default:
         ``log_rolling_size``); return how many merged chunks were written.
 

@@ -9,53 +9,27 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 
 import pytest
 
 from storage_adapters import open_storage
-
-S3_KEY, S3_SECRET = "testing", "testing"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from testkit import moto_server
+from testkit.moto_server import S3_KEY, S3_SECRET, die_with_parent, free_port, make_s3_url  # noqa: F401 - for the tests
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
-    """moto's HTTP server in a child process on a free loopback port, for the whole session."""
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
-    server = subprocess.Popen(
-        # tests/moto_server.py: moto.server with its conditional writes made atomic (see there)
-        [sys.executable, os.path.join(os.path.dirname(__file__), "moto_server.py"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise RuntimeError("moto server did not start")
-            time.sleep(0.1)
-    yield endpoint
-    server.terminate()
-    server.wait(timeout=10)
+def s3_options():
+    """Storage options of moto's HTTP server (testkit.moto_server: atomic conditional writes) in a
+    child process on a free loopback port, for the whole session."""
+    with moto_server.running() as options:
+        yield options
 
 
 @pytest.fixture(scope="session")
-def s3_options(s3_endpoint):
-    return {"endpoint_url": s3_endpoint, "key": S3_KEY, "secret": S3_SECRET}
+def s3_endpoint(s3_options):
+    """The endpoint URL of the session's moto server."""
+    return s3_options["endpoint_url"]
 
 
 class SilentEndpoint:
@@ -115,22 +89,6 @@ def silent_endpoint():
     endpoint.close()
 
 
-def make_s3_url(s3_options) -> str:
-    """A new bucket on the moto server; returns ``s3://bucket/prefix``."""
-    import boto3
-
-    bucket = "t-" + uuid.uuid4().hex[:20]
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_options["endpoint_url"],
-        aws_access_key_id=S3_KEY,
-        aws_secret_access_key=S3_SECRET,
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/data"
-
-
 #: Test files whose storage-backed tests also run against SeaweedFS (a second real S3 implementation).
 SEAWEEDFS_MODULES = {"test_rolling_segment", "test_storage_faults", "test_segment", "test_event_writer",
                      "test_s3_compat"}
@@ -171,14 +129,14 @@ def seaweedfs_options(tmp_path_factory):
     config.write_text(json.dumps({"identities": [{
         "name": "tests", "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    ports = {name: _free_port() for name in (
+    ports = {name: free_port() for name in (
         "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
         "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")}
     command = [_weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root}", "-filer", "-s3",
                f"-s3.config={config}", "-volume.max=20", "-master.volumeSizeLimitMB=64",
                *(f"-{name}={port}" for name, port in ports.items())]
     log = open(root / "weed.log", "wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, preexec_fn=_die_with_parent)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, preexec_fn=die_with_parent)
     options = {"endpoint_url": f"http://127.0.0.1:{ports['s3.port']}", "key": S3_KEY, "secret": S3_SECRET}
     try:
         _wait_until_writable(server, options, root / "weed.log")
@@ -191,18 +149,6 @@ def seaweedfs_options(tmp_path_factory):
             server.kill()
             server.wait(timeout=10)
         log.close()
-
-
-def _die_with_parent() -> None:
-    """In the child: be killed when the test process dies (weed ignores SIGTERM for a long while, and
-    a killed pytest never runs the fixture's teardown). Linux only; elsewhere the teardown does it."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _wait_until_writable(server, options, log_path, timeout: float = 60) -> None:

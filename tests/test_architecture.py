@@ -1,7 +1,9 @@
 """The shape of the code: the import graph of the two packages has no cycle; every module sits in
 one layer of the map in docs/architecture.md and imports no layer above its own (so the storage
 layer never imports ``attrindex``); no module imports another module's private names, and no
-module uses a private member of an object another module defines.
+module uses a private member of an object another module defines. ``testkit`` (the tools the tests
+and sims share) holds to the same rules on its own: it imports neither ``tests`` nor ``sims``, the
+packages never import it, and each of its modules says what it is for.
 
 Modules still over the size limit are listed by name: the list may only shrink (a module that
 fits is taken off it, and a new one over the limit fails).
@@ -134,8 +136,9 @@ def test_modules_stay_under_the_size_limit():
 #: Private members of other libraries the code uses, each for want of a public one: ``os._exit``
 #: (the documented way to leave a child at once), PySpark's JVM session (no public setter of the
 #: active session in a thread), fsspec's ``_strip_protocol`` (its protocol-free path) and s3fs's
-#: botocore client (``_s3``: the only handle on its retry and endpoint configuration).
-FOREIGN_PRIVATES = {"_exit", "_get_j_spark_session_class", "_jvm", "_strip_protocol", "_s3"}
+#: botocore client (``_s3``: the only handle on its retry and endpoint configuration); in testkit,
+#: moto's CompleteMultipartUpload handler (``_key_response_post``: made atomic, for want of a hook).
+FOREIGN_PRIVATES = {"_exit", "_get_j_spark_session_class", "_jvm", "_strip_protocol", "_s3", "_key_response_post"}
 
 
 def _own_privates(tree: ast.AST) -> set[str]:
@@ -215,3 +218,22 @@ def test_no_module_imports_a_layer_above_its_own():
     upward = sorted((name, target) for name, targets in _graph().items() for target in targets
                     if rank[target] > rank[name])
     assert upward == []
+
+
+TESTKIT = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+           for path in sorted((ROOT / "testkit").rglob("*.py"))}
+
+
+def test_testkit_stands_apart_and_keeps_the_same_rules():
+    """testkit imports neither ``tests`` nor ``sims`` and the packages never import it; its modules
+    have docstrings, import no private names from each other and reach into no private members."""
+    wrong = [(name, target) for name, path in TESTKIT.items() for target, _names in _imports(name, path)
+             if target.split(".")[0] in ("tests", "sims")]
+    wrong += [(name, target) for name, path in MODULES.items() for target, _names in _imports(name, path)
+              if target.split(".")[0] == "testkit"]
+    assert wrong == []
+    assert [name for name, path in TESTKIT.items() if not ast.get_docstring(ast.parse(path.read_text()))] == []
+    private = [(name, target) for name, path in TESTKIT.items() for target, names in _imports(name, path)
+               if target in TESTKIT and target != name and any(n.startswith("_") and not n.startswith("__") for n in names)]
+    assert private == []
+    assert {name: reaches for name, path in TESTKIT.items() if (reaches := _private_reaches(path.read_text()))} == {}

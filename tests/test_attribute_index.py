@@ -1,6 +1,6 @@
-"""AttributeIndex behaviour (keys and values, phases of random work) and the B+tree's beneath it
-(``TreeIndex``: compaction, recovery, caching, checkpoints). The write-ahead log in front of the
-tree is tested in test_index_wal.py."""
+"""AttributeIndex behaviour (keys and values, phases of random work, closed handles) and the
+B+tree's beneath it (``TreeIndex``: compaction, recovery, caching, checkpoints). The write-ahead
+log in front of the tree is tested in test_index_wal.py."""
 
 from __future__ import annotations
 
@@ -344,3 +344,35 @@ def test_checkpoints_only_move_forward(tmp_path):
     with pytest.raises(InvalidInputError):
         idx.update({1: 3}, checkpoint=-1)
     assert TreeIndex.open(str(tmp_path)).checkpoint == 200
+
+
+# -- closed handles ------------------------------------------------------------------------------
+CLOSED_KEY = b"k" * 16
+CALLS_ON_A_CLOSED_INDEX = {
+    "get": lambda idx: idx.get(CLOSED_KEY),
+    "get_many": lambda idx: idx.get_many([CLOSED_KEY]),
+    "items": lambda idx: list(idx.items()),
+    "split_keys": lambda idx: idx.split_keys(2),
+    "len": len,
+    "in": lambda idx: CLOSED_KEY in idx,
+    "stats": lambda idx: idx.stats(),
+    "verify": lambda idx: idx.verify(),
+    "refresh": lambda idx: idx.refresh(),
+    "checkpoint": lambda idx: idx.checkpoint,
+    "update": lambda idx: idx.update({CLOSED_KEY: 2}),
+    "update_sorted": lambda idx: idx.update_sorted([CLOSED_KEY], [2]),
+    "with": lambda idx: idx.__enter__(),
+}
+
+
+@pytest.mark.parametrize("call", CALLS_ON_A_CLOSED_INDEX.values(), ids=CALLS_ON_A_CLOSED_INDEX.keys())
+def test_every_call_on_a_closed_index_raises(tmp_path, call):
+    idx = AttributeIndex.open(str(tmp_path))
+    idx.update({CLOSED_KEY: 1})
+    idx.close()
+    with pytest.raises(InvalidInputError, match="index handle is closed"):
+        call(idx)
+    idx.close()  # closing twice is harmless
+    assert idx.closed and "closed" in repr(idx)
+    with AttributeIndex.open(str(tmp_path)) as reopened:
+        assert reopened.get(CLOSED_KEY) == 1  # the closed handle wrote nothing

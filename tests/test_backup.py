@@ -41,7 +41,7 @@ def _build(root: str, rounds: int = 1) -> None:
                 consolidated.append([b"c-%d-%d" % (r, i) * 3])
             compacted.append([Record(None, key=b"key-0")])  # a tombstone
         compacted.compact(min_lag_ms=0, tombstone_retention_ms=10 ** 9)
-        consolidated.compact_chunks(64 << 10)
+        consolidated.consolidate(64 << 10)
     finally:
         store.close()
     index = AttributeIndex.open(root, "index", merge_process=False, merge_keys=200)

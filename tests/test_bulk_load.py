@@ -1,5 +1,6 @@
 """Bulk load (issue 11): a fresh B+tree built bottom-up in one append, checked against a dict, the
-tree's own verify, its shape, reopening, bad input, another writer's race and storage faults."""
+tree's own verify, its shape, reopening, bad input, another writer's race and storage faults; and
+``AttributeIndex.bulk_load`` beside another handle's pending updates, merges and refreshes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attrindex import AttributeIndex
 from attrindex.tree_index import TreeIndex
 from attrindex.btree import bulk
 from attrindex.btree.page import decode_page, encode_leaf, leaf_capacity
@@ -484,3 +486,70 @@ def test_the_numpy_sort_matches_the_python_sort(shape):
         assert list(run.values) == [latest[key] for key in kept]
         assert run.removed == sorted(key for key, value in latest.items() if value is None)
     assert bytes(runs["numpy"].keys) == bytes(runs["python"].keys)
+
+
+# -- AttributeIndex.bulk_load beside another handle ------------------------------------------------
+#
+# A bulk load writes its pairs into the tree, not the WAL: the tree version it makes is not the WAL
+# replayed up to its checkpoint, so a handle's tier 1 (the WAL from the version it was built on up
+# to its position) may hold values older than the tree's.
+
+INDEX_OPTIONS = dict(page_size=256, merge_keys=10**6, merge_seconds=10**6)
+
+
+def _index_url(backend, tmp_path) -> str:
+    return f"memory://bulk-race-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+@pytest.mark.parametrize("loaded", [2, None])
+@pytest.mark.parametrize("b_merges_first", [False, True])
+def test_a_merge_by_a_handle_that_wrote_before_a_bulk_load_never_undoes_the_load(backend, loaded, b_merges_first,
+                                                                                   tmp_path):
+    """A merge by handle A, whose tier 1 holds updates from before B's bulk load, never writes them
+    over the loaded tree: A, B and every reopen answer the load's values, and a key the load
+    removed stays removed. ``b_merges_first``: B merges up to A's position first, so A's merge has
+    nothing to write; A still answers the loaded values, also after ``refresh`` (its recent-values
+    cache never takes its pre-load tier 1)."""
+    url = _index_url(backend, tmp_path)
+    a = AttributeIndex(open_storage(url), **INDEX_OPTIONS)
+    b = AttributeIndex(open_storage(url), **INDEX_OPTIONS)
+    a.update({1: 1, 2: 1})  # pending in A's tier 1 (and in the WAL)
+    b.bulk_load({1: loaded, 3: 3})  # B's empty WAL batch catches up with A's update and merges it first
+    assert b.get_many([1, 2, 3]) == [loaded, 1, 3]
+    a.update({5: 5})  # loses the append race: catches up past the load's WAL batch
+    if b_merges_first:
+        b.refresh()
+        b.flush()
+        assert b.checkpoint == a._log.position
+    a.flush()  # must not merge A's pre-load tier 1 (1 -> 1) over the loaded tree
+    b.refresh()
+    assert b.get_many([1, 2, 3, 5]) == [loaded, 1, 3, 5]
+    a.refresh()
+    assert a.get_many([1, 2, 3, 5]) == [loaded, 1, 3, 5]
+    for index in (a, b):
+        index.close()
+    with AttributeIndex(open_storage(url), **INDEX_OPTIONS) as reopened:
+        assert reopened.get_many([1, 2, 3, 5]) == [loaded, 1, 3, 5]
+        assert len(reopened) == 3 + (loaded is not None)
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_a_refresh_that_failed_after_adopting_a_bulk_loaded_tree_rebuilds_on_the_next_one(backend, tmp_path):
+    """A refresh that read the bulk-loaded tree and then failed to read the WAL (a storage error)
+    leaves no pre-load value behind: the next ``refresh`` finds the tree unmoved but tier 1 built
+    on another version, rebuilds it, and the handle answers the loaded value."""
+    url = _index_url(backend, tmp_path)
+    faulty = FaultyStorage(open_storage(url), seed=1)
+    a = AttributeIndex(faulty, **INDEX_OPTIONS)
+    b = AttributeIndex(open_storage(url), **INDEX_OPTIONS)
+    a.update({1: 1})
+    b.bulk_load({1: 2})
+    faulty.script("fail_before", op="list_files", path_contains="_wal")  # A's catch-up, after its tree refresh
+    with pytest.raises(StorageError):
+        a.refresh()
+    assert faulty.pending_scripts() == 0
+    a.refresh()
+    assert a.get(1) == 2
+    for index in (a, b):
+        index.close()

@@ -1,9 +1,9 @@
-"""The changelog checker itself (tests/changelog_history.py): a valid compacted history passes, and
+"""The changelog checker itself (testkit/changelog_history.py): a valid compacted history passes, and
 each rule rejects a hand-made history that breaks it."""
 
 from __future__ import annotations
 
-from tests.changelog_history import check_changelog
+from testkit.changelog_history import check_changelog
 
 
 class History:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import shutil
 import subprocess
 import sys
 
 from attrindex import __version__
 from attrindex.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_version_from_the_installed_console_script():
@@ -62,3 +66,10 @@ def test_index_verify_passes_then_fails_on_a_flipped_byte(tmp_path, capsys):
 def test_index_bad_key_text_is_an_error_message(tmp_path, capsys):
     assert main(["index", "get", str(tmp_path), "not-a-key"]) == 2
     assert "cannot read 'not-a-key' as a key" in capsys.readouterr().err
+
+
+def test_python_dash_m_attrindex_runs_the_command():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "attrindex", "--version"], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, f"attrindex {__version__}")

@@ -1,9 +1,9 @@
 """Log compaction, consolidation and retention racing writers and a tail reader in other
 processes, over injected storage faults and SIGKILLs, judged by the changelog checker
-(tests/changelog_history.py): the bounded form of ``python -m sims.faults.compaction``.
+(testkit/changelog_history.py): the bounded form of ``python -m sims.faults.compaction``.
 
 Each round: two writer processes (keyed records, tombstones, conditional appends, a counter), a
-compactor looping ``compact``, a consolidator looping ``compact_chunks`` (and ``apply_retention``
+compactor looping ``compact``, a consolidator looping ``consolidate`` (and ``apply_retention``
 on ``delete,compact``) and a tail reader, all over ``FaultyStorage``, SIGKILLed a fixed number of
 times at random moments and restarted. The round ends only once a compaction (and a retention)
 made progress and a consolidation ran beside the writers. Then: the log as stored and after quiet

@@ -97,7 +97,7 @@ def test_consolidated_s3_log_reads_with_one_get_per_8_mib(s3_options):
     gets_before = storage.calls["GET log"]
     assert len(records) == 2 * appends and gets_before >= appends
 
-    assert seg.compact_chunks() == 1
+    assert seg.consolidate() == 1
     assert seg.stats().log_chunks == 2  # the merged run and the last chunk (never merged)
     storage, after = counted_handle()
     opened = dict(storage.calls)
@@ -124,8 +124,8 @@ def test_consolidation_on_local_disk_merges_only_small_chunks(tmp_path, capsys):
     chunks = seg.stats().log_chunks
     assert chunks > 4
     with pytest.raises(InvalidInputError):
-        seg.compact_chunks(0)
-    assert seg.compact_chunks(600) == 0  # chunks already grow to the rolling size in place
+        seg.consolidate(0)
+    assert seg.consolidate(600) == 0  # chunks already grow to the rolling size in place
     assert main(["segment", "consolidate", str(tmp_path / "s"), "s", "--target-size", "10000"]) == 0
     assert "merged 1 runs" in capsys.readouterr().out
     assert SegmentStore.open(str(tmp_path / "s")).segment("s").stats().log_chunks == 2
@@ -154,7 +154,7 @@ def test_consolidation_beside_a_writer_and_a_tailing_reader_in_other_processes(b
     merged = 0
     try:
         while any(p.is_alive() for p in procs) and merged < 1000:
-            merged += seg.compact_chunks(2048)
+            merged += seg.consolidate(2048)
         out = dict(results.get(timeout=120) for _ in procs)
     finally:
         for p in procs:
@@ -165,7 +165,7 @@ def test_consolidation_beside_a_writer_and_a_tailing_reader_in_other_processes(b
     assert [offset for offset, _value in got] == list(range(count))  # every record once, in order
     assert all(value == b"%d" % offset for offset, value in got)
     assert merged > 0
-    seg.compact_chunks(2048)
+    seg.consolidate(2048)
     fresh = SegmentStore.open(url, storage_options=options).segment("s")
     assert [r.value for r in _read_all(fresh)] == [b"%d" % i for i in range(count)]
 
@@ -187,7 +187,7 @@ def test_a_rebuild_of_pending_attributes_takes_in_chunks_switched_under_it(tmp_p
 
     def batches_after_a_switch(*args, **kwargs):
         if not switched:
-            switched.append(writer.compact_chunks(2048))  # the chunks this replay planned are replaced
+            switched.append(writer.consolidate(2048))  # the chunks this replay planned are replaced
         return real_batches(*args, **kwargs)
 
     log.batches = batches_after_a_switch
@@ -216,7 +216,7 @@ def test_a_handle_follows_consolidation_and_retention_that_a_read_of_its_own_met
         follower = b.segment("u")
         assert [r.offset for r in follower.read(25, 2)] == [25, 26]
         assert writer.apply_retention(start_offset=6) > 0
-        assert writer.compact_chunks(target_size=2000) > 0
+        assert writer.consolidate(target_size=2000) > 0
         assert [r.offset for r in follower.read(10, 2)] == [10, 11]  # this read reloads b's view
         for _ in range(2):
             assert follower.start_offset == writer.start_offset

@@ -3,7 +3,7 @@
 Segment clients (ACCUMULATE appends with records, compare-and-set appends, fresh counter reads,
 records reads) and ``EventWriter`` clients run as threads and as child processes, the processes
 SIGKILLed at random and restarted, all through ``FaultyStorage`` (errors before the write, lost
-acknowledgements, latency, and a full disk on local disk). Then ``tests.history.check`` proves:
+acknowledgements, latency, and a full disk on local disk). Then ``testkit.history.check`` proves:
 acknowledged writes exactly once, unknown ones at most once, failed ones absent, offsets unique and
 increasing, counters = acknowledged + a subset of unknown increments, one CAS chain, valid reads.
 The Spark write protocol (no JVM) is checked for exactly-once the same way.
@@ -19,7 +19,7 @@ import pytest
 
 from sims.faults import workload
 from sims.faults.spark_protocol import spark_protocol_run
-from tests.history import check, fault_counts, load_history
+from testkit.history import check, fault_counts, load_history
 
 LOCAL_RATES = {**workload.DEFAULT_RATES, "enospc": 0.01}
 S3_RATES = {"fail_before": 0.02, "lost_ack": 0.06, "latency": 0.02}  # short runs: more faults per op

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from attrindex.errors import BadOffsetError, OutcomeUnknownError
-from tests.history import Recorder, check, load_history, subset_sums
+from testkit.history import Recorder, check, load_history, subset_sums
 
 
 class Clock:

@@ -1,6 +1,6 @@
 """Idle tail readers are cheap: one shared, backing-off poller per segment handle.
 
-Requests are counted on moto's S3 server through the s3fs client (tests/s3_requests.py).
+Requests are counted on moto's S3 server through the s3fs client (testkit/s3_requests.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 from tests.conftest import make_s3_url
 from tests.framed import offsets, open_segment, overhead, pieces
-from tests.s3_requests import counting
+from testkit.s3_requests import counting
 
 
 @pytest.fixture

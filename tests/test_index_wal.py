@@ -2,7 +2,8 @@
 overlay and merged into the B+tree (``TreeIndex``) in large sorted batches.
 
 A dict model under updates, merges, bulk loads and reopens; a child process SIGKILLed right after
-updates return; lost acknowledgements and failed appends on the WAL; indexes written before the WAL
+updates return; lost acknowledgements and failed appends on the WAL, and faults in the truncation
+of its merged part; indexes written before the WAL
 existed; verify and repair of a damaged WAL and of a damaged tree whose updates the WAL still holds.
 """
 
@@ -349,6 +350,51 @@ def test_updates_over_max_pending_bytes_are_refused_while_merges_keep_failing(tm
     assert index.stats().pending_keys == 0 and index.verify().entries == done + 1
     index.close()
     assert AttributeIndex(open_storage(str(tmp_path)), page_size=256).get_many(range(done + 1)) == list(range(done + 1))
+
+
+TRUNCATION_OPTIONS = dict(page_size=256, wal_rolling_size=200, merge_keys=10**6, merge_seconds=10**6)
+
+
+@pytest.mark.parametrize("backend", ["memory", "local"])
+@pytest.mark.parametrize("kind, op", [("lost_ack", "put_marker"), ("lost_ack", "delete"), ("fail_before", "delete")])
+def test_a_wal_truncation_whose_answer_is_lost_or_fails_loses_and_revives_nothing(backend, kind, op, tmp_path):
+    """The truncation of the merged WAL (a marker, then the deletion of the chunks below it) runs
+    after a durable merge. Its marker's answer lost, its deletions' answer lost, or its deletions
+    failing, several times in a row and with removals (``None``) among the merged updates: the
+    merge raises nothing, and this handle, a second handle that reads and writes, and a fresh open
+    all see every acknowledged update with its newest value and no removed key back (from an older
+    WAL chunk or tree version)."""
+    url = f"memory://wal-cut-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path)
+    faulty = FaultyStorage(open_storage(url), seed=1)
+    a = AttributeIndex(faulty, **TRUNCATION_OPTIONS)
+    keys = list(range(30))
+    model: dict[int, int | None] = {}
+    for round_ in range(4):
+        for i in keys:
+            value = None if (i + round_) % 5 == 0 else 100 * round_ + i
+            a.update({i: value})  # every one acknowledged: the faults hit the truncation only
+            model[i] = value
+        if round_ == 1:
+            faulty.script(kind, op=op, path_contains="_wal", times=3)
+        a.flush()  # the merge is durable; its truncation meets the fault (never raised)
+    assert faulty.pending_scripts() == 0 and faulty.injected
+    want = [model[i] for i in keys]
+    assert a.get_many(keys) == want
+    b = AttributeIndex(open_storage(url), **TRUNCATION_OPTIONS)
+    assert b.get_many(keys) == want
+    more = [len(keys), len(keys) + 1]
+    b.update({more[0]: 1})
+    b.flush()
+    a.update({more[1]: 2})
+    a.refresh()
+    a.flush()
+    assert a.get_many(keys + more) == want + [1, 2]
+    for index in (a, b):
+        index.close()
+    with AttributeIndex(open_storage(url), **TRUNCATION_OPTIONS) as reopened:
+        assert reopened.get_many(keys + more) == want + [1, 2]
+        assert len(reopened) == sum(v is not None for v in want) + 2
+        assert reopened.verify().ok
 
 
 # -- the layout written before the WAL -------------------------------------------------------------

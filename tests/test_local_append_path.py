@@ -160,7 +160,7 @@ def test_a_writer_that_skips_the_switch_check_still_appends_and_reads_beside_a_c
     model.append(b"tail")
     mine.append(frame(b"tail"))  # the last chunk (not full) in this handle's view
     other = _segment(LocalChunkStorage(str(tmp_path)), rolling_size=piece_size)
-    assert other.compact_chunks(64 * piece_size) == 1  # the full chunks switched to one replacement
+    assert other.consolidate(64 * piece_size) == 1  # the full chunks switched to one replacement
     at = mine.length
     assert mine.append(frame(b"ab")) == at  # the view's last chunk has no successor: no switch check
     model.append(b"ab")

@@ -4,21 +4,24 @@ The committed end of a chunk is the end of its chain of frames (tail.py), so eve
 an append is built here by writing what a crash would leave (a prefix of the append's bytes) or by
 killing a child process mid-append: torn writes are cut and zeroed by the next append, acknowledged
 appends are all there, damage before a valid frame is reported. ``create`` makes a file appear
-whole or not at all. A store in the formats with commit records is refused.
+whole or not at all, and the temporaries of creates that died are swept once they are older than
+``TEMP_MAX_AGE_SECONDS``. A store in the formats with commit records is refused.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from attrindex import SegmentStore
 from attrindex.errors import CorruptDataError
-from storage_adapters import RollingSegment, open_storage
+from storage_adapters import RollingSegment, local, open_storage
 from storage_adapters.errors import ChunkExistsError, OutcomeUnknownError, StorageError, StorageFullError
 from storage_adapters.framing import LengthChecksumFraming
 from storage_adapters.local import MIN_PREWRITE_BYTES, PREWRITE_BYTES
@@ -407,6 +410,95 @@ def test_a_create_that_fails_with_a_full_disk_leaves_nothing(tmp_path, monkeypat
     assert storage.list_files("d") == {} and os.listdir(tmp_path / "d") == []
     storage.create("d/00000000000000000003", b"y" * 10)
     assert storage.read("d/00000000000000000003", 0, 10) == b"y" * 10
+
+
+# -- temporaries of creates that died ---------------------------------------------------------------
+OLD = time.time() - local.TEMP_MAX_AGE_SECONDS - 60  #: a modification time past the sweep's bound
+
+
+def _temporaries(directory) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith(".tmp-"))
+
+
+def test_a_create_sweeps_stale_temporaries_and_keeps_fresh_ones(tmp_path):
+    """A create deletes the directory's temporaries older than ``TEMP_MAX_AGE_SECONDS`` and leaves
+    a younger one (a create that may still be writing it)."""
+    directory = tmp_path / "d"
+    directory.mkdir()
+    stale, fresh = directory / ".tmp-a.123", directory / ".tmp-b.456"
+    stale.write_bytes(b"left by a crash")
+    fresh.write_bytes(b"being written")
+    os.utime(stale, (OLD, OLD))
+    storage = open_storage(str(tmp_path))
+    storage.create("d/x", b"data")
+    assert _temporaries(directory) == [".tmp-b.456"]
+    assert storage.read("d/x", 0, 10) == b"data"
+
+
+def test_a_crashed_create_leaves_a_temporary_that_a_later_create_sweeps(tmp_path):
+    """A child SIGKILLed inside ``create`` after writing its temporary, before linking it, leaves
+    the temporary and no file under the name; a later create keeps it while it is young and
+    deletes it once it is past the bound."""
+    code = (
+        "import os, sys\n"
+        "from storage_adapters import local, open_storage\n"
+        "real = local._write_all\n"
+        "def write(fd, data, position):\n"
+        "    real(fd, data, position)\n"
+        "    os.fsync(fd)\n"
+        "    print('written', flush=True)\n"
+        "    os.kill(os.getpid(), 9)\n"
+        "local._write_all = write\n"
+        "open_storage(sys.argv[1]).create('d/crashed', b'x' * 1000)\n"
+    )
+    child = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == -signal.SIGKILL and "written" in child.stdout
+    left = _temporaries(tmp_path / "d")
+    assert len(left) == 1 and not (tmp_path / "d" / "crashed").exists()
+    storage = open_storage(str(tmp_path))
+    storage.create("d/soon", b"1")  # the temporary is young: a create may still be writing it
+    assert _temporaries(tmp_path / "d") == left
+    os.utime(tmp_path / "d" / left[0], (OLD, OLD))
+    open_storage(str(tmp_path)).create("d/later", b"2")  # another writer, after the bound
+    assert _temporaries(tmp_path / "d") == []
+    assert "crashed" not in storage.list_files("d")
+
+
+def test_a_create_stalled_past_the_bound_fails_and_creates_nothing(tmp_path, monkeypatch):
+    """A create whose temporary another writer swept (it stalled past the bound) fails with a
+    ``StorageError`` and nothing appears under its name; a retry creates it."""
+    storage, sweeper = open_storage(str(tmp_path)), open_storage(str(tmp_path))
+    sweeper.create("d/first", b"0")
+    sweeper._swept.clear()  # its next create sweeps again
+    real = local._write_all
+
+    def stall(fd, data, position):
+        real(fd, data, position)
+        if data != b"late":
+            return  # the sweeper's own create
+        (temporary,) = _temporaries(tmp_path / "d")
+        os.utime(tmp_path / "d" / temporary, (OLD, OLD))  # as if stopped for over an hour here
+        sweeper.create("d/other", b"1")  # another writer sweeps it
+
+    monkeypatch.setattr(local, "_write_all", stall)
+    with pytest.raises(StorageError):
+        storage.create("d/stalled", b"late")
+    monkeypatch.setattr(local, "_write_all", real)
+    assert not (tmp_path / "d" / "stalled").exists() and _temporaries(tmp_path / "d") == []
+    storage.create("d/stalled", b"retried")  # the name is free: a retry creates it
+    assert storage.read("d/stalled", 0, 10) == b"retried"
+
+
+def test_a_handle_sweeps_a_directory_at_most_once_per_interval(tmp_path, monkeypatch):
+    """The sweep lists a directory once per handle and interval, not on every create."""
+    storage = open_storage(str(tmp_path))
+    scans = []
+    real = os.scandir
+    monkeypatch.setattr(local.os, "scandir", lambda d: scans.append(d) or real(d))
+    for i in range(5):
+        storage.create(f"d/{i}", b"x")
+    assert len(scans) == 1
 
 
 # -- torn at every byte ----------------------------------------------------------------------------

@@ -800,6 +800,39 @@ def test_a_pass_whose_later_chunks_another_handle_consolidated_starts_again(tmp_
         assert {r.key: r for r in everything(seg)} == latest
 
 
+@pytest.mark.parametrize("backend", ["memory", "local"])
+def test_an_open_racing_log_compaction_sees_every_attribute_update(backend, tmp_path, monkeypatch):
+    """The cleaner drops the attribute updates of the batches it rewrites below its limit (a newer
+    tree version, merged first, holds them). An open that read the older tree version before the
+    compaction and lists the log after it still answers every attribute update (never the older
+    version plus rewritten batches without them)."""
+    from attrindex.log import segment_log
+
+    url = f"memory://compaction-open-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path)
+    store = SegmentStore.open(url, log_rolling_size=200, flush_keys=10**6, flush_seconds=10**6)
+    writer = store.segment("s", create=True, cleanup_policy="compact")
+    writer.configure(min_compaction_lag_ms=0)
+    writer.append([Record(b"first", key=b"k")], [(0, 0)])
+    writer.flush()  # tree checkpoint C0
+    for i in range(1, 30):  # each batch supersedes the last one's record: the cleaner drops them
+        writer.append([Record(b"v%d" % i, key=b"k")], [(i, i)])
+    real = segment_log.SegmentLog.open_at
+    raced = []
+
+    def open_at(self, position):
+        if not raced and self.segment == "s":
+            raced.append(position)
+            writer.compact(min_lag_ms=0)  # merges (checkpoint C1), then rewrites chunks below C1
+        return real(self, position)
+
+    monkeypatch.setattr(segment_log.SegmentLog, "open_at", open_at)
+    reader = SegmentStore.open(url).segment("s")
+    assert raced
+    assert reader.get_attributes(range(30)) == list(range(30))
+    reader.close()
+    writer.close()
+
+
 @pytest.mark.parametrize("fault", ["fail_before", "lost_ack", "torn", "enospc"])
 @pytest.mark.parametrize("target", ["_log.seg", "_cleaner"])  # the switch's writes, the checkpoint
 def test_a_storage_fault_during_compaction_leaves_a_valid_log(fault, target, tmp_path):

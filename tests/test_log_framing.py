@@ -245,7 +245,7 @@ def test_a_segment_log_writes_chains_that_end_at_each_chunks_end(storage_url):
         assert len(before) > 3 and all(chain == stored for _start, chain, stored in before)
         stats = seg.compact()
         assert stats.records_removed > 0 and stats.chunks_cleaned > 0  # kept batches moved down
-        seg.compact_chunks()
+        seg.consolidate()
         after = chains(seg._log)
         assert after != before  # batches moved
         assert all(chain == stored for _start, chain, stored in after)

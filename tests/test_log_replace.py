@@ -139,7 +139,7 @@ def test_consolidated_log_reads_the_same(storage_url):
     _fill(seg, 40)
     before = [(r.offset, r.value) for r in seg.read(0, max_records=1000)]
     n_before = len(seg._log.bytes.chunks())
-    assert seg._log.bytes.compact_chunks(1 << 20) >= 1
+    assert seg._log.bytes.consolidate(1 << 20) >= 1
     fresh = _store(url, options, rolling=200).segment("s")
     assert len(fresh._log.bytes.chunks()) < n_before
     assert [(r.offset, r.value) for r in fresh.read(0, max_records=1000)] == before
@@ -200,7 +200,7 @@ def test_reads_match_the_surviving_offsets(steps):
                     _compact(seg._log, run, keep)
                 survivors = [o for o in survivors if o not in gone]
         elif op == "consolidate":
-            seg._log.bytes.compact_chunks(200 + n)
+            seg._log.bytes.consolidate(200 + n)
         else:
             seg = _store(url, {}, rolling=300).segment("s")
         fresh = _store(url, {}, rolling=300).segment("s")

@@ -1,14 +1,21 @@
-"""What the library logs: recoveries and background work, at the levels the user guide names."""
+"""What the library logs: recoveries and background work, at the levels the user guide names;
+what a creating open made, at INFO; and nothing configured by importing the library."""
 
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 import uuid
 
-from attrindex import SegmentStore
+from attrindex import AttributeIndex, SegmentStore
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 from tests.conftest import make_s3_url
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_merges_replays_and_compaction_log_at_debug(caplog):
@@ -44,3 +51,28 @@ def test_the_s3_capability_probe_is_logged(s3_options, caplog):
     with SegmentStore.open(url, storage_options=options) as store:
         store.segment("s", create=True).append([b"x"])
     assert any("exclusive create of an existing object is refused" in r.getMessage() for r in caplog.records)
+
+
+def test_creating_opens_log_what_they_created(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="attrindex")
+    SegmentStore.open(str(tmp_path / "store")).close()
+    AttributeIndex.open(str(tmp_path / "index")).close()
+    SegmentStore.open(str(tmp_path / "store")).close()  # exists: nothing to say
+    created = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert created == [
+        ("attrindex.store", logging.INFO, f"created store at file://{tmp_path}/store (wrote its _store marker)"),
+        ("attrindex.locations", logging.INFO, f"created index 'attributes' at file://{tmp_path}/index"),
+    ]
+
+
+def test_importing_the_library_configures_no_logging():
+    code = (
+        "import logging, attrindex, attrindex.cli, attrindex.demo, storage_adapters\n"
+        "loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.split('.')[0] in ('attrindex', 'storage_adapters')]\n"
+        "assert logging.root.handlers == [], logging.root.handlers\n"
+        "assert [l.name for l in loggers if isinstance(l, logging.Logger) and l.handlers] == []\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert (result.returncode, result.stdout) == (0, "ok\n"), result.stderr

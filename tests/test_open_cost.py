@@ -1,6 +1,6 @@
 """Opening a segment on S3 costs a few requests, and reads never ask for files that do not exist.
 
-Counted on moto's server through the s3fs client (tests/s3_requests.py). S3 segments keep no
+Counted on moto's server through the s3fs client (testkit/s3_requests.py). S3 segments keep no
 index files, so a cold read of a sealed chunk must not ask for one.
 """
 
@@ -17,7 +17,7 @@ from attrindex.errors import ConditionalUpdateError, CorruptDataError, InvalidIn
 from attrindex.segment import Segment
 from attrindex.listing import ListedStorage
 from tests.conftest import make_s3_url
-from tests.s3_requests import counting
+from testkit.s3_requests import counting
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from storage_adapters import (
 from storage_adapters.local import LocalChunkStorage
 from storage_adapters.memory import MemoryChunkStorage
 from storage_adapters.s3 import S3ChunkStorage, probe_exclusive_create
+from testkit.moto_server import S3_KEY, S3_SECRET, free_port, make_s3_url
 
-from .conftest import S3_KEY, S3_SECRET, _free_port, make_s3_url
 from .framed import open_segment, pieces
 
 
@@ -215,7 +215,7 @@ def test_local_os_errors_are_storage_errors_naming_the_file(tmp_path):
 
 
 def test_s3_unreachable_endpoint_is_a_storage_error():
-    storage = open_storage("s3://nowhere/data", endpoint_url=f"http://127.0.0.1:{_free_port()}",
+    storage = open_storage("s3://nowhere/data", endpoint_url=f"http://127.0.0.1:{free_port()}",
                            key=S3_KEY, secret=S3_SECRET,
                            config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 1})
     for call in (lambda: storage.list_files("s.seg"), lambda: storage.read("s.seg/x", 0, 1),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 from storage_adapters import open_storage
 
 from . import workers
+from .workers import run_together
 from .conftest import make_s3_url
 from .framed import frame, open_segment
 
@@ -27,23 +27,10 @@ def shared_url(request, tmp_path):
     return make_s3_url(options), options
 
 
-def _run(target, args_for, count):
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(count), ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*args_for(i), barrier, results)) for i in range(count)]
-    for proc in procs:
-        proc.start()
-    out = [results.get(timeout=180) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=60)
-        assert proc.exitcode == 0
-    return out
-
-
 def test_every_raced_offset_is_won_by_exactly_one_process(shared_url):
     url, options = shared_url
     writers, rounds = 4, 12
-    out = _run(workers.race_rounds, lambda i: (url, options, "race", i, rounds), writers)
+    out = run_together(workers.race_rounds, lambda i: (url, options, "race", i, rounds), writers)
     winners = {}
     for writer, outcome in out:
         for result, round_number, offset in outcome:
@@ -66,7 +53,7 @@ def test_every_raced_offset_is_won_by_exactly_one_process(shared_url):
 def test_free_for_all_appends_are_neither_lost_nor_interleaved(shared_url):
     url, options = shared_url
     writers, appends = 3, 25
-    out = _run(workers.race_free_for_all, lambda i: (url, options, "ffa", i, appends), writers)
+    out = run_together(workers.race_free_for_all, lambda i: (url, options, "ffa", i, appends), writers)
     seg = open_segment(open_storage(url, **options), "ffa")
     records = workers.parse_records(seg.read(0, seg.length), framed=seg.storage.torn_appends)
     assert len(records) == writers * appends

@@ -81,7 +81,7 @@ def test_replacer_killed_at_each_write_leaves_one_layout(backend_name, kill_poin
             seg = _check_layout(url, options, exact)
             before = _content(seg)
             # The next switch (here: consolidation) deletes what the killed one left.
-            seg.compact_chunks(1 << 20)
+            seg.consolidate(1 << 20)
             assert _content(workers.open_switched(open_storage(url, **options))) == before
             _leftovers_cleaned(seg)
 

@@ -105,7 +105,7 @@ def machine_for(new_url):
 
         @rule(h=HANDLES, size=st.sampled_from([None, 1, 8, 40, 1000]))
         def consolidate(self, h, size):
-            self.handles[h].compact_chunks(size)
+            self.handles[h].consolidate(size)
 
         @rule(h=HANDLES, pick=st.data(), length=st.integers(0, 12))
         def read(self, h, pick, length):

@@ -24,8 +24,8 @@ from storage_adapters import (
 )
 from storage_adapters.faults import FaultyStorage
 from storage_adapters.s3 import is_precondition_failed
+from testkit.moto_server import S3_KEY, S3_SECRET, free_port, make_s3_url
 
-from .conftest import S3_KEY, S3_SECRET, _free_port, make_s3_url
 from .s3_proxy import S3Proxy
 
 
@@ -52,7 +52,7 @@ def test_rolling_append_is_one_put(s3_options):
 
 
 def test_segment_and_writer_appends_are_one_put(s3_options):
-    store = SegmentStore.open(make_s3_url(s3_options), s3_options)
+    store = SegmentStore.open(make_s3_url(s3_options), storage_options=s3_options)
     segment = store.segment("a", create=True)
     segment.append([b"warm-up"])
     assert _only(_cost(store.storage, lambda: segment.append([b"r"], [(uuid.uuid4(), 5)])), put=1)
@@ -72,7 +72,7 @@ def test_segment_and_writer_appends_are_one_put(s3_options):
 def test_the_first_append_of_a_process_to_a_bucket_also_probes_conditional_writes(s3_options):
     # docs/cost.md: the exclusive-create probe (once per bucket and process) comes with the first
     # create: a PUT, a second PUT that S3 refuses with 412, and a DELETE; then one PUT an append.
-    store = SegmentStore.open(make_s3_url(s3_options), s3_options)  # a new bucket: not probed yet
+    store = SegmentStore.open(make_s3_url(s3_options), storage_options=s3_options)  # a new bucket: not probed yet
     segment = store.segment("orders", create=True)
     before = store.stats().requests
     segment.append([b"one record"])
@@ -134,7 +134,7 @@ def test_opening_a_store_and_a_segment(s3_options):
 
 def test_counters_agree_with_the_servers_log(tmp_path):
     """Cross-check: a moto server of our own logs every HTTP request; its log and our counters agree."""
-    port = _free_port()
+    port = free_port()
     log_path = tmp_path / "moto.log"
     with open(log_path, "wb") as log:
         server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -27,7 +27,7 @@ from attrindex import AttributeUpdate, SegmentStore, UpdateType
 from attrindex.errors import BadOffsetError, ConditionalUpdateError, CorruptDataError, MergeBacklogError, StorageError
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
-from tests.history import Recorder, check, fault_counts, load_history
+from testkit.history import Recorder, check, fault_counts, load_history
 
 SMALL = dict(flush_keys=3, log_rolling_size=2048, attribute_options=dict(page_size=512, rolling_size=4096))
 

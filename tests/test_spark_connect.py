@@ -22,7 +22,8 @@ pytest.importorskip("grpc")  # the Connect client (pyspark[connect]); the test e
 
 import attrindex.spark  # noqa: E402
 from attrindex.errors import SegmentNotFoundError, StreamNotFoundError  # noqa: E402
-from tests.conftest import _die_with_parent, _free_port  # noqa: E402
+from testkit.moto_server import free_port  # noqa: E402
+from testkit.moto_server import die_with_parent  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def _spark_submit() -> str:
 def connect_url(tmp_path_factory):
     """``sc://127.0.0.1:PORT`` of a Spark Connect server (local[2,4]) running for this module."""
     root = tmp_path_factory.mktemp("spark-connect")
-    port = _free_port()
+    port = free_port()
     command = [_spark_submit(), "--class", SERVER_CLASS, "--master", "local[2,4]", "--name", "attrindex-connect-tests",
                "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
                "--conf", f"spark.connect.grpc.binding.port={port}",
@@ -51,7 +52,7 @@ def connect_url(tmp_path_factory):
     log_path = root / "server.log"
     with open(log_path, "wb") as log:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env,
-                                  preexec_fn=_die_with_parent)
+                                  preexec_fn=die_with_parent)
     try:
         _wait_for_port(server, port, log_path)
         yield f"sc://127.0.0.1:{port}"

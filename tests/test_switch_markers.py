@@ -203,7 +203,7 @@ def test_a_tail_reader_of_an_empty_segment_follows_appends_and_consolidation(tmp
     for i in range(200):
         writer.append([b"%d" % i])
         if i % 20 == 19:
-            writer.compact_chunks(2048)
+            writer.consolidate(2048)
     assert 1 not in markers(writer._log.bytes.storage, "s/_log")  # the reader's sign is gone
     got, deadline = [], time.monotonic() + 10
     while len(got) < 200 and time.monotonic() < deadline:

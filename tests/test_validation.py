@@ -3,7 +3,8 @@
 Every public entry point gets garbage (None, str for int, float, bool, negative, huge, nan,
 wrong-length bytes, dict where a list goes, list where a dict goes, a generator); whatever it
 raises must be an ``AttrIndexError``, and bad arguments an ``InvalidInputError`` whose message
-names the argument. Bad writer and store arguments leave storage byte-for-byte unchanged.
+names the argument. Bad writer and store arguments leave storage byte-for-byte unchanged. A single
+key where an iterable of keys is expected is refused, never taken as an iterable of its bytes.
 """
 
 from __future__ import annotations
@@ -363,3 +364,18 @@ def test_open_with_bad_options_creates_no_index(tmp_path, index_class):
         cls.open(str(tmp_path), page_size=-1)
     with pytest.raises(IndexNotFoundError):
         cls.open(str(tmp_path), mode="r")
+
+
+# -- a single key where keys are expected ------------------------------------------------------------
+SINGLE_KEYS = [b"x" * 16, bytearray(b"x" * 16), memoryview(b"x" * 16), "x" * 16, uuid.UUID(int=7), 7]
+NOT_ITERABLE = [None, 7.5]
+
+
+@pytest.mark.parametrize("keys", SINGLE_KEYS + NOT_ITERABLE,
+                         ids=lambda keys: f"memoryview({bytes(keys)!r})" if isinstance(keys, memoryview) else repr(keys))
+def test_get_many_refuses_a_single_key(keys):
+    with AttributeIndex.open(f"memory://single-key-{uuid.uuid4().hex}") as idx:
+        idx.update({b"x" * 16: 1})
+        with pytest.raises(InvalidInputError, match="iterable of keys"):
+            idx.get_many(keys)
+        assert idx.get_many([b"x" * 16]) == [1] and idx.get_many(iter([7])) == [None]

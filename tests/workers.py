@@ -10,6 +10,23 @@ from storage_adapters import BadOffsetError, open_storage
 
 from .framed import FRAMING, frame, open_segment
 
+def run_together(target, args_for, count: int) -> list:
+    """Run ``target(*args_for(i), barrier, results)`` in ``count`` spawned processes that start
+    together at a barrier; return what each put on ``results`` (every process must exit 0)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(count), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args_for(i), barrier, results)) for i in range(count)]
+    for proc in procs:
+        proc.start()
+    out = [results.get(timeout=180) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+    return out
+
+
 RECORD_HEADER = struct.Struct("<IIQ")  # writer id, sequence number, payload length
 
 

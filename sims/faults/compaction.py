@@ -14,17 +14,17 @@ the latter with ``retention_bytes``), tiny log chunks, ``min_compaction_lag_ms``
   ACCUMULATE counter, some conditional (``expected_offset``);
 - a **compactor** looping ``compact(min_lag_ms=0)`` (on ``delete,compact`` it applies retention
   first);
-- a **consolidator** looping ``compact_chunks`` and, on ``delete,compact``, ``apply_retention``;
+- a **consolidator** looping ``consolidate`` and, on ``delete,compact``, ``apply_retention``;
 - a **tail reader** following the segment from offset 0, restarting at the start offset on
   ``RecordTruncatedError``, looking up offsets by time now and then (on its handle, which meets
   every switch), recording every record it sees.
 
-Every operation and sighting goes to ``tests.history``'s JSON lines. The driver SIGKILLs a random
+Every operation and sighting goes to ``testkit.history``'s JSON lines. The driver SIGKILLs a random
 live client ``--kills`` times and restarts it (a writer's new life does the operations left; the
 reader's resumes after the last record it recorded). Once the writers are done, a compaction (and
 a retention) made progress and a consolidation ran (the driver appends hot keys while one is
 missing), the others stop; the driver appends an end record,
-the reader must reach it, and ``tests.changelog_history.check_changelog`` runs over the log as
+the reader must reach it, and ``testkit.changelog_history.check_changelog`` runs over the log as
 stored (read with no faults, ``verify_segment``, a fresh reader reading the same), then again after
 quiet compactions that let every tombstone expire. Last, ``delete_segment`` under faults, repeated
 until it succeeds, must leave no file, and the name made again is a new, empty segment. Exit code 1
@@ -34,6 +34,7 @@ on any violation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -54,8 +55,9 @@ from attrindex.errors import (AttrIndexError, BadOffsetError, CorruptDataError, 
                               StorageError)
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
-from tests.changelog_history import check_changelog
-from tests.history import Recorder, fault_counts, load_history, merge_ops
+from testkit import moto_server
+from testkit.changelog_history import check_changelog
+from testkit.history import Recorder, fault_counts, load_history, merge_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEGMENT = "changelog"
@@ -200,14 +202,14 @@ def compactor(config: dict, client: str, seed: int) -> None:
 
 
 def consolidator(config: dict, client: str, seed: int) -> None:
-    """``compact_chunks`` (and ``apply_retention`` on ``delete,compact``) until the stop file appears."""
+    """``consolidate`` (and ``apply_retention`` on ``delete,compact``) until the stop file appears."""
     me = Client(config, client, seed, config["rates"])
     retains = config["variant"] == "delete,compact"
     try:
         seg = me.segment()
         while not me.stopped():
             with me.operation("consolidate") as out:
-                out["merged"] = seg.compact_chunks(target_size=4 * ROLL)
+                out["merged"] = seg.consolidate(target_size=4 * ROLL)
             me.count("consolidate", bool(out))
             if retains:
                 with me.operation("retention") as out:
@@ -372,7 +374,7 @@ def _quiet_compaction(url: str, options: dict, retains: bool) -> dict:
         seg = store.segment(SEGMENT)
         for _ in range(3):
             seg.compact(min_lag_ms=0, tombstone_retention_ms=0)
-        seg.compact_chunks(target_size=4 * ROLL)
+        seg.consolidate(target_size=4 * ROLL)
         if retains:
             seg.apply_retention(max_bytes=RETAIN)
     return final_state(url, options)
@@ -534,27 +536,6 @@ def _judge_round(url: str, options: dict, seed: int, retains: bool, events: list
 # ------------------------------------------------------------------------------- the soak
 
 
-def start_moto() -> tuple[subprocess.Popen, dict]:
-    """tests/moto_server.py (moto with atomic conditional writes) on a free loopback port."""
-    import urllib.request
-
-    from tests.conftest import S3_KEY, S3_SECRET, _free_port
-
-    port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "moto_server.py"), "-H", "127.0.0.1",
-                               "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET})
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-            return server, {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET}
-        except OSError:
-            time.sleep(0.1)
-    server.kill()
-    raise RuntimeError("moto did not start")
-
-
 TOTALS = ("rounds", "kills", "kills_writer", "kills_compactor", "kills_consolidator", "kills_reader", "top_ups",
           "appends_ok", "appends_failed", "appends_unknown", "records_written", "stored_quiet",
           "compact_calls", "compact_effective", "compact_failed", "records_compacted", "kept_anyway",
@@ -568,16 +549,14 @@ def soak(backend: str, rounds: int, ops: int, kills: int, seed: int, scratch: st
     """``rounds`` rounds on ``backend`` (``local`` or ``s3``), variants alternating; totals."""
     from tqdm import tqdm
 
-    from tests.conftest import make_s3_url
-
-    server, options = start_moto() if backend == "s3" else (None, {})
     totals: Counter = Counter()
-    try:
+    with contextlib.ExitStack() as stack:
+        options = stack.enter_context(moto_server.running()) if backend == "s3" else {}
         for n in tqdm(range(rounds), desc=f"compaction soak ({backend})", unit="round"):
             variant = ("compact", "delete,compact")[n % 2]
             where = os.path.join(scratch, f"{backend}-{n}")
             os.makedirs(where)
-            url = make_s3_url(options) if backend == "s3" else os.path.join(where, "store")
+            url = moto_server.make_s3_url(options) if backend == "s3" else os.path.join(where, "store")
             figures = run_round(url, options, where, seed=seed + n, variant=variant, ops=ops, kills=kills,
                                 rates=S3_RATES if backend == "s3" else LOCAL_RATES)
             violations = figures.pop("violations")
@@ -586,10 +565,6 @@ def soak(backend: str, rounds: int, ops: int, kills: int, seed: int, scratch: st
             totals["violations"] += len(violations)
             for violation in violations[:5]:
                 tqdm.write(f"round {n} ({variant}, seed {seed + n}): {violation}")
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait()
     return totals
 
 

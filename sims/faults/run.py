@@ -8,7 +8,7 @@ disk), each under a timer; damage reaching the newest frame of a last chunk is c
 newest-write rollback (docs/decisions/0001). ``--kills``: kill-loop rounds; each round runs segment
 and ``EventWriter`` client processes over ``FaultyStorage`` (errors before the write, lost
 acknowledgements, latency, a full disk) on a fresh local store, SIGKILLs them at random, restarts
-them, and runs the history checker (``tests.history``) over the round. Prints per attack: trials,
+them, and runs the history checker (``testkit.history``) over the round. Prints per attack: trials,
 ok, project errors, newest-write rollbacks, wrong answers, non-project exceptions, hangs; per kill-loop: rounds, kills,
 operations, duplicates, lost acknowledged writes, other violations. Exit code 1 if any trial was
 wrong, crashed or hung, or any round broke a rule.
@@ -24,7 +24,7 @@ import time
 
 from tqdm import tqdm
 
-from tests.history import check, fault_counts, load_history
+from testkit.history import check, fault_counts, load_history
 
 from . import fuzz, workload
 

@@ -13,7 +13,7 @@ from attrindex.spark.ingest import (EventColumns, Faults, StreamTarget, commit_w
                                     write_token)
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
-from tests.history import OK, UNKNOWN, Recorder
+from testkit.history import OK, UNKNOWN, Recorder
 
 from .workload import DEFAULT_RATES
 

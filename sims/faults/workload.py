@@ -1,7 +1,7 @@
 """Concurrent clients under injected storage faults, recorded for the history checker.
 
 A *client* opens its own ``SegmentStore`` over ``FaultyStorage`` and runs a random mix of
-operations on one segment, recording each in ``tests.history``'s format:
+operations on one segment, recording each in ``testkit.history``'s format:
 
 - ``append``: records with unique payloads plus an ACCUMULATE increment of counter ``c``;
 - ``append`` with a compare-and-set: records plus REPLACE_IF_EQUALS on key ``cas`` (compare = the
@@ -12,7 +12,7 @@ operations on one segment, recording each in ``tests.history``'s format:
 
 Clients run as threads (``run_threads``) or child processes (``python -m sims.faults.workload``),
 which ``kill_loop`` SIGKILLs at random and restarts. ``final_state`` reads what is stored, with no
-faults, for ``tests.history.check``.
+faults, for ``testkit.history.check``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from attrindex import EventWriter, SegmentStore
 from attrindex.conditional import AttributeUpdate, UpdateType
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
-from tests.history import Recorder
+from testkit.history import Recorder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COUNTER, CAS = "c", "cas"

@@ -4,7 +4,7 @@
 (issue 12's goal: <= 50 PUTs/s, each event durable within linger + one append), against the
 same stream written synchronously with a ``flush()`` per 10 ms tick (what a caller needing the
 same durability delay does without linger). Requests are counted at the s3fs client
-(tests/s3_requests.py); moto's server is started here on a free loopback port.
+(testkit/s3_requests.py); moto's server (testkit/moto_server.py) is started here on a free loopback port.
 
     python -m sims.segments.linger [--seconds 5] [--rate 10000] [--linger-ms 100]
 """
@@ -12,37 +12,17 @@ same durability delay does without linger). Requests are counted at the s3fs cli
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
 from attrindex import EventWriter, SegmentStore
-from tests.conftest import S3_KEY, S3_SECRET, _free_port, make_s3_url
-from tests.s3_requests import counting
+from testkit import moto_server
+from testkit.moto_server import make_s3_url
+from testkit.s3_requests import counting
 
 TICK = 0.01
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    import urllib.request
-
-    port = _free_port()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-            return server, endpoint
-        except OSError:
-            time.sleep(0.1)
-    server.kill()
-    raise RuntimeError("moto did not start")
 
 
 def run(options: dict, seconds: float, rate: int, linger_ms: float | None) -> dict:
@@ -100,14 +80,9 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=10_000)
     parser.add_argument("--linger-ms", type=float, default=100.0)
     args = parser.parse_args()
-    server, endpoint = start_moto()
-    try:
-        options = {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET}
+    with moto_server.running() as options:
         lingering = run(options, args.seconds, args.rate, args.linger_ms)
         synchronous = run(options, args.seconds, args.rate, None)
-    finally:
-        server.terminate()
-        server.wait(10)
     print(f"{args.rate} events/s of 100 bytes, 4 segments, {args.seconds:g} s on moto")
     print(f"{'':28}{'linger_ms=' + format(args.linger_ms, 'g'):>16}{'flush per 10 ms':>18}{'ratio':>8}")
     for key in ("events_per_s", "appends", "PUT_per_s", "PUT_per_1000_events", "GET_per_s", "LIST_per_s", "HEAD_per_s",

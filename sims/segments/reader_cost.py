@@ -16,8 +16,8 @@ import threading
 import time
 
 from attrindex import SegmentStore
-from sims.segments.linger import start_moto
-from tests.conftest import S3_KEY, S3_SECRET, make_s3_url
+from testkit import moto_server
+from testkit.moto_server import make_s3_url
 
 
 def idle(options: dict, readers: int, seconds: float, **store_options) -> float:
@@ -55,9 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=6.0)
     args = parser.parse_args()
-    server, endpoint = start_moto()
-    try:
-        options = {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET}
+    with moto_server.running() as options:
         print(f"idle tail readers on one segment handle, {args.seconds:g} s each: requests per reader-hour")
         print(f"{'readers':>8}{'fixed 0.05 s':>16}{'backoff 0.05-1 s':>18}{'ratio':>8}")
         for n in (1, 8):
@@ -67,9 +65,6 @@ def main() -> None:
         counts = opening(options)
         print("SegmentStore.open + segment() of a segment of 40 appends:",
               ", ".join(f"{kind} {n}" for kind, n in counts.items() if n), f"(total {sum(counts.values())})")
-    finally:
-        server.terminate()
-        server.wait(10)
 
 
 if __name__ == "__main__":

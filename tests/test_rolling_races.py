@@ -1,21 +1,14 @@
-"""Fault hunt: writers of one segment with different rolling sizes forked the log (hunt bug 1's variant).
+"""Writers of one rolling segment racing each other: stale views, different rolling sizes,
+truncations landing in the middle of another writer's walk, leftover chunks of failed deletions,
+and trims that fail or whose writer dies.
 
-A chunk is "full" for the writer that rolls past it, not for a writer with a larger rolling size.
-Writer A (rolling size 4) fills chunk X = [0, 4) and rolls into Y = [4, 8), Z = [8, 12); writer W
-(rolling size 8) last saw X. A truncates at 4 but X's deletion fails (a leftover), then at 8,
-which deleted Y (X was in no fresh view any more: nobody deleted leftovers). W's catch-up under the writers' lock finds X
-(committed size 4) and no chunk after it; 4 < 8, so W did not roll, did not look at the
-truncation offset (hunt bug 1's check runs only when rolling), and appended in place into X at
-offset 4: an offset already used, below the truncation, read by nobody. The append was
-acknowledged and lost, and W went on appending there. The same without a leftover: A's
-truncation deletes X and Y between W's look at X and its look for Y; on local disk W then wrote
-into the deleted file through the descriptor it kept open (acknowledged, lost), on memory it got a
-false ``OutcomeUnknownError``.
-
-Now a writer appends in place only to a chunk with no successor (looked at under the writers'
-lock: it is the last chunk, and no truncation deletes it), and trims a chunk to its end before it
-creates the next one. Offsets here are in units of one append (4 payload bytes; one frame on local
-disk: tests/framed.py).
+Held: an append is acknowledged only at the segment's true end, never at an offset already used
+or below the truncation offset (a fork no other handle reads); a writer appends in place only to
+a chunk with no successor (looked at under the writers' lock: it is the last chunk, and no
+truncation deletes it) and trims a chunk to its end before it creates the next one; every
+acknowledged append is readable exactly once, in order, at its offset, and chunks on storage never
+overlap. Offsets in the tests with two rolling sizes are in units of one append (4 payload bytes;
+one frame on local disk: tests/framed.py).
 """
 
 from __future__ import annotations
@@ -29,9 +22,9 @@ import pytest
 from storage_adapters import StorageError, open_storage
 from storage_adapters.errors import BadOffsetError
 from storage_adapters.faults import FaultyStorage
-from storage_adapters.rolling import chunk_name
+from storage_adapters.rolling import RollingSegment, chunk_name
 
-from .framed import frame, open_segment, overhead
+from .framed import frame, offsets, open_segment, overhead, pieces
 
 IN_PLACE = ["memory", "local"]  #: the backends that grow chunks in place (and roll)
 
@@ -48,7 +41,7 @@ class Store:
 
 
 def _store(backend: str, tmp_path) -> Store:
-    return Store(backend, f"memory://hunt-sizes-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path))
+    return Store(backend, f"memory://rolling-race-{uuid.uuid4().hex}" if backend == "memory" else str(tmp_path))
 
 
 def _unit(storage) -> int:
@@ -86,8 +79,75 @@ def _restore_after(store: Store, name: str, action) -> None:
     raw.create(path, kept)
 
 
+# -- a stale view and a truncation by another writer ------------------------------------------
+
+def _appends(storage) -> tuple[list[bytes], list[int], int]:
+    """Four appends A, B, C, D of one chunk each (one frame each on local disk), their offsets,
+    and the rolling size that makes each fill its chunk."""
+    stored = pieces(storage, [b"AAAA", b"BBBB", b"CCCC", b"DDDD"])
+    return stored, offsets(stored), len(stored[0])
+
+
+@pytest.mark.parametrize("backend", IN_PLACE)
+def test_a_stale_writer_never_rolls_into_a_chunk_another_writer_truncated(backend, tmp_path):
+    """A's view ends in a full chunk X; B appends Y and Z, then truncates below Z (deleting X and
+    Y) between A's look at X and its look for Y. A's append lands at the true end, not at Y's
+    offset (already used, below the truncation, seen by no other handle), and B sees it."""
+    url = _store(backend, tmp_path).url
+    a_storage, b_storage = open_storage(url), open_storage(url)
+    (x, y, z, d), at, size = _appends(a_storage)
+    a = open_segment(a_storage, "s", rolling_size=size)
+    a.append(x)  # chunk X, full: A's next append rolls to Y's offset
+    b = open_segment(b_storage, "s", rolling_size=size)
+    b.append(y)  # Y
+    b.append(z)  # Z
+    real_exists = a_storage.exists
+    raced = []
+
+    def exists(path):  # B's truncation lands between A's look at X and its look for Y
+        if not raced and path.endswith(chunk_name(at[1])):
+            raced.append(path)
+            b.truncate(at[2])  # deletes X and Y
+        return real_exists(path)
+
+    a_storage.exists = exists
+    assert a.append(d) == at[3]  # the true end, not the reused offset of Y
+    assert raced
+    assert a.length == b.length + len(d) == at[4]
+    fresh = open_segment(open_storage(url), "s", rolling_size=size)
+    assert fresh.start_offset == at[2] and fresh.read(at[2], at[4] - at[2]) == z + d
+    with pytest.raises(BadOffsetError):
+        b.append(d, expected_offset=at[3])  # B learns of A's append: nothing forked
+
+
+@pytest.mark.parametrize("backend", IN_PLACE)
+def test_a_writer_whose_view_ends_in_a_leftover_chunk_finds_the_true_tail(backend, tmp_path):
+    """X survived (its deletion was interrupted, or the deleter's view did not hold it) while its
+    successor Y was deleted: the walk from A's view (ending in X) finds nothing after X, yet A's
+    append lands at the true end past the truncation."""
+    url = _store(backend, tmp_path).url
+    storage = open_storage(url)
+    (x, y, z, d), at, size = _appends(storage)
+    a = open_segment(storage, "s", rolling_size=size)
+    a.append(x)
+    b = open_segment(open_storage(url), "s", rolling_size=size)
+    b.append(y)
+    b.append(z)
+    b.truncate(at[2])
+    assert not storage.exists(f"s.seg/{chunk_name(at[1])}")
+    storage.create(f"s.seg/{chunk_name(0)}", x)  # the leftover, as the interrupted deletion left it
+    assert a.append(d, expected_offset=None) == at[3]
+    assert open_segment(open_storage(url), "s", rolling_size=size).read(at[2], at[4] - at[2]) == z + d
+
+
+# -- writers with different rolling sizes --------------------------------------------------------
+
 @pytest.mark.parametrize("backend", IN_PLACE)
 def test_a_writer_with_a_larger_rolling_size_never_appends_into_a_leftover_chunk(backend, tmp_path):
+    """A chunk is full for the writer that rolls past it, not for one with a larger rolling size.
+    A (one unit per chunk) wrote X, Y, Z and truncated at Z with X's deletion failing (a leftover);
+    W (two units per chunk) last saw X, not full for it. W appends at the true end, never in place
+    into X at an offset already used; X keeps its length."""
     store = _store(backend, tmp_path)
     _faulty, a, _w_storage, w = _three_chunks(store)
     raw = store.open()
@@ -105,7 +165,8 @@ def test_a_writer_with_a_larger_rolling_size_never_appends_into_a_leftover_chunk
 @pytest.mark.parametrize("backend", IN_PLACE)
 def test_a_truncation_between_the_look_at_the_last_chunk_and_the_look_past_it(backend, tmp_path):
     """No leftover: A's truncation deletes X and Y while W walks from X (the writers' lock does not
-    keep truncations out)."""
+    keep truncations out). W's append lands at the true end: never into the deleted X through a
+    descriptor it kept open (local disk), never a false ``OutcomeUnknownError`` (memory)."""
     store = _store(backend, tmp_path)
     _faulty, a, w_storage, w = _three_chunks(store)
     u = _unit(w_storage)
@@ -245,6 +306,8 @@ def _check(store: Store, acked: list[tuple[int, bytes]]) -> None:
 @pytest.mark.parametrize("backend", IN_PLACE)
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_two_writers_with_different_rolling_sizes_lose_no_acknowledged_append(backend, seed, tmp_path):
+    """A random history (``_history``): every acknowledged append readable exactly once, in order,
+    at its offset; no two chunks overlap."""
     _history(_store(backend, tmp_path), seed, steps=80)
 
 
@@ -313,6 +376,9 @@ for i in range(100):
 
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_writer_killed_around_its_trim_loses_nothing_and_the_next_writers_append_at_the_end(when, tmp_path):
+    """A writer SIGKILLed just before or just after trimming the chunk it rolls past: every append
+    it acknowledged is there, the trimmed (or untrimmed) chunk is the last one, and writers of any
+    rolling size append at its end."""
     import os
     import subprocess
     import sys

@@ -1,13 +1,13 @@
 """A changelog model of a compacted segment, and a checker of a concurrent history against it.
 
 Log compaction, consolidation and retention remove and move records while writers append and a
-tail reader follows, so ``tests.history.check`` (every acknowledged record stored exactly once)
+tail reader follows, so ``testkit.history.check`` (every acknowledged record stored exactly once)
 does not apply. What may legitimately disappear (docs/segments.md, "Compaction" and "Retention"):
 a record superseded by a later record of its key, a tombstone once it expired, anything below the
 retention start. What never may: the latest record of a key (a value), a deleted key's older value
 once its tombstone is gone, an offset's record changing, a failed append's records.
 
-The history uses ``tests.history``'s format. Writers record ``append`` operations whose fields are
+The history uses ``testkit.history``'s format. Writers record ``append`` operations whose fields are
 ``payloads`` (unique ids, one per record, stored in the record's ``id`` header), ``keys``,
 ``values`` (``None`` = tombstone) and optionally ``increments`` (``{counter: int}``, ACCUMULATE);
 an ``ok`` end has ``first_offset``/``last_offset``. The tail reader records ``begin`` (``position``:
@@ -42,7 +42,7 @@ from typing import Any
 
 import attrs
 
-from tests.history import FAILED, OK, UNKNOWN, Op, merge_ops, subset_sums
+from .history import FAILED, OK, UNKNOWN, Op, merge_ops, subset_sums
 
 
 @attrs.define
