@@ -14,7 +14,8 @@ from .btree.verify import VerifyReport
 from .btree.repair import IndexRepairReport
 from .damage import Damage
 from .conditional import AttributeUpdate, UpdateFailure, UpdateType
-from .log.batch import Codec, Record
+from .log.batch.compression import Codec
+from .log.batch.records import Record
 from .log.cleaner import CompactionStats
 from .log.cleanup_policy import CleanupPolicy
 from .reader import SegmentReader

@@ -22,7 +22,9 @@ import attrs
 from .attribute_state import AttributeState
 from .conditional import resolve_updates
 from .errors import BadOffsetError, ConditionalUpdateError, StorageError
-from .log.batch import Codec, encode_batch, encode_batch_with_header, new_batch_id, read_header, rebase_batch
+from .log.batch.compression import Codec
+from .log.batch.encode import encode_batch, encode_batch_with_header, new_batch_id, rebase_batch
+from .log.batch.header import read_header
 from .log.segment_log import SegmentLog
 from .write_queue import WriteQueue, WriteRequest
 

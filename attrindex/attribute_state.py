@@ -25,10 +25,10 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from .errors import InvalidInputError, MergeBacklogError, StorageError, TruncatedError
+from .errors import InvalidInputError, LayoutChangedError, MergeBacklogError, StorageError, TruncatedError
 from .layout import rolling_dir
 from .listing import ListedStorage
-from .log.segment_log import LayoutChangedError, SegmentLog
+from .log.segment_log import SegmentLog
 from .merge_runner import BACKPRESSURE_FAILURES, MergeRunner
 from .overlay import AttributeOverlay, merge_scan
 from .read_view import fallback_view, view_value, view_values

@@ -200,7 +200,8 @@ def _interrupts_held() -> Iterator[None]:
 
 
 def _segment_append(args: argparse.Namespace) -> int:
-    from .log.batch import Record, codec_for
+    from .log.batch.compression import codec_for
+    from .log.batch.records import Record
 
     # Everything the user typed is checked before the store is touched, so bad input creates nothing.
     check_count(args.batch, "--batch")

@@ -92,6 +92,12 @@ class MergeBacklogError(StorageError):
     cause is fixed; every update acknowledged before is durable in the log."""
 
 
+class LayoutChangedError(StorageError):
+    """Chunks under a scan of a segment's log were replaced meanwhile (consolidation or compaction
+    elsewhere): the bytes read may belong to the new layout. Scans resync and go on; raised only
+    when one keeps happening (ten times in a row) or where no resync is possible. Read again."""
+
+
 class IndexNotFoundError(AttrIndexError, LookupError):
     """An index opened read-only (``AttributeIndex.open(url, mode="r")``) does not exist at its URL,
     or the URL cannot hold one (a regular file)."""
@@ -113,6 +119,7 @@ __all__ = [
     "InvalidInputError",
     "InvalidKeyError",
     "InvalidValueError",
+    "LayoutChangedError",
     "LayoutConflictError",
     "MergeBacklogError",
     "MissingDependencyError",

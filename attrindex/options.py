@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from .log.batch import Codec, codec_for
+from .log.batch.compression import Codec, codec_for
 from .log.segment_log import DEFAULT_INDEX_INTERVAL_BYTES, DEFAULT_LOG_ROLLING_SIZE
 from .merge_worker import DEFAULT_HANG_SECONDS
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from .arguments import check_timeout
 from .errors import InvalidInputError
-from .log.batch import Record
+from .log.batch.records import Record
 
 _FETCH_RECORDS = 4096
 _FETCH_BYTES = 4 << 20

@@ -20,7 +20,8 @@ import logging
 from typing import Any, Callable
 
 from .errors import CorruptDataError, StorageError, TruncatedError
-from .log.batch import BatchHeader, decode_attribute_updates
+from .log.batch.decode import decode_attribute_updates
+from .log.batch.header import BatchHeader
 from .log.segment_log import BatchVisitor, SegmentLog
 from .overlay import AttributeOverlay
 

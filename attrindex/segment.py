@@ -25,12 +25,14 @@ import attrs
 from .appender import AppendResult, Appender, PendingAppend
 from .attribute_state import MAX_OPEN_ATTEMPTS, AttributeState
 from .conditional import AttributeUpdate, UpdateType
-from .errors import (ChunkExistsError, HoleError, InvalidInputError, LayoutConflictError, RecordTruncatedError,
-                     StorageError, TruncatedError)
+from .errors import (ChunkExistsError, HoleError, InvalidInputError, LayoutChangedError, LayoutConflictError,
+                     RecordTruncatedError, StorageError, TruncatedError)
 from .layout import attributes_name
 from .keys import canonical_batch, pair_list, to_key, to_keys
-from .log.batch import Codec, Record, codec_for, encode_batch_with_header, new_batch_id, record_list
-from .log.segment_log import LayoutChangedError, SegmentLog
+from .log.batch.compression import Codec, codec_for
+from .log.batch.encode import encode_batch_with_header, new_batch_id
+from .log.batch.records import Record, record_list
+from .log.segment_log import SegmentLog
 from .log.retention import plan_retention
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner

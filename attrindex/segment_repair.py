@@ -25,7 +25,8 @@ from storage_adapters import ChunkStorage, RollingSegment
 from .tree_index import TreeIndex
 from .damage import Damage
 from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
-from .log.batch import encode_batch, read_header
+from .log.batch.encode import encode_batch
+from .log.batch.header import read_header
 from .layout import INDEX_DIR, attributes_name
 from .log.segment_log import SegmentLog
 from .log.verify import RECORDS_PER_BYTE_BOUND, LogScan, resume_offset, scan_log

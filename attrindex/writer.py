@@ -39,7 +39,7 @@ from .errors import (
     WriterConflictError,
 )
 from .keys import to_key
-from .log.batch import Record, check_timestamps, normalize_headers
+from .log.batch.records import Record, check_timestamps, normalize_headers
 from .store import SegmentStore, check_segment_count, validate_name
 
 _PERMANENT = (InvalidInputError, ConditionalUpdateError, CorruptDataError)

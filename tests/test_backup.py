@@ -19,7 +19,7 @@ import pytest
 from pathlib import Path
 
 from attrindex import AttributeIndex, SegmentStore
-from attrindex.log.batch import Record
+from attrindex.log.batch.records import Record
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Tests of ``attrindex.log.batch``: the record batch codec of the segment log.
+"""Tests of ``attrindex.log.batch``: the record batch codec of the segment log (all its modules).
 
 Round trips (hypothesis, every available codec), the header layout as documented in
 docs/format.md, and the failure rules: a strict prefix is incomplete, never wrong records; any
@@ -20,25 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attrindex.errors import CorruptDataError, InvalidInputError, MissingDependencyError
-from attrindex.log import batch
-from attrindex.log.batch import (
-    BATCH_HEADER_SIZE,
-    BatchHeader,
-    Codec,
-    Record,
-    available_codecs,
-    check_batch,
-    codec_for,
-    decode_attribute_updates,
-    decode_records,
-    encode_batch,
-    iter_batches,
-    peek_header,
-    place_batches,
-    read_header,
-    rebase_batch,
-    seal_header,
-)
+from attrindex.log.batch import compression, encode
+from attrindex.log.batch.chain import iter_batches, place_batches
+from attrindex.log.batch.compression import Codec, available_codecs, codec_for
+from attrindex.log.batch.decode import decode_attribute_updates, decode_records
+from attrindex.log.batch.encode import encode_batch, rebase_batch
+from attrindex.log.batch.header import (BATCH_HEADER_SIZE, BatchHeader, check_batch, peek_header, read_header,
+                                        seal_header)
+from attrindex.log.batch.records import Record
 from attrindex.log.varint import encode_varints, zigzag
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -140,7 +129,7 @@ def test_codec_for_unknown(spec):
 )
 def test_missing_codec_package(monkeypatch, codec, module, package):
     written = encode_batch(0, [b"v"], timestamp=TS, codec=codec)
-    monkeypatch.setattr(batch, "_codec_modules", {})
+    monkeypatch.setattr(compression, "_codec_modules", {})
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail
     assert codec not in available_codecs()
     for spec in (codec, codec.name.lower(), int(codec)):
@@ -618,7 +607,7 @@ def test_invalid_input(records, kwargs, message):
 
 
 def test_too_many_records(monkeypatch):
-    monkeypatch.setattr(batch, "MAX_RECORDS", 3)
+    monkeypatch.setattr(encode, "MAX_RECORDS", 3)
     encode_batch(0, [b"a"] * 3, timestamp=TS)
     with pytest.raises(InvalidInputError, match="at most 3 records, got 4"):
         encode_batch(0, [b"a"] * 4, timestamp=TS)

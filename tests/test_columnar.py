@@ -21,16 +21,11 @@ pytest.importorskip("numpy")
 
 from attrindex.errors import CorruptDataError  # noqa: E402
 from attrindex.log import columnar  # noqa: E402
-from attrindex.log.batch import (  # noqa: E402
-    BATCH_HEADER_SIZE,
-    Codec,
-    Record,
-    available_codecs,
-    decode_records,
-    encode_batch,
-    read_header,
-    seal_header,
-)
+from attrindex.log.batch.compression import Codec, available_codecs  # noqa: E402
+from attrindex.log.batch.decode import decode_records  # noqa: E402
+from attrindex.log.batch.encode import encode_batch  # noqa: E402
+from attrindex.log.batch.header import BATCH_HEADER_SIZE, read_header, seal_header  # noqa: E402
+from attrindex.log.batch.records import Record  # noqa: E402
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 TS = 1_700_000_000_000

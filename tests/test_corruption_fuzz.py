@@ -51,7 +51,7 @@ def test_damage_to_the_newest_log_batch_is_at_most_a_rollback_of_that_write(pris
     damaged header no crash leaves (a torn write begins with its header whole): reported."""
     import shutil
 
-    from attrindex.log.batch import BATCH_HEADER_SIZE
+    from attrindex.log.batch.header import BATCH_HEADER_SIZE
 
     segment = pristines[1]
     copy = str(tmp_path / "copy")
@@ -84,7 +84,7 @@ def test_damage_below_the_newest_log_batch_is_reported(pristines, tmp_path):
     committed data, reported, never a rollback."""
     import shutil
 
-    from attrindex.log.batch import BATCH_HEADER_SIZE
+    from attrindex.log.batch.header import BATCH_HEADER_SIZE
 
     segment = pristines[1]
     copy = str(tmp_path / "copy")

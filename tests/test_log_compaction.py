@@ -26,7 +26,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from attrindex import Record, SegmentStore
 from attrindex.errors import CorruptDataError, InvalidInputError
-from attrindex.log.batch import decode_keys, decode_records, encode_batch, read_header, seal_header
+from attrindex.log.batch.decode import decode_keys, decode_records
+from attrindex.log.batch.encode import encode_batch
+from attrindex.log.batch.header import read_header, seal_header
 from attrindex.log.cleaner import KeepRule, OffsetMap, TombstoneClock, decode_checkpoint, encode_checkpoint, rewrite_batch
 from attrindex.log.cleanup_policy import CleanupPolicy, decode_policy, policy_from_options
 from attrindex.log.framing import LOG_FRAMING

@@ -22,8 +22,10 @@ from hypothesis import strategies as st
 from attrindex import Record, SegmentStore
 from attrindex.errors import CorruptDataError
 from attrindex.log import cleaner as cleaner_module
-from attrindex.log.batch import (Codec, available_codecs, batch_columns, decode_keys, decode_records, encode_batch,
-                                 read_header, seal_header, uniform_keys)
+from attrindex.log.batch.compression import Codec, available_codecs
+from attrindex.log.batch.decode import batch_columns, decode_keys, decode_records, uniform_keys
+from attrindex.log.batch.encode import encode_batch
+from attrindex.log.batch.header import read_header, seal_header
 from tests.test_log_compaction import everything
 
 CODECS = sorted(available_codecs())

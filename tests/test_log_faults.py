@@ -15,7 +15,8 @@ import pytest
 from attrindex import SegmentStore
 from attrindex.conditional import AttributeUpdate, UpdateType
 from attrindex.errors import CorruptDataError
-from attrindex.log.batch import BATCH_HEADER_SIZE, iter_batches
+from attrindex.log.batch.chain import iter_batches
+from attrindex.log.batch.header import BATCH_HEADER_SIZE
 from tests.raw_chunks import committed, committed_chunks, committed_length
 
 SMALL = {"log_rolling_size": 2048, "index_interval_bytes": 256}
@@ -515,7 +516,7 @@ def test_lost_acknowledgements_on_log_appends_neither_duplicate_nor_fail(storage
 def test_every_append_call_has_its_own_batch_id_kept_across_a_lost_race(tmp_path):
     """Two handles append identical content: their batches differ by id, so reading back after a
     lost acknowledgement can only match the same call; a call that lost a race keeps its id."""
-    from attrindex.log.batch import read_header
+    from attrindex.log.batch.header import read_header
 
     root = str(tmp_path / "store")
     with SegmentStore.open(root) as one, SegmentStore.open(root) as two:
@@ -677,7 +678,7 @@ def test_a_batch_stored_inside_a_damaged_batch_is_not_taken_for_one(tmp_path):
     batch ends: after damage to that batch's header it looks like the next batch, and framing alone
     would take it for one and answer its record. The damaged header's own size claim says it lies
     inside the damaged batch, so it is given up with it."""
-    from attrindex.log.batch import encode_batch
+    from attrindex.log.batch.encode import encode_batch
 
     root = str(tmp_path / "store")
     with SegmentStore.open(root) as store:
@@ -702,7 +703,7 @@ def test_log_compaction_after_a_repair_keeps_every_kept_record(storage_url):
     that batch is read, not stepped over as a gap."""
     from storage_adapters import open_storage
 
-    from attrindex.log.batch import Record
+    from attrindex.log.batch.records import Record
 
     url, options = storage_url
     with SegmentStore.open(url, storage_options=options, **SMALL) as store:

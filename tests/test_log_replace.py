@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from attrindex import SegmentStore
 from attrindex.errors import InvalidInputError, LayoutConflictError
-from attrindex.log.batch import encode_batch, place_batches
+from attrindex.log.batch.chain import place_batches
+from attrindex.log.batch.encode import encode_batch
 from attrindex.log.segment_log import INDEX_DIR, LOG_DIR
 
 
@@ -222,7 +223,7 @@ def test_stale_handle_reads_by_offset_after_a_switch(storage_url):
     _fill(writer, 30)
     writer.flush()  # the stale handle opens at the checkpoint: no summaries of old chunks
     stale = _store(url, options).segment("s")
-    assert all(c.summary is None for c in stale._log._chunks[:-1])
+    assert all(c.summary is None for c in stale._log.chunks[:-1])
     sealed = _sealed(writer._log)
     dropped = set()
 

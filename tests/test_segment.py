@@ -16,7 +16,7 @@ from attrindex.errors import (
     SegmentNotFoundError,
     StorageError,
 )
-from attrindex.log.batch import available_codecs
+from attrindex.log.batch.compression import available_codecs
 
 
 def key(i: int) -> bytes:

@@ -486,7 +486,8 @@ def test_a_crash_mid_group_keeps_the_whole_batches_before_the_tear(tmp_path, cap
     the tear are whole frames and stay (none was acknowledged; a writer that retries finds them,
     as after a lost acknowledgement); the torn one and those after it are cut with a warning, and
     a torn batch whose header was written keeps its offset from ever being given out again."""
-    from attrindex.log.batch import BATCH_HEADER_SIZE, iter_batches
+    from attrindex.log.batch.chain import iter_batches
+    from attrindex.log.batch.header import BATCH_HEADER_SIZE
     from tests.raw_chunks import committed
 
     root = str(tmp_path / "s")
@@ -513,7 +514,8 @@ def test_a_crash_mid_group_keeps_the_whole_batches_before_the_tear(tmp_path, cap
 def test_damage_below_a_group_is_corruption_not_a_torn_write(tmp_path):
     """A flipped byte in the batch before a group: whole frames follow it, so it is damage below
     committed data (reported), never cut as a torn write."""
-    from attrindex.log.batch import BATCH_HEADER_SIZE, iter_batches
+    from attrindex.log.batch.chain import iter_batches
+    from attrindex.log.batch.header import BATCH_HEADER_SIZE
     from tests.raw_chunks import committed
 
     root = str(tmp_path / "s")

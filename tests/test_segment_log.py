@@ -13,7 +13,7 @@ import pytest
 
 from attrindex import Record, SegmentStore
 from attrindex.errors import CorruptDataError, RecordTruncatedError
-from attrindex.log.batch import iter_batches
+from attrindex.log.batch.chain import iter_batches
 from attrindex.log.framing import LOG_FRAMING
 from attrindex.log.sparse_index import decode_chunk_index
 

@@ -563,7 +563,8 @@ def test_staged_arrow_rows_republished_after_a_crash_mid_publish_land_once(stora
 def test_staging_from_arrow_columns_stages_what_event_columns_stage(storage_url, keys):
     """The Spark source stages Arrow rows column by column (arrow_columns): the staged records are
     those of the Record path (event_columns), null timestamps getting the staging time."""
-    from attrindex.log.batch import decode_records, iter_batches
+    from attrindex.log.batch.chain import iter_batches
+    from attrindex.log.batch.decode import decode_records
 
     url, options = storage_url
     columns = {"value": pa.array(["v0", "v1", "v2", "v3", "v4"]),

@@ -81,7 +81,7 @@ def test_batch_ids_differ_across_forked_children_and_ignore_the_random_module():
     import multiprocessing
     import random
 
-    from attrindex.log.batch import new_batch_id
+    from attrindex.log.batch.encode import new_batch_id
 
     context = multiprocessing.get_context("fork")
     with context.Pool(2) as pool:
@@ -95,13 +95,16 @@ def test_batch_ids_differ_across_forked_children_and_ignore_the_random_module():
 
 
 def _draw_ids(_n: int) -> list[int]:
-    from attrindex.log.batch import new_batch_id
+    from attrindex.log.batch.encode import new_batch_id
 
     return [new_batch_id() for _ in range(100)]
 
 
 def test_the_header_given_with_a_batch_is_the_one_read_back():
-    from attrindex.log.batch import Codec, Record, available_codecs, encode_batch_with_header, read_header
+    from attrindex.log.batch.compression import Codec, available_codecs
+    from attrindex.log.batch.encode import encode_batch_with_header
+    from attrindex.log.batch.header import read_header
+    from attrindex.log.batch.records import Record
 
     key = b"k" * 16
     cases = [((), ([key], [5])), ([b"a", b"bc"], ([], [])), ([Record(b"v", key=b"x", timestamp=9)], ([key], [None])),

@@ -52,10 +52,13 @@ import attrs
 
 from storage_adapters.rolling import chunk_name
 
-from ..errors import ChunkExistsError, InvalidInputError, LayoutConflictError, StorageError, TruncatedError
-from .batch import (BatchHeader, Record, batch_columns, decode_keys, decode_records, encode_batch, peek_header,
-                    place_batches, uniform_keys)
-from .segment_log import LayoutChangedError
+from ..errors import (ChunkExistsError, InvalidInputError, LayoutChangedError, LayoutConflictError, StorageError,
+                      TruncatedError)
+from .batch.chain import place_batches
+from .batch.decode import batch_columns, decode_keys, decode_records, uniform_keys
+from .batch.encode import encode_batch
+from .batch.header import BatchHeader, peek_header
+from .batch.records import Record
 
 _log = logging.getLogger("attrindex.cleaner")
 
@@ -437,14 +440,14 @@ class LogCleaner:
     def _refresh(self) -> None:
         log = self.log
         log.bytes.refresh()
-        log._sync_chunks()
+        log.sync_chunks()
         log.position = log.bytes.length  # only sealed chunks are read: no scan of the tail needed
 
     def _spans(self) -> tuple[list[_Span], _Span | None]:
         """The cleanable chunks, oldest first (module docstring, step 1), and the first readable
         chunk if it is partly truncated (it cannot be rewritten: its start is mid-chunk)."""
         log = self.log
-        chunks = log._chunks
+        chunks = log.chunks
         out, partial = [], None
         horizon = self.now_ms - self.min_lag_ms
         stored_sizes = {c.start: getattr(c, "stored", c.length) for c in log.bytes.chunks()}
@@ -476,11 +479,11 @@ class LogCleaner:
         total = sum(size for _start, size in sizes)
         if not sizes or first_dirty == 0:
             return 0, total
-        i = log._chunk_for_offset(first_dirty)
+        i = log.reads.chunk_for_offset(first_dirty)
         if log.summary(i).next_offset > first_dirty:
-            boundary = log._chunks[i].start
+            boundary = log.chunks[i].start
         else:
-            boundary = log._chunks[i + 1].start if i + 1 < len(log._chunks) else log.bytes.length
+            boundary = log.chunks[i + 1].start if i + 1 < len(log.chunks) else log.bytes.length
         clean = sum(size for chunk_start, size in sizes if chunk_start < boundary)
         return clean, total - clean
 

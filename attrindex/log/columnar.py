@@ -36,28 +36,12 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise MissingDependencyError("Arrow reads need numpy and pyarrow: pip install 'attrindex[arrow]'") from exc
 
-from .batch import (
-    BATCH_HEADER_SIZE,
-    BATCH_MAGIC,
-    BATCH_VERSION,
-    FLAG_HEADERS,
-    FLAG_KEYS,
-    FLAG_TIMESTAMPS,
-    FLAG_TOMBSTONES,
-    HEADER_STRUCT,
-    UPDATE_SIZE,
-    BatchHeader,
-    Codec,
-    Record,
-    batch_payload,
-    codec_for,
-    compress_payload,
-    corruption_at,
-    decode_records,
-    encode_updates,
-    new_batch_id,
-    seal_header,
-)
+from .batch.compression import Codec, codec_for, compress_payload
+from .batch.decode import batch_payload, decode_records
+from .batch.encode import encode_updates, new_batch_id
+from .batch.header import (BATCH_HEADER_SIZE, BATCH_MAGIC, BATCH_VERSION, FLAG_HEADERS, FLAG_KEYS, FLAG_TIMESTAMPS,
+                           FLAG_TOMBSTONES, HEADER_STRUCT, UPDATE_SIZE, BatchHeader, corruption_at, seal_header)
+from .batch.records import Record
 
 __all__ = ["RECORD_SCHEMA", "HEADERS_TYPE", "arrow_records", "binary_lengths", "binary_blob", "check_columns", "clean_nulls",
            "constant_strings", "decode_arrow", "encode_arrow", "records_to_arrow", "empty_batch", "within_times"]

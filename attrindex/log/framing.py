@@ -17,7 +17,8 @@ from storage_adapters.framing import Framing
 
 from .. import checksum
 from ..errors import CorruptDataError
-from .batch import BATCH_HEADER_SIZE, BATCH_MAGIC, chain_end, last_batch_end, place_batches, read_header
+from .batch.chain import chain_end, last_batch_end, place_batches
+from .batch.header import BATCH_HEADER_SIZE, BATCH_MAGIC, read_header
 
 __all__ = ["LOG_FRAMING", "LogFraming", "torn_claim"]
 

@@ -28,55 +28,47 @@ positions of the chunk that held them when it was recorded (plain, or a replacem
 generation its name gives): once a replacement of a later generation covers them (log compaction
 rewrites the batches around a gap), the marker is void, since a kept batch may now start there.
 
-This class is not thread-safe on its own; ``Segment`` serialises writers and catch-ups.
+A ``SegmentLog`` is the handle's view of the log (its chunk list, the append position and next
+offset, the scan of the tail, appends, replacements and truncation) and owns the helpers that
+are not: ``GapMarkers`` (``gaps.py``: the recorded gaps), ``IndexFiles`` (``chunk_indexes.py``:
+the stored sparse indexes of sealed chunks) and ``LogReads`` (``reads.py``: reads by offset and
+by time, and planned reads). This class is not thread-safe on its own; ``Segment`` serialises
+writers and catch-ups.
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
 import contextlib
+import logging
 import re
 from typing import Callable, Iterator, TypeVar
 
 import attrs
 
 from storage_adapters import ChunkStorage, RollingSegment
-from storage_adapters.rolling import chunk_name
 
-from ..errors import ChunkExistsError, CorruptDataError, HoleError, InvalidInputError, StorageError
-from .batch import (BATCH_HEADER_SIZE, BatchHeader, Record, check_batch, decode_records, iter_batches,
-                    read_header)
+from ..errors import CorruptDataError, HoleError, InvalidInputError, LayoutChangedError, StorageError
+from .batch.header import BATCH_HEADER_SIZE, BatchHeader, check_batch, read_header
+from .chunk_indexes import IndexFiles, index_batch, summarize_replacement
 from .framing import LOG_FRAMING, torn_claim
-from .sparse_index import ChunkIndexBuilder, ChunkSummary, CorruptIndexError, decode_chunk_index, encode_chunk_index
+from .gaps import GapMarkers
+from .reads import MAX_RESYNCS, READ_WINDOW, LogReads
+from .sparse_index import MIN_TIMESTAMP, ChunkIndexBuilder, ChunkSummary
 
 _log = logging.getLogger("attrindex.log")
 LOG_DIR, INDEX_DIR, GAP_DIR = "_log", "_index", "_gaps"
 DEFAULT_LOG_ROLLING_SIZE = 16 << 20
 DEFAULT_INDEX_INTERVAL_BYTES = 4096
-#: Bytes one storage read fetches when scanning (object stores bill per request, so large: one
-#: GET per 8 MiB of a consolidated log). A read for at most ``max_bytes`` fetches that much plus
-#: ``_READ_SLACK`` so that the batch crossing the budget comes in the same request.
-_READ_WINDOW = 8 << 20
-_READ_SLACK = 256 << 10
 _T = TypeVar("_T")
-MAX_RESYNCS = 10  #: layout changes one catch-up or read follows before it gives up
-_GAP_NAME = re.compile(r"(\d{20})-(\d{20})(?:\.(\d{20}))?")
-_NO_TIMESTAMP = -(1 << 63)
 _ERROR_PREFIX = re.compile(r"^(segment '.*?': )?record batch at offset \d+: ")
-
-class LayoutChangedError(StorageError):
-    """Chunks under a scan were replaced meanwhile (consolidation or compaction elsewhere): the
-    bytes read may belong to the new layout. Scans resync and go on; raised only when one keeps
-    happening (``MAX_RESYNCS``) or where no resync is possible."""
-
 
 # visitor(position, header, buffer, position of the batch in buffer) for each new batch
 BatchVisitor = Callable[[int, BatchHeader, bytes, int], None]
 
 
 @attrs.define
-class _Chunk:
+class LogChunk:
     """This handle's knowledge of one chunk: its bytes, and the valid batches scanned so far."""
 
     start: int
@@ -97,20 +89,17 @@ class SegmentLog:
         self.segment = segment
         self.interval = index_interval_bytes
         self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size, framing=LOG_FRAMING)
-        self._chunks: list[_Chunk] = []
-        #: recorded gaps, {start: (end, generation, marker name)}: skipped even where bytes look valid,
-        #: while the chunk holding them is of that generation (``_recorded_gap``)
-        self._gaps: dict[int, tuple[int, int, str]] = {}
-        self._load_gaps()  # only a repair (writers stopped) adds gaps, so loading once is enough
-        #: index file names listed at open, and the log length then: a chunk sealed before it
-        #: whose file is not listed has none, and is rebuilt without asking storage for it
-        self._index_names = set(self.storage.list_files(f"{segment}/{INDEX_DIR}"))
-        self._index_listed_at = self.bytes.length
-        self._index_listed_chunks = {c.name for c in self.bytes.chunks()}  # a replacement made later may have one
+        self.chunks: list[LogChunk] = []  #: this handle's view of the chunks (``sync_chunks``)
+        #: recorded gaps: skipped even where bytes look valid, while they are in force
+        self.gap_markers = GapMarkers(storage, f"{segment}/{GAP_DIR}", self.bytes)
+        self.index_files = IndexFiles(storage, f"{segment}/{INDEX_DIR}", self.bytes, segment)
+        self.reads = LogReads(self)  #: reads by offset and by time
+        # Bound here rather than wrapped: they are on every read's path.
+        self.read_planned = self.reads.read_planned
+        self.planned_batches = self.reads.planned_batches
         self.position = 0  #: bytes scanned and valid: the append position
         self.next_offset = 0  #: record offset after the last record scanned
-        self.max_timestamp = _NO_TIMESTAMP
-        self._start_cache: tuple[int, int] | None = None  #: (start position, its record offset)
+        self.max_timestamp = MIN_TIMESTAMP
         self.resyncs = 0  #: times ``position`` moved because the bytes under it changed (replacement, truncation)
         self._position_chunk = ""  #: name of the chunk in which ``position`` was reached
         self._prefetched: tuple[int, int, bytes] | None = None  #: (start, end, bytes) read by open_at
@@ -121,25 +110,25 @@ class SegmentLog:
     def start_position(self) -> int:
         return self.bytes.start_offset
 
-    def _sync_chunks(self) -> None:
-        """Align the chunk list with the byte stream's (new chunks, grown last chunk, truncation,
-        replacements); if the chunk holding ``position`` was replaced, resync inside it."""
+    def sync_chunks(self) -> None:
+        """Align ``chunks`` with the byte stream's view (new chunks, grown last chunk, truncation,
+        replacements)."""
         self._synced_view = self.bytes.view_changes
         stored = self.bytes.chunks()
-        mine = self._chunks
+        mine = self.chunks
         if len(stored) == len(mine) and all(a.name == b.name and a.start == b.start for a, b in zip(stored, mine)):
             for info, known in zip(stored, mine):  # the usual case (after an append: the last grew)
                 known.end = info.end
             return
-        by_name = {c.name: c for c in self._chunks}
+        by_name = {c.name: c for c in self.chunks}
         chunks = []
         for info in stored:
             known = by_name.get(info.name)
             if known is None or known.start != info.start:
-                known = _Chunk(info.start, info.end, info.name)
+                known = LogChunk(info.start, info.end, info.name)
             known.end = info.end
             chunks.append(known)
-        self._chunks = chunks
+        self.chunks = chunks
 
     def _in_current_view(self, plan: Callable[[], _T]) -> _T:
         """``plan()``, which walks the chunk list, on a list that follows the byte stream's view.
@@ -149,7 +138,7 @@ class SegmentLog:
         and ``plan`` runs again when it meets a layout change on the way (bounded)."""
         for _attempt in range(MAX_RESYNCS):
             if self.bytes.view_changes != self._synced_view:
-                self._sync_chunks()
+                self.sync_chunks()
             try:
                 return plan()
             except LayoutChangedError:
@@ -158,17 +147,17 @@ class SegmentLog:
         raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under this handle "
                                  f"{MAX_RESYNCS} times in a row while it planned a read; try again")
 
-    def _replaced_under_position(self) -> _Chunk | None:
+    def _replaced_under_position(self) -> LogChunk | None:
         """The chunk holding ``position`` strictly inside it if ``position`` was reached in another
         chunk (which a replacement took the place of): its bytes there need not be a batch start."""
-        if not self._chunks:
+        if not self.chunks:
             return None
-        chunk = self._chunks[self._chunk_index(self.position)]
+        chunk = self.chunks[self.chunk_index(self.position)]
         if chunk.start < self.position < chunk.end and chunk.name != self._position_chunk:
             return chunk
         return None
 
-    def _resync(self, chunk: _Chunk) -> None:
+    def _resync(self, chunk: LogChunk) -> None:
         """``position`` lies inside ``chunk``, which replaced the chunks it was scanned in: move to
         the chunk's first batch holding offsets not consumed yet (or past it), visiting nothing."""
         target, position = self.next_offset, chunk.end
@@ -180,64 +169,32 @@ class SegmentLog:
                   "(next offset %d)", self.segment, chunk.name, self.position, position, target)
         self.position, self._position_chunk = position, chunk.name
         self.resyncs += 1
-        for c in self._chunks:  # builders that scanned the old bytes: summaries come from index files
+        for c in self.chunks:  # builders that scanned the old bytes: summaries come from index files
             if c is chunk or c.start == position:
                 c.builder = None
 
-    def _chunk_index(self, position: int) -> int:
+    def chunk_index(self, position: int) -> int:
         """Index of the chunk holding ``position`` (the last chunk for the end position)."""
-        i = bisect.bisect_right(self._chunks, position, key=lambda c: c.start) - 1
+        i = bisect.bisect_right(self.chunks, position, key=lambda c: c.start) - 1
         return max(i, 0)
 
-    def _is_last(self, chunk: _Chunk) -> bool:
-        return chunk is self._chunks[-1]
+    def _is_last(self, chunk: LogChunk) -> bool:
+        return chunk is self.chunks[-1]
 
     # -- gaps ----------------------------------------------------------------------------------
-    def _gap_at(self, position: int) -> int | None:
-        """End of the hole holding ``position`` or of the recorded gap starting there (reloading
-        gap markers if unknown)."""
-        hole = self.bytes.hole_at(position)
-        if hole is not None:
-            return hole[1]
-        if position not in self._gaps:
-            self._load_gaps()
-        return self._recorded_gap(position)
-
-    def _recorded_gap(self, position: int) -> int | None:
-        """End of the recorded gap starting at ``position`` if it is in force: the chunk holding it
-        is still of the generation it was recorded in (a later replacement rewrote those bytes)."""
-        gap = self._gaps.get(position)
-        if gap is None:
-            return None
-        chunk = self.bytes.chunk_at(position)
-        return gap[0] if chunk is not None and chunk.generation == gap[1] else None
-
-    def _load_gaps(self) -> None:
-        for name in self.storage.list_files(f"{self.segment}/{GAP_DIR}"):
-            match = _GAP_NAME.fullmatch(name)
-            if match and int(match[2]) > int(match[1]):  # an empty range would not move a scan
-                self._gaps[int(match[1])] = (int(match[2]), int(match[3] or 0), name)
-
     def gaps(self) -> dict[int, int]:
         """Every recorded gap in force in this handle's view, ``{start: end}`` (reloaded from storage)."""
-        self._gaps.clear()
-        self._load_gaps()
-        return {start: end for start, (end, _gen, _name) in self._gaps.items()
-                if self._recorded_gap(start) is not None}
+        return self.gap_markers.all_in_force()
 
     def record_gap(self, start: int, end: int) -> None:
         """Record log bytes ``[start, end)`` (within one chunk of this handle's view) as given up by a
         repair: readers step over them while that chunk is in force."""
-        chunk = self.bytes.chunk_at(start)
-        generation = chunk.generation if chunk is not None else 0
-        name = f"{chunk_name(start)}-{chunk_name(end)}" + (f".{chunk_name(generation)}" if generation else "")
-        self.storage.put_marker(f"{self.segment}/{GAP_DIR}/{name}")
-        self._gaps[start] = (end, generation, name)
+        self.gap_markers.record(start, end)
 
-    def _feed_gap(self, chunk: _Chunk, start: int, end: int) -> None:
+    def _feed_gap(self, chunk: LogChunk, start: int, end: int) -> None:
         """Account garbage bytes in a chunk's summary as a record-less batch (it holds no records)."""
         if chunk.builder is not None and end > start:
-            chunk.builder.add(start - chunk.start, end - start, self.next_offset, 0, _NO_TIMESTAMP)
+            chunk.builder.add(start - chunk.start, end - start, self.next_offset, 0, MIN_TIMESTAMP)
 
     # -- scanning the tail ---------------------------------------------------------------------
     def catch_up(self, visit: BatchVisitor | None = None, *, refresh: bool = True) -> int:
@@ -251,7 +208,7 @@ class SegmentLog:
         seen = 0
         for _attempt in range(MAX_RESYNCS):
             try:
-                self._sync_chunks()
+                self.sync_chunks()
                 if self.position < self.start_position:
                     self._restart_at_start()
                 replaced = self._replaced_under_position()
@@ -260,7 +217,7 @@ class SegmentLog:
                 if self.position > self.bytes.length:
                     raise self._end_went_back_error()
                 while self.position < self.bytes.length:
-                    chunk = self._chunks[self._chunk_index(self.position)]
+                    chunk = self.chunks[self.chunk_index(self.position)]
                     if chunk.builder is None and chunk.start == self.position:
                         chunk.builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
                     seen, stopped = self._scan_chunk(chunk, visit, seen)
@@ -290,19 +247,20 @@ class SegmentLog:
         """The bytes this handle stood at were truncated away (retention elsewhere): resync."""
         self.position = self.start_position
         self.resyncs += 1
-        if self._chunks:
-            self._position_chunk = self._chunks[self._chunk_index(self.position)].name
-        header = self._header_at(self.position)
+        if self.chunks:
+            self._position_chunk = self.chunks[self.chunk_index(self.position)].name
+        header = self.header_at(self.position)
         if header is not None:
             self.next_offset = header.base_offset
-        first = self._chunks[0] if self._chunks else None
+        first = self.chunks[0] if self.chunks else None
         if first is not None and first.start == self.position:
             first.builder = ChunkIndexBuilder(first.start, self.interval, next_offset=self.next_offset)
 
-    def _scan_chunk(self, chunk: _Chunk, visit: BatchVisitor | None, seen: int) -> tuple[int, bool]:
+    def _scan_chunk(self, chunk: LogChunk, visit: BatchVisitor | None, seen: int) -> tuple[int, bool]:
         """Scan ``chunk`` from ``position``; return (batches seen, whether scanning stopped)."""
+        gaps = self.gap_markers.starts
         for at, header, buf, pos in self._walk(self.position, chunk.end):
-            if header is None or (at in self._gaps and self._recorded_gap(at) is not None):  # a gap, or corruption
+            if header is None or (at in gaps and self.gap_markers.in_force(at) is not None):  # a gap, or corruption
                 self._invalid_at(chunk, at, buf if header is None else "")
                 return seen, False
             if visit is not None:
@@ -313,22 +271,22 @@ class SegmentLog:
             self._finish_summary(chunk)
         return seen, False
 
-    def _advance(self, chunk: _Chunk, at: int, header: BatchHeader) -> None:
+    def _advance(self, chunk: LogChunk, at: int, header: BatchHeader) -> None:
         """Move past the valid batch at ``at`` (scanned or just appended), indexing it."""
         if chunk.builder is not None:
-            _index_batch(chunk.builder, at, header)
+            index_batch(chunk.builder, at, header)
         self.next_offset = header.next_offset  # a record-less batch's base is the next offset
         if header.record_count:
             self.max_timestamp = max(self.max_timestamp, header.max_timestamp)
         self.position, self._position_chunk = at + header.size, chunk.name
 
     @staticmethod
-    def _finish_summary(chunk: _Chunk) -> None:
+    def _finish_summary(chunk: LogChunk) -> None:
         """A chunk scanned to its end that no longer grows: its summary is complete."""
         if chunk.builder is not None and chunk.summary is None:
             chunk.summary, chunk.builder = chunk.builder.summary(), None
 
-    def _walk(self, start: int, end: int, names: set[str] | None = None, window: int = _READ_WINDOW
+    def _walk(self, start: int, end: int, names: set[str] | None = None, window: int = READ_WINDOW
               ) -> Iterator[tuple[int, BatchHeader | None, bytes, int]]:
         """Verified batches in ``[start, end)`` read in windows, as (position, header, buffer, pos).
 
@@ -337,7 +295,7 @@ class SegmentLog:
         bytes read from any other chunk (replaced meanwhile) raise ``LayoutChangedError``.
         """
         if names is None:
-            names = {c.name for c in self._chunks[self._chunk_index(start):self._chunk_index(max(start, end - 1)) + 1]}
+            names = {c.name for c in self.chunks[self.chunk_index(start):self.chunk_index(max(start, end - 1)) + 1]}
         position, default_window = start, window
         while position < end:
             window_end = self.bytes.readable_end(position, min(end, position + window))
@@ -372,9 +330,9 @@ class SegmentLog:
                 continue
             position, window = position + pos, default_window
 
-    def _invalid_at(self, chunk: _Chunk, at: int, reason: str) -> None:
+    def _invalid_at(self, chunk: LogChunk, at: int, reason: str) -> None:
         """Step over the recorded gap at ``at``, or raise: invalid committed bytes are corruption."""
-        gap_end = self._gap_at(at)
+        gap_end = self.gap_markers.end_at(at)
         if gap_end is None:
             raise self.corruption(at, reason)
         self._feed_gap(chunk, at, min(gap_end, chunk.end))
@@ -385,7 +343,7 @@ class SegmentLog:
     def corruption(self, at: int, reason: str) -> CorruptDataError:
         """The error for an invalid batch at log byte ``at``, naming segment, chunk and byte."""
         reason = _ERROR_PREFIX.sub("", reason)
-        chunk = self._chunks[self._chunk_index(at)] if self._chunks else None
+        chunk = self.chunks[self.chunk_index(at)] if self.chunks else None
         where = f"chunk {chunk.name}, byte {at - chunk.start} in it" if chunk else "no chunk"
         return CorruptDataError(
             f"segment {self.segment!r}: invalid record batch at log byte {at} ({where}) below the committed "
@@ -425,12 +383,12 @@ class SegmentLog:
         """
         data = datas[0] if len(datas) == 1 else b"".join(datas)
         at = self.bytes.append(data, expected_offset=self.position)
-        self._sync_chunks()
-        chunk = self._chunks[-1]
+        self.sync_chunks()
+        chunk = self.chunks[-1]
         if chunk.start == at:
             chunk.builder = ChunkIndexBuilder(at, self.interval, next_offset=self.next_offset)
-            if len(self._chunks) > 1:
-                self._seal(self._chunks[-2])
+            if len(self.chunks) > 1:
+                self._seal(self.chunks[-2])
         positions = []
         for data, header in zip(datas, headers):
             self._advance(chunk, at, header)
@@ -438,41 +396,22 @@ class SegmentLog:
             at += len(data)
         return positions
 
-    def _seal(self, chunk: _Chunk) -> None:
+    def _seal(self, chunk: LogChunk) -> None:
         """A chunk stopped growing: keep its summary and store its index if it is worth a file."""
         self._finish_summary(chunk)
         if chunk.summary is not None and chunk.summary.batch_count > 1:
-            self._store_index(chunk.summary, chunk.name)
-
-    def _store_index(self, summary: ChunkSummary, name: str) -> None:
-        # Derived data, written best effort: a reader without write access still works.
-        with contextlib.suppress(ChunkExistsError, StorageError, OSError):
-            self.storage.create(f"{self.segment}/{INDEX_DIR}/{name}", encode_chunk_index(summary))
-            self._index_names.add(name)
+            self.index_files.store(chunk.summary, chunk.name)
 
     # -- summaries of sealed chunks ------------------------------------------------------------
     def summary(self, i: int) -> ChunkSummary:
         """The summary of chunk ``i``: in memory, from its index file, or rebuilt from its data."""
-        chunk = self._chunks[i]
+        chunk = self.chunks[i]
         if chunk.summary is not None:
             return chunk.summary
         if chunk.builder is not None and (self._is_last(chunk) or self.position >= chunk.end):
             return chunk.builder.summary()
-        path = f"{self.segment}/{INDEX_DIR}/{chunk.name}"
-        try:
-            if (chunk.name not in self._index_names and chunk.end < self._index_listed_at
-                    and chunk.name in self._index_listed_chunks):
-                raise FileNotFoundError(path)  # sealed when the index files were listed, and had none
-            data = self.storage.read(path, 0, 1 << 30)
-            summary = decode_chunk_index(data, chunk_start=chunk.start, segment=self.segment)
-            if summary.size != chunk.end - chunk.start:
-                raise CorruptIndexError(f"index of chunk {chunk.start} covers {summary.size} bytes, chunk has "
-                                        f"{chunk.end - chunk.start}", segment=self.segment, offset=chunk.start)
-        except FileNotFoundError:
-            summary = self._rebuild(i)
-        except CorruptIndexError:
-            self.storage.delete([path])
-            self._index_names.discard(chunk.name)
+        summary = self.index_files.load(chunk.name, chunk.start, chunk.end)
+        if summary is None:
             summary = self._rebuild(i)
         if not self._is_last(chunk):
             chunk.summary = summary
@@ -480,19 +419,19 @@ class SegmentLog:
 
     def _rebuild(self, i: int) -> ChunkSummary:
         """Scan chunk ``i``, build its summary (stepping over recorded gaps), and store it if sealed."""
-        chunk = self._chunks[i]
+        chunk = self.chunks[i]
         start = max(chunk.start, self.start_position)
         limit = chunk.end if not self._is_last(chunk) else min(chunk.end, self.position)
-        first = self._header_prefetching(start, min(limit, start + _READ_WINDOW))
+        first = self._header_prefetching(start, min(limit, start + READ_WINDOW))
         base = first.base_offset if first is not None else self._base_before(i)
         builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=base)
         if start > chunk.start:  # truncated mid-chunk: the unreadable prefix holds no records for us
-            builder.add(0, start - chunk.start, base, 0, _NO_TIMESTAMP)
+            builder.add(0, start - chunk.start, base, 0, MIN_TIMESTAMP)
         for at, header, _buf, _pos in self.batches(start, limit, builder, base):
-            _index_batch(builder, at, header)
+            index_batch(builder, at, header)
         summary = builder.summary()
         if not self._is_last(chunk) and summary.batch_count > 1 and chunk.start >= self.start_position:
-            self._store_index(summary, chunk.name)
+            self.index_files.store(summary, chunk.name)
         return summary
 
     def open_at(self, position: int) -> None:
@@ -501,16 +440,16 @@ class SegmentLog:
         Everything from there to the end is scanned by the next ``catch_up``.
         """
         self.bytes.refresh()
-        self._sync_chunks()
-        if not self._chunks:
+        self.sync_chunks()
+        if not self.chunks:
             return  # nothing was ever appended
-        i = self._chunk_index(max(position, self.start_position))  # the end lies in the last chunk
-        chunk = self._chunks[i]
+        i = self.chunk_index(max(position, self.start_position))  # the end lies in the last chunk
+        chunk = self.chunks[i]
         start = max(chunk.start, self.start_position)
         self.position, self._position_chunk = start, chunk.name
         # The first window the scan will read, read now: its header gives the next offset, and
         # the scan takes the bytes from here (one request on an object store, not two).
-        header = self._header_prefetching(start, min(chunk.end, start + _READ_WINDOW))
+        header = self._header_prefetching(start, min(chunk.end, start + READ_WINDOW))
         self.next_offset = header.base_offset if header is not None else self._base_before(i)
         if start == chunk.start:
             chunk.builder = ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
@@ -537,7 +476,7 @@ class SegmentLog:
             return prefetched[2]
         return None
 
-    def _header_at(self, position: int) -> BatchHeader | None:
+    def header_at(self, position: int) -> BatchHeader | None:
         """The header of the batch at ``position`` (one small read), or None if none is valid there."""
         end = self.bytes.readable_end(position, min(self.bytes.length, position + BATCH_HEADER_SIZE))
         if position >= end:
@@ -560,7 +499,7 @@ class SegmentLog:
     # -- reading batches -----------------------------------------------------------------------
     def batches(self, start: int, end: int, builder: ChunkIndexBuilder | None = None,
                  next_offset: int = 0, *, names: set[str] | None = None,
-                 window: int = _READ_WINDOW) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
+                 window: int = READ_WINDOW) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
         """Verified batches in ``[start, end)``, stepping over holes and recorded gaps (else
         ``CorruptDataError``); ``LayoutChangedError`` if chunks other than ``names`` (default: this
         handle's view) turn up, replaced meanwhile.
@@ -568,16 +507,16 @@ class SegmentLog:
         ``builder``/``next_offset`` let a rebuild account for gaps as record-less bytes.
         """
         if names is None:
-            names = {c.name for c in self._chunks[self._chunk_index(start):self._chunk_index(max(start, end - 1)) + 1]}
-        position = start
+            names = {c.name for c in self.chunks[self.chunk_index(start):self.chunk_index(max(start, end - 1)) + 1]}
+        position, gaps = start, self.gap_markers.starts
         while position < end:
             for at, header, buf, pos in self._walk(position, end, names, window):
-                if header is None or (at in self._gaps and self._recorded_gap(at) is not None):
-                    gap_end = self._gap_at(at)
+                if header is None or (at in gaps and self.gap_markers.in_force(at) is not None):
+                    gap_end = self.gap_markers.end_at(at)
                     if gap_end is None:
                         raise self.corruption(at, buf)
                     if builder is not None:
-                        builder.add(at - builder.chunk_start, min(gap_end, end) - at, next_offset, 0, _NO_TIMESTAMP)
+                        builder.add(at - builder.chunk_start, min(gap_end, end) - at, next_offset, 0, MIN_TIMESTAMP)
                     position = gap_end
                     break
                 yield at, header, buf, pos
@@ -590,141 +529,24 @@ class SegmentLog:
         needs no lock."""
         if offset >= self.next_offset:
             return []
-        return self._in_current_view(lambda: self._plan_read(offset))
-
-    def _plan_read(self, offset: int) -> list[tuple[int, int, str]]:
-        i = self._chunk_for_offset(offset)
-        chunk, summary = self._chunks[i], self.summary(i)
-        first = chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start
-        ranges = [(max(first, self.start_position), min(chunk.end, self.position), chunk.name)]
-        ranges += [(c.start, min(c.end, self.position), c.name) for c in self._chunks[i + 1:] if c.start < self.position]
-        return ranges
-
-    def read_planned(self, ranges: list[tuple[int, int, str]], offset: int, max_records: int,
-                     max_bytes: int, *, whole_batches: bool = False) -> list[Record]:
-        """Records from ``offset`` on within ``ranges`` (at most ``max_records``, unless
-        ``whole_batches`` asks for the last batch whole; whole batches up to about ``max_bytes``).
-        Safe to run while another thread appends; chunks replaced meanwhile are read anew from
-        their start (records already returned are skipped by offset)."""
-        out: list[Record] = []
-        budget = max_bytes
-        for at, header, buf, pos in self.planned_batches(ranges, offset, max_bytes):
-            # planned_batches() verified the checksums already
-            records = decode_records(buf, pos, header, position=at - pos, segment=self.segment, verify=False)
-            wanted = out[-1].offset + 1 if out else offset
-            if header.base_offset < wanted:
-                records = records[wanted - header.base_offset:]
-            out.extend(records)
-            budget -= header.size
-            if len(out) >= max_records or budget <= 0:
-                if not whole_batches:
-                    del out[max_records:]
-                return out
-        return out
-
-    def planned_batches(self, ranges: list[tuple[int, int, str]], offset: int, max_bytes: int = _READ_WINDOW
-                        ) -> Iterator[tuple[int, BatchHeader, bytes, int]]:
-        """The verified batches within ``ranges`` that hold records from ``offset`` on, in offset
-        order, as ``(position, header, buffer, pos)``; the first may start below ``offset``.
-        Reads in windows of about ``max_bytes``. Safe while another thread appends; chunks
-        replaced meanwhile are read anew from their start, and batches whose records were yielded
-        already are skipped by offset."""
-        wanted = offset
-        window = min(_READ_WINDOW, max_bytes) + _READ_SLACK
-        pending = list(ranges)
-        for _attempt in range(MAX_RESYNCS):
-            try:
-                while pending:
-                    start, end, name = pending[0]
-                    for at, header, buf, pos in self.batches(start, end, names={name}, window=window):
-                        if header.next_offset <= wanted or not header.record_count:
-                            continue
-                        yield at, header, buf, pos
-                        wanted = header.next_offset
-                    pending.pop(0)
-                return
-            except LayoutChangedError:
-                pending = self._replan(pending)
-        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under a read "
-                                 f"{MAX_RESYNCS} times in a row; read again")
-
-    def _replan(self, pending: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
-        """The ranges left after a layout change, from the byte stream's new view: each chunk whole
-        from its start (a replaced chunk's positions mean nothing in its replacement)."""
-        limit = max(end for _start, end, _name in pending)
-        return [(max(c.start, self.bytes.start_offset), min(c.end, limit), c.name)
-                for c in self.bytes.chunks_in(pending[0][0], limit)]
+        return self._in_current_view(lambda: self.reads.plan(offset))
 
     def batch_position(self, offset: int) -> int:
         """Byte position of the batch holding record ``offset`` (``position`` if it is past the end)."""
         if offset >= self.next_offset:
             return self.position
-        return self._in_current_view(lambda: self._batch_position(offset))
-
-    def _batch_position(self, offset: int) -> int:
-        i = self._chunk_for_offset(offset)
-        chunk, summary = self._chunks[i], self.summary(i)
-        start = max(chunk.start + summary.locate(offset) if summary.base_offset <= offset else chunk.start,
-                    self.start_position)
-        for at, header, _buf, _pos in self.batches(start, self.position):
-            if header.next_offset > offset:
-                return at
-        return self.position
-
-    def _chunk_for_offset(self, offset: int) -> int:
-        """Index of the chunk holding record ``offset`` (binary search over chunk base offsets)."""
-        first = self._chunk_index(self.start_position)
-        lo, hi = first, len(self._chunks) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.summary(mid).base_offset <= offset:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return self._in_current_view(lambda: self.reads.batch_position(offset))
 
     @property
     def start_offset(self) -> int:
         """Record offset of the first readable record (``next_offset`` when none is left)."""
-        return self._in_current_view(self._start_offset)
-
-    def _start_offset(self) -> int:
-        start = self.start_position
-        if start >= self.position:
-            return self.next_offset
-        cached = self._start_cache
-        if cached is not None and cached[0] == start:
-            return cached[1]
-        i = self._chunk_index(start)
-        if self._chunks[i].start == start:
-            offset = self.summary(i).base_offset
-        else:  # truncated inside a chunk, at a batch boundary
-            header = self._header_at(start)
-            offset = header.base_offset if header is not None else self.next_offset
-        self._start_cache = (start, offset)
-        return offset
+        return self._in_current_view(self.reads.start_offset)
 
     def offset_for_timestamp(self, timestamp: int) -> int | None:
         """The first record offset whose timestamp is ``>= timestamp``, or ``None`` if there is none."""
         if self.max_timestamp < timestamp:
             return None
-        return self._in_current_view(lambda: self._offset_for_timestamp(timestamp))
-
-    def _offset_for_timestamp(self, timestamp: int) -> int | None:
-        first = self._chunk_index(self.start_position)
-        for i in range(first, len(self._chunks)):
-            summary = self.summary(i)
-            if summary.max_timestamp < timestamp:
-                continue  # skip whole chunks by their newest timestamp
-            chunk = self._chunks[i]
-            start = max(chunk.start + summary.locate_time(timestamp), self.start_position)
-            for at, header, buf, pos in self.batches(start, min(chunk.end, self.position)):
-                if not header.record_count or header.max_timestamp < timestamp:
-                    continue
-                for record in decode_records(buf, pos, header, position=at - pos, segment=self.segment):
-                    if record.timestamp >= timestamp:
-                        return record.offset
-        return None
+        return self._in_current_view(lambda: self.reads.offset_for_timestamp(timestamp))
 
     # -- replacing chunks ----------------------------------------------------------------------
     def replace_range(self, start: int, end: int, data: bytes, *, expected: list[str] | None = None) -> None:
@@ -741,50 +563,26 @@ class SegmentLog:
         index file is written and the old chunks' are deleted (best effort: derived data).
         """
         data = bytes(data)
-        old = [c.name for c in self._chunks if start <= c.start < end] if expected is None else list(expected)
-        summary = self._summarize(start, end, data)
-        self.bytes.replace_range(start, end, data, expected=old or None)
-        self._sync_chunks()
-        new = self._chunks[self._chunk_index(start)]
-        new.summary = summary
-        if new.start == start and summary.batch_count > 1:
-            self._store_index(summary, new.name)
-        with contextlib.suppress(StorageError):
-            self.storage.delete([f"{self.segment}/{INDEX_DIR}/{name}" for name in old])
-
-    def _summarize(self, start: int, end: int, data: bytes) -> ChunkSummary:
-        """The summary of a replacement chunk holding ``data`` from ``start`` and a hole up to ``end``;
-        ``InvalidInputError`` unless ``data`` is whole valid batches with rising offsets."""
+        old = [c.name for c in self.chunks if start <= c.start < end] if expected is None else list(expected)
         if not 0 <= start < end or len(data) > end - start:
             raise InvalidInputError(f"segment {self.segment!r}: replace_range needs start < end and at most "
                                     f"end - start bytes; got [{start}, {end}) with {len(data)} bytes")
-        i = self._chunk_index(start)
-        base = self.summary(i).base_offset if self._chunks and self._chunks[i].start == start else 0
-        builder = ChunkIndexBuilder(start, self.interval, next_offset=base)
-        whole, next_offset = 0, base  # bytes of whole batches so far; the offset the next must reach
-        try:
-            for pos, header in iter_batches(data, position=start, segment=self.segment):
-                if header.base_offset < next_offset:
-                    raise InvalidInputError(f"segment {self.segment!r}: replacement data at byte {pos}: base "
-                                            f"offset {header.base_offset} below {next_offset}")
-                _index_batch(builder, start + pos, header)
-                whole, next_offset = pos + header.size, header.next_offset
-        except CorruptDataError as exc:
-            raise InvalidInputError(f"segment {self.segment!r}: replacement data is not valid record "
-                                    f"batches: {exc}") from None
-        if whole < len(data):
-            raise InvalidInputError(f"segment {self.segment!r}: replacement data at byte {whole}: an incomplete batch")
-        if len(data) < end - start:
-            builder.add(len(data), end - start - len(data), next_offset, 0, _NO_TIMESTAMP)
-        return builder.summary()
+        i = self.chunk_index(start)
+        base = self.summary(i).base_offset if self.chunks and self.chunks[i].start == start else 0
+        summary = summarize_replacement(self.segment, start, end, data, base, self.interval)
+        self.bytes.replace_range(start, end, data, expected=old or None)
+        self.sync_chunks()
+        new = self.chunks[self.chunk_index(start)]
+        new.summary = summary
+        if new.start == start and summary.batch_count > 1:
+            self.index_files.store(summary, new.name)
+        with contextlib.suppress(StorageError):
+            self.storage.delete([self.index_files.path(name) for name in old])
 
     # -- retention -----------------------------------------------------------------------------
     def chunk_summaries(self) -> list[ChunkSummary]:
         """Summaries of the readable chunks, oldest first."""
-        def summaries() -> list[ChunkSummary]:
-            first = self._chunk_index(self.start_position)
-            return [self.summary(i) for i in range(first, len(self._chunks))]
-        return self._in_current_view(summaries)
+        return self._in_current_view(self.reads.chunk_summaries)
 
     def truncate_at(self, position: int) -> None:
         """Make bytes below ``position`` (a batch start) unreadable, deleting the chunks wholly
@@ -800,15 +598,13 @@ class SegmentLog:
     def derived_below(self, position: int) -> list[str]:
         """The index files and gap markers that a truncation at ``position`` makes dead (named
         before it: the chunk list forgets the chunks once they are gone)."""
-        doomed = [c.name for c in self._chunks if c.end <= position and c is not self._chunks[-1]]
-        return ([f"{self.segment}/{INDEX_DIR}/{name}" for name in doomed]
-                + [f"{self.segment}/{GAP_DIR}/{name}" for _s, (e, _gen, name) in self._gaps.items()
-                   if e <= position])
+        doomed = [c.name for c in self.chunks if c.end <= position and c is not self.chunks[-1]]
+        return [self.index_files.path(name) for name in doomed] + self.gap_markers.paths_below(position)
 
     def forget_below(self, position: int) -> None:
         """After the byte stream was truncated at ``position``: drop the gaps and chunks below it."""
-        self._gaps = {s: gap for s, gap in self._gaps.items() if gap[0] > position}
-        self._sync_chunks()
+        self.gap_markers.forget_below(position)
+        self.sync_chunks()
 
     def delete_derived(self, paths: list[str]) -> None:
         """Delete derived files a truncation made dead (``derived_below``), best effort."""
@@ -823,12 +619,6 @@ class SegmentLog:
 
     def close(self) -> None:
         self.bytes.close()
-
-
-def _index_batch(builder: ChunkIndexBuilder, at: int, header: BatchHeader) -> None:
-    """Add the batch at log byte ``at`` to a chunk's sparse index builder."""
-    builder.add(at - builder.chunk_start, header.size, header.base_offset, header.record_count,
-                header.max_timestamp if header.record_count else _NO_TIMESTAMP)
 
 
 __all__ = ["SegmentLog"]

@@ -15,8 +15,8 @@ from storage_adapters.rolling import chunk_name
 
 from ..damage import Damage
 from ..errors import CorruptDataError
-from .batch import (BATCH_HEADER_SIZE, BATCH_MAGIC, BatchHeader, check_batch, claimed_size, decode_attribute_updates,
-                    read_header)
+from .batch.decode import decode_attribute_updates
+from .batch.header import BATCH_HEADER_SIZE, BATCH_MAGIC, BatchHeader, check_batch, claimed_size, read_header
 from .segment_log import GAP_DIR, INDEX_DIR, LOG_DIR, SegmentLog
 from .sparse_index import decode_chunk_index
 

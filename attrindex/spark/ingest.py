@@ -35,7 +35,9 @@ from typing import Any, Iterable, Iterator
 import attrs
 
 from ..errors import AttrIndexError, ChunkExistsError, CorruptDataError
-from ..log.batch import Record, encode_batch, iter_batches, place_batches
+from ..log.batch.chain import iter_batches, place_batches
+from ..log.batch.encode import encode_batch
+from ..log.batch.records import Record
 from ..layout import stream_dir
 from ..store import SegmentStore
 from .checks import check_write_target

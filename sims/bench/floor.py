@@ -31,7 +31,7 @@ import statistics
 import tempfile
 import time
 
-from attrindex.log.batch import encode_batch_with_header
+from attrindex.log.batch.encode import encode_batch_with_header
 from sims.bench.run import LMDB, Attrindex, LevelDB, RocksDB, _installed
 
 class Floor:

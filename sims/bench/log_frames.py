@@ -26,7 +26,8 @@ import time
 import uuid
 
 from attrindex.log import segment_log
-from attrindex.log.batch import encode_batch, encode_batch_with_header, place_batches
+from attrindex.log.batch.chain import place_batches
+from attrindex.log.batch.encode import encode_batch, encode_batch_with_header
 from attrindex.log.framing import LOG_FRAMING
 from storage_adapters import open_storage
 

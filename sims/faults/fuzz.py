@@ -42,7 +42,7 @@ from attrindex.btree.footer import FOOTER_SIZE, MAGIC, decode_footer
 from attrindex.btree.framing import TREE_FRAMING
 from attrindex.conditional import AttributeUpdate, UpdateType
 from attrindex.errors import AttrIndexError
-from attrindex.log.batch import iter_batches
+from attrindex.log.batch.chain import iter_batches
 from attrindex.log.framing import LOG_FRAMING
 from storage_adapters import RollingSegment, open_storage
 from storage_adapters.rolling import SEGMENT_SUFFIX

@@ -105,7 +105,8 @@ def floors(store) -> tuple[float, float]:
     same 1 MiB windows as ``raw_read``: ``(read + CRC-32 of every batch, that + the key map)``,
     in seconds. The second cuts each batch's keys (``uniform_keys``) and updates a dict of key ->
     offset, and nothing else: no rewrite, no switch, no framework around it."""
-    from attrindex.log.batch import iter_batches, uniform_keys
+    from attrindex.log.batch.chain import iter_batches
+    from attrindex.log.batch.decode import uniform_keys
 
     storage = store.storage
     chunks = _log_chunks(storage)
