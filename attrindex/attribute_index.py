@@ -37,10 +37,10 @@ from .keys import KEY_SIZE, all_canonical_keys, all_canonical_values, canonical_
 from .locations import index_storage
 from .value_cache import MISSING
 from .appender import Appender
-from .layout import log_name, wal_name
+from .layout import log_name, rolling_dir, wal_name
 from .attribute_state import AttributeState
 from .log.framing import LOG_FRAMING
-from .log.segment_log import LOG_DIR, SegmentLog
+from .log.segment_log import SegmentLog
 from .merge_worker import DEFAULT_HANG_SECONDS
 from .options import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES,
                       SegmentOptions)
@@ -163,7 +163,7 @@ class AttributeIndex(IndexHandle):
 
     def _checkpoint_without_wal(self) -> int | None:
         """The tree's checkpoint when it is not 0 and no WAL chunk exists (None otherwise)."""
-        if self._storage.list_files(f"{self.wal_name}/{LOG_DIR}.seg"):
+        if self._storage.list_files(rolling_dir(log_name(self.wal_name))):
             return None
         tree = TreeIndex(self._storage, self._name, **self._options.attribute_options)
         try:

@@ -25,7 +25,7 @@ from .tree_index import TreeIndex
 from .listing import ListedStorage
 from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError,
                      StorageError, StreamNotFoundError)
-from .layout import CONFIG_DIR, SEGMENT_MARKER, STORE_MARKER, STREAMS_DIR, segment_parts, stream_dir
+from .layout import CONFIG_DIR, SEGMENT_MARKER, STORE_MARKER, segment_parts, stream_dir
 from .log.cleanup_policy import load_policy, policy_from_options, store_policy
 from .locations import open_location
 from .options import SegmentOptions

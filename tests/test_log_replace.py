@@ -17,7 +17,7 @@ from attrindex import SegmentStore
 from attrindex.errors import InvalidInputError, LayoutConflictError
 from attrindex.log.batch.chain import place_batches
 from attrindex.log.batch.encode import encode_batch
-from attrindex.log.segment_log import INDEX_DIR, LOG_DIR
+from attrindex.layout import INDEX_DIR, LOG_DIR
 
 
 def _store(url, options, rolling=600):

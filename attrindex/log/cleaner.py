@@ -52,6 +52,7 @@ import attrs
 
 from storage_adapters.rolling import chunk_name
 
+from ..layout import cleaner_dir
 from ..errors import (ChunkExistsError, InvalidInputError, LayoutChangedError, LayoutConflictError, StorageError,
                       TruncatedError)
 from .batch.chain import place_batches
@@ -62,7 +63,6 @@ from .batch.records import Record
 
 _log = logging.getLogger("attrindex.cleaner")
 
-CHECKPOINT_DIR = "_cleaner"
 DEFAULT_MAX_MAP_KEYS = 1_000_000  #: keys per pass: about 100 MB of Python dict (Kafka: 128 MiB of 24-byte slots)
 _SHORT_KEY = 32  #: keys up to this length are map keys as they are; longer ones by a 128-bit digest
 _NO_TIMESTAMP = -(1 << 63)
@@ -394,7 +394,7 @@ class LogCleaner:
         self.now_ms = now_ms
         self.max_map_keys = max_map_keys
         self.max_group_bytes = max_group_bytes or log.bytes.rolling_size
-        self._dir = f"{log.segment}/{CHECKPOINT_DIR}"
+        self._dir = cleaner_dir(log.segment)
         self.records_before = self.records_after = self.bytes_before = self.bytes_after = 0
         self.chunks_cleaned = self.tombstones_removed = self.passes = self.kept_anyway = 0
         self.bytes_read = self.batches_skipped = 0
@@ -705,5 +705,5 @@ class LogCleaner:
                                self.batches_skipped)
 
 
-__all__ = ["CHECKPOINT_DIR", "CompactionStats", "KeepRule", "LogCleaner", "OffsetMap", "TombstoneClock",
+__all__ = ["CompactionStats", "KeepRule", "LogCleaner", "OffsetMap", "TombstoneClock",
            "rewrite_batch"]

@@ -20,11 +20,11 @@ import zlib
 
 import attrs
 
+from ..layout import config_dir
 from ..errors import CorruptDataError, InvalidInputError
 
 _log = logging.getLogger("attrindex.segment")
 
-CONFIG_DIR = "_config"
 DEFAULT_TOMBSTONE_RETENTION_MS = 86_400_000  #: Kafka's delete.retention.ms (1 day)
 DEFAULT_MIN_COMPACTION_LAG_MS = 0  #: Kafka's min.compaction.lag.ms
 POLICIES = ("delete", "compact", "delete,compact")
@@ -127,7 +127,7 @@ def config_versions(names) -> list[int]:
     return sorted(int(n) for n in names if _VERSION_NAME.fullmatch(n))
 
 
-__all__ = ["CONFIG_DIR", "CleanupPolicy", "DEFAULT_TOMBSTONE_RETENTION_MS", "POLICIES", "decode_policy",
+__all__ = ["CleanupPolicy", "DEFAULT_TOMBSTONE_RETENTION_MS", "POLICIES", "decode_policy",
            "policy_from_options"]
 
 
@@ -140,9 +140,9 @@ def load_policy(storage, segment: str) -> tuple[CleanupPolicy, int]:
     """The newest valid stored policy of ``segment`` and the newest version number (-1 and the
     default policy if none). A damaged version (a crash while ``configure`` wrote it: it never
     returned) is skipped with a warning; its number stays taken."""
-    versions = config_versions(storage.list_files(f"{segment}/{CONFIG_DIR}"))
+    versions = config_versions(storage.list_files(config_dir(segment)))
     for version in reversed(versions):
-        path = f"{segment}/{CONFIG_DIR}/{version_name(version)}"
+        path = f"{config_dir(segment)}/{version_name(version)}"
         try:
             return decode_policy(storage.read(path, 0, 1 << 20), where=path), versions[-1]
         except CorruptDataError as exc:
@@ -152,4 +152,4 @@ def load_policy(storage, segment: str) -> tuple[CleanupPolicy, int]:
 
 def store_policy(storage, segment: str, policy: CleanupPolicy, version: int) -> None:
     """Write ``policy`` as ``version`` (exclusive create: ``ChunkExistsError`` if it exists)."""
-    storage.create(f"{segment}/{CONFIG_DIR}/{version_name(version)}", policy.encode())
+    storage.create(f"{config_dir(segment)}/{version_name(version)}", policy.encode())

@@ -48,6 +48,7 @@ import attrs
 
 from storage_adapters import ChunkStorage, RollingSegment
 
+from ..layout import gap_dir, index_dir, log_name
 from ..errors import CorruptDataError, HoleError, InvalidInputError, LayoutChangedError, StorageError
 from .batch.header import BATCH_HEADER_SIZE, BatchHeader, check_batch, read_header
 from .chunk_indexes import IndexFiles, index_batch, summarize_replacement
@@ -57,7 +58,6 @@ from .reads import MAX_RESYNCS, READ_WINDOW, LogReads
 from .sparse_index import MIN_TIMESTAMP, ChunkIndexBuilder, ChunkSummary
 
 _log = logging.getLogger("attrindex.log")
-LOG_DIR, INDEX_DIR, GAP_DIR = "_log", "_index", "_gaps"
 DEFAULT_LOG_ROLLING_SIZE = 16 << 20
 DEFAULT_INDEX_INTERVAL_BYTES = 4096
 _T = TypeVar("_T")
@@ -88,11 +88,11 @@ class SegmentLog:
         self.storage = storage
         self.segment = segment
         self.interval = index_interval_bytes
-        self.bytes = RollingSegment(storage, f"{segment}/{LOG_DIR}", rolling_size=rolling_size, framing=LOG_FRAMING)
+        self.bytes = RollingSegment(storage, log_name(segment), rolling_size=rolling_size, framing=LOG_FRAMING)
         self.chunks: list[LogChunk] = []  #: this handle's view of the chunks (``sync_chunks``)
         #: recorded gaps: skipped even where bytes look valid, while they are in force
-        self.gap_markers = GapMarkers(storage, f"{segment}/{GAP_DIR}", self.bytes)
-        self.index_files = IndexFiles(storage, f"{segment}/{INDEX_DIR}", self.bytes, segment)
+        self.gap_markers = GapMarkers(storage, gap_dir(segment), self.bytes)
+        self.index_files = IndexFiles(storage, index_dir(segment), self.bytes, segment)
         self.reads = LogReads(self)  #: reads by offset and by time
         # Bound here rather than wrapped: they are on every read's path.
         self.read_planned = self.reads.read_planned

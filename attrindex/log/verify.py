@@ -17,7 +17,8 @@ from ..damage import Damage
 from ..errors import CorruptDataError
 from .batch.decode import decode_attribute_updates
 from .batch.header import BATCH_HEADER_SIZE, BATCH_MAGIC, BatchHeader, check_batch, claimed_size, read_header
-from .segment_log import GAP_DIR, INDEX_DIR, LOG_DIR, SegmentLog
+from ..layout import GAP_DIR, INDEX_DIR, LOG_DIR
+from .segment_log import SegmentLog
 from .sparse_index import decode_chunk_index
 
 #: Most records one stored byte can stand for: zstd's densest block (4 bytes -> 128 KiB) packs
