@@ -346,7 +346,7 @@ def test_truncation_above_a_replacement_deletes_it_whole(storage):
     seg.truncate(at[3] + 5)
     files = storage.list_files(NAME + ".seg")
     # Deleted whole (on S3 after the deletion grace: until then it waits in _doomed).
-    assert not any(n.startswith("00000000000000000000") and n not in seg._doomed for n in files)
+    assert not any(n.startswith("00000000000000000000") and n not in seg._handle.doomed for n in files)
     assert open_segment(storage, NAME).chunks()[0].start == at[3]
     seg.replace_range(at[4], at[5], b"")  # a whole chunk of hole
     seg.replace_range(at[4], at[5], b"")  # again: compaction runs repeatedly (generations)
@@ -370,5 +370,5 @@ def test_poll_sees_appends_behind_a_switch(storage):
     b.refresh()
     assert not b.poll()
     if not storage.appendable and storage.deletion_grace > 0:
-        b._view_time -= storage.deletion_grace  # an old view on S3: the replaced names may be gone
+        b._handle.view_time -= storage.deletion_grace  # an old view on S3: the replaced names may be gone
         assert b.poll()
