@@ -150,9 +150,9 @@ class Listing:
         candidates: dict[int, list[str]] = {}
         for name, (_start, _end, gen) in self.replacements.items():
             candidates.setdefault(gen, []).append(name)
-        if not switches and not candidates:
-            return Layout()
         top = max(self.switches, default=0)
+        if not switches and not candidates:
+            return Layout(top)  # nothing switched (only fences, if any): the next switch takes top + 1
         committed, debris, losers, retired = [], [], [], []
         for gen, names in candidates.items():
             chosen = names[0] if len(names) == 1 and gen in switches else None

@@ -307,6 +307,21 @@ def test_crash_at_each_step_leaves_one_layout_and_is_cleaned(storage, step):
     assert_only_live_chunks_left(fresh)
 
 
+def test_a_fence_left_alone_still_numbers_the_next_switch(storage):
+    """A replacer that fenced a generation (an empty switch marker) and died before switching
+    leaves, once the stray object of that generation is swept, a listing whose only marker is the
+    fence: the next switch takes the generation after it (the fenced one would lose every race),
+    and a poll does not take the fence for a switch since the view."""
+    seg, stored = _segment(storage, chunks=5)
+    at = offsets(stored)
+    storage.create(f"{NAME}.seg/{SWITCH_DIR}/{1:020d}", b"")
+    seg.refresh()
+    assert not seg.poll()
+    seg.replace_range(at[1], at[3], b"new")
+    assert open_segment(storage, NAME).read(at[1], 3) == b"new"
+    assert f"{SWITCH_DIR}/{2:020d}" in storage.list_files(f"{NAME}.seg")
+
+
 def test_failures_before_and_after_the_switch_leave_a_layout(storage):
     """Scripted storage failures at each write of a replacement: the call raises a storage error
     and the segment reads as before or as after, never a mix."""
