@@ -175,7 +175,7 @@ def assert_only_live_chunks_left(seg: RollingSegment) -> None:
     """Every chunk object listed is a live chunk of ``seg``'s view, except, on an object store
     with a deletion grace, dead plain chunk names this handle waits to delete (a stale appender
     must not be able to re-create them)."""
-    from storage_adapters.rolling import _CHUNK_NAME, SWITCH_DIR, TRUNCATION_DIR
+    from storage_adapters.rolling import CHUNK_NAME, SWITCH_DIR, TRUNCATION_DIR
 
     files = seg.storage.list_files(seg.name + ".seg")
     data = {n for n in files if not n.startswith((SWITCH_DIR, TRUNCATION_DIR))}
@@ -183,6 +183,6 @@ def assert_only_live_chunks_left(seg: RollingSegment) -> None:
     assert live <= data
     extra = data - live
     if not seg.storage.appendable and seg.storage.deletion_grace > 0:
-        assert all(_CHUNK_NAME.fullmatch(n) and n in seg._doomed for n in extra), extra
+        assert all(CHUNK_NAME.fullmatch(n) and n in seg._handle.doomed for n in extra), extra
     else:
         assert not extra, extra

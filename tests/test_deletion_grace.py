@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from storage_adapters import BadOffsetError, RollingSegment, chunk_name, rolling
+from storage_adapters import BadOffsetError, RollingSegment, chunk_name, rolling_handle, rolling_objects, rolling_sweep
 from storage_adapters.faults import FaultyStorage
 from storage_adapters.memory import MemoryChunkStorage
 
@@ -30,6 +30,12 @@ class _Clock:
     @classmethod
     def monotonic(cls) -> float:
         return cls.now
+
+
+def _fake_clock(monkeypatch) -> None:
+    """Every module of the rolling segment that reads the monotonic clock reads ``_Clock``."""
+    for module in (rolling_handle, rolling_objects, rolling_sweep):
+        monkeypatch.setattr(module, "time", _Clock)
 
 
 class ObjectMemoryStorage(MemoryChunkStorage):
@@ -89,13 +95,13 @@ class GraceMachine(RuleBasedStateMachine):
 
 
 def test_stale_handles_never_append_below_the_truncation(monkeypatch):
-    monkeypatch.setattr(rolling, "time", _Clock)
+    _fake_clock(monkeypatch)
     run_state_machine_as_test(GraceMachine, settings=settings(max_examples=200, stateful_step_count=30,
                                                               deadline=None))
 
 
 def test_dead_chunks_are_deleted_once_the_grace_has_passed(monkeypatch):
-    monkeypatch.setattr(rolling, "time", _Clock)
+    _fake_clock(monkeypatch)
     storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
     seg = RollingSegment(storage, "s")
     for piece in (b"aa", b"bb", b"cc"):
@@ -111,7 +117,7 @@ def test_dead_chunks_are_deleted_once_the_grace_has_passed(monkeypatch):
 
 @pytest.mark.parametrize("age, requests", [(GRACE / 2 - 0.5, {"PUT": 1}), (GRACE / 2, {"LIST": 1, "PUT": 1})])
 def test_a_view_is_refreshed_before_an_append_once_half_the_grace_has_passed(monkeypatch, age, requests):
-    monkeypatch.setattr(rolling, "time", _Clock)
+    _fake_clock(monkeypatch)
     storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
     seg = RollingSegment(storage, "s")
     seg.append(b"aa")
@@ -126,7 +132,7 @@ def test_a_view_is_refreshed_before_an_append_once_half_the_grace_has_passed(mon
 def test_a_stale_handle_never_recreates_a_name_freed_after_the_grace(monkeypatch, waited):
     """The hazard itself: the stale handle's next name (2) is taken, truncated away and, once the grace
     has passed, deleted. Its view is then at least as old as the grace, so it refreshes first."""
-    monkeypatch.setattr(rolling, "time", _Clock)
+    _fake_clock(monkeypatch)
     storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
     stale, owner = RollingSegment(storage, "s"), RollingSegment(storage, "s")
     owner.append(b"a")
@@ -178,7 +184,7 @@ def test_a_create_delayed_past_the_grace_is_never_acknowledged_at_a_dead_name(mo
     (2) is taken, truncated away and, the grace having passed, deleted; then the PUT lands on the
     freed name. The append is made again at the end (or refused as a conditional one), never
     acknowledged at the dead name."""
-    monkeypatch.setattr(rolling, "time", _Clock)
+    _fake_clock(monkeypatch)
     storage = _object_storage(request, store)
     owner = RollingSegment(storage, "s")
     owner.append(b"a")
@@ -211,7 +217,7 @@ def test_a_create_is_checked_only_when_its_view_aged_past_half_the_grace_meanwhi
                                                                                 delay, requests):
     """The cost of the check: none while the view is younger than half the grace when the PUT
     returns (the normal append stays one PUT), one LIST (a refresh) once it is not."""
-    monkeypatch.setattr(rolling, "time", _Clock)
+    _fake_clock(monkeypatch)
     storage = _object_storage(request, store)
     seg = RollingSegment(storage, "s")
     seg.append(b"aa")

@@ -307,6 +307,21 @@ def test_crash_at_each_step_leaves_one_layout_and_is_cleaned(storage, step):
     assert_only_live_chunks_left(fresh)
 
 
+def test_a_fence_left_alone_still_numbers_the_next_switch(storage):
+    """A replacer that fenced a generation (an empty switch marker) and died before switching
+    leaves, once the stray object of that generation is swept, a listing whose only marker is the
+    fence: the next switch takes the generation after it (the fenced one would lose every race),
+    and a poll does not take the fence for a switch since the view."""
+    seg, stored = _segment(storage, chunks=5)
+    at = offsets(stored)
+    storage.create(f"{NAME}.seg/{SWITCH_DIR}/{1:020d}", b"")
+    seg.refresh()
+    assert not seg.poll()
+    seg.replace_range(at[1], at[3], b"new")
+    assert open_segment(storage, NAME).read(at[1], 3) == b"new"
+    assert f"{SWITCH_DIR}/{2:020d}" in storage.list_files(f"{NAME}.seg")
+
+
 def test_failures_before_and_after_the_switch_leave_a_layout(storage):
     """Scripted storage failures at each write of a replacement: the call raises a storage error
     and the segment reads as before or as after, never a mix."""
@@ -346,7 +361,7 @@ def test_truncation_above_a_replacement_deletes_it_whole(storage):
     seg.truncate(at[3] + 5)
     files = storage.list_files(NAME + ".seg")
     # Deleted whole (on S3 after the deletion grace: until then it waits in _doomed).
-    assert not any(n.startswith("00000000000000000000") and n not in seg._doomed for n in files)
+    assert not any(n.startswith("00000000000000000000") and n not in seg._handle.doomed for n in files)
     assert open_segment(storage, NAME).chunks()[0].start == at[3]
     seg.replace_range(at[4], at[5], b"")  # a whole chunk of hole
     seg.replace_range(at[4], at[5], b"")  # again: compaction runs repeatedly (generations)
@@ -370,5 +385,5 @@ def test_poll_sees_appends_behind_a_switch(storage):
     b.refresh()
     assert not b.poll()
     if not storage.appendable and storage.deletion_grace > 0:
-        b._view_time -= storage.deletion_grace  # an old view on S3: the replaced names may be gone
+        b._handle.view_time -= storage.deletion_grace  # an old view on S3: the replaced names may be gone
         assert b.poll()

@@ -157,7 +157,7 @@ def _number(text: str) -> float | None:
 
 def test_the_detection_finds_the_loops_by_their_shape_not_only_by_name():
     bounds = retry_bounds(by_name=False)
-    for known, why in [(("storage_adapters.rolling", "MAX_REFRESH_ATTEMPTS"), "the count of a loop of laps"),
+    for known, why in [(("storage_adapters.rolling_handle", "MAX_REFRESH_ATTEMPTS"), "the count of a loop of laps"),
                        (("attrindex.log.cleanup_policy", "MAX_CONFIGURE_RACES"), "the count of a loop of laps"),
                        (("attrindex.btree.tree", "MAX_RESTARTS"), "compared in a loop that catches"),
                        (("attrindex.attribute_state", "BACKPRESSURE_WAIT_SECONDS"), "a deadline")]:

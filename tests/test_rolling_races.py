@@ -275,11 +275,11 @@ def _truncating_first(storage: FaultyStorage, other: RollingSegment):
             other.refresh()
             # Its sweep of obsolete names takes the writers' lock, which this thread holds here
             # (another process's truncation would sweep after this append): this one skips it.
-            other._delete_obsolete = lambda names, **kwargs: None
+            other._handle.delete_obsolete = lambda names, **kwargs: None
             try:
                 other.truncate(other.length)
             finally:
-                del other._delete_obsolete
+                del other._handle.delete_obsolete
         return storage.inner.exists(path)
 
     return exists

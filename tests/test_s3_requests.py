@@ -222,7 +222,7 @@ def test_the_rule_is_what_protects_a_stale_handle(s3_options):
     owner.truncate(6)
     time.sleep(0.25)
     owner.append(b"dd")
-    stale._view_time = time.monotonic()  # forged: the view is in fact older than the grace
+    stale._handle.view_time = time.monotonic()  # forged: the view is in fact older than the grace
     assert stale.append(b"XX") == 2 < RollingSegment(storage, "s").start_offset
 
 

@@ -2,7 +2,7 @@
 
 A marker is the commit record of its replacement and the sign, for a view of the generation
 below it, that something switched. Rolling segments delete old ones after a truncation or a
-switch (``RollingSegment._obsolete_names``); these tests check that their number stays bounded
+switch (storage_adapters/rolling_sweep.py); these tests check that their number stays bounded
 through many rolls, switches and truncations, that stale handles still append and read right,
 and that a failure or a SIGKILL in the middle of the cleanup leaves a readable segment.
 """
@@ -92,9 +92,9 @@ def test_markers_stay_bounded_through_rolls_switches_and_truncations(kind, tmp_p
     for _ in range(40):
         cycle(seg, model, rng)
         counts.append(len(markers(storage)))
-    assert seg._layout.generation >= 33  # about one switch per cycle
+    assert seg._handle.view.layout.generation >= 33  # about one switch per cycle
     assert max(counts[10:]) <= 6, counts  # never deleted, they were one per switch
-    assert markers(storage)[-1] == seg._layout.generation  # the top one numbers the next switch
+    assert markers(storage)[-1] == seg._handle.view.layout.generation  # the top one numbers the next switch
     fresh = check_against(storage, model)
     cycle(fresh, model, rng)  # a reopened handle switches and truncates on
     check_against(storage, model)
@@ -109,7 +109,7 @@ def test_markers_stay_bounded_on_s3(s3_options, grace):
     for _ in range(18):
         cycle(seg, model, rng)
         time.sleep(grace / 4)
-    assert seg._layout.generation >= 14 and len(markers(storage)) <= 8, markers(storage)
+    assert seg._handle.view.layout.generation >= 14 and len(markers(storage)) <= 8, markers(storage)
     check_against(storage, model)
 
 
@@ -120,7 +120,7 @@ def test_markers_are_swept_by_switches_alone_once_old_chunks_are_replaced(kind, 
     seg, model, rng = open_segment(storage, "s", rolling_size=ROLL), bytearray(), random.Random(7)
     for _ in range(40):
         cycle(seg, model, rng, truncate=False)
-    assert seg.start_offset == 0 and seg._layout.generation >= 35
+    assert seg.start_offset == 0 and seg._handle.view.layout.generation >= 35
     assert len(markers(storage)) <= 6, markers(storage)
     check_against(storage, model)
 
@@ -133,7 +133,7 @@ def test_a_stale_appender_and_reader_survive_the_deletion_of_the_marker_they_wou
     for _ in range(2):
         cycle(stale, model, rng)
     reader = open_segment(storage, "s", rolling_size=ROLL)
-    generation = stale._layout.generation
+    generation = stale._handle.view.layout.generation
     busy = open_segment(storage, "s", rolling_size=ROLL)
     for _ in range(30):
         cycle(busy, model, rng)
@@ -392,7 +392,7 @@ def test_a_compacted_log_that_is_never_truncated_keeps_few_markers(kind, tmp_pat
                 latest[key] = b"%d-%d" % (round_, i) + b"." * 60
             seg.compact(min_lag_ms=0, now_ms=round_ + 10)
         switches = markers(store.storage, "s/_log")
-        assert seg._log.bytes._layout.generation >= 20  # about one switch per pass
+        assert seg._log.bytes._handle.view.layout.generation >= 20  # about one switch per pass
         assert len(switches) <= 8, switches
         kept = {}
         offset = seg.start_offset

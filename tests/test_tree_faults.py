@@ -375,7 +375,8 @@ def test_a_listing_that_raced_a_truncation_is_taken_again(url, race):
         real_refresh()  # the newest truncation marker, and then ...
         if len(raced) < 2:
             raced.append(1)
-            segment._chunks = [] if race == "no chunks listed" else stale
+            view = segment._handle.view
+            segment._handle.view = attrs.evolve(view, chunks=() if race == "no chunks listed" else tuple(stale))
 
     segment.refresh = racing_refresh
     reader.refresh()
