@@ -4,7 +4,7 @@ The leader's part of group commit (``write_queue``): concurrent appends of one h
 in order against the attribute state including the ones before them in the group (conditions,
 ``expected_offset``), and those that pass are written as one durable compare-and-append at the
 log position this handle last saw. A lost race (another writer appended first) catches up from
-the log's tail and plans the group again, bounded by ``MAX_APPEND_RACES``. Once the write is
+the log's tail and plans the group again, bounded by ``MAX_GROUP_APPEND_ATTEMPTS``. Once the write is
 durable, each batch's updates go to tier 1 and each caller gets its own result or error.
 
 Owned by ``Segment`` (records and conditional updates) and ``AttributeIndex`` (plain
@@ -28,7 +28,7 @@ from .log.batch.header import read_header
 from .log.segment_log import SegmentLog
 from .write_queue import WriteQueue, WriteRequest
 
-MAX_APPEND_RACES = 10_000  #: lost compare-and-append races in a row before an append gives up
+MAX_GROUP_APPEND_ATTEMPTS = 10_000  #: lost compare-and-append races in a row before an append gives up
 MAX_GROUP_BYTES = 4 << 20  #: about this much of concurrent appends is written as one group
 MAX_GROUP_REQUESTS = 4096  #: appends in one group at most
 
@@ -211,10 +211,10 @@ class Appender:
 
 def _bounded_races(name: str) -> Iterator[int]:
     """Laps of an append loop: each lost race means another writer appended; give up after
-    ``MAX_APPEND_RACES`` of them with a clear error rather than spin."""
-    yield from range(MAX_APPEND_RACES)
-    raise StorageError(f"segment {name!r}: an append lost the race to other writers {MAX_APPEND_RACES} times "
+    ``MAX_GROUP_APPEND_ATTEMPTS`` of them with a clear error rather than spin."""
+    yield from range(MAX_GROUP_APPEND_ATTEMPTS)
+    raise StorageError(f"segment {name!r}: an append lost the race to other writers {MAX_GROUP_APPEND_ATTEMPTS} times "
                        f"in a row; nothing of it was written")
 
 
-__all__ = ["AppendResult", "Appender", "MAX_APPEND_RACES", "PendingAppend"]
+__all__ = ["AppendResult", "Appender", "MAX_GROUP_APPEND_ATTEMPTS", "PendingAppend"]

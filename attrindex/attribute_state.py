@@ -33,7 +33,7 @@ from .merge_runner import BACKPRESSURE_FAILURES, MergeRunner
 from .overlay import AttributeOverlay, merge_scan
 from .read_view import fallback_view, view_value, view_values
 from . import replay
-from .replay import MAX_TREE_REFRESHES, replaying
+from .replay import MAX_TREE_REFRESH_ATTEMPTS, replaying
 from .tree_index import TreeIndex
 
 BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an update waits for a merge to make room in tier 1
@@ -227,13 +227,13 @@ class AttributeState:
             self.catch_up()
             if log.start_position <= seen:  # nothing this handle had not replayed was cut
                 return
-        for _attempt in range(MAX_TREE_REFRESHES):
+        for _attempt in range(MAX_TREE_REFRESH_ATTEMPTS):
             self.rebuild()  # replay the log from the tree's newest checkpoint (the overlay rebuilt aside)
             if (tree.checkpoint or 0) >= log.start_position:
                 return
             tree.refresh()
         raise StorageError(f"segment {self.name!r}: other handles kept truncating the log during refresh "
-                           f"({MAX_TREE_REFRESHES} tries)")
+                           f"({MAX_TREE_REFRESH_ATTEMPTS} tries)")
 
     def settle(self) -> None:
         """Under the lock: if a rebuild of tier 1 failed, rebuild it now (raises if it cannot)."""
@@ -264,7 +264,7 @@ class AttributeState:
         try:
             if refresh_tree:
                 self.tree.refresh()
-            for _attempt in range(MAX_TREE_REFRESHES):
+            for _attempt in range(MAX_TREE_REFRESH_ATTEMPTS):
                 try:
                     rebuilt, base = self._replayed_from_newest_tree()
                 except TruncatedError:
@@ -286,7 +286,7 @@ class AttributeState:
                 return
             raise StorageError(f"segment {self.name!r}: other handles kept merging and truncating the log while "
                                f"this handle rebuilt its pending attribute updates from the B+tree "
-                               f"({MAX_TREE_REFRESHES} tries); try again")
+                               f"({MAX_TREE_REFRESH_ATTEMPTS} tries); try again")
         finally:
             if self._stale:
                 self._publish()  # reads rebuild first from now on, never serving the stale values
@@ -521,7 +521,7 @@ class AttributeState:
         other handles that keep merging leave the rest to the next merge). ``force``: move the
         checkpoint to the log's position even with nothing pending. Raises a merge's error."""
         self.ensure_loaded()  # a lazily opened owner: what it merges is the log after the tree
-        for _lap in range(2 + MAX_TREE_REFRESHES):
+        for _lap in range(2 + MAX_TREE_REFRESH_ATTEMPTS):
             with self._lock:
                 self.settle()  # (raises if tier 1 cannot be rebuilt: nothing stale is merged)
                 if self._frozen is None:

@@ -38,7 +38,7 @@ USERS = 50_000
 DAY_MS = 86_400_000
 START_MS = 1_763_683_200_000  # 2025-11-21T00:00:00Z
 JAVA_MIN = 17
-TASK_ATTEMPTS = 4  #: local[N] runs as local[N,4]: the injected failures need a retry
+MAX_TASK_ATTEMPTS = 4  #: local[N] runs as local[N,4]: the injected failures need a retry
 
 
 @attrs.define
@@ -273,12 +273,12 @@ def spark_master(master: str) -> tuple[str, str | None]:
     if threads == "0":
         raise InvalidInputError(f"--master {master!r} runs no threads; give local[N] with N >= 1, or local[*]")
     if attempts is None:
-        chosen = f"local[{threads},{TASK_ATTEMPTS}]"
+        chosen = f"local[{threads},{MAX_TASK_ATTEMPTS}]"
         return chosen, (f"--master {text} never retries a failed task and the demo makes tasks fail on purpose, "
                         f"so it runs as {chosen}")
     if int(attempts) < 2:
         raise InvalidInputError(f"--master {master!r} tries each task once, but the demo makes tasks fail on purpose "
-                                f"and needs a retry; give local[{threads},{TASK_ATTEMPTS}] (or leave out the count)")
+                                f"and needs a retry; give local[{threads},{MAX_TASK_ATTEMPTS}] (or leave out the count)")
     return text, None
 
 

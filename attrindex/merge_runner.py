@@ -23,7 +23,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from .btree.tree import TreeMovedError
-from .merge_worker import (MAX_FAILED_MERGES, MAX_FAILED_STARTS, MergeWorker, MergeWorkerError, WorkerGaveUpError,
+from .merge_worker import (MAX_WORKER_MERGE_ATTEMPTS, MAX_WORKER_START_ATTEMPTS, MergeWorker, MergeWorkerError, WorkerGaveUpError,
                            WorkerStartError, worker_storage)
 from .overlay import AttributeOverlay, merge_overlay
 
@@ -35,7 +35,7 @@ MIN_WORKER_KEYS = 10_000
 #: Merge failures in a row that refuse an append over ``max_pending_bytes`` (``MergeBacklogError``).
 #: A dying or hanging worker fails at most this many minus one before its own fallback (merging in
 #: the writer's process) runs, so its failures alone never refuse an update.
-BACKPRESSURE_FAILURES = max(MAX_FAILED_MERGES, MAX_FAILED_STARTS)
+BACKPRESSURE_FAILURES = max(MAX_WORKER_MERGE_ATTEMPTS, MAX_WORKER_START_ATTEMPTS)
 _IDLE_RECHECK_SECONDS = 1.0  #: an idle merge thread looks this often whether its state still exists
 
 _log = logging.getLogger("attrindex.segment")

@@ -20,12 +20,12 @@ Failure rules (docs/design.md, "Write path"):
   ``at`` the merge landed (only its answer was lost); otherwise the merge failed and is retried
   by the background loop (``stats().merge_error`` says why). A durable write is never failed;
   pages a killed worker half-wrote are an uncommitted tail, as after any crash. After
-  ``MAX_FAILED_MERGES`` merges in a row without an answer, merges stay in the writer's process.
+  ``MAX_WORKER_MERGE_ATTEMPTS`` merges in a row without an answer, merges stay in the writer's process.
 * "hangs" means *makes no progress*, not "takes long": while it waits for an answer, the parent
   watches the worker's main thread in ``/proc`` (its CPU time and its read/write system calls,
   ``_progress``) and kills it once neither moved for ``hang_seconds`` (``merge_hang_seconds``, 5 s by
   default). A merge that works is never cut short however long it takes (up to the safety cap
-  ``MERGE_WORKER_TIMEOUT``); one stopped, deadlocked, asleep or stuck in a system call is
+  ``MERGE_WORKER_SECONDS``); one stopped, deadlocked, asleep or stuck in a system call is
   killed within seconds. The observer is the parent, not a heartbeat the worker sends: a
   heartbeat thread in the worker would keep beating while its merge sleeps or blocks, and
   would go silent while one C call (a sort of a million keys) holds the worker's GIL.
@@ -64,15 +64,15 @@ from .replay import for_merge
 
 #: The longest one merge may take even while the worker makes progress (a worker spinning without
 #: end); a worker that makes none is killed after ``hang_seconds`` (see the module's docstring).
-MERGE_WORKER_TIMEOUT = 600.0
-_START_TIMEOUT = 60.0  #: the same cap for a new worker to say it is ready (it too is killed when it stalls)
+MERGE_WORKER_SECONDS = 600.0
+_START_SECONDS = 60.0  #: the same cap for a new worker to say it is ready (it too is killed when it stalls)
 DEFAULT_HANG_SECONDS = 5.0  #: ``merge_hang_seconds``: no progress this long and the worker counts as hung
-MAX_FAILED_MERGES = 3  #: merges in a row the worker died or hung in before merges stay in the writer's process
+MAX_WORKER_MERGE_ATTEMPTS = 3  #: merges in a row the worker died or hung in before merges stay in the writer's process
 _KILL_WAIT_SECONDS = 10.0  #: the longest the parent waits for a killed worker to be reaped (one stuck in the kernel)
 #: The worker writes tree pages back in slices this big (local storage's ``PACED_WRITE_BYTES``, in
 #: the worker's process only): a WAL ``fsync`` of the writer waits behind at most one slice.
 WORKER_PACED_WRITE_BYTES = 256 << 10
-MAX_FAILED_STARTS = 3  #: workers in a row that failed to start before merges stay in the writer's process
+MAX_WORKER_START_ATTEMPTS = 3  #: workers in a row that failed to start before merges stay in the writer's process
 _PARENT_POLL_SECONDS = 0.1  #: how often a worker looks whether its parent still lives
 _FRAME = struct.Struct(">I")
 #: The program a worker process runs (tests run one that wraps it with scripted faults). Not
@@ -88,11 +88,11 @@ class MergeWorkerError(StorageError):
 
 
 class WorkerStartError(MergeWorkerError):
-    """``MAX_FAILED_STARTS`` worker processes in a row failed to start (or to open the index)."""
+    """``MAX_WORKER_START_ATTEMPTS`` worker processes in a row failed to start (or to open the index)."""
 
 
 class WorkerGaveUpError(MergeWorkerError):
-    """``MAX_FAILED_MERGES`` merges in a row got no answer (the worker died or hung each time): the
+    """``MAX_WORKER_MERGE_ATTEMPTS`` merges in a row got no answer (the worker died or hung each time): the
     segment merges in its own process from then on."""
 
 
@@ -133,16 +133,16 @@ class MergeWorker:
     def merge(self, at: int) -> int:
         """Have the worker merge the log up to byte ``at`` into the tree; return what it reports.
         ``MergeWorkerError`` if it fails, dies or hangs (no progress for ``hang_seconds``, or no
-        answer within ``MERGE_WORKER_TIMEOUT``; then it is killed); ``WorkerGaveUpError`` when
-        that was the ``MAX_FAILED_MERGES``-th merge in a row without an answer."""
+        answer within ``MERGE_WORKER_SECONDS``; then it is killed); ``WorkerGaveUpError`` when
+        that was the ``MAX_WORKER_MERGE_ATTEMPTS``-th merge in a row without an answer."""
         process = self._running()
         try:
             _send(process.stdin, ("merge", at))
-            answer = self._answer(process, MERGE_WORKER_TIMEOUT)
+            answer = self._answer(process, MERGE_WORKER_SECONDS)
         except (OSError, EOFError, ValueError, pickle.UnpicklingError, TimeoutError) as exc:
             code = self._kill()
             self._failed_merges += 1
-            error = WorkerGaveUpError if self._failed_merges >= MAX_FAILED_MERGES else MergeWorkerError
+            error = WorkerGaveUpError if self._failed_merges >= MAX_WORKER_MERGE_ATTEMPTS else MergeWorkerError
             raise error(f"the merge worker (exit status {code}) gave no answer for the merge up to log byte {at} "
                         f"({self._failed_merges} in a row): {type(exc).__name__}: {exc}") from None
         self._failed_merges = 0
@@ -182,7 +182,7 @@ class MergeWorker:
             process = self._start()
         except MergeWorkerError as exc:
             self._failed_starts += 1
-            if self._failed_starts >= MAX_FAILED_STARTS:
+            if self._failed_starts >= MAX_WORKER_START_ATTEMPTS:
                 raise WorkerStartError(f"{self._failed_starts} merge workers in a row failed to start; the last: "
                                        f"{exc}") from exc
             raise
@@ -207,7 +207,7 @@ class MergeWorker:
             raise MergeWorkerError("the handle is closing: no merge worker is started")
         try:
             _send(process.stdin, ("open", self._spec))
-            answer = self._answer(process, _START_TIMEOUT)
+            answer = self._answer(process, _START_SECONDS)
         except (OSError, EOFError, ValueError, pickle.UnpicklingError, TimeoutError) as exc:
             code = self._kill()
             raise MergeWorkerError(f"the merge worker did not start (exit status {code}): {exc}") from None

@@ -25,7 +25,7 @@ from .log.batch.header import BatchHeader
 from .log.segment_log import BatchVisitor, SegmentLog
 from .overlay import AttributeOverlay
 
-MAX_TREE_REFRESHES = 10  #: tree versions looked at before a replay gives up on other handles' cuts
+MAX_TREE_REFRESH_ATTEMPTS = 10  #: tree versions looked at before a replay gives up on other handles' cuts
 
 _log = logging.getLogger("attrindex.segment")
 
@@ -108,7 +108,7 @@ def adopt_tree(log: SegmentLog, tree: Any) -> tuple[AttributeOverlay, int]:
     """For a tree opened after the log's view (a lazy load): the checks of ``open_at_checkpoint``,
     then ``(overlay, batches)`` replayed between its checkpoint and the log's CURRENT position
     (readers moved it since the log's open)."""
-    for _attempt in range(MAX_TREE_REFRESHES):
+    for _attempt in range(MAX_TREE_REFRESH_ATTEMPTS):
         checkpoint = tree.checkpoint or 0
         if checkpoint > log.position:  # others merged past this view: look at the log's tail
             log.catch_up(None)
@@ -120,7 +120,7 @@ def adopt_tree(log: SegmentLog, tree: Any) -> tuple[AttributeOverlay, int]:
             raise lost_between_error(log, checkpoint)
     else:
         raise StorageError(f"segment {log.segment!r}: retention in another handle kept moving the log's start "
-                           f"while the attributes were loaded ({MAX_TREE_REFRESHES} tries)")
+                           f"while the attributes were loaded ({MAX_TREE_REFRESH_ATTEMPTS} tries)")
     if checkpoint > log.bytes.length:
         raise beyond_log_error(log, checkpoint)
     return replay_range(log, max(checkpoint, log.start_position), log.position)
@@ -130,7 +130,7 @@ def from_newest_tree(log: SegmentLog, tree: Any) -> tuple[AttributeOverlay, int]
     """``(overlay, checkpoint)``: the log's updates between the newest version of ``tree`` that
     covers the log's start and the log's position, and that version's checkpoint (a rebuild of
     tier 1 after another handle merged further or cut the log)."""
-    for _attempt in range(MAX_TREE_REFRESHES):
+    for _attempt in range(MAX_TREE_REFRESH_ATTEMPTS):
         checkpoint = tree.checkpoint or 0
         if checkpoint >= log.start_position:
             break

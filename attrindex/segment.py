@@ -692,7 +692,7 @@ def _check_expected_offset(expected_offset: object) -> None:
 def _configure(storage, name: str, options: dict) -> _policy.CleanupPolicy:
     """Store ``options`` over the newest stored policy as a new version (each version is written
     once: a lost race to another process reads the new newest one and applies ``options`` over it)."""
-    for _attempt in range(_policy.MAX_CONFIGURE_RACES):
+    for _attempt in range(_policy.MAX_CONFIGURE_ATTEMPTS):
         current, version = _policy.load_policy(storage, name)
         changed = _policy.policy_from_options(options, current)
         try:
@@ -700,7 +700,7 @@ def _configure(storage, name: str, options: dict) -> _policy.CleanupPolicy:
         except ChunkExistsError:
             continue  # another process configured meanwhile: apply ours over theirs
         return changed
-    raise StorageError(f"segment {name!r}: configure lost {_policy.MAX_CONFIGURE_RACES} races in a row "
+    raise StorageError(f"segment {name!r}: configure lost {_policy.MAX_CONFIGURE_ATTEMPTS} races in a row "
                        "to other processes changing the policy; nothing was written")
 
 

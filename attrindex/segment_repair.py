@@ -98,7 +98,7 @@ class SegmentRepairReport:
         return bool(self.lost) or self.index_files_deleted > 0 or self.attributes_rebuilt
 
 
-VERIFY_ATTEMPTS = 5
+MAX_VERIFY_ATTEMPTS = 5
 
 
 def _open_log(storage: ChunkStorage, name: str, options: SegmentOptions) -> SegmentLog:
@@ -148,12 +148,12 @@ def verify_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
     Safe beside writers: retention that cuts what is being read makes it look again (bounded), and
     the checkpoint is compared with the log so that a merge or retention meanwhile is no damage.
     """
-    for _attempt in range(VERIFY_ATTEMPTS):
+    for _attempt in range(MAX_VERIFY_ATTEMPTS):
         try:
             return _verify_once(storage, name, options, tree_name)
         except TruncatedError:  # retention removed what was being read: look again
             continue
-    raise StorageError(f"segment {name!r}: retention changed the log under verification {VERIFY_ATTEMPTS} times; "
+    raise StorageError(f"segment {name!r}: retention changed the log under verification {MAX_VERIFY_ATTEMPTS} times; "
                        "verify it when its writers are idle")
 
 

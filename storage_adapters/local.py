@@ -146,7 +146,7 @@ if hasattr(os, "register_at_fork"):
 #: Lock files a storage keeps open (one per directory appended to); beyond it idle ones are closed.
 MAX_OPEN_LOCKS = 64
 #: Times a lock is retried when its lock file was replaced under it (the directory removed and made again).
-MAX_LOCK_REOPENS = 10
+MAX_LOCK_ATTEMPTS = 10
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
@@ -437,7 +437,7 @@ class LocalChunkStorage(ChunkStorage):
 
     def _acquire(self, directory: str) -> _DirectoryLock:
         """The directory's lock, held by this thread (``lock``)."""
-        for _attempt in range(MAX_LOCK_REOPENS):
+        for _attempt in range(MAX_LOCK_ATTEMPTS):
             entry = self._lock_entry(directory)
             entry.mutex.acquire()
             try:
@@ -455,7 +455,7 @@ class LocalChunkStorage(ChunkStorage):
             self._forget(directory, entry)
             entry.mutex.release()
         raise StorageError(f"local storage: lock of {directory!r}: its lock file kept being replaced "
-                           f"({MAX_LOCK_REOPENS} tries)")
+                           f"({MAX_LOCK_ATTEMPTS} tries)")
 
     @staticmethod
     def _release(entry: _DirectoryLock) -> None:

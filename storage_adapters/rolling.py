@@ -29,7 +29,7 @@ import operator
 from .base import ChunkStorage
 from .errors import InvalidInputError
 from .framing import Framing
-from .rolling_handle import MAX_READ_REFRESHES, MAX_REFRESH_ATTEMPTS, SegmentHandle
+from .rolling_handle import MAX_READ_REFRESH_ATTEMPTS, MAX_REFRESH_ATTEMPTS, SegmentHandle
 from .rolling_inplace import InPlaceHandle
 from .rolling_objects import MAX_APPEND_ATTEMPTS, ObjectHandle
 from .rolling_replace import MAX_REPLACE_ATTEMPTS, ChunkReplacer
@@ -50,7 +50,7 @@ __all__ = [
     "CHUNK_NAME",
     "DEFAULT_ROLLING_SIZE",
     "MAX_APPEND_ATTEMPTS",
-    "MAX_READ_REFRESHES",
+    "MAX_READ_REFRESH_ATTEMPTS",
     "MAX_REFRESH_ATTEMPTS",
     "MAX_REPLACE_ATTEMPTS",
     "REPLACEMENT_NAME",

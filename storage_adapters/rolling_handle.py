@@ -45,7 +45,7 @@ _log = logging.getLogger("attrindex.storage")
 
 #: Bound on the listings one ``refresh`` takes while other processes keep changing the segment.
 MAX_REFRESH_ATTEMPTS = 20
-MAX_READ_REFRESHES = 10  #: listings one read takes when the chunks of its view keep vanishing
+MAX_READ_REFRESH_ATTEMPTS = 10  #: listings one read takes when the chunks of its view keep vanishing
 
 
 class SegmentHandle:
@@ -237,7 +237,7 @@ class SegmentHandle:
             pass
         # A chunk vanished under a stale view (truncated or replaced by another handle), or the
         # view shows a hole that a newer replacement may have changed: look again, once.
-        for _attempt in range(MAX_READ_REFRESHES):
+        for _attempt in range(MAX_READ_REFRESH_ATTEMPTS):
             self.refresh()
             view = self.view
             view.check_range(self.name, offset, length)
@@ -246,7 +246,7 @@ class SegmentHandle:
             except FileNotFoundError:
                 continue  # replaced again meanwhile (compaction keeps running): bounded
         raise StorageError(f"segment {self.name!r}: a chunk holding offset {offset} kept vanishing "
-                           f"({MAX_READ_REFRESHES} listings)")
+                           f"({MAX_READ_REFRESH_ATTEMPTS} listings)")
 
     def read_chunks(self, chunks: tuple[ChunkInfo, ...], offset: int, end: int) -> bytes:
         """The bytes ``[offset, end)`` from ``chunks``; ``HoleError`` for a hole, ``CorruptDataError``

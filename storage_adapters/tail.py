@@ -36,7 +36,7 @@ MARK_BYTES = 64
 PROBE_BYTES = 512
 #: Looks by a reader (no lock) that found damage must find the same twice in a row (a write in
 #: flight can look like damage for an instant): at most this many.
-MAX_DAMAGE_LOOKS = 4
+MAX_DAMAGE_LOOK_ATTEMPTS = 4
 
 
 @attrs.frozen
@@ -75,13 +75,13 @@ def look_at_tail(read: Callable[[int, int], bytes], start: int, framing: Framing
         if found is not None:
             origin = found
     previous = None
-    for _attempt in range(MAX_DAMAGE_LOOKS):
+    for _attempt in range(MAX_DAMAGE_LOOK_ATTEMPTS):
         found = _look_whole(read, start, framing, origin, zeros_kept)
         if found.damaged_at is None or locked or found == previous:
             return found
         previous = found
     raise StorageError(f"the chunk at segment position {start} kept changing while its end was read: "
-                       f"{MAX_DAMAGE_LOOKS} looks found different damage each time")
+                       f"{MAX_DAMAGE_LOOK_ATTEMPTS} looks found different damage each time")
 
 
 def _look_on(read: Callable[[int, int], bytes], start: int, framing: Framing, since: TailLook) -> TailLook | int | None:

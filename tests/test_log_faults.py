@@ -733,10 +733,10 @@ def test_an_append_that_keeps_losing_races_gives_up_with_a_clear_error(tmp_path,
     with SegmentStore.open(root) as one, SegmentStore.open(root) as two:
         stale, other = one.segment("s", create=True), two.segment("s")
         other.append([b"first"])  # the stale handle's next compare-and-append loses
-        monkeypatch.setattr(attrindex.appender, "MAX_APPEND_RACES", 1)
+        monkeypatch.setattr(attrindex.appender, "MAX_GROUP_APPEND_ATTEMPTS", 1)
         with pytest.raises(StorageError, match="lost the race"):
             stale.append([b"mine"])
-        monkeypatch.setattr(attrindex.appender, "MAX_APPEND_RACES", 10_000)
+        monkeypatch.setattr(attrindex.appender, "MAX_GROUP_APPEND_ATTEMPTS", 10_000)
         assert stale.append([b"mine"]).first_offset == 1
         assert [r.value for r in stale.read(0)] == [b"first", b"mine"]
 

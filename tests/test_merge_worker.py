@@ -225,13 +225,13 @@ def test_workers_that_hang_at_start_leave_the_merges_to_a_thread(tmp_path, monke
     """A worker that never says it is ready (stuck before or while opening the index) is killed
     once it stops making progress, not after a minute; three in a row send merges to a thread."""
     monkeypatch.setattr(merge_worker, "WORKER_MAIN", "import time; time.sleep(3600)")
-    monkeypatch.setattr(merge_worker, "_START_TIMEOUT", 3600.0)  # the cap must not be what ends the wait
+    monkeypatch.setattr(merge_worker, "_START_SECONDS", 3600.0)  # the cap must not be what ends the wait
     monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     with open_index(tmp_path, merge_hang_seconds=0.3) as index:
         model = {}
         write(index, model, random.Random(14), 4)
         wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "the merge")
-        assert index._attributes.runner.worker_disabled and index._attributes.runner.worker.starts == merge_worker.MAX_FAILED_STARTS
+        assert index._attributes.runner.worker_disabled and index._attributes.runner.worker.starts == merge_worker.MAX_WORKER_START_ATTEMPTS
         check(index, model)
     assert "did not start" in caplog.text and "made no progress" in caplog.text
 
@@ -239,7 +239,7 @@ def test_workers_that_hang_at_start_leave_the_merges_to_a_thread(tmp_path, monke
 def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, caplog, merge_faults):
     """Back-pressure on every update (``max_pending_bytes=2000``: a write of 100 keys is over it)
     and a worker that hangs on every merge: each hang ends the wait of the updates behind it
-    within ``merge_hang_seconds``, never at the back-pressure bound; after ``MAX_FAILED_MERGES``
+    within ``merge_hang_seconds``, never at the back-pressure bound; after ``MAX_WORKER_MERGE_ATTEMPTS``
     hangs the merges run in the writer's process and back-pressure works again."""
     monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
     monkeypatch.setattr(attribute_state, "BACKPRESSURE_WAIT_SECONDS", 20.0)  # what a writer would wait without
@@ -256,7 +256,7 @@ def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, cap
             time.sleep(0.02)
         write(index, model, rng, 3)
         wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "a merge in the thread")
-        assert worker.starts == merge_worker.MAX_FAILED_MERGES
+        assert worker.starts == merge_worker.MAX_WORKER_MERGE_ATTEMPTS
         check(index, model)
     finally:
         index.close()
@@ -268,7 +268,7 @@ def test_writers_never_wait_long_behind_a_hung_worker(tmp_path, monkeypatch, cap
 
 def test_a_worker_killed_from_outside_at_any_moment(tmp_path, monkeypatch):
     monkeypatch.setattr(merge_runner, "MERGE_RETRY_MIN_SECONDS", 0.01)
-    monkeypatch.setattr(merge_worker, "MAX_FAILED_STARTS", 1000)  # kills during its start too
+    monkeypatch.setattr(merge_worker, "MAX_WORKER_START_ATTEMPTS", 1000)  # kills during its start too
     index, model, rng = open_index(tmp_path, merge_keys=100), {}, random.Random(4)
     try:
         for round_ in range(4):
@@ -444,7 +444,7 @@ def test_workers_that_never_start_leave_the_merges_to_a_thread(tmp_path, monkeyp
         model = {}
         write(index, model, random.Random(7), 4)
         wait_for(lambda: merged_up_to_position(index) and merge_error(index) is None, "the merge")
-        assert index._attributes.runner.worker_disabled and index._attributes.runner.worker.starts == merge_worker.MAX_FAILED_STARTS
+        assert index._attributes.runner.worker_disabled and index._attributes.runner.worker.starts == merge_worker.MAX_WORKER_START_ATTEMPTS
         check(index, model)
     assert "merging in the writer's process from now on" in caplog.text
 

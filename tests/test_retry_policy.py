@@ -5,7 +5,7 @@ so (``..._ATTEMPTS``, ``..._RACES``, ...), if it is the count of a ``for ... in 
 that catches an exception, if such a loop (or a ``while`` loop that catches one) compares against
 it, or if it is added to ``time.monotonic()`` (a deadline). Every bound must be listed in the page's
 tables as ``module.NAME`` with its value. Every constant listed there must exist with that value.
-Every bound follows the naming rule, or the page's Renames table says what it will be called.
+Every bound follows the naming rule (a Renames table on the page may list old names on their way out).
 """
 
 from __future__ import annotations
@@ -158,14 +158,14 @@ def _number(text: str) -> float | None:
 def test_the_detection_finds_the_loops_by_their_shape_not_only_by_name():
     bounds = retry_bounds(by_name=False)
     for known, why in [(("storage_adapters.rolling_handle", "MAX_REFRESH_ATTEMPTS"), "the count of a loop of laps"),
-                       (("attrindex.log.cleanup_policy", "MAX_CONFIGURE_RACES"), "the count of a loop of laps"),
-                       (("attrindex.btree.tree", "MAX_RESTARTS"), "compared in a loop that catches"),
+                       (("attrindex.log.cleanup_policy", "MAX_CONFIGURE_ATTEMPTS"), "the count of a loop of laps"),
+                       (("attrindex.btree.tree", "MAX_READ_ATTEMPTS"), "compared in a loop that catches"),
                        (("attrindex.attribute_state", "BACKPRESSURE_WAIT_SECONDS"), "a deadline")]:
         assert bounds.get(known) == why, known
-    # ``_policy.MAX_CONFIGURE_RACES`` is only used in segment.py (a module attribute), and
+    # ``_policy.MAX_CONFIGURE_ATTEMPTS`` is only used in segment.py (a module attribute), and
     # ``MAX_OPEN_ATTEMPTS`` is imported there: both resolve to the module that defines them.
     assert ("attrindex.segment", "MAX_OPEN_ATTEMPTS") not in bounds
-    assert ("attrindex.appender", "MAX_APPEND_RACES") in retry_bounds()  # (``yield from range``: by its name)
+    assert ("attrindex.appender", "MAX_GROUP_APPEND_ATTEMPTS") in retry_bounds()  # (``yield from range``: by its name)
 
 
 def test_every_retry_bound_is_on_the_page_with_its_value():

@@ -44,8 +44,8 @@ from .page import (
 MIN_PAGE_SIZE = HEADER_SIZE + 3 * INDEX_ENTRY_SIZE  # an index page must hold at least 3 children
 MAX_PAGE_SIZE = 1 << 24
 # Every loop is bounded (a race lost for ever fails with an error, never spins):
-RELIST_ATTEMPTS = 6  # fresh listings before an inconsistent view is taken for damage
-MAX_RESTARTS = 32  # restarts of one read from a newer version, each after another writer's truncation
+MAX_RELIST_ATTEMPTS = 6  # fresh listings before an inconsistent view is taken for damage
+MAX_READ_ATTEMPTS = 32  # restarts of one read from a newer version, each after another writer's truncation
 MAX_UPDATE_ATTEMPTS = 1000  # compare-and-append races one update may lose in a row
 log = logging.getLogger("attrindex.btree")
 # Small batches per leaf are inserted by bisection; larger ones merged through a dict.
@@ -219,7 +219,7 @@ class BTreeIndex:
         persists is damage: ``CorruptDataError``.
         """
         problem: Exception | None = None
-        for attempt in range(RELIST_ATTEMPTS):
+        for attempt in range(MAX_RELIST_ATTEMPTS):
             if attempt:
                 _pause(attempt)
             try:
@@ -245,7 +245,7 @@ class BTreeIndex:
             return state
         if isinstance(problem, CorruptDataError):
             raise problem
-        raise StorageError(f"segment {self.segment.name!r}: no consistent listing in {RELIST_ATTEMPTS} attempts: {problem}") from problem
+        raise StorageError(f"segment {self.segment.name!r}: no consistent listing in {MAX_RELIST_ATTEMPTS} attempts: {problem}") from problem
 
     def _read_state(self, length: int, start: int) -> TreeState:
         """The version whose footer ends at ``length``: with the chain of frames (local disk) and
@@ -313,7 +313,7 @@ class BTreeIndex:
 
     def _truncated_below(self, offset: int) -> bool:
         """Whether a fresh listing of the segment starts above ``offset``."""
-        for attempt in range(RELIST_ATTEMPTS):
+        for attempt in range(MAX_RELIST_ATTEMPTS):
             if attempt:
                 _pause(attempt)
             try:
@@ -335,7 +335,7 @@ class BTreeIndex:
     def get(self, key: bytes) -> int | None:
         """The value of ``key``, or ``None``."""
         restarts = 0
-        while True:  # bounded: a lap needs a newer version, and there are at most MAX_RESTARTS laps
+        while True:  # bounded: a lap needs a newer version, and there are at most MAX_READ_ATTEMPTS laps
             state = self._state
             if not state.footer.root_length:
                 return None
@@ -347,13 +347,13 @@ class BTreeIndex:
             except OffsetOutOfRangeError as error:
                 self._restart(state, error)  # compacted away under this snapshot: read the new root
                 restarts += 1
-                if restarts == MAX_RESTARTS:
+                if restarts == MAX_READ_ATTEMPTS:
                     raise self._gave_up("a lookup") from error
 
     def get_many(self, keys: Sequence[bytes]) -> list[int | None]:
         """Values of ``keys`` in input order (``None`` where absent), sharing page visits; all of them
         from one version of the tree."""
-        for _ in range(MAX_RESTARTS):
+        for _ in range(MAX_READ_ATTEMPTS):
             state = self._state
             if not state.footer.root_length or not keys:
                 return [None] * len(keys)
@@ -375,7 +375,7 @@ class BTreeIndex:
         """Up to ``parts - 1`` ascending keys that cut the tree into ranges of about equal page
         counts: the lower bounds of the pages of the highest level with enough of them (a few
         page reads; a tree of one leaf is cut by its keys)."""
-        for _ in range(MAX_RESTARTS):
+        for _ in range(MAX_READ_ATTEMPTS):
             state = self._state
             if parts < 2 or not state.footer.root_length:
                 return []
@@ -403,7 +403,7 @@ class BTreeIndex:
         missing under the newest version is damage, not a race (a listing is taken again a few
         times first, in case it raced that writer's truncation).
         """
-        for attempt in range(RELIST_ATTEMPTS):
+        for attempt in range(MAX_RELIST_ATTEMPTS):
             if attempt:
                 _pause(attempt)
             newest = self.reload()
@@ -416,7 +416,7 @@ class BTreeIndex:
         ) from error
 
     def _gave_up(self, what: str) -> StorageError:
-        return StorageError(f"segment {self.segment.name!r}: {what} restarted {MAX_RESTARTS} times, each "
+        return StorageError(f"segment {self.segment.name!r}: {what} restarted {MAX_READ_ATTEMPTS} times, each "
                             "time after another writer had compacted the pages it needed; giving up")
 
     def _descend(self, page: LeafPage | IndexPage, key: bytes) -> int | None:
@@ -454,7 +454,7 @@ class BTreeIndex:
         """
         last: bytes | None = None
         restarts = 0  # since the last key returned: a scan that makes progress may restart again
-        while restarts < MAX_RESTARTS:
+        while restarts < MAX_READ_ATTEMPTS:
             state = self._state
             if not state.footer.root_length:
                 return

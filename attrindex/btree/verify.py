@@ -27,7 +27,7 @@ from .page import HEADER, HEADER_SIZE, INDEX, INDEX_ENTRY_SIZE, LEAF, LEAF_ENTRY
 from .tree import chunk_of
 
 _SCAN_WINDOW = 1 << 20
-_ATTEMPTS = 5  # a verification that raced a writer's truncation is run again on the new listing
+MAX_VERIFY_ATTEMPTS = 5  # a verification that raced a writer's truncation is run again on the new listing
 
 
 @attrs.frozen
@@ -74,7 +74,7 @@ def verify_index(segment: RollingSegment, progress: Callable[[int, int], None] |
     """
     check_progress(progress)
     segment.refresh()
-    for _ in range(_ATTEMPTS):
+    for _ in range(MAX_VERIFY_ATTEMPTS):
         try:
             survey = survey_chain(segment)
             report = _report(segment, survey, progress)
@@ -87,7 +87,7 @@ def verify_index(segment: RollingSegment, progress: Callable[[int, int], None] |
         if (segment.length, segment.start_offset) == (survey.length, survey.start):
             return report  # nobody wrote meanwhile: the damage is real
     # Damage seen while a writer kept compacting may be pages it freed meanwhile: not reported as such.
-    raise StorageError(f"segment {segment.name!r}: the index changed under verification {_ATTEMPTS} times; "
+    raise StorageError(f"segment {segment.name!r}: the index changed under verification {MAX_VERIFY_ATTEMPTS} times; "
                        "verify it when its writers are idle")
 
 

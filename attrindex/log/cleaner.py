@@ -67,7 +67,7 @@ DEFAULT_MAX_MAP_KEYS = 1_000_000  #: keys per pass: about 100 MB of Python dict 
 _SHORT_KEY = 32  #: keys up to this length are map keys as they are; longer ones by a 128-bit digest
 _NO_TIMESTAMP = -(1 << 63)
 MAX_CLOCK_ENTRIES = 64  #: entries of the tombstone clock kept in the checkpoint
-MAX_LOST_RACES = 10  #: passes in a row that lose to another replacement or a truncation before giving up
+MAX_PASS_ATTEMPTS = 10  #: passes in a row that lose to another replacement or a truncation before giving up
 _GAP_WORTH = 72  #: bytes a gap between two surviving runs must hold to be worth a batch header (64)
 
 # ---------------------------------------------------------------------------------- pure logic
@@ -494,7 +494,7 @@ class LogCleaner:
 
         A pass that loses a race (another cleaner or a consolidation replaced the chunks first,
         retention deleted them) leaves its checkpoint and starts again from a fresh view, at most
-        ``MAX_LOST_RACES`` times in a row; the groups it did replace are valid cleanings.
+        ``MAX_PASS_ATTEMPTS`` times in a row; the groups it did replace are valid cleanings.
         """
         lost = 0
         for _ in range(max_passes):
@@ -504,7 +504,7 @@ class LogCleaner:
                 done, end, pins_after = self._pass(first_dirty, clock, pins)
             except (LayoutConflictError, LayoutChangedError, TruncatedError) as exc:
                 lost += 1
-                if lost > MAX_LOST_RACES:
+                if lost > MAX_PASS_ATTEMPTS:
                     raise StorageError(f"segment {self.log.segment!r}: compaction lost {lost} races in a row to "
                                        f"other cleaners or retention; the segment is intact") from exc
                 _log.info("segment %r: a compaction pass lost a race (%s); starting it again", self.log.segment, exc)

@@ -133,7 +133,7 @@ __all__ = ["CleanupPolicy", "DEFAULT_TOMBSTONE_RETENTION_MS", "POLICIES", "decod
 
 # ------------------------------------------------------------------------------------ storage
 
-MAX_CONFIGURE_RACES = 20  #: concurrent ``configure`` calls lost in a row before one gives up
+MAX_CONFIGURE_ATTEMPTS = 20  #: concurrent ``configure`` calls lost in a row before one gives up
 
 
 def load_policy(storage, segment: str) -> tuple[CleanupPolicy, int]:

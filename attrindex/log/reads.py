@@ -18,14 +18,14 @@ from .batch.header import BatchHeader
 from .batch.records import Record
 from .sparse_index import ChunkSummary
 
-__all__ = ["LogReads", "MAX_RESYNCS", "READ_WINDOW"]
+__all__ = ["LogReads", "MAX_RESYNC_ATTEMPTS", "READ_WINDOW"]
 
 #: Bytes one storage read fetches when scanning (object stores bill per request, so large: one
 #: GET per 8 MiB of a consolidated log). A read for at most ``max_bytes`` fetches that much plus
 #: ``_READ_SLACK`` so that the batch crossing the budget comes in the same request.
 READ_WINDOW = 8 << 20
 _READ_SLACK = 256 << 10
-MAX_RESYNCS = 10  #: layout changes one catch-up or read follows before it gives up
+MAX_RESYNC_ATTEMPTS = 10  #: layout changes one catch-up or read follows before it gives up
 Batches = Iterator[tuple[int, BatchHeader, bytes, int]]
 
 
@@ -171,7 +171,7 @@ class LogReads:
         wanted = offset
         window = min(READ_WINDOW, max_bytes) + _READ_SLACK
         pending = list(ranges)
-        for _attempt in range(MAX_RESYNCS):
+        for _attempt in range(MAX_RESYNC_ATTEMPTS):
             try:
                 while pending:
                     start, end, name = pending[0]
@@ -185,7 +185,7 @@ class LogReads:
             except LayoutChangedError:
                 pending = self._replan(pending)
         raise LayoutChangedError(f"segment {log.segment!r}: log chunks were replaced under a read "
-                                 f"{MAX_RESYNCS} times in a row; read again")
+                                 f"{MAX_RESYNC_ATTEMPTS} times in a row; read again")
 
     def _replan(self, pending: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
         """The ranges left after a layout change, from the byte stream's new view: each chunk whole

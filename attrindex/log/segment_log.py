@@ -54,7 +54,7 @@ from .batch.header import BATCH_HEADER_SIZE, BatchHeader, check_batch, read_head
 from .chunk_indexes import IndexFiles, index_batch, summarize_replacement
 from .framing import LOG_FRAMING, torn_claim
 from .gaps import GapMarkers
-from .reads import MAX_RESYNCS, READ_WINDOW, LogReads
+from .reads import MAX_RESYNC_ATTEMPTS, READ_WINDOW, LogReads
 from .sparse_index import MIN_TIMESTAMP, ChunkIndexBuilder, ChunkSummary
 
 _log = logging.getLogger("attrindex.log")
@@ -136,7 +136,7 @@ class SegmentLog:
         The byte stream reloads its view by itself when a read finds a chunk gone (replaced or
         truncated by another handle), so the list is aligned first whenever that view changed,
         and ``plan`` runs again when it meets a layout change on the way (bounded)."""
-        for _attempt in range(MAX_RESYNCS):
+        for _attempt in range(MAX_RESYNC_ATTEMPTS):
             if self.bytes.view_changes != self._synced_view:
                 self.sync_chunks()
             try:
@@ -145,7 +145,7 @@ class SegmentLog:
                 if self.bytes.view_changes == self._synced_view:
                     self.bytes.refresh()  # the chunks changed, yet no read reloaded the view: look again
         raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under this handle "
-                                 f"{MAX_RESYNCS} times in a row while it planned a read; try again")
+                                 f"{MAX_RESYNC_ATTEMPTS} times in a row while it planned a read; try again")
 
     def _replaced_under_position(self) -> LogChunk | None:
         """The chunk holding ``position`` strictly inside it if ``position`` was reached in another
@@ -206,7 +206,7 @@ class SegmentLog:
         if refresh:
             self.bytes.refresh()
         seen = 0
-        for _attempt in range(MAX_RESYNCS):
+        for _attempt in range(MAX_RESYNC_ATTEMPTS):
             try:
                 self.sync_chunks()
                 if self.position < self.start_position:
@@ -227,7 +227,7 @@ class SegmentLog:
             except LayoutChangedError:
                 continue  # chunks were replaced under the scan: sync (and resync) and go on
         raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under a catch-up "
-                                 f"{MAX_RESYNCS} times in a row; try again")
+                                 f"{MAX_RESYNC_ATTEMPTS} times in a row; try again")
 
     def _end_went_back_error(self) -> CorruptDataError:
         """The stored log ends below ``position``, which this handle read as committed. Writers
