@@ -16,8 +16,8 @@ import fnmatch
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("attrindex", "storage_adapters")
+from .code_map import ROOT, library_modules
+
 MAX_MODULE_LINES = 900
 #: modules still over ``MAX_MODULE_LINES``, to be split by responsibility
 OVERSIZED: set[str] = set()
@@ -26,16 +26,7 @@ MAX_CLASS_LINES = 600
 OVERSIZED_CLASSES: set[str] = set()
 
 
-def _modules() -> dict[str, pathlib.Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
-MODULES = _modules()
+MODULES = library_modules()
 
 
 def _imports(name: str, path: pathlib.Path) -> list[tuple[str, list[str]]]:

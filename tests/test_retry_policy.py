@@ -11,12 +11,11 @@ Every bound follows the naming rule (a Renames table on the page may list old na
 from __future__ import annotations
 
 import ast
-import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .code_map import ROOT, library_modules
+
 PAGE = ROOT / "docs" / "retries.md"
-PACKAGES = ("attrindex", "storage_adapters")
 #: names that say "retry bound" whatever the code does with them
 _BOUND_NAME = re.compile(r"ATTEMPTS|RACES|RETRIES|REFRESHES|RESYNCS|RESTARTS|REOPENS|LOOKS|FAILED_|TIMEOUT")
 #: the naming rule (docs/retries.md, "Names of bounds")
@@ -24,16 +23,7 @@ _RULE = re.compile(r"_?(MAX_[A-Z0-9_]+_ATTEMPTS|[A-Z0-9_]+_SECONDS|DEFAULT_[A-Z0
 _ROW = re.compile(r"^\|\s*`([a-z0-9_.]+)\.([A-Z_][A-Z0-9_]*)`(?: \(again\))?\s*\|\s*([^|]+?)\s*\|", re.M)
 
 
-def _modules() -> dict[str, pathlib.Path]:
-    found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
-MODULES = _modules()
+MODULES = library_modules()
 TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
 
 
