@@ -25,7 +25,7 @@ from .tree_index import TreeIndex
 from .listing import ListedStorage
 from .errors import (AttrIndexError, ChunkExistsError, InvalidInputError, SegmentNotFoundError, StoreNotFoundError,
                      StorageError, StreamNotFoundError)
-from .layout import CONFIG_DIR, SEGMENT_MARKER, STORE_MARKER, segment_parts, stream_dir
+from .layout import CONFIG_DIR, SEGMENT_MARKER, STORE_MARKER, segment_marker, segment_parts, stream_dir
 from .log.cleanup_policy import load_policy, policy_from_options, store_policy
 from .locations import open_location
 from .options import SegmentOptions
@@ -130,7 +130,7 @@ class SegmentStore:
                     _check_policy(segment.cleanup_policy(), cleanup, name)
                 return segment
             if self.storage.appendable:
-                exists, storage = self.storage.exists(f"{name}/{SEGMENT_MARKER}"), self.storage
+                exists, storage = self.storage.exists(segment_marker(name)), self.storage
             else:  # an object store: one listing tells whether it exists and opens every part of it
                 listing = self.storage.list_files(name)
                 exists, storage = SEGMENT_MARKER in listing, ListedStorage(self.storage, name, listing)
@@ -152,7 +152,7 @@ class SegmentStore:
                 if storage is not self.storage:
                     storage.expire()  # later listings are live
             if not exists:
-                self.storage.put_marker(f"{name}/{SEGMENT_MARKER}")
+                self.storage.put_marker(segment_marker(name))
             self._segments[name] = segment
             return segment
 
@@ -194,12 +194,12 @@ class SegmentStore:
 
     def _require(self, name: str) -> None:
         validate_name(name)
-        if not self.storage.exists(f"{name}/{SEGMENT_MARKER}"):
+        if not self.storage.exists(segment_marker(name)):
             raise SegmentNotFoundError(f"segment {name!r} does not exist in {self.storage.url!r}")
 
     def exists(self, name: str) -> bool:
         validate_name(name)
-        return self.storage.exists(f"{name}/{SEGMENT_MARKER}")
+        return self.storage.exists(segment_marker(name))
 
     def segments(self, prefix: str = "") -> list[str]:
         """Names of the segments in the store (under ``prefix``), sorted."""
@@ -243,7 +243,7 @@ class SegmentStore:
         if left:
             raise StorageError(f"segment {name!r}: could not delete {sorted(left)} (the segment still exists; "
                                f"delete it again once the cause is fixed)")
-        self.storage.delete([f"{name}/{SEGMENT_MARKER}"])
+        self.storage.delete([segment_marker(name)])
 
     def _segment_parts(self, name: str) -> set[str]:
         """The top entries of segment ``name``'s files: those starting with ``_`` (segment names
