@@ -46,7 +46,7 @@ from .options import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SEC
                       SegmentOptions)
 from .overlay import AttributeOverlay, sort_keys
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
-from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
+from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_PIECE_SIZE, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
                          IndexStats, TreeIndex, key_list)
 
 #: WAL chunk size: space comes back a whole merged chunk at a time, so small next to the tree
@@ -95,6 +95,7 @@ class AttributeIndex(IndexHandle):
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         value_cache_entries: int = DEFAULT_VALUE_CACHE_ENTRIES,
         compaction: bool | str | object = True,
+        piece_size: int = DEFAULT_PIECE_SIZE,
         wal_rolling_size: int = DEFAULT_WAL_ROLLING_SIZE,
         merge_keys: int = DEFAULT_FLUSH_KEYS,
         merge_bytes: int = DEFAULT_FLUSH_BYTES,
@@ -123,7 +124,8 @@ class AttributeIndex(IndexHandle):
             flush_seconds=float(merge_seconds), max_pending_bytes=max_pending_bytes, truncate_merged_log=True,
             merge_process=merge_process, merge_hang_seconds=float(merge_hang_seconds),
             attribute_options=dict(page_size=page_size, rolling_size=rolling_size, cache_bytes=cache_bytes,
-                                   value_cache_entries=value_cache_entries, compaction=compaction))
+                                   value_cache_entries=value_cache_entries, compaction=compaction,
+                                   piece_size=piece_size))
         self._closed = False
         self._read_only = False  # set by open(mode="r")
         self._updates_written = 0  # WAL appends made by this handle
@@ -197,7 +199,9 @@ class AttributeIndex(IndexHandle):
 
         ``options``: ``page_size`` (default 32768), ``rolling_size`` of the tree (4 MiB),
         ``cache_bytes`` for decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi),
-        ``compaction`` (True: the bounded policy; "pravega"; False); ``wal_rolling_size`` (4 MiB),
+        ``compaction`` (True: the bounded policy; "pravega"; False); ``piece_size`` (8 MiB: a merge
+        that writes more is appended in pieces of about this size, which bounds its memory);
+        ``wal_rolling_size`` (4 MiB),
         and when the WAL's pending updates are merged into the tree by the background merge:
         ``merge_keys`` (250,000 pending keys), ``merge_bytes`` (64 MiB of overlay),
         ``merge_seconds`` (30); ``max_pending_bytes`` (256 MiB) bounds the pending updates'

@@ -21,7 +21,7 @@ import attrs
 
 from storage_adapters import ChunkStorage, RollingSegment
 
-from .btree import BTreeIndex, policy_for
+from .btree import DEFAULT_PIECE_SIZE, BTreeIndex, policy_for
 from .btree.framing import TREE_FRAMING
 from .btree.repair import IndexRepairReport, repair_index
 from .btree.verify import VerifyReport, verify_index
@@ -112,6 +112,7 @@ class TreeIndex(IndexHandle):
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         value_cache_entries: int = DEFAULT_VALUE_CACHE_ENTRIES,
         compaction: bool | str | object = True,
+        piece_size: int = DEFAULT_PIECE_SIZE,
     ):
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise InvalidInputError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
@@ -128,7 +129,8 @@ class TreeIndex(IndexHandle):
         self._read_only = False  # set by open(mode="r")
         # Another writer's version makes the recent values stale: the tree says when it adopts one.
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
-                                policy=policy_for(compaction), on_external_change=self._external_change)
+                                policy=policy_for(compaction), on_external_change=self._external_change,
+                                piece_size=piece_size)
 
     def _external_change(self) -> None:
         with self._cache_lock:
@@ -166,7 +168,8 @@ class TreeIndex(IndexHandle):
 
         ``options``: ``page_size`` (default 32768), ``rolling_size`` (4 MiB), ``cache_bytes`` for
         decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
-        the bounded policy; "pravega"; False).
+        the bounded policy; "pravega"; False), ``piece_size`` (8 MiB: an update that writes more is
+        appended in pieces of about this size, which bounds its memory; at least ``page_size``).
         """
         return cls._open_at(url, name, mode, storage_options, options)
 
@@ -305,7 +308,7 @@ class TreeIndex(IndexHandle):
 
     def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
                   checkpoint: int | None = None, progress: Callable[[int, int], None] | None = None) -> int:
-        """Load ``(key, value)`` pairs, in any order, as a fresh B+tree written in ONE durable append;
+        """Load ``(key, value)`` pairs, in any order, as a fresh B+tree written in ONE durable update;
         return the number of entries the index holds afterwards.
 
         The tree is built bottom-up (full leaves, then index pages, then the footer) in one pass

@@ -61,8 +61,9 @@ class Injection(NamedTuple):
 
 
 class _Script:
-    def __init__(self, kind: str, op: str | None, path_contains: str | None, times: int):
+    def __init__(self, kind: str, op: str | None, path_contains: str | None, times: int, after: int):
         self.kind, self.op, self.path_contains, self.remaining = kind, op, path_contains, times
+        self.skip = after  #: matching calls let through before the first injection
 
     def matches(self, op: str, path: str) -> bool:
         return (
@@ -106,16 +107,27 @@ class FaultyStorage(ChunkStorage):
     # The requests are the inner backend's (an injected failure before the call sent none).
     counts_own_requests = True
 
-    def script(self, kind: str, *, op: str | None = None, path_contains: str | None = None, times: int = 1) -> None:
-        """Inject ``kind`` on the next ``times`` calls of ``op`` (any applicable one if None) on a
-        path containing ``path_contains`` (any if None). Scripted faults go before random ones."""
+    def script(self, kind: str, *, op: str | None = None, path_contains: str | None = None, times: int = 1,
+               after: int = 0) -> None:
+        """Inject ``kind`` on ``times`` calls of ``op`` (any applicable one if None) on a path
+        containing ``path_contains`` (any if None), after letting ``after`` such calls through.
+        Scripted faults go before random ones."""
         _check_kind(kind)
         if op is not None and op not in FAULT_OPERATIONS[kind]:
             raise InvalidInputError(f"fault {kind!r} does not apply to {op!r}; it applies to {FAULT_OPERATIONS[kind]}")
         if not isinstance(times, int) or times < 1:
             raise InvalidInputError(f"times must be a positive int, got {times!r}")
+        if not isinstance(after, int) or after < 0:
+            raise InvalidInputError(f"after must be an int >= 0, got {after!r}")
         with self._guard:
-            self._scripts.append(_Script(kind, op, path_contains, times))
+            self._scripts.append(_Script(kind, op, path_contains, times, after))
+
+    def cancel_scripts(self) -> int:
+        """Drop the scripted faults not injected yet; return how many there were."""
+        with self._guard:
+            pending = sum(s.remaining for s in self._scripts)
+            self._scripts.clear()
+            return pending
 
     def pending_scripts(self) -> int:
         """How many scripted faults have not been injected yet."""
@@ -141,6 +153,9 @@ class FaultyStorage(ChunkStorage):
     def _scripted(self, op: str, path: str) -> str | None:
         for script in self._scripts:
             if script.matches(op, path):
+                if script.skip:
+                    script.skip -= 1
+                    return None
                 script.remaining -= 1
                 if not script.remaining:
                     self._scripts.remove(script)

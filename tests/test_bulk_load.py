@@ -144,7 +144,7 @@ def test_leaves_are_encoded_as_the_page_codec_does():
     builder = bulk._Builder(1000, leaf_capacity(4096), 100)
     keys = [k(i) for i in range(5)]
     builder.add_lists(keys, [-1, 0, 1, 1 << 62, -(1 << 63)])
-    data, _footer = builder.finish(-1)
+    data, _footer, _at = builder.finish(-1)
     page = encode_leaf(keys, [-1, 0, 1, 1 << 62, -(1 << 63)], 1000)
     assert data.startswith(page)
     assert decode_page(page, 1000).values == [-1, 0, 1, 1 << 62, -(1 << 63)]
@@ -379,15 +379,35 @@ def test_pairs_read_and_checked_first_load_as_a_run():
     check(index, {k(1): 1, k(2): 2})
 
 
-def test_a_load_too_large_for_one_update_is_refused_before_writing(monkeypatch):
-    monkeypatch.setattr(bulk, "MAX_UPDATE_BYTES", 2000)  # the real limit is 4 GiB of pages
-    index = new_index()
-    index.update({k(0): 0})
-    length = index.stats().length
-    with pytest.raises(InvalidInputError, match="nothing was written"):
-        load(index, [(k(i), i) for i in range(200)])
-    assert index.stats().length == length
-    assert load(index, [(k(i), i) for i in range(20)]) == 20
+def test_a_load_in_pieces_that_stops_at_any_append_leaves_the_old_tree(tmp_path):
+    """A load larger than ``piece_size`` is appended in pieces that restate the old tree: wherever
+    it stops, the old tree is what every reader sees, and the next load goes through."""
+    url = str(tmp_path / "store")
+    storage = FaultyStorage(open_storage(url), seed=3)
+    index = TreeIndex(storage, page_size=1024, piece_size=4096)
+    old = {k(i): i for i in range(300)}
+    index.update(old)
+    new = {k(i): -i for i in range(100, 2000)}  # about 45 KiB of pages: a dozen pieces
+    stopped = 0
+    while True:
+        storage.script("fail_before", op="append", after=stopped)
+        try:
+            load(index, iter(new.items()))
+        except StorageError:
+            stopped += 1
+            storage.cancel_scripts()
+            check(TreeIndex(open_storage(url), page_size=1024), old)
+            continue
+        assert storage.cancel_scripts() == 1
+        break
+    assert stopped > 10, "the load was not written in pieces"
+    check(TreeIndex(open_storage(url), page_size=1024), old | new)
+
+
+def test_piece_size_is_checked(tmp_path):
+    for bad in (512, 1.5, (1 << 30) + 1):
+        with pytest.raises(InvalidInputError, match="piece_size"):
+            TreeIndex(open_storage(str(tmp_path)), page_size=1024, piece_size=bad)
 
 
 def test_load_reopen_and_truncate_on_every_backend(storage_url):

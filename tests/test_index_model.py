@@ -1,4 +1,9 @@
-"""Hypothesis model test: TreeIndex against a dict, with tiny pages so trees are 4+ levels deep."""
+"""Hypothesis model test: TreeIndex against a dict, with tiny pages so trees are 4+ levels deep.
+
+Updates are written whole or in pieces of one page or a few (``piece_size``), and some fail at a
+random append of their pieces: the index must then read as before the update, verify clean, and
+take the next update.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
+
+from attrindex.btree import DEFAULT_PIECE_SIZE
 from attrindex.tree_index import TreeIndex
-from storage_adapters import open_storage
+from storage_adapters import StorageError, open_storage
+from storage_adapters.faults import FaultyStorage
 
 PAGE_SIZE = 120  # 4 leaf entries or 3 index entries per page: deep trees from few keys
 # Keys from a small universe so updates hit existing keys, removes find them, and ranges are dense.
@@ -23,10 +31,12 @@ VALUES = st.one_of(st.none(), st.integers(min_value=-(1 << 63), max_value=(1 << 
 
 def machine_for(new_url, compaction, heights):
     class IndexMachine(RuleBasedStateMachine):
-        @initialize(rolling=st.sampled_from([256, 4096, 1 << 20]), preload=st.integers(min_value=120, max_value=400))
-        def open(self, rolling, preload):
+        @initialize(rolling=st.sampled_from([256, 4096, 1 << 20]), preload=st.integers(min_value=120, max_value=400),
+                    piece_size=st.sampled_from([PAGE_SIZE, 3 * PAGE_SIZE, DEFAULT_PIECE_SIZE]))
+        def open(self, rolling, preload, piece_size):
             self.url = new_url()
             self.rolling = rolling
+            self.piece_size = piece_size
             self.index = self._open()
             # Start from a tree at least 4 levels deep (more than 4 * 3 * 3 = 36 * 3 entries).
             self.model = {KEY_OF(i): i for i in range(preload)}
@@ -35,8 +45,9 @@ def machine_for(new_url, compaction, heights):
             assert self.max_height >= 4
 
         def _open(self, cache_bytes=1 << 20):
-            return TreeIndex(open_storage(self.url), page_size=PAGE_SIZE, rolling_size=self.rolling,
-                                  cache_bytes=cache_bytes, compaction=compaction)
+            self.storage = FaultyStorage(open_storage(self.url), seed=0)
+            return TreeIndex(self.storage, page_size=PAGE_SIZE, rolling_size=self.rolling,
+                             cache_bytes=cache_bytes, compaction=compaction, piece_size=self.piece_size)
 
         @rule(batch=st.lists(st.tuples(KEYS, VALUES), min_size=1, max_size=40))
         def update(self, batch):
@@ -47,6 +58,18 @@ def machine_for(new_url, compaction, heights):
                 else:
                     self.model[key] = value
             self.max_height = max(self.max_height, self.index.stats().height)
+
+        @rule(batch=st.lists(st.tuples(KEYS, VALUES), min_size=1, max_size=40), after=st.integers(0, 12))
+        def update_that_fails_part_way(self, batch, after):
+            # Its appends (its pieces, then the last one) fail from the (after + 1)-th on; an update
+            # with fewer appends is applied whole.
+            self.storage.script("fail_before", op="append" if self.storage.appendable else "create", after=after)
+            try:
+                self.update(batch)
+            except StorageError:
+                pass  # not applied: the model is unchanged, and the index must read as before
+            finally:
+                self.storage.cancel_scripts()
 
         @rule(key=KEYS)
         def get(self, key):

@@ -31,7 +31,8 @@ from attrindex.btree.framing import TREE_FRAMING
 from storage_adapters import RollingSegment, open_storage
 from storage_adapters.faults import FaultyStorage
 
-SMALL = dict(page_size=256, rolling_size=2048, wal_rolling_size=1024, merge_keys=12)
+# Merges of more than two pages are written in pieces.
+SMALL = dict(page_size=256, rolling_size=2048, wal_rolling_size=1024, merge_keys=12, piece_size=512)
 
 
 def k(i: int) -> bytes:
@@ -155,6 +156,28 @@ def test_a_merge_happens_once_merge_keys_are_pending(tmp_path):
     while index.stats().pending_keys and time.monotonic() < deadline:
         time.sleep(0.005)
     assert index.stats().pending_keys == 0 and index.verify().entries == 50
+
+
+def test_a_merge_larger_than_a_piece_is_written_in_pieces_by_the_merge_worker(tmp_path):
+    index = AttributeIndex.open(str(tmp_path), page_size=4096, piece_size=16384, compaction=False, merge_keys=10_000)
+    expected = {}
+    for n in range(8):
+        batch = {k(i): n * 100_000 + i for i in range(n, 12_000, 5)}
+        index.update(batch)
+        expected.update(batch)
+    deadline = time.monotonic() + 120  # the background merge, in the worker: 10,000+ keys pending
+    while not index._attributes.runner.merges and time.monotonic() < deadline:
+        time.sleep(0.01)
+    worker = index._attributes.runner.worker
+    assert worker is not None and worker.starts == 1 and index._attributes.runner.merges == 1
+    assert index.verify().updates > 10  # the pieces' footers, then the merge's own
+    index.flush()  # the updates that arrived after the merge began
+    report = index.verify()
+    assert report.ok and report.entries == len(expected)
+    index.close()
+    reader = AttributeIndex.open(str(tmp_path), mode="r")
+    assert reader.stats().pending_keys == 0
+    assert dict(reader.items()) == expected
 
 
 def test_reopening_replays_the_wal_after_the_trees_checkpoint(tmp_path):

@@ -602,3 +602,74 @@ def test_an_update_whose_append_failed_ambiguously_is_applied_once_or_not_at_all
     assert reopened.get_many([k(0), k(49), k(60)]) == [2 if applied else 1] * 2 + [3]
     report = reopened.verify()
     assert report.ok and report.updates == (3 if applied else 2)  # never twice
+
+
+# -- updates in pieces -------------------------------------------------------------------------
+def test_an_update_in_pieces_that_stops_at_any_append_leaves_the_version_before_it(storage_url):
+    """Every append of an update but its last is a piece that no version references: wherever
+    the update stops, the index reads and verifies as before it, and takes the next update."""
+    url, options = storage_url
+    storage = FaultyStorage(open_storage(url, **options), seed=1)
+    idx = TreeIndex(storage, page_size=256, piece_size=2048)
+    before = {k(i): i for i in range(0, 400, 2)}
+    idx.update(before)
+    new = {k(i): -i for i in range(0, 400, 3)}
+    op = "append" if storage.appendable else "create"
+    stopped = 0
+    while True:
+        storage.script("fail_before", op=op, after=stopped)
+        try:
+            idx.update(new)
+        except StorageError:
+            stopped += 1
+            storage.cancel_scripts()
+            reader = TreeIndex(open_storage(url, **options), page_size=256)
+            assert dict(reader.items()) == before
+            assert reader.verify().ok
+            continue
+        assert storage.cancel_scripts() == 1  # it made fewer appends than the script let through
+        break
+    assert stopped >= 3, "the update was not written in pieces"
+    reader = TreeIndex(open_storage(url, **options), page_size=256)
+    assert dict(reader.items()) == {**before, **new}
+    report = reader.verify()
+    assert report.ok and report.entries == len({**before, **new})
+
+
+def test_a_writer_that_appends_between_two_pieces_makes_the_update_start_over(url, monkeypatch):
+    """The pieces of an update are appended back to back or not at all: another writer's update
+    in between (built on the version the pieces restate) makes the first one start over from
+    the newer version, so neither update is lost."""
+    a = TreeIndex(open_storage(url), page_size=256, piece_size=1024)
+    a.update({k(i): i for i in range(600)})
+    b = TreeIndex(open_storage(url), page_size=256)
+    appends = []
+    append = a._tree.segment.append
+
+    def then_b_writes(data, **kwargs):
+        appends.append(len(data))
+        if len(appends) == 2:  # after a's first piece
+            b.refresh()
+            assert b.get(k(0)) == 0  # a piece changes no value
+            b.update({k(0): 1000, k(1): 1001, k(700): 700})
+        return append(data, **kwargs)
+
+    monkeypatch.setattr(a._tree.segment, "append", then_b_writes)
+    a.update({k(i): -i for i in range(0, 600, 3)})
+    assert len(appends) > 4  # pieces, a lost one, then all of them again
+    expected = {k(i): i for i in range(600)}
+    expected.update({k(1): 1001, k(700): 700})
+    expected.update({k(i): -i for i in range(0, 600, 3)})  # a committed last: its k(0) wins
+    reader = TreeIndex(open_storage(url), page_size=256)
+    assert dict(reader.items()) == expected and reader.verify().ok
+
+
+def test_verify_checks_the_pages_of_pieces_and_not_the_bytes_a_repair_abandoned(url):
+    idx = TreeIndex(open_storage(url), page_size=256, piece_size=1024, compaction=False)
+    idx.update({k(i): i for i in range(300)})  # pieces, then the last append
+    first_leaf = 0  # in the first piece: referenced by the tree
+    assert idx.verify().ok and idx.stats().updates_written == 1
+    idx.update({k(i): -i for i in range(300)})  # rewrites every leaf: the first piece is dead now
+    flip(url, first_leaf + 20)
+    report = TreeIndex.verify_at(url)
+    assert [d.start for d in report.damage] == [first_leaf], report.damage

@@ -1,4 +1,4 @@
-"""Bulk load: build a whole B+tree bottom-up from (key, value) pairs and write it as one append.
+"""Bulk load: build a whole B+tree bottom-up from (key, value) pairs and write it as one update.
 
 Two phases, so that bad input never writes anything and a lost compare-and-append race can be
 retried without the caller's input (which may be a one-shot iterator):
@@ -18,17 +18,13 @@ retried without the caller's input (which may be a one-shot iterator):
    paused while reading (see :func:`read_pairs`).
 2. **Build** (:func:`build`): stream the run, merged with the existing tree's leaves (read leaf by
    leaf, in order), into full leaves, then index levels over them (child offsets, lengths and
-   subtree minimum offsets), then the footer, in one buffer appended by ONE compare-and-append.
-   The footer is the last bytes of the append, so a crash or a failed append leaves the old tree
-   as the committed state; every page of the old tree becomes dead, and the truncation after the
-   append reclaims their chunks.
-
-Why one append, even for very large inputs: the tree's committed length must end in a footer (an
-open takes anything else for damage, never for an older version), so pages appended ahead of
-their footer by separate appends would make a crash between them a refusal to open rather than
-the old tree. Memory is therefore the new tree's pages (about 24 bytes an entry) plus the run;
-the footer's 32-bit update length caps one load at 4 GiB of pages (about 170M entries), refused
-before anything is written.
+   subtree minimum offsets), then the footer: one update, appended in pieces of about
+   ``piece_size`` bytes as the pages fill (docs/format.md, "Updates in pieces"). Each piece ends
+   with a footer that restates the old tree, so only the last append, ending with the new
+   footer, changes what readers see: a crash or a failed append before it leaves the old tree;
+   every page of the old tree becomes dead, and the truncation after the load reclaims their
+   chunks. Memory is one piece of pages, the pointers to the leaves (28 bytes a leaf) and the
+   run.
 
 Leaves are full (``leaf_capacity`` entries) but for the last; index pages likewise, except that
 the last page of a level never holds a single child. The pages are the ones of ``page.py``,
@@ -57,7 +53,6 @@ from .page import FORMAT_VERSION, HEADER, LEAF, page_checksum, column_struct, en
 
 READ_CHUNK = 1 << 16  #: pairs validated and sorted-checked at a time
 PROGRESS_EVERY = 1 << 16  #: pairs (or entries) between progress calls
-MAX_UPDATE_BYTES = (1 << 32) - 1  #: the footer's update length is a u32 (about 170M entries)
 _LITTLE = sys.byteorder == "little"
 _CRC = struct.Struct("<I")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
@@ -296,18 +291,28 @@ def _pack_ascending(run: SortedRun, pairs: list, progress: Progress | None) -> b
 
 # -- phase 2: build ----------------------------------------------------------------------------
 class _Builder:
-    """Lays out leaves (full), then index levels, then the footer, in one buffer at ``base``."""
+    """Lays out leaves (full), then index levels, then the footer, at ``base``. With ``flush``,
+    the pages are handed over in pieces as they fill (``flush(data, offset)`` appends them as a
+    piece and returns the offset that follows: see ``BTreeIndex``), so memory holds about one
+    piece of pages plus the pointers to the leaves (28 bytes a leaf, in columns)."""
 
-    def __init__(self, base: int, leaf_capacity: int, index_capacity: int):
-        self.base = base
+    def __init__(self, base: int, leaf_capacity: int, index_capacity: int,
+                 flush: Callable[[bytearray, int], int] | None = None, piece_size: int = 0):
+        self.base = base  #: the offset of ``buffer[0]``
         self.leaf_capacity = leaf_capacity
         self.index_capacity = index_capacity
         self.buffer = bytearray()
         self.pending_keys = bytearray()
         self.pending_values = array("q")
-        self.pointers: list[tuple[bytes, int, int, int]] = []  # level 1: (first key, offset, length, min offset)
+        # Level 1, one entry a leaf: its first key, offset and length (its minimum offset is its own).
+        self.leaf_keys = bytearray()
+        self.leaf_offsets = array("q")
+        self.leaf_lengths = array("q")
         self.entries = 0
         self.pages = 0
+        self.live_bytes = 0
+        self._flush = flush
+        self._piece_size = piece_size
 
     def add(self, keys: bytes | bytearray | memoryview, values: array) -> None:
         """Append ascending entries (all above those added before): key column and value column."""
@@ -341,23 +346,39 @@ class _Builder:
         page += keys
         page += column.tobytes()
         _CRC.pack_into(page, 8, page_checksum(offset, page))
-        self.buffer += page
-        self.pointers.append((bytes(keys[:KEY_SIZE]), offset, len(page), offset))
+        self.leaf_keys += keys[:KEY_SIZE]
+        self.leaf_offsets.append(offset)
+        self.leaf_lengths.append(len(page))
         self.entries += n
-        self.pages += 1
+        self._add(page)
 
-    def finish(self, checkpoint: int) -> tuple[bytes, Footer]:
-        """Flush the last leaf, stack the index levels, append the footer: the bytes to append."""
+    def _add(self, page: bytes | bytearray) -> None:
+        self.buffer += page
+        self.pages += 1
+        self.live_bytes += len(page)
+        if self._flush is not None and len(self.buffer) >= self._piece_size:
+            self.base = self._flush(self.buffer, self.base)
+            self.buffer = bytearray()
+
+    def _leaf_pointers(self, lo: int, hi: int) -> list[tuple[bytes, int, int, int]]:
+        keys, offsets, lengths = self.leaf_keys, self.leaf_offsets, self.leaf_lengths
+        return [(bytes(keys[i * KEY_SIZE:(i + 1) * KEY_SIZE]), offsets[i], lengths[i], offsets[i]) for i in range(lo, hi)]
+
+    def finish(self, checkpoint: int) -> tuple[bytes, Footer, int]:
+        """Flush the last leaf, stack the index levels, append the footer: the bytes of the last
+        append, its footer, and the offset to append them at (after the pieces)."""
         if self.pending_values:
             self._leaf(self.pending_keys, self.pending_values)
-        pointers, height = self.pointers, 1 if self.pointers else 0
-        while len(pointers) > 1:
-            pointers = [self._index(group) for group in _groups(pointers, self.index_capacity)]
+        leaves = len(self.leaf_offsets)
+        height = 1 if leaves else 0
+        if leaves > 1:  # the level above the leaves, one group of pointers at a time
+            pointers = [self._index(self._leaf_pointers(lo, hi)) for lo, hi in _ranges(leaves, self.index_capacity)]
             height += 1
-        if len(self.buffer) + FOOTER_SIZE > MAX_UPDATE_BYTES:
-            raise InvalidInputError(
-                f"a bulk load of {self.entries:,} entries makes {len(self.buffer):,} bytes of pages, more than one "
-                f"update may hold (the footer records its length in 32 bits); nothing was written")
+        else:
+            pointers = self._leaf_pointers(0, leaves)
+        while len(pointers) > 1:
+            pointers = [self._index(pointers[lo:hi]) for lo, hi in _ranges(len(pointers), self.index_capacity)]
+            height += 1
         footer_offset = self.base + len(self.buffer)
         root = pointers[0] if pointers else None
         footer = Footer(
@@ -366,30 +387,32 @@ class _Builder:
             height=height,
             entry_count=self.entries,
             page_count=self.pages,
-            live_bytes=len(self.buffer),
+            live_bytes=self.live_bytes,
             min_offset=root[3] if root else footer_offset,
             checkpoint=checkpoint,
             update_length=len(self.buffer) + FOOTER_SIZE,
         )
         self.buffer += footer.encode(footer_offset)
-        return bytes(self.buffer), footer
+        return bytes(self.buffer), footer, self.base
 
     def _index(self, group: list[tuple[bytes, int, int, int]]) -> tuple[bytes, int, int, int]:
         keys, offsets, lengths, mins = map(list, zip(*group))
         offset = self.base + len(self.buffer)
         page = encode_index(keys, offsets, lengths, mins, offset)  # keys[0] is stored as MIN_KEY
-        self.buffer += page
-        self.pages += 1
+        self._add(page)
         return keys[0], offset, len(page), min(mins)
 
 
-def _groups(pointers: list, capacity: int) -> list[list]:
-    """Full groups of ``capacity`` but the last; a last group of one borrows from the one before
-    (an index page routes to at least two children)."""
-    groups = [pointers[i:i + capacity] for i in range(0, len(pointers), capacity)]
-    if len(groups) > 1 and len(groups[-1]) == 1:
-        groups[-1].insert(0, groups[-2].pop())
-    return groups
+def _ranges(count: int, capacity: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each index page's children among ``count`` pointers: full groups of
+    ``capacity`` but the last; a last group of one borrows from the one before (an index page
+    routes to at least two children)."""
+    bounds = [*range(0, count, capacity), count]
+    ranges = list(zip(bounds, bounds[1:]))
+    if len(ranges) > 1 and ranges[-1][1] - ranges[-1][0] == 1:
+        (a, b), d = ranges[-2], ranges[-1][1]
+        ranges[-2:] = [(a, b - 1), (b - 1, d)]
+    return ranges
 
 
 def _swapped(values: array) -> array:
@@ -399,11 +422,14 @@ def _swapped(values: array) -> array:
 
 
 def build(run: SortedRun, old_leaves: Iterator | None, base: int, checkpoint: int, *, leaf_capacity: int,
-          index_capacity: int, old_entries: int = 0, progress: Progress | None = None) -> tuple[bytes, Footer]:
-    """The bytes of a fresh tree holding ``run`` merged over ``old_leaves`` (the current tree's
-    leaf pages in key order, ``None`` for an empty tree), to be appended at ``base``, with at most
-    ``leaf_capacity`` entries a leaf and ``index_capacity`` an index page."""
-    builder = _Builder(base, leaf_capacity, index_capacity)
+          index_capacity: int, old_entries: int = 0, progress: Progress | None = None,
+          flush: Callable[[bytearray, int], int] | None = None, piece_size: int = 0) -> tuple[bytes, Footer, int]:
+    """A fresh tree holding ``run`` merged over ``old_leaves`` (the current tree's leaf pages in
+    key order, ``None`` for an empty tree), appended from ``base`` on, with at most
+    ``leaf_capacity`` entries a leaf and ``index_capacity`` an index page: ``(bytes, footer,
+    offset)``, the last append and where it goes. With ``flush``, pages are handed to it in pieces
+    of about ``piece_size`` bytes first (see ``_Builder``)."""
+    builder = _Builder(base, leaf_capacity, index_capacity, flush, piece_size)
     total, done, reported = len(run) + old_entries, 0, 0
     keys, i, r = _KeyView(run), 0, 0  # next run entry, next removal
     for leaf in old_leaves or ():

@@ -5,7 +5,8 @@ Layout (72 bytes, little-endian; see docs/format.md)::
     0   8  magic b"AIXFOOT1"
     8   u64 root offset          (0 with root length 0: the tree is empty)
     16  u32 root length
-    20  u32 height               (0 empty, 1 a single leaf, ...)
+    20  u16 height               (0 empty, 1 a single leaf, ...)
+    22  u16 kind                 (0 an update, 1 a piece of an update in progress, 2 a repair's copy)
     24  u64 entry count
     32  u64 page count
     40  u64 live bytes           (sum of the lengths of the pages reachable from the root)
@@ -17,6 +18,11 @@ Layout (72 bytes, little-endian; see docs/format.md)::
 
 The checksum is seeded with the footer's own offset, so bytes that merely look like a footer
 elsewhere (inside a page, inside garbage) are rejected.
+
+Every footer is a version of the tree. An update's footer ends the pages it wrote, its root last.
+A piece's and a copy's footer restate an older version (its root, counts and checkpoint): a piece
+ends pages that a later footer of the same update will reference (an update written in bounded
+pieces), a copy ends bytes that a repair abandoned.
 """
 
 from __future__ import annotations
@@ -28,9 +34,14 @@ import attrs
 from .. import checksum
 
 MAGIC = b"AIXFOOT1"
-_LAYOUT = struct.Struct("<8sQIIQQQQqI")
+_LAYOUT = struct.Struct("<8sQIHHQQQQqI")
 FOOTER_SIZE = _LAYOUT.size + 4  # 72
 _U64 = struct.Struct("<Q")
+
+UPDATE = 0  #: the footer of an update: the pages before it end with its root (or there are none)
+PIECE = 1  #: the footer of a piece: pages of an update in progress, referenced by none yet
+COPY = 2  #: a repair's copy of an older footer: the bytes before it were abandoned
+KINDS = (UPDATE, PIECE, COPY)
 
 
 @attrs.frozen
@@ -46,10 +57,17 @@ class Footer:
     min_offset: int = 0
     checkpoint: int = -1
     update_length: int = 0
+    kind: int = UPDATE
+
+    @property
+    def restates(self) -> bool:
+        """Whether this footer restates an older version (a piece's or a copy's): the version
+        it names is the one before it, whatever bytes precede it."""
+        return self.kind != UPDATE
 
     def encode(self, offset: int) -> bytes:
         body = _LAYOUT.pack(
-            MAGIC, self.root_offset, self.root_length, self.height, self.entry_count,
+            MAGIC, self.root_offset, self.root_length, self.height, self.kind, self.entry_count,
             self.page_count, self.live_bytes, self.min_offset, self.checkpoint, self.update_length,
         )
         return body + _crc(offset, body).to_bytes(4, "little")
@@ -69,8 +87,12 @@ def decode_footer(data: bytes, offset: int) -> Footer | None:
     body = data[:-4]
     if _crc(offset, body) != int.from_bytes(data[-4:], "little"):
         return None
-    fields = _LAYOUT.unpack(body)[1:]
-    footer = Footer(*fields)
+    (root_offset, root_length, height, kind, entry_count, page_count, live_bytes, min_offset, checkpoint,
+     update_length) = _LAYOUT.unpack(body)[1:]
+    if kind not in KINDS:
+        return None
+    footer = Footer(root_offset, root_length, height, entry_count, page_count, live_bytes, min_offset, checkpoint,
+                    update_length, kind)
     # The root (if any) and the whole update lie before the footer.
     if footer.update_length < FOOTER_SIZE or footer.update_length > offset + FOOTER_SIZE:
         return None

@@ -3,7 +3,7 @@
 Nothing is overwritten: the kept version's footer is appended again, re-encoded at its new offset, so
 it becomes the tail, and the report says exactly what was lost. The copy's ``update_length`` spans
 the abandoned bytes too, so the chain of updates leads from it straight to the kept version and a
-verification after the repair passes (a copy writes no root of its own: that marks it as a rollback).
+verification after the repair passes (its footer's kind, a copy, tells verification so).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from storage_adapters import RollingSegment
 from storage_adapters.errors import CorruptDataError
 
 from ..damage import Damage
-from .footer import EMPTY, FOOTER_SIZE
+from .footer import COPY, EMPTY, FOOTER_SIZE
 from .verify import Version, check_tree, survey_chain
 
 log = logging.getLogger("attrindex.btree")
@@ -60,7 +60,7 @@ def repair_index(segment: RollingSegment) -> IndexRepairReport:
         span = survey.length + FOOTER_SIZE - kept_end
         # The field is a u32: past 4 GiB of abandoned bytes the copy is a plain footer-only update,
         # and verification reports those bytes until compaction truncates them.
-        footer = attrs.evolve(version.footer, update_length=span if span < 1 << 32 else FOOTER_SIZE)
+        footer = attrs.evolve(version.footer, update_length=span if span < 1 << 32 else FOOTER_SIZE, kind=COPY)
         if version.offset < 0:  # the empty initial version: its truncation offset is its own footer
             footer = attrs.evolve(footer, min_offset=survey.length)
         segment.append(footer.encode(survey.length), expected_offset=survey.length)

@@ -1,8 +1,11 @@
 """``BTreeIndex``: an append-only B+tree of 16-byte keys and int64 values over a ``RollingSegment``.
 
 An update rewrites the leaves it touches and their paths (copy-on-write), plus whatever the
-compaction policy relocates, and appends them in one compare-and-append: children before parents,
-the root, then the footer. Readers work on a snapshot of the root and never block the writer.
+compaction policy relocates, and appends them: children before parents, the root, then the
+footer. An update of more than ``piece_size`` bytes is appended in pieces, each a compare-and-append
+right after the one before, each ended by a footer that restates the version the update builds on;
+only the last append, ending with the update's own footer, changes the tree readers see. Readers
+work on a snapshot of the root and never block the writer.
 """
 
 from __future__ import annotations
@@ -21,25 +24,16 @@ from storage_adapters.errors import (
     CorruptDataError,
     InvalidInputError,
     OffsetOutOfRangeError,
+    OutcomeUnknownError,
     StorageError,
     TruncatedError,
 )
 
-from ..keys import MIN_KEY
 from . import bulk
-from .compaction import OnePagePolicy, TreeShape
-from .footer import EMPTY, FOOTER_SIZE, Footer, decode_footer
-from .page import (
-    HEADER_SIZE,
-    INDEX_ENTRY_SIZE,
-    IndexPage,
-    LeafPage,
-    decode_page,
-    encode_index,
-    encode_leaf,
-    index_capacity,
-    leaf_capacity,
-)
+from .compaction import OnePagePolicy
+from .footer import EMPTY, FOOTER_SIZE, PIECE, Footer, decode_footer
+from .page import HEADER_SIZE, INDEX_ENTRY_SIZE, IndexPage, LeafPage, decode_page, index_capacity, leaf_capacity
+from .rewrite import Rewrite, UpdateBuilder
 
 MIN_PAGE_SIZE = HEADER_SIZE + 3 * INDEX_ENTRY_SIZE  # an index page must hold at least 3 children
 MAX_PAGE_SIZE = 1 << 24
@@ -47,9 +41,11 @@ MAX_PAGE_SIZE = 1 << 24
 MAX_RELIST_ATTEMPTS = 6  # fresh listings before an inconsistent view is taken for damage
 MAX_READ_ATTEMPTS = 32  # restarts of one read from a newer version, each after another writer's truncation
 MAX_UPDATE_ATTEMPTS = 1000  # compare-and-append races one update may lose in a row
+DEFAULT_PIECE_SIZE = 8 << 20  #: an update larger than this is appended in pieces of about this size
+#: The largest ``piece_size``: one append (a piece, or the last: less than a piece and a page, then
+#: the footer) stays well within the footer's 32-bit update length.
+MAX_PIECE_SIZE = 1 << 30
 log = logging.getLogger("attrindex.btree")
-# Small batches per leaf are inserted by bisection; larger ones merged through a dict.
-_BISECT_MERGE_LIMIT = 32
 
 
 class TreeMovedError(Exception):
@@ -94,90 +90,15 @@ class _Cacheless:
         pass
 
 
-class _UpdateBuilder:
-    """Serialises the pages of one update into one buffer, assigning offsets as it goes."""
-
-    def __init__(self, base: int):
-        self.base = base
-        self.buffer = bytearray()
-        self.pages: dict[int, tuple[LeafPage | IndexPage, int]] = {}  # offset -> (page, length)
-        self.retired: list[int] = []
-        self.live_delta = 0
-        self.page_delta = 0
-        self.entry_delta = 0
-        self.relocated = 0
-
-    def retire(self, offset: int, length: int) -> None:
-        self.retired.append(offset)
-        self.live_delta -= length
-        self.page_delta -= 1
-
-    def leaf(self, keys: list[bytes], values: list[int]) -> tuple[int, int, int]:
-        offset = self.base + len(self.buffer)
-        data = encode_leaf(keys, values, offset)
-        return self._add(offset, data, LeafPage(keys, values)) + (offset,)
-
-    def index(self, keys: list[bytes], offsets: list[int], lengths: list[int], mins: list[int]) -> tuple[int, int, int]:
-        offset = self.base + len(self.buffer)
-        keys = [MIN_KEY, *keys[1:]]
-        data = encode_index(keys, offsets, lengths, mins, offset)
-        return self._add(offset, data, IndexPage(keys, offsets, lengths, mins)) + (min(mins),)
-
-    def _add(self, offset: int, data: bytes, page: LeafPage | IndexPage) -> tuple[int, int]:
-        self.buffer += data
-        self.pages[offset] = (page, len(data))
-        self.live_delta += len(data)
-        self.page_delta += 1
-        return offset, len(data)
+class PieceLostError(Exception):
+    """Another writer appended between two pieces of an update: the pieces written so far are
+    dead (no footer references them) and the update starts over from the newer version.
+    Internal to ``BTreeIndex.update``."""
 
 
-def _split_sizes(count: int, capacity: int, appending: bool) -> list[int]:
-    """Entries per page when ``count`` entries must fit pages of ``capacity``.
-
-    Growth at the right edge (ascending inserts) fills pages completely and leaves the remainder
-    last; anything else is spread evenly, as a plain B+tree split would.
-    """
-    if count <= capacity:
-        return [count]
-    if appending:
-        full, rest = divmod(count, capacity)
-        return [capacity] * full + ([rest] if rest else [])
-    pages = -(-count // capacity)
-    base, extra = divmod(count, pages)
-    return [base + 1] * extra + [base] * (pages - extra)
-
-
-def _merge_leaf(keys: list[bytes], values: list[int], ukeys: Sequence[bytes], uvalues: Sequence[int | None]) -> tuple[list[bytes], list[int], bool]:
-    """Apply sorted updates to a leaf's entries; returns new lists and whether they only appended."""
-    if not ukeys:
-        return keys, values, False
-    if not keys or ukeys[0] > keys[-1]:
-        if None in uvalues:
-            ukeys = [k for k, v in zip(ukeys, uvalues) if v is not None]
-            uvalues = [v for v in uvalues if v is not None]
-        return [*keys, *ukeys], [*values, *uvalues], True
-    if len(ukeys) <= _BISECT_MERGE_LIMIT:
-        keys, values, low = list(keys), list(values), 0
-        for key, value in zip(ukeys, uvalues):
-            i = bisect.bisect_left(keys, key, low)
-            if i < len(keys) and keys[i] == key:
-                if value is None:
-                    del keys[i], values[i]
-                else:
-                    values[i] = value
-            elif value is not None:
-                keys.insert(i, key)
-                values.insert(i, value)
-            low = i
-        return keys, values, False
-    merged = dict(zip(keys, values))
-    for key, value in zip(ukeys, uvalues):
-        if value is None:
-            merged.pop(key, None)
-        else:
-            merged[key] = value
-    new_keys = sorted(merged)
-    return new_keys, [merged[k] for k in new_keys], False
+def _same_version(a: Footer, b: Footer) -> bool:
+    """Whether two footers name the same tree (a piece's or a copy's restates another's)."""
+    return attrs.evolve(a, update_length=0, kind=0) == attrs.evolve(b, update_length=0, kind=0)
 
 
 class BTreeIndex:
@@ -186,15 +107,21 @@ class BTreeIndex:
     ``cache`` is the page cache (anything with ``get_or_load``/``insert``/``erase``), ``None``
     to disable; ``policy`` a compaction policy from ``compaction.py``; ``on_external_change`` is
     called whenever the tree adopts a state written by another handle, so caches derived from the
-    old state (the recent values) can be dropped.
+    old state (the recent values) can be dropped. An update that writes more than ``piece_size``
+    bytes is appended in pieces of about that size (docs/format.md, "Updates in pieces"), so its
+    memory does not grow with the tree.
     """
 
     def __init__(self, segment: RollingSegment, *, page_size: int = 32768, cache=None, policy=None,
-                 on_external_change: Callable[[], None] | None = None):
+                 on_external_change: Callable[[], None] | None = None, piece_size: int = DEFAULT_PIECE_SIZE):
         if not isinstance(page_size, int) or not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
             raise InvalidInputError(f"page_size must be an int in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size!r}")
+        if type(piece_size) is not int or not page_size <= piece_size <= MAX_PIECE_SIZE:
+            raise InvalidInputError(f"piece_size must be an int in [page_size ({page_size}), {MAX_PIECE_SIZE}], "
+                                    f"got {piece_size!r:.60}")
         self.segment = segment
         self.page_size = page_size
+        self.piece_size = piece_size
         self.leaf_capacity = leaf_capacity(page_size)
         self.index_capacity = index_capacity(page_size)
         self.cache = cache if cache is not None else _Cacheless()
@@ -239,6 +166,12 @@ class BTreeIndex:
             except CorruptDataError as error:
                 problem = error
                 continue
+            if state.footer.restates and _same_version(state.footer, current.footer):
+                # A piece of another writer's update in progress (or a repair's copy of this very
+                # version): the tree is the one this handle reads, and its caches stay valid.
+                state = attrs.evolve(state, root=current.root)
+                self._state = state
+                return state
             self._state = state
             if self._on_external_change is not None:
                 self._on_external_change()
@@ -526,11 +459,14 @@ class BTreeIndex:
                 except OffsetOutOfRangeError as error:  # another writer compacted pages this stale state needs
                     self._restart(state, error)
                     continue
+                except PieceLostError:  # another writer appended between two pieces: start over
+                    self.reload()
+                    continue
                 if builder is None:
                     return state
                 data, footer = builder
                 try:
-                    self.segment.append(data.buffer, expected_offset=state.length)
+                    self.segment.append(data.buffer, expected_offset=data.base)
                 except BadOffsetError:
                     self.reload()
                     continue
@@ -540,126 +476,33 @@ class BTreeIndex:
                            f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
                            "(nothing was written)")
 
-    def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[_UpdateBuilder, Footer] | None:
+    def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[UpdateBuilder, Footer] | None:
         footer = state.footer
-        shape = TreeShape(state.length, footer.min_offset, footer.live_bytes, self.page_size, footer.update_length)
-        relocate_below = self.policy.threshold(shape) if footer.root_length else 0
-        unchanged_checkpoint = checkpoint in (None, footer.checkpoint)
-        if not keys and relocate_below <= footer.min_offset and unchanged_checkpoint:
-            return None
-        builder = _UpdateBuilder(state.length)
-        if footer.root_length:
-            pointers = self._rewrite(builder, footer.root_offset, footer.root_length, keys, values, 0, len(keys), relocate_below)
-            height = footer.height
-        else:
-            new_keys, new_values, _ = _merge_leaf([], [], keys, values)
-            if not new_keys and unchanged_checkpoint:
-                return None  # removing keys from an empty tree changes nothing
-            pointers = self._leaves(builder, new_keys, new_values, True)
-            builder.entry_delta = len(new_keys)
-            height = 1
-        root, height = self._root(builder, pointers, height)
-        footer_offset = state.length + len(builder.buffer)
-        new_footer = Footer(
-            root_offset=root[1] if root else 0,
-            root_length=root[2] if root else 0,
-            height=height if root else 0,
-            entry_count=footer.entry_count + builder.entry_delta,
-            page_count=footer.page_count + builder.page_delta,
-            live_bytes=footer.live_bytes + builder.live_delta,
-            min_offset=root[3] if root else footer_offset,
-            checkpoint=footer.checkpoint if checkpoint is None else checkpoint,
-            update_length=len(builder.buffer) + FOOTER_SIZE,
-        )
-        builder.buffer += new_footer.encode(footer_offset)
-        return builder, new_footer
+        rewrite = Rewrite(self._page, self.policy, self.page_size, self.leaf_capacity, self.index_capacity)
+        return rewrite.plan(footer, state.length, keys, values, checkpoint,
+                            flush=lambda data, offset: self._append_piece(footer, data, offset),
+                            piece_size=self.piece_size)
 
-    def _root(self, builder: _UpdateBuilder, pointers: list[tuple], height: int) -> tuple[tuple | None, int]:
-        """Stack index pages over ``pointers`` until one root remains; collapse single-child roots."""
-        while len(pointers) > 1:
-            columns = list(zip(*pointers))
-            pointers = self._indexes(builder, *map(list, columns), False)
-            height += 1
-        if not pointers:
-            return None, 0
-        root = pointers[0]
-        while height > 1:
-            page = builder.pages[root[1]][0] if root[1] in builder.pages else self._page(root[1], root[2])
-            if len(page) != 1:
-                break
-            # A root with one child is replaced by that child: the tree gets shorter.
-            builder.retire(root[1], root[2])
-            root = (MIN_KEY, page.offsets[0], page.lengths[0], page.min_offsets[0])
-            height -= 1
-        return root, height
+    def _append_piece(self, footer: Footer, data: bytearray, offset: int) -> int:
+        """Append ``data`` (pages of an update in progress) at ``offset``, ended by a piece's
+        footer that restates the version ``footer`` (so readers still see that version); return
+        the offset after it. ``PieceLostError`` if another writer appended meanwhile."""
+        footer_offset = offset + len(data)
+        data += attrs.evolve(footer, update_length=len(data) + FOOTER_SIZE, kind=PIECE).encode(footer_offset)
+        try:
+            self.segment.append(data, expected_offset=offset)
+        except BadOffsetError:
+            raise PieceLostError(f"segment {self.segment.name!r}: another writer appended at offset {offset}") from None
+        except OutcomeUnknownError as error:  # whether the piece landed or not, the update did not
+            raise StorageError(f"segment {self.segment.name!r}: appending a piece of an update failed, the update "
+                               f"was not applied (the piece may or may not be stored, unreferenced): {error}") from error
+        self.io.bytes_written += len(data)
+        return footer_offset + FOOTER_SIZE
 
-    def _rewrite(self, builder: _UpdateBuilder, offset: int, length: int, keys, values, lo: int, hi: int, relocate_below: int) -> list[tuple]:
-        """Rewrite the page at ``offset`` with updates ``[lo, hi)``; returns its replacement pointers."""
-        page = self._page(offset, length)
-        builder.retire(offset, length)
-        if offset < relocate_below and lo == hi:
-            builder.relocated += 1
-        if page.is_leaf:
-            new_keys, new_values, appending = _merge_leaf(page.keys, page.values, keys[lo:hi], values[lo:hi])
-            builder.entry_delta += len(new_keys) - len(page.keys)
-            return self._leaves(builder, new_keys, new_values, appending)
-        bounds, count = page.keys, len(page.keys)
-        visits: dict[int, tuple[int, int]] = {}
-        while lo < hi:
-            i = bisect.bisect_right(bounds, keys[lo]) - 1
-            end = bisect.bisect_left(keys, bounds[i + 1], lo, hi) if i + 1 < count else hi
-            visits[i] = (lo, end)
-            lo = end
-        if relocate_below and min(page.min_offsets) < relocate_below:
-            for i, low in enumerate(page.min_offsets):
-                if low < relocate_below and i not in visits:
-                    visits[i] = (hi, hi)
-        new_keys, new_offsets, new_lengths, new_mins = [], [], [], []
-        copied = 0
-        appending = False
-        for i in sorted(visits):
-            new_keys += bounds[copied:i]
-            new_offsets += page.offsets[copied:i]
-            new_lengths += page.lengths[copied:i]
-            new_mins += page.min_offsets[copied:i]
-            replaced = self._rewrite(builder, page.offsets[i], page.lengths[i], keys, values, *visits[i], relocate_below)
-            for n, pointer in enumerate(replaced):
-                new_keys.append(bounds[i] if n == 0 else pointer[0])
-                new_offsets.append(pointer[1])
-                new_lengths.append(pointer[2])
-                new_mins.append(pointer[3])
-            appending = i == count - 1 and len(replaced) > 1
-            copied = i + 1
-        new_keys += bounds[copied:]
-        new_offsets += page.offsets[copied:]
-        new_lengths += page.lengths[copied:]
-        new_mins += page.min_offsets[copied:]
-        return self._indexes(builder, new_keys, new_offsets, new_lengths, new_mins, appending)
-
-    def _leaves(self, builder: _UpdateBuilder, keys: list[bytes], values: list[int], appending: bool) -> list[tuple]:
-        pointers, at = [], 0
-        if not keys:
-            return []
-        for size in _split_sizes(len(keys), self.leaf_capacity, appending):
-            chunk_keys = keys[at:at + size]
-            pointers.append((chunk_keys[0], *builder.leaf(chunk_keys, values[at:at + size])))
-            at += size
-        return pointers
-
-    def _indexes(self, builder: _UpdateBuilder, keys, offsets, lengths, mins, appending: bool) -> list[tuple]:
-        pointers, at = [], 0
-        if not keys:
-            return []
-        for size in _split_sizes(len(keys), self.index_capacity, appending):
-            end = at + size
-            pointers.append((keys[at], *builder.index(keys[at:end], offsets[at:end], lengths[at:end], mins[at:end])))
-            at = end
-        return pointers
-
-    def _commit(self, old: TreeState, builder: _UpdateBuilder, footer: Footer) -> None:
+    def _commit(self, old: TreeState, builder: UpdateBuilder, footer: Footer) -> None:
         """After a successful append: publish the new root, cache the new pages, truncate."""
-        length = old.length + len(builder.buffer)
-        root = builder.pages[footer.root_offset][0] if footer.root_length else None
+        length = builder.base + len(builder.buffer)
+        root = builder.page(footer.root_offset) if footer.root_length else None
         self._state = TreeState(footer, length - FOOTER_SIZE, length, root)
         retired = set(builder.retired)
         for offset in retired:
@@ -671,8 +514,9 @@ class BTreeIndex:
         self.io.updates_written += 1
         self.io.pages_relocated += builder.relocated
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("segment %r: update wrote %d bytes at offset %d (%d pages, %d relocated by compaction)",
-                      self.segment.name, len(builder.buffer), old.length, len(builder.pages), builder.relocated)
+            log.debug("segment %r: update wrote %d bytes at offset %d (%d pieces before, %d pages cached, %d relocated "
+                      "by compaction)", self.segment.name, builder.piece_bytes + len(builder.buffer), old.length,
+                      builder.pieces, len(builder.pages), builder.relocated)
         self._truncate_after(footer.min_offset)
 
     def _truncate_after(self, min_offset: int) -> None:
@@ -689,7 +533,8 @@ class BTreeIndex:
     def bulk_load(self, pairs, *, checkpoint: int | None = None,
                   progress: Callable[[int, int], None] | None = None) -> int:
         """Load ``(key, value)`` pairs (a mapping or an iterable, any order) as a fresh tree built
-        bottom-up: full leaves, then index levels, then the footer, in ONE durable append.
+        bottom-up: full leaves, then index levels, then the footer, in ONE durable update (appended in
+        pieces of about ``piece_size``, which readers see only once its last append lands).
 
         Every pair is validated before anything is written (``InvalidInputError`` otherwise). The
         last pair for a key wins; ``None`` means absent (it removes a key the tree holds). Into a
@@ -723,33 +568,38 @@ class BTreeIndex:
                 target = footer.checkpoint if checkpoint is None else checkpoint
                 try:
                     old = bulk.leaves(self._root_page(state), self._child) if footer.root_length else None
-                    data, new_footer = bulk.build(run, old, state.length, target, leaf_capacity=self.leaf_capacity,
-                                                  index_capacity=self.index_capacity, old_entries=footer.entry_count,
-                                                  progress=progress)
+                    data, new_footer, at = bulk.build(
+                        run, old, state.length, target, leaf_capacity=self.leaf_capacity,
+                        index_capacity=self.index_capacity, old_entries=footer.entry_count, progress=progress,
+                        flush=lambda pages, offset: self._append_piece(footer, pages, offset), piece_size=self.piece_size)
                 except OffsetOutOfRangeError as error:  # another writer compacted pages this state needs
                     self._restart(state, error)
                     continue
+                except PieceLostError:  # another writer appended between two pieces: start over
+                    self.reload()
+                    continue
                 try:
-                    self.segment.append(data, expected_offset=state.length)
+                    self.segment.append(data, expected_offset=at)
                 except BadOffsetError:
                     self.reload()
                     continue
-                self._commit_bulk(state, data, new_footer)
+                self._commit_bulk(at, data, new_footer)
                 return self._state
         raise StorageError(f"segment {self.segment.name!r}: a bulk load lost the append race to other writers "
                            f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
 
-    def _commit_bulk(self, old: TreeState, data: bytes, footer: Footer) -> None:
-        """After a bulk load's append: publish the new root, drop the dead pages, truncate."""
-        length = old.length + len(data)
+    def _commit_bulk(self, at: int, data: bytes, footer: Footer) -> None:
+        """After a bulk load's last append (``data`` at ``at``): publish the new root, drop the dead
+        pages, truncate."""
+        length = at + len(data)
         self._state = TreeState(footer, length - FOOTER_SIZE, length)
         clear = getattr(self.cache, "clear", None)
         if clear is not None:
             clear()  # every cached page is of the old tree, now dead
         self.io.bytes_written += len(data)
         self.io.updates_written += 1
-        log.debug("segment %r: bulk load wrote %d bytes at offset %d (%d pages, %d entries)",
-                  self.segment.name, len(data), old.length, footer.page_count, footer.entry_count)
+        log.debug("segment %r: bulk load wrote %d bytes up to offset %d (%d pages, %d entries)",
+                  self.segment.name, footer.live_bytes, length, footer.page_count, footer.entry_count)
         self._truncate_after(footer.min_offset)
 
     def _truncate(self, min_offset: int) -> None:

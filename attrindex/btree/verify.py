@@ -22,7 +22,7 @@ from storage_adapters.errors import CorruptDataError, OffsetOutOfRangeError, Sto
 from ..arguments import check_progress
 from ..damage import Damage
 from ..keys import MIN_KEY
-from .footer import FOOTER_SIZE, Footer, decode_footer, find_last_footer
+from .footer import COPY, FOOTER_SIZE, Footer, decode_footer, find_last_footer
 from .page import HEADER, HEADER_SIZE, INDEX, INDEX_ENTRY_SIZE, LEAF, LEAF_ENTRY_SIZE, IndexPage, check_page, decode_page
 from .tree import chunk_of
 
@@ -128,7 +128,7 @@ def survey_chain(segment: RollingSegment) -> Survey:
         tail_intact = tail_intact or end == length
         versions.append(Version(at, footer))
         update_start = end - footer.update_length
-        if not is_rollback(footer, at):
+        if not is_rollback(footer):
             # The oldest retained update may be cut by the truncation offset, which is always the
             # offset of a page (a version's minimum offset): its pages are parsed from there.
             damage += _check_update_pages(segment, max(update_start, start), at)
@@ -136,11 +136,10 @@ def survey_chain(segment: RollingSegment) -> Survey:
     return Survey(length, start, versions, tail_intact, damage)
 
 
-def is_rollback(footer: Footer, offset: int) -> bool:
-    """Whether the footer at ``offset`` was appended by a repair: an update that wrote pages ends
-    with its root, so a longer-than-a-footer update whose root lies elsewhere wrote none: its bytes
-    before the footer are the ones the repair abandoned."""
-    return footer.update_length > FOOTER_SIZE and footer.root_offset + footer.root_length != offset
+def is_rollback(footer: Footer) -> bool:
+    """Whether ``footer`` was appended by a repair: the bytes of its update before it are the ones
+    the repair abandoned (an update's and a piece's bytes are pages, and are checked)."""
+    return footer.kind == COPY
 
 
 def _previous_footer(segment: RollingSegment, start: int, before: int) -> Version | None:
