@@ -333,7 +333,7 @@ _CHILD = """
 import sys
 from attrindex.tree_index import TreeIndex
 from storage_adapters import open_storage
-index = TreeIndex(open_storage(sys.argv[1]), page_size=4096, rolling_size=1 << 16)
+index = TreeIndex(open_storage(sys.argv[1]), page_size=4096, rolling_size=1 << 16, piece_size=16384)
 generation = int(sys.argv[2])
 while True:
     generation += 1
@@ -343,8 +343,10 @@ while True:
 
 
 def test_a_loader_killed_mid_load_leaves_one_whole_generation(tmp_path):
-    """SIGKILL a process bulk-loading generation after generation (every key holds the generation):
-    the index reopens with every key at one generation, the last acknowledged or the one in flight."""
+    """SIGKILL a process bulk-loading generation after generation (every key holds the generation;
+    each load is about 30 pieces, so the kill lands in a piece, between two, or in the last
+    append): the index reopens with every key at one generation, the last acknowledged or the one
+    in flight."""
     directory = str(tmp_path / "store")
     rng = random.Random(11)
     seen = 0
