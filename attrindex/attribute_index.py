@@ -382,25 +382,28 @@ class AttributeIndex(IndexHandle):
         """
         self._check_writable()
         run = read_pairs(pairs, progress)  # checked and sorted before anything is written
-        attributes = self._attributes
-        tree, log = attributes.tree, self._log
-        with attributes.runner.merging():  # no background merge until the load is in the tree
-            for _attempt in range(MAX_REFRESH_ATTEMPTS):
-                attributes.drain()
-                with self._lock:
-                    self._appender.append_empty(int(time.time() * 1000))  # the load's place in the WAL
-                    position = log.position
-                    if not attributes.pending_keys:  # no update slipped in before it
-                        break
-            else:
-                raise StorageError(f"index {self._name!r}: updates kept arriving during bulk_load "
-                                   f"({MAX_REFRESH_ATTEMPTS} tries); nothing was loaded")
-            # Updates appended meanwhile land after ``position`` in the WAL and in the overlay.
-            tree.bulk_load(run, checkpoint=position, progress=progress)
-            if tree.checkpoint != position:
-                raise StorageError(f"index {self._name!r}: another handle merged into the tree during bulk_load "
-                                   f"(its checkpoint is {tree.checkpoint}, the load's {position}): stop other writers; "
-                                   f"read the index to see whether the load is in it")
+        try:
+            attributes = self._attributes
+            tree, log = attributes.tree, self._log
+            with attributes.runner.merging():  # no background merge until the load is in the tree
+                for _attempt in range(MAX_REFRESH_ATTEMPTS):
+                    attributes.drain()
+                    with self._lock:
+                        self._appender.append_empty(int(time.time() * 1000))  # the load's place in the WAL
+                        position = log.position
+                        if not attributes.pending_keys:  # no update slipped in before it
+                            break
+                else:
+                    raise StorageError(f"index {self._name!r}: updates kept arriving during bulk_load "
+                                       f"({MAX_REFRESH_ATTEMPTS} tries); nothing was loaded")
+                # Updates appended meanwhile land after ``position`` in the WAL and in the overlay.
+                tree.bulk_load(run, checkpoint=position, progress=progress)
+                if tree.checkpoint != position:
+                    raise StorageError(f"index {self._name!r}: another handle merged into the tree during bulk_load "
+                                       f"(its checkpoint is {tree.checkpoint}, the load's {position}): stop other writers; "
+                                       f"read the index to see whether the load is in it")
+        finally:
+            run.close()  # the sorted runs spilled to temporary files, if any
         self._updates_written += 1
         return len(self)
 

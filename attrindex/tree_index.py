@@ -320,7 +320,8 @@ class TreeIndex(IndexHandle):
         passes, each counting up to its total: reading the pairs (``total`` is ``len(pairs)``, 0
         if unknown), sorting them (unsorted input only) and building the tree (entries). Sorted
         input is streamed into compact columns (about 24 bytes a pair); unsorted input is sorted
-        in memory.
+        in memory; past 256 MiB of pairs held, sorted runs are spilled to temporary files
+        (``TMPDIR``) and merged back, so memory does not grow with the input.
         """
         self._check_writable()
         try:

@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 from attrindex import AttributeIndex
 from attrindex.tree_index import TreeIndex
-from attrindex.btree import bulk
+from attrindex.btree import bulk, spill
 from attrindex.btree.page import decode_page, encode_leaf, leaf_capacity
 from attrindex.errors import InvalidInputError, InvalidKeyError, InvalidValueError, OutcomeUnknownError, StorageError
 from storage_adapters import open_storage
@@ -575,3 +576,58 @@ def test_a_refresh_that_failed_after_adopting_a_bulk_loaded_tree_rebuilds_on_the
     assert a.get(1) == 2
     for index in (a, b):
         index.close()
+
+
+# -- loads larger than memory: sorted runs spilled to files ------------------------------------
+@pytest.mark.parametrize("sort", SORTERS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(before=PAIRS, pairs=PAIRS, order=st.sampled_from(["as given", "sorted", "reversed"]),
+       existing=st.sampled_from(["empty", "updated"]), read_chunk=st.integers(1, 40),
+       spill_pairs=st.integers(1, 60), block_pairs=st.integers(1, 50))
+def test_a_load_spilled_to_sorted_runs_matches_a_dict(sort, before, pairs, order, existing, read_chunk, spill_pairs,
+                                                      block_pairs):
+    """Pairs read in small chunks and spilled every few pairs (sorted runs on disk that follow
+    each other for sorted input and overlap otherwise), merged back in small blocks: the same
+    tree as a load in memory, and the runs' files are gone afterwards."""
+    with sorter(sort), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bulk, "READ_CHUNK", read_chunk)
+        patch.setattr(spill, "BLOCK_PAIRS", block_pairs)
+        index, model = new_index(), {}
+        if existing == "updated":
+            index.update(before)
+            apply(model, before)
+        if order == "sorted":
+            pairs = sorted(pairs, key=lambda p: p[0])
+        elif order == "reversed":
+            pairs = pairs[::-1]
+        run = bulk.read_pairs(iter(pairs), spill_bytes=spill_pairs * 24)
+        files = [r.base for r in getattr(run, "runs", [])]
+        try:
+            count = load(index, run)
+        finally:
+            run.close()
+        apply(model, pairs)
+        assert count == len(model)
+        check(index, model)
+        assert not any(os.path.exists(base + ".keys") for base in files)
+
+
+def test_a_load_spills_once_its_pairs_pass_spill_bytes_and_deletes_the_runs_on_failure(tmp_path, monkeypatch):
+    monkeypatch.setattr(bulk, "READ_CHUNK", 100)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # (tempfile caches the directory it found)
+    try:
+        run = bulk.read_pairs(((k(i), i) for i in range(1000)), spill_bytes=250 * 24)
+        assert isinstance(run, spill.SpilledRuns) and len(run.runs) == 4 and len(run) == 1000
+        assert [len(chunk) for chunk in run.chunks()] and b"".join(c.keys for c in run.chunks()) == b"".join(
+            k(i) for i in range(1000))
+        run.close()
+        assert os.listdir(tmp_path) == []
+        bad = [(k(i), i) for i in range(900)] + [(b"short", 1)]
+        with pytest.raises(InvalidKeyError, match="pair 900"):
+            bulk.read_pairs(iter(bad), spill_bytes=250 * 24)
+        assert os.listdir(tmp_path) == []  # the runs spilled before the bad pair are deleted
+        with pytest.raises(InvalidInputError, match="spill_bytes"):
+            bulk.read_pairs([], spill_bytes=0)
+    finally:
+        tempfile.tempdir = None

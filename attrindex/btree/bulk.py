@@ -1,21 +1,22 @@
 """Bulk load: build a whole B+tree bottom-up from (key, value) pairs and write it as one update.
 
-Two phases, so that bad input never writes anything and a lost compare-and-append race can be
-retried without the caller's input (which may be a one-shot iterator):
+Two phases, so that bad input never writes anything (but temporary files, deleted) and a lost
+compare-and-append race can be retried without the caller's input (which may be a one-shot
+iterator):
 
-1. **Read** (:func:`read_pairs`): validate every pair and turn the input into a :class:`SortedRun`,
-   sorted unique keys in compact columns (16 bytes per key, 8 per value; about 24 bytes a pair,
-   against about 100 for Python lists). Input that arrives in ascending order (equal neighbours
-   allowed) is streamed into the run chunk by chunk; from the first chunk out of order on, the
-   pairs are collected in a list (the caller's tuples, referenced, not copied) and sorted at the
-   end, in memory, by each key's value as a float (no external sort; a list or mapping given is
-   in memory already, a generator's tuples cost about 100 bytes a pair until the sort, and the
-   sort keys, floats, 32 bytes a pair while sorting, freed before the tree is built).
-   With numpy installed the unsorted pairs are packed into key and value columns instead and
-   sorted there, in half the time (``column_sort.py``); both sorts give the same run.
-   Duplicate keys: the last wins. ``None`` values mean absent: they remove existing keys when
-   loading into a non-empty tree and are dropped otherwise. The cyclic garbage collector is
-   paused while reading (see :func:`read_pairs`).
+1. **Read** (:func:`read_pairs`): validate every pair and turn the input into sorted unique
+   keys in compact columns (a :class:`SortedRun`: 16 bytes per key, 8 per value; about 24 bytes a
+   pair, against about 100 for Python lists). Input that arrives in ascending order (equal
+   neighbours allowed) is streamed into the run chunk by chunk; from the first chunk out of order
+   on, the pairs are collected (the caller's tuples, referenced, not copied, with each key's value
+   as a float to sort by; with numpy installed, packed into key and value columns and sorted
+   there, in half the time: ``column_sort.py``; both sorts give the same run). Once what is held
+   reaches ``spill_bytes`` (256 MiB by default), it is sorted and written to a temporary file as
+   a sorted run, and reading goes on with empty memory: the load's memory does not grow with its
+   input (``spill.py``, an external sort: runs read back block by block, merged where their key
+   ranges overlap). Duplicate keys: the last wins. ``None`` values mean absent: they remove
+   existing keys when loading into a non-empty tree and are dropped otherwise. The cyclic garbage
+   collector is paused while reading (see :func:`read_pairs`).
 2. **Build** (:func:`build`): stream the run, merged with the existing tree's leaves (read leaf by
    leaf, in order), into full leaves, then index levels over them (child offsets, lengths and
    subtree minimum offsets), then the footer: one update, appended in pieces of about
@@ -23,8 +24,8 @@ retried without the caller's input (which may be a one-shot iterator):
    with a footer that restates the old tree, so only the last append, ending with the new
    footer, changes what readers see: a crash or a failed append before it leaves the old tree;
    every page of the old tree becomes dead, and the truncation after the load reclaims their
-   chunks. Memory is one piece of pages, the pointers to the leaves (28 bytes a leaf) and the
-   run.
+   chunks. Memory is one piece of pages, the pointers to the leaves (28 bytes a leaf) and a block
+   of the run (the whole run when it was not spilled).
 
 Leaves are full (``leaf_capacity`` entries) but for the last; index pages likewise, except that
 the last page of a level never holds a single child. The pages are the ones of ``page.py``,
@@ -41,80 +42,26 @@ import operator
 import struct
 import sys
 from array import array
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 from storage_adapters.errors import InvalidInputError
 
 from ..arguments import check_progress
 from ..keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_iter, to_key, to_update
 from .column_sort import ColumnCollector, load_numpy
+from .sorted_run import SortedRun
+from .spill import SpilledRuns
 from .footer import FOOTER_SIZE, Footer
-from .page import FORMAT_VERSION, HEADER, LEAF, page_checksum, column_struct, encode_index
+from .page import FORMAT_VERSION, HEADER, LEAF, page_checksum, encode_index
 
 READ_CHUNK = 1 << 16  #: pairs validated and sorted-checked at a time
 PROGRESS_EVERY = 1 << 16  #: pairs (or entries) between progress calls
+DEFAULT_SPILL_BYTES = 256 << 20  #: about what the pairs held in memory may take before they are spilled
 _LITTLE = sys.byteorder == "little"
 _CRC = struct.Struct("<I")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 Progress = Callable[[int, int], None]
-
-
-class SortedRun:
-    """Sorted unique keys with their values in compact columns, and sorted keys to remove."""
-
-    __slots__ = ("keys", "values", "removed")
-
-    def __init__(self) -> None:
-        self.keys = bytearray()  # n x 16 bytes, ascending
-        self.values = array("q")
-        self.removed: list[bytes] = []  # ascending; disjoint from keys
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def key(self, i: int) -> bytes:
-        return bytes(self.keys[i * KEY_SIZE:(i + 1) * KEY_SIZE])
-
-    def last_key(self) -> bytes | None:
-        """The greatest key in the run, kept or removed."""
-        kept = self.key(len(self) - 1) if len(self) else None
-        gone = self.removed[-1] if self.removed else None
-        if kept is None or gone is None:
-            return kept if gone is None else gone
-        return max(kept, gone)
-
-    def clear(self) -> None:
-        self.keys.clear()
-        del self.values[:]
-        self.removed.clear()
-
-    def drop_last(self, key: bytes) -> None:
-        """Forget ``key``, the greatest in the run (a later pair for it follows)."""
-        if self.removed and self.removed[-1] == key:
-            self.removed.pop()
-        else:
-            del self.keys[-KEY_SIZE:]
-            self.values.pop()
-
-    def extend(self, keys: Sequence[bytes], values: Sequence[int | None]) -> None:
-        """Add ascending unique ``keys`` (all above the run's) and their int64 or ``None`` values."""
-        try:
-            # One C-level pass; array.extend(list) is five times slower (measured, 1M values).
-            column = struct.pack(f"={len(values)}q", *values)
-        except struct.error:  # a None among them: removals go to their own list
-            self.removed += [k for k, v in zip(keys, values) if v is None]
-            keys = [k for k, v in zip(keys, values) if v is not None]
-            column = struct.pack(f"={len(keys)}q", *(v for v in values if v is not None))
-        self.keys += b"".join(keys)
-        self.values.frombytes(column)
-
-    def key_list(self, lo: int, hi: int) -> list[bytes]:
-        return list(column_struct("16s", hi - lo).unpack_from(self.keys, lo * KEY_SIZE)) if hi > lo else []
-
-    def pairs(self) -> list[tuple[bytes, int | None]]:
-        """The run as ``(key, value)`` pairs, removals as ``(key, None)`` (not in key order)."""
-        return [*zip(self.key_list(0, len(self)), self.values), *((key, None) for key in self.removed)]
 
 
 class _KeyView:
@@ -157,29 +104,52 @@ def _canonical_chunk(chunk: list, first: int) -> tuple[list[bytes], list[int | N
     return keys, values, False
 
 
-def read_pairs(pairs: object, progress: Progress | None = None) -> SortedRun:
-    """Validate every pair of ``pairs`` and return them as a sorted run (the last pair for a key
-    wins). Raises ``InvalidInputError`` (or a subclass naming the pair) on any bad pair.
+def read_pairs(pairs: object, progress: Progress | None = None, *,
+               spill_bytes: int = DEFAULT_SPILL_BYTES) -> SortedRun | SpilledRuns:
+    """Validate every pair of ``pairs`` and return them sorted (the last pair for a key wins):
+    a ``SortedRun`` in memory, or, once what is held reaches about ``spill_bytes``, sorted runs
+    spilled to temporary files (``spill.SpilledRuns``; the caller ``close()``s it when the load
+    is over). Raises ``InvalidInputError`` (or a subclass naming the pair) on any bad pair,
+    having written nothing but those temporary files (deleted then).
 
     The cyclic garbage collector is paused meanwhile: reading makes only acyclic objects (lists,
     tuples, bytes), yet their sheer number would trigger collections that walk the caller's
     millions of pairs again and again (a third of the time of a 1M-pair load, measured).
     """
     check_progress(progress)
+    if type(spill_bytes) is not int or spill_bytes < 1:
+        raise InvalidInputError(f"spill_bytes must be an int >= 1, got {spill_bytes!r:.60}")
     paused = gc.isenabled()
     gc.disable()
+    spilled = SpilledRuns(SortedRun, _new_collector)
     try:
-        return _read_pairs(pairs, progress)
+        run = _read_pairs(pairs, progress, spilled, spill_bytes)
+        if not spilled.runs:
+            return run
+        spilled.add(run)
+        return spilled
+    except BaseException:
+        spilled.close()
+        raise
     finally:
         if paused:
             gc.enable()
 
 
-def _read_pairs(pairs: object, progress: Progress | None) -> SortedRun:
+#: Bytes a held pair costs: in a sorted run (its two columns), and collected unsorted, in numpy's
+#: columns (with the sort's index arrays) or as the caller's tuples with a float key each.
+_RUN_PAIR_BYTES = KEY_SIZE + 8
+_COLUMNS_PAIR_BYTES = 56
+_TUPLES_PAIR_BYTES = 150
+
+
+def _read_pairs(pairs: object, progress: Progress | None, spilled: SpilledRuns, spill_bytes: int) -> SortedRun:
+    """The pairs read so far, sorted; the runs that reached ``spill_bytes`` go to ``spilled``."""
     source = pair_iter(pairs, "bulk_load pairs")
     total = len(pairs) if hasattr(pairs, "__len__") else 0  # type: ignore[arg-type]
     run = SortedRun()
     collected: ColumnCollector | _PairCollector | None = None  # once the input proved unsorted
+    held = 0  # pairs in ``run`` or ``collected``
     done = 0
     while True:
         chunk = list(itertools.islice(source, READ_CHUNK))
@@ -191,21 +161,29 @@ def _read_pairs(pairs: object, progress: Progress | None) -> SortedRun:
             progress(done, total)
         if collected is not None:
             collected.add(chunk, keys, values, canonical)
-            continue
-        if not all(map(operator.lt, keys, keys[1:])):
-            unique = dict(zip(keys, values))  # the last value for a key wins
-            keys, values = list(unique), list(unique.values())
-        last = run.last_key()
-        if all(map(operator.lt, keys, keys[1:])) and (last is None or keys[0] >= last):
-            if keys[0] == last:
-                run.drop_last(last)
-            run.extend(keys, values)
-        else:  # out of order: collect everything, sort once at the end
-            collected = _new_collector()
-            before = run.pairs()
-            collected.add(before, [pair[0] for pair in before], [pair[1] for pair in before], True)
-            collected.add(chunk, keys, values, False)  # ``keys`` may be deduplicated: not ``chunk``
-            run = SortedRun()
+        else:
+            if not all(map(operator.lt, keys, keys[1:])):
+                unique = dict(zip(keys, values))  # the last value for a key wins
+                keys, values = list(unique), list(unique.values())
+            last = run.last_key()
+            if all(map(operator.lt, keys, keys[1:])) and (last is None or keys[0] >= last):
+                if keys[0] == last:
+                    run.drop_last(last)
+                run.extend(keys, values)
+            else:  # out of order: collect from here on, sort once at the end (or at the spill)
+                collected = _new_collector()
+                before = run.pairs()
+                collected.add(before, [pair[0] for pair in before], [pair[1] for pair in before], True)
+                collected.add(chunk, keys, values, False)  # ``keys`` may be deduplicated: not ``chunk``
+                run = SortedRun()
+        held += len(keys)
+        cost = _RUN_PAIR_BYTES if collected is None else (
+            _COLUMNS_PAIR_BYTES if isinstance(collected, ColumnCollector) else _TUPLES_PAIR_BYTES)
+        if held * cost >= spill_bytes:
+            if collected is not None:
+                collected.sort_into(run, None)
+            spilled.add(run)  # a newer run wins over older ones where they share keys
+            run, collected, held = SortedRun(), None, 0
     if collected is not None:
         collected.sort_into(run, progress)
     return run
@@ -228,6 +206,11 @@ class _PairCollector:
     def add(self, chunk: list, keys: list[bytes], values: list[int | None], canonical: bool) -> None:
         self.pairs += chunk if canonical else zip(keys, values)
         self.order += _order_keys(keys)
+
+    def add_run(self, run: SortedRun) -> None:
+        """Add the pairs of a sorted run (kept keys, then its removals)."""
+        pairs = run.pairs()
+        self.add(pairs, [pair[0] for pair in pairs], [], True)
 
     def sort_into(self, run: SortedRun, progress: Progress | None) -> None:
         _sort_into(run, self.pairs, self.order, progress)
@@ -421,41 +404,57 @@ def _swapped(values: array) -> array:
     return copy
 
 
-def build(run: SortedRun, old_leaves: Iterator | None, base: int, checkpoint: int, *, leaf_capacity: int,
-          index_capacity: int, old_entries: int = 0, progress: Progress | None = None,
+def build(run: SortedRun | SpilledRuns, old_leaves: Iterator | None, base: int, checkpoint: int, *,
+          leaf_capacity: int, index_capacity: int, old_entries: int = 0, progress: Progress | None = None,
           flush: Callable[[bytearray, int], int] | None = None, piece_size: int = 0) -> tuple[bytes, Footer, int]:
     """A fresh tree holding ``run`` merged over ``old_leaves`` (the current tree's leaf pages in
     key order, ``None`` for an empty tree), appended from ``base`` on, with at most
     ``leaf_capacity`` entries a leaf and ``index_capacity`` an index page: ``(bytes, footer,
     offset)``, the last append and where it goes. With ``flush``, pages are handed to it in pieces
-    of about ``piece_size`` bytes first (see ``_Builder``)."""
+    of about ``piece_size`` bytes first (see ``_Builder``). ``run`` is read once, chunk by chunk
+    (``chunks()``: sorted runs of ascending key ranges)."""
     builder = _Builder(base, leaf_capacity, index_capacity, flush, piece_size)
     total, done, reported = len(run) + old_entries, 0, 0
-    keys, i, r = _KeyView(run), 0, 0  # next run entry, next removal
+    chunks = run.chunks()
+    chunk = next(chunks, None)
+    i = r = 0  # the next kept entry and the next removal of ``chunk``
     for leaf in old_leaves or ():
         high = leaf.keys[-1]
-        j = bisect.bisect_right(keys, high, i)
-        s = bisect.bisect_right(run.removed, high, r)
-        if i == j and r == s:
+        new_keys: list[bytes] = []
+        new_values: list[int] = []
+        gone: list[bytes] = []
+        while chunk is not None:  # the run's entries up to ``high``, over as many chunks as hold them
+            j = bisect.bisect_right(_KeyView(chunk), high, i)
+            s = bisect.bisect_right(chunk.removed, high, r)
+            new_keys += chunk.key_list(i, j)
+            new_values += chunk.values[i:j]
+            gone += chunk.removed[r:s]
+            i, r = j, s
+            if i < len(chunk) or r < len(chunk.removed):
+                break  # this chunk goes on above ``high``
+            chunk, i, r = next(chunks, None), 0, 0
+        if not new_keys and not gone:
             builder.add_lists(leaf.keys, leaf.values)
         else:
             merged = dict(zip(leaf.keys, leaf.values))
-            merged.update(zip(run.key_list(i, j), run.values[i:j]))
-            for key in run.removed[r:s]:
+            merged.update(zip(new_keys, new_values))
+            for key in gone:
                 merged.pop(key, None)
             ordered = sorted(merged)
             builder.add_lists(ordered, list(map(merged.__getitem__, ordered)))
-        done += len(leaf.keys) + j - i
-        i, r = j, s
+        done += len(leaf.keys) + len(new_keys)
         if progress is not None and done - reported >= PROGRESS_EVERY:
             progress(done, total)
             reported = done
-    n = len(run)
-    for at in range(i, n, PROGRESS_EVERY):  # above the old tree's keys: straight from the columns
-        end = min(at + PROGRESS_EVERY, n)
-        builder.add(memoryview(run.keys)[at * KEY_SIZE:end * KEY_SIZE], run.values[at:end])
-        if progress is not None:
-            progress(done + end - i, total)
+    while chunk is not None:  # above the old tree's keys: straight from the columns
+        n = len(chunk)
+        for at in range(i, n, PROGRESS_EVERY):
+            end = min(at + PROGRESS_EVERY, n)
+            builder.add(memoryview(chunk.keys)[at * KEY_SIZE:end * KEY_SIZE], chunk.values[at:end])
+            done += end - at
+            if progress is not None:
+                progress(min(done, total), total)
+        chunk, i = next(chunks, None), 0
     if progress is not None:
         progress(total, total)
     return builder.finish(checkpoint)

@@ -1,11 +1,11 @@
 """The bulk load's sort of unsorted pairs as compact columns, vectorised with numpy where installed.
 
-``bulk.read_pairs`` sorts input that arrives out of key order once, at the end. In pure Python
-that sort touches every pair object again in random order (about 0.7 s of CPU for 1M pairs,
-most of it cache misses). With numpy the pairs are packed as they are read, in input order,
-into two columns (16 bytes a key, 8 a value: 24 bytes a pair, the caller's objects no longer
-referenced) and sorted there: an argsort of the keys' first 8 bytes, redone by all 16 only when
-two keys share those 8 bytes. numpy is optional (``pip install attrindex[fast]``; pandas and
+``bulk.read_pairs`` sorts input that arrives out of key order once, at the end (or once per run
+it spills: ``spill.py``). In pure Python that sort touches every pair object again in random
+order (about 0.7 s of CPU for 1M pairs, most of it cache misses). With numpy the pairs are
+packed as they are read, in input order, into two columns (16 bytes a key, 8 a value: 24 bytes a
+pair, the caller's objects no longer referenced) and sorted there: an argsort of the keys' first
+8 bytes, redone by all 16 only when two keys share those 8 bytes. numpy is optional (``pip install attrindex[fast]``; pandas and
 Spark users have it): without it ``bulk`` keeps its pure-Python sort, which gives the same run.
 """
 
@@ -53,6 +53,18 @@ class ColumnCollector:
         self.keys += b"".join(keys)
         self.values += column
         self.rows += len(values)
+
+    def add_run(self, run: Any) -> None:
+        """Add the pairs of a sorted run (``SortedRun``: kept keys, then its removals), straight
+        from its columns."""
+        self.keys += run.keys
+        self.values += run.values.tobytes()
+        self.rows += len(run)
+        if run.removed:
+            self.removed_rows += range(self.rows, self.rows + len(run.removed))
+            self.keys += b"".join(run.removed)
+            self.values += bytes(8 * len(run.removed))
+            self.rows += len(run.removed)
 
     def sort_into(self, run: Any, progress: Progress | None) -> None:
         """Fill the empty ``run`` with the pairs in key order, the last pair for a key winning."""

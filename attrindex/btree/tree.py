@@ -34,6 +34,7 @@ from .compaction import OnePagePolicy
 from .footer import EMPTY, FOOTER_SIZE, PIECE, Footer, decode_footer
 from .page import HEADER_SIZE, INDEX_ENTRY_SIZE, IndexPage, LeafPage, decode_page, index_capacity, leaf_capacity
 from .rewrite import Rewrite, UpdateBuilder
+from .spill import SpilledRuns
 
 MIN_PAGE_SIZE = HEADER_SIZE + 3 * INDEX_ENTRY_SIZE  # an index page must hold at least 3 children
 MAX_PAGE_SIZE = 1 << 24
@@ -540,22 +541,27 @@ class BTreeIndex:
         last pair for a key wins; ``None`` means absent (it removes a key the tree holds). Into a
         non-empty tree, its entries are merged with the new ones in one streaming pass and the
         whole tree is written afresh: every old page becomes dead and is truncated away. Sorted
-        input is streamed into compact columns; unsorted input is sorted in memory (see
-        ``bulk.py``). ``checkpoint`` as in ``update`` (a covered one writes nothing).
+        input is streamed into compact columns; unsorted input is sorted in memory; past
+        ``bulk.DEFAULT_SPILL_BYTES`` sorted runs go to temporary files (see ``bulk.py``). ``checkpoint`` as in ``update`` (a covered one writes nothing).
         ``progress(done, total)`` is called in passes, each counting up to its total: reading
         (pairs read; total ``len(pairs)``, 0 if unknown), sorting (unsorted input only: pairs
         sorted) and building (entries merged and written). Returns the number of entries in the
         tree afterwards. A lost compare-and-append race rebuilds over the newer tree from the
-        already validated pairs. ``pairs`` may be a ``bulk.SortedRun`` from
-        ``bulk.read_pairs`` (checked already: read it before writing anything else).
+        already validated pairs. ``pairs`` may be what ``bulk.read_pairs`` returned (checked
+        already: read it before writing anything else; the caller closes it).
         """
         bulk.validate_checkpoint(checkpoint)
         # A run from ``bulk.read_pairs`` is checked already: callers that must write something
-        # first (a facade's log entry) read and check the pairs before that.
-        run = pairs if isinstance(pairs, bulk.SortedRun) else bulk.read_pairs(pairs, progress)
-        return self._load_run(run, checkpoint, progress).footer.entry_count
+        # first (a facade's log entry) read and check the pairs before that, and close it after.
+        if isinstance(pairs, (bulk.SortedRun, SpilledRuns)):
+            return self._load_run(pairs, checkpoint, progress).footer.entry_count
+        run = bulk.read_pairs(pairs, progress)
+        try:
+            return self._load_run(run, checkpoint, progress).footer.entry_count
+        finally:
+            run.close()  # the sorted runs spilled to temporary files, if any
 
-    def _load_run(self, run: bulk.SortedRun, checkpoint: int | None, progress=None) -> TreeState:
+    def _load_run(self, run: bulk.SortedRun | SpilledRuns, checkpoint: int | None, progress=None) -> TreeState:
         """Write a fresh tree holding ``run`` merged over the current one; the state afterwards."""
         with self._write_lock:
             for _ in range(MAX_UPDATE_ATTEMPTS):
