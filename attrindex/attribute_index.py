@@ -28,7 +28,7 @@ from storage_adapters import ChunkStorage, RollingSegment
 from storage_adapters.rolling import validate_segment_name
 
 from .arguments import check_progress
-from .btree.bulk import read_pairs
+from .btree.bulk import DEFAULT_SPILL_BYTES, read_pairs
 from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
 from .errors import CorruptDataError, InvalidInputError, StorageError
@@ -367,21 +367,22 @@ class AttributeIndex(IndexHandle):
         return True
 
     def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
-                  progress: Callable[[int, int], None] | None = None) -> int:
+                  progress: Callable[[int, int], None] | None = None, spill_bytes: int = DEFAULT_SPILL_BYTES) -> int:
         """Load ``(key, value)`` pairs, in any order, straight into the tree; return ``len(self)``.
 
         The tree is built bottom-up (full leaves, then index pages) and written as ONE durable
-        append (``TreeIndex.bulk_load``: sorted input is streamed, the last pair for a key wins,
+        update (``TreeIndex.bulk_load``: sorted input is streamed, the last pair for a key wins,
         ``None`` removes, stored entries are merged in). First the WAL's pending updates are
         merged into the tree and an empty batch is appended to the WAL; the load carries that
         batch's end as its checkpoint, so it is ordered after every earlier update and before
         every later one, and replay never applies an older update over it. Every pair is checked
-        before anything is written. ``progress(done, total)`` as in ``TreeIndex.bulk_load``.
-        Stop other writers of the index first: a merge by another handle during the load raises
+        before anything is written. ``progress(done, total)`` and ``spill_bytes`` (what the pairs
+        held may take before they are sorted and spilled to temporary files) as in
+        ``TreeIndex.bulk_load``. Stop other writers of the index first: a merge by another handle during the load raises
         ``StorageError`` (the load may or may not be in the tree then: read to find out).
         """
         self._check_writable()
-        run = read_pairs(pairs, progress)  # checked and sorted before anything is written
+        run = read_pairs(pairs, progress, spill_bytes=spill_bytes)  # checked and sorted before anything is written
         try:
             attributes = self._attributes
             tree, log = attributes.tree, self._log

@@ -22,6 +22,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 
 from .btree import DEFAULT_PIECE_SIZE, BTreeIndex, policy_for
+from .btree.bulk import DEFAULT_SPILL_BYTES
 from .btree.framing import TREE_FRAMING
 from .btree.repair import IndexRepairReport, repair_index
 from .btree.verify import VerifyReport, verify_index
@@ -307,7 +308,8 @@ class TreeIndex(IndexHandle):
         return True
 
     def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
-                  checkpoint: int | None = None, progress: Callable[[int, int], None] | None = None) -> int:
+                  checkpoint: int | None = None, progress: Callable[[int, int], None] | None = None,
+                  spill_bytes: int = DEFAULT_SPILL_BYTES) -> int:
         """Load ``(key, value)`` pairs, in any order, as a fresh B+tree written in ONE durable update;
         return the number of entries the index holds afterwards.
 
@@ -320,12 +322,12 @@ class TreeIndex(IndexHandle):
         passes, each counting up to its total: reading the pairs (``total`` is ``len(pairs)``, 0
         if unknown), sorting them (unsorted input only) and building the tree (entries). Sorted
         input is streamed into compact columns (about 24 bytes a pair); unsorted input is sorted
-        in memory; past 256 MiB of pairs held, sorted runs are spilled to temporary files
-        (``TMPDIR``) and merged back, so memory does not grow with the input.
+        in memory; past ``spill_bytes`` (256 MiB) of pairs held, sorted runs are spilled to
+        temporary files (``TMPDIR``) and merged back, so memory does not grow with the input.
         """
         self._check_writable()
         try:
-            return self._tree.bulk_load(pairs, checkpoint=checkpoint, progress=progress)
+            return self._tree.bulk_load(pairs, checkpoint=checkpoint, progress=progress, spill_bytes=spill_bytes)
         finally:
             # The recent values may hold values the load replaced (also after a failure: a settled lost
             # acknowledgement may have loaded them): drop it, as when another writer's version

@@ -531,8 +531,8 @@ class BTreeIndex:
                             "a later update retries it: %s", self.segment.name, min_offset, error)
 
     # -- bulk load -----------------------------------------------------------------------------
-    def bulk_load(self, pairs, *, checkpoint: int | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> int:
+    def bulk_load(self, pairs, *, checkpoint: int | None = None, progress: Callable[[int, int], None] | None = None,
+                  spill_bytes: int = bulk.DEFAULT_SPILL_BYTES) -> int:
         """Load ``(key, value)`` pairs (a mapping or an iterable, any order) as a fresh tree built
         bottom-up: full leaves, then index levels, then the footer, in ONE durable update (appended in
         pieces of about ``piece_size``, which readers see only once its last append lands).
@@ -542,7 +542,7 @@ class BTreeIndex:
         non-empty tree, its entries are merged with the new ones in one streaming pass and the
         whole tree is written afresh: every old page becomes dead and is truncated away. Sorted
         input is streamed into compact columns; unsorted input is sorted in memory; past
-        ``bulk.DEFAULT_SPILL_BYTES`` sorted runs go to temporary files (see ``bulk.py``). ``checkpoint`` as in ``update`` (a covered one writes nothing).
+        ``spill_bytes`` of pairs held, sorted runs go to temporary files (see ``bulk.py``). ``checkpoint`` as in ``update`` (a covered one writes nothing).
         ``progress(done, total)`` is called in passes, each counting up to its total: reading
         (pairs read; total ``len(pairs)``, 0 if unknown), sorting (unsorted input only: pairs
         sorted) and building (entries merged and written). Returns the number of entries in the
@@ -555,7 +555,7 @@ class BTreeIndex:
         # first (a facade's log entry) read and check the pairs before that, and close it after.
         if isinstance(pairs, (bulk.SortedRun, SpilledRuns)):
             return self._load_run(pairs, checkpoint, progress).footer.entry_count
-        run = bulk.read_pairs(pairs, progress)
+        run = bulk.read_pairs(pairs, progress, spill_bytes=spill_bytes)
         try:
             return self._load_run(run, checkpoint, progress).footer.entry_count
         finally:
