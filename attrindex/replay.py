@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from .errors import CorruptDataError, StorageError, TruncatedError
+from .errors import CorruptDataError, RetriesExhaustedError, StorageError, TruncatedError
 from .log.batch.decode import decode_attribute_updates
 from .log.batch.header import BatchHeader
 from .log.segment_log import BatchVisitor, SegmentLog
@@ -119,8 +119,8 @@ def adopt_tree(log: SegmentLog, tree: Any) -> tuple[AttributeOverlay, int]:
         if (tree.checkpoint or 0) == checkpoint:
             raise lost_between_error(log, checkpoint)
     else:
-        raise StorageError(f"segment {log.segment!r}: retention in another handle kept moving the log's start "
-                           f"while the attributes were loaded ({MAX_TREE_REFRESH_ATTEMPTS} tries)")
+        raise RetriesExhaustedError(f"segment {log.segment!r}: retention in another handle kept moving the log's start "
+                                    f"while the attributes were loaded ({MAX_TREE_REFRESH_ATTEMPTS} tries)")
     if checkpoint > log.bytes.length:
         raise beyond_log_error(log, checkpoint)
     return replay_range(log, max(checkpoint, log.start_position), log.position)

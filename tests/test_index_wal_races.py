@@ -201,10 +201,10 @@ def test_a_failed_catch_up_never_serves_or_merges_stale_values(backend, fails, t
 @pytest.mark.parametrize("where", ["scan", "rebuild"])
 def test_catch_ups_that_keep_meeting_truncations_end_in_a_clear_error(where, monkeypatch):
     """Every loop is bounded: a catch-up whose scan, or whose rebuild, meets a fresh truncation
-    every time gives up with a ``StorageError`` that says so (nothing written), not with the raw
-    ``TruncatedError``; the handle works again once the truncations stop."""
+    every time gives up with a ``RetriesExhaustedError`` that says so (nothing written), not with
+    the raw ``TruncatedError``; the handle works again once the truncations stop."""
     from attrindex import attribute_state
-    from attrindex.errors import StorageError, TruncatedError
+    from attrindex.errors import RetriesExhaustedError, StorageError, TruncatedError
 
     url = f"memory://wal-race-bound-{uuid.uuid4().hex}"
     a, b = _behind_a_merged_and_cut_wal(url, open_storage(url))
@@ -222,7 +222,7 @@ def test_catch_ups_that_keep_meeting_truncations_end_in_a_clear_error(where, mon
         message = "kept merging and truncating the log while this handle rebuilt"
     with pytest.raises(StorageError, match=message) as raised:
         b.update({1001: 2})
-    assert type(raised.value) is StorageError and len(calls) == 10
+    assert type(raised.value) is RetriesExhaustedError and len(calls) == 10
     monkeypatch.undo()
     assert b.get_many([7, 100, 1001]) == [1, 1000, None]
     b.update({1001: 2})

@@ -68,6 +68,65 @@ def test_open_looks_again_when_retention_removes_what_it_replays(monkeypatch):
         assert not isinstance(caught.value, TruncatedError)
 
 
+def _scans_always_meet_a_switch(monkeypatch) -> list[int]:
+    """Every scan of a chunk meets chunks replaced under it (as if another handle kept
+    consolidating), so ``SegmentLog.catch_up`` resyncs to its bound; return the list that counts
+    the calls of ``catch_up``."""
+    from attrindex.errors import LayoutChangedError
+    from attrindex.log.segment_log import SegmentLog
+
+    calls: list[int] = []
+    real_catch_up = SegmentLog.catch_up
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real_catch_up(self, *args, **kwargs)
+
+    def switched(self, *_args):
+        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced during the read")
+
+    monkeypatch.setattr(SegmentLog, "catch_up", counted)
+    monkeypatch.setattr(SegmentLog, "_scan_chunk", switched)
+    return calls
+
+
+def test_a_lazy_open_passes_up_a_catch_up_that_resynced_to_its_bound(tmp_path, monkeypatch):
+    """``Segment._open_tail`` looks again after a single layout change, but a catch-up that
+    already resynced ``MAX_RESYNC_ATTEMPTS`` times is passed up after ONE call, not run again."""
+    from attrindex.errors import RetriesExhaustedError
+    from attrindex.segment import Segment
+
+    with SegmentStore.open(str(tmp_path)) as store:
+        store.segment("s", create=True).append([b"x"], [(1, 1)])
+        calls = _scans_always_meet_a_switch(monkeypatch)
+        with pytest.raises(RetriesExhaustedError, match="catch-up 10 times in a row"):
+            Segment(store.storage, "s", store.options, lazy_attributes=True)
+        assert len(calls) == 1
+
+
+def test_a_lazy_load_passes_up_a_catch_up_that_resynced_to_its_bound(tmp_path, monkeypatch):
+    """``AttributeState.ensure_loaded`` likewise: the tree it opens is ahead of the log's view
+    (another handle merged), its catch-up resyncs to the bound, and the load raises that after ONE
+    catch-up; the handle loads once the layout holds still."""
+    from attrindex.errors import RetriesExhaustedError
+    from attrindex.segment import Segment
+
+    with SegmentStore.open(str(tmp_path)) as store:
+        store.segment("s", create=True).append([b"x"], [(1, 1)])
+        lazy = Segment(store.storage, "s", store.options, lazy_attributes=True)
+        with SegmentStore.open(str(tmp_path)) as other:
+            seg = other.segment("s")
+            seg.append([b"y"], [(1, 2)])
+            seg.flush()  # merged: the tree's checkpoint is past the lazy handle's view
+        with monkeypatch.context() as patched:
+            calls = _scans_always_meet_a_switch(patched)
+            with pytest.raises(RetriesExhaustedError, match="catch-up 10 times in a row"):
+                lazy.get_attribute(1)
+            assert len(calls) == 1 and not lazy._attributes.loaded
+        assert lazy.get_attribute(1) == 2
+        lazy.close()
+
+
 def test_open_after_a_retention_race_replays_from_the_newer_checkpoint(tmp_path, monkeypatch):
     """The retry must not keep the checkpoint it read before the race: retention merged first, and
     the log below that newer checkpoint is gone (the stale one made the retry report damage)."""
@@ -136,3 +195,4 @@ def test_a_merge_that_fails_while_rebuilding_tier_1_keeps_it_whole():
         del a._log.batches
         a.flush()
         assert a.get_attribute(1) == 20
+

@@ -25,6 +25,7 @@ from attrindex.errors import (
     BadOffsetError,
     CorruptDataError,
     OutcomeUnknownError,
+    RetriesExhaustedError,
     StorageError,
     StorageFullError,
     TruncatedError,
@@ -212,11 +213,11 @@ def test_restarts_are_bounded_even_when_every_one_finds_a_newer_version(url):
     for name, call in {"get": lambda: idx.get(1), "get_many": lambda: idx.get_many(range(50)),
                        "items": lambda: list(idx.items()), "split_keys": lambda: idx.split_keys(4)}.items():
         reloads.clear()
-        with pytest.raises(StorageError, match="restarted 32 times"):
+        with pytest.raises(RetriesExhaustedError, match="restarted 32 times"):
             within(10, call)
         assert len(reloads) == 32, name
     reloads.clear()
-    with pytest.raises(StorageError, match="1000 times in a row"):
+    with pytest.raises(RetriesExhaustedError, match="1000 times in a row"):
         within(30, lambda: idx.update({k(1): 5}))
     assert len(reloads) == 1000
 
@@ -229,7 +230,7 @@ def test_the_update_race_loop_is_bounded(url):
         raise BadOffsetError("attributes", expected_offset, expected_offset + 1)
 
     idx._segment.append = always_lose
-    with pytest.raises(StorageError, match="lost the append race") as caught:
+    with pytest.raises(RetriesExhaustedError, match="lost the append race") as caught:
         within(30, lambda: idx.update({2: 2}))
     assert idx.get(2) is None
 
@@ -242,7 +243,7 @@ def test_the_relisting_loop_is_bounded(url):
         raise FileNotFoundError("a chunk vanished between listing and sizing it")
 
     idx._segment.refresh = always_racing
-    with pytest.raises(StorageError, match="no consistent listing") as caught:
+    with pytest.raises(RetriesExhaustedError, match="no consistent listing") as caught:
         within(10, idx.refresh)
     assert not isinstance(caught.value, FileNotFoundError)
 

@@ -21,6 +21,7 @@ from storage_adapters.errors import (
     CorruptDataError,
     InvalidInputError,
     OffsetOutOfRangeError,
+    RetriesExhaustedError,
     StorageError,
     TruncatedError,
 )
@@ -245,7 +246,7 @@ class BTreeIndex:
             return state
         if isinstance(problem, CorruptDataError):
             raise problem
-        raise StorageError(f"segment {self.segment.name!r}: no consistent listing in {MAX_RELIST_ATTEMPTS} attempts: {problem}") from problem
+        raise RetriesExhaustedError(f"segment {self.segment.name!r}: no consistent listing in {MAX_RELIST_ATTEMPTS} attempts: {problem}") from problem
 
     def _read_state(self, length: int, start: int) -> TreeState:
         """The version whose footer ends at ``length``: with the chain of frames (local disk) and
@@ -415,9 +416,9 @@ class BTreeIndex:
             f"{state.footer_offset}) but lies outside the stored range [{error.start_offset}, {error.end_offset})",
         ) from error
 
-    def _gave_up(self, what: str) -> StorageError:
-        return StorageError(f"segment {self.segment.name!r}: {what} restarted {MAX_READ_ATTEMPTS} times, each "
-                            "time after another writer had compacted the pages it needed; giving up")
+    def _gave_up(self, what: str) -> RetriesExhaustedError:
+        return RetriesExhaustedError(f"segment {self.segment.name!r}: {what} restarted {MAX_READ_ATTEMPTS} times, each "
+                                     "time after another writer had compacted the pages it needed; giving up")
 
     def _descend(self, page: LeafPage | IndexPage, key: bytes) -> int | None:
         while not page.is_leaf:
@@ -536,9 +537,9 @@ class BTreeIndex:
                     continue
                 self._commit(state, data, footer)
                 return self._state
-        raise StorageError(f"segment {self.segment.name!r}: an update lost the append race to other writers "
-                           f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
-                           "(nothing was written)")
+        raise RetriesExhaustedError(f"segment {self.segment.name!r}: an update lost the append race to other writers "
+                                    f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
+                                    "(nothing was written)")
 
     def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[_UpdateBuilder, Footer] | None:
         footer = state.footer
@@ -736,8 +737,8 @@ class BTreeIndex:
                     continue
                 self._commit_bulk(state, data, new_footer)
                 return self._state
-        raise StorageError(f"segment {self.segment.name!r}: a bulk load lost the append race to other writers "
-                           f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
+        raise RetriesExhaustedError(f"segment {self.segment.name!r}: a bulk load lost the append race to other writers "
+                                    f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
 
     def _commit_bulk(self, old: TreeState, data: bytes, footer: Footer) -> None:
         """After a bulk load's append: publish the new root, drop the dead pages, truncate."""

@@ -49,7 +49,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 
 from ..layout import gap_dir, index_dir, log_name
-from ..errors import CorruptDataError, HoleError, InvalidInputError, LayoutChangedError, StorageError
+from ..errors import CorruptDataError, HoleError, InvalidInputError, LayoutChangedError, RetriesExhaustedError, StorageError
 from .batch.header import BATCH_HEADER_SIZE, BatchHeader, check_batch, read_header
 from .chunk_indexes import IndexFiles, index_batch, summarize_replacement
 from .framing import LOG_FRAMING, torn_claim
@@ -144,8 +144,8 @@ class SegmentLog:
             except LayoutChangedError:
                 if self.bytes.view_changes == self._synced_view:
                     self.bytes.refresh()  # the chunks changed, yet no read reloaded the view: look again
-        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under this handle "
-                                 f"{MAX_RESYNC_ATTEMPTS} times in a row while it planned a read; try again")
+        raise RetriesExhaustedError(f"segment {self.segment!r}: log chunks were replaced under this handle "
+                                    f"{MAX_RESYNC_ATTEMPTS} times in a row while it planned a read; try again")
 
     def _replaced_under_position(self) -> LogChunk | None:
         """The chunk holding ``position`` strictly inside it if ``position`` was reached in another
@@ -226,8 +226,8 @@ class SegmentLog:
                 return seen
             except LayoutChangedError:
                 continue  # chunks were replaced under the scan: sync (and resync) and go on
-        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under a catch-up "
-                                 f"{MAX_RESYNC_ATTEMPTS} times in a row; try again")
+        raise RetriesExhaustedError(f"segment {self.segment!r}: log chunks were replaced under a catch-up "
+                                    f"{MAX_RESYNC_ATTEMPTS} times in a row; try again")
 
     def _end_went_back_error(self) -> CorruptDataError:
         """The stored log ends below ``position``, which this handle read as committed. Writers
