@@ -252,9 +252,13 @@ class SegmentLog:
         header = self.header_at(self.position)
         if header is not None:
             self.next_offset = header.base_offset
-        first = self.chunks[0] if self.chunks else None
-        if first is not None and first.start == self.position:
-            first.builder = ChunkIndexBuilder(first.start, self.interval, next_offset=self.next_offset)
+        if self.chunks:
+            # The chunk's builder indexed its batches up to where this handle stood, not up to the
+            # new start: a fresh one where the chunk starts here, else none (its summary then
+            # comes from its index file or a rebuild, as after ``_resync``).
+            chunk = self.chunks[self.chunk_index(self.position)]
+            chunk.builder = (ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
+                             if chunk.start == self.position else None)
 
     def _scan_chunk(self, chunk: LogChunk, visit: BatchVisitor | None, seen: int) -> tuple[int, bool]:
         """Scan ``chunk`` from ``position``; return (batches seen, whether scanning stopped)."""
