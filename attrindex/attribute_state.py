@@ -229,13 +229,9 @@ class AttributeState:
             self.catch_up()
             if log.start_position <= seen:  # nothing this handle had not replayed was cut
                 return
-        for _attempt in range(MAX_TREE_REFRESH_ATTEMPTS):
-            self.rebuild()  # replay the log from the tree's newest checkpoint (the overlay rebuilt aside)
-            if (tree.checkpoint or 0) >= log.start_position:
-                return
-            tree.refresh()
-        raise RetriesExhaustedError(f"segment {self.name!r}: other handles kept truncating the log during refresh "
-                                    f"({MAX_TREE_REFRESH_ATTEMPTS} tries)")
+        # Replay the log from the tree's newest version that covers its start (the overlay is
+        # rebuilt aside). That rebuild is the one loop over tree versions (``from_newest_tree``).
+        self.rebuild()
 
     def settle(self) -> None:
         """Under the lock: if a rebuild of tier 1 failed, rebuild it now (raises if it cannot)."""

@@ -196,3 +196,66 @@ def test_a_merge_that_fails_while_rebuilding_tier_1_keeps_it_whole():
         a.flush()
         assert a.get_attribute(1) == 20
 
+
+def _cut_past_the_tree(tmp_path):
+    """Handles ``mine`` and ``theirs`` of segment "s": the tree covers key 1 = 1; then key 1 = 2
+    (mine), key 2 = 3 and key 3 = 4 (theirs) are only in the log, and theirs cuts the log after
+    key 2's batch WITHOUT merging first (as damage or a lost merge would): 1 = 2 and 2 = 3 are in
+    no tree version and no longer in the log."""
+    mine, theirs = SegmentStore.open(str(tmp_path)), SegmentStore.open(str(tmp_path))
+    seg = mine.segment("s", create=True)
+    seg.append([b"a"], [(1, 1)])
+    seg.flush()
+    seg.append([b"b"], [(1, 2)])
+    other = theirs.segment("s")
+    other.append([b"c"], [(2, 3)])
+    cut = other._log.position
+    other.append([b"d"], [(3, 4)])
+    other._log.truncate_at(cut)
+    return mine, theirs, seg
+
+
+def test_a_log_cut_past_every_tree_version_is_lost_data_not_a_silent_rollback(tmp_path):
+    """A catch-up that steps over the cut rebuilds tier 1 from the newest tree version; none
+    covers the cut, so the updates in between are lost: ``CorruptDataError`` (as on open), never
+    tier 1 rebuilt from the log's new start, which would answer key 1 = 1 over the acknowledged 2."""
+    from attrindex.errors import CorruptDataError
+
+    mine, theirs, seg = _cut_past_the_tree(tmp_path)
+    try:
+        with pytest.raises(CorruptDataError, match="updates in between are lost"):
+            seg.refresh()
+        with pytest.raises(CorruptDataError):  # reads rebuild first: never the stale or rolled-back value
+            seg.get_attribute(1)
+    finally:
+        theirs.close()
+        mine.close()
+
+
+def test_a_rebuild_whose_tree_versions_never_cover_the_cut_gives_up(tmp_path, monkeypatch):
+    """Another handle keeps merging, but every version it writes stays below the log's start: after
+    ``MAX_TREE_REFRESH_ATTEMPTS`` versions the rebuild raises ``RetriesExhaustedError`` (it does not
+    replay from the log's start over the last version seen, losing what lies between)."""
+    from attrindex.errors import RetriesExhaustedError
+    from attrindex.tree_index import TreeIndex
+
+    mine, theirs, seg = _cut_past_the_tree(tmp_path)
+    merger = TreeIndex(mine.storage, seg.tree_name)
+    real_refresh, refreshes = TreeIndex.refresh, []
+
+    def refresh_after_a_lagging_merge(self):
+        if self is not merger:
+            refreshes.append(1)
+            merger.refresh()
+            merger.update_sorted([], [], checkpoint=merger.checkpoint + 1)  # newer, still below the cut
+        return real_refresh(self)
+
+    monkeypatch.setattr(TreeIndex, "refresh", refresh_after_a_lagging_merge)
+    try:
+        with pytest.raises(RetriesExhaustedError, match="10 tree versions in a row"):
+            seg.refresh()
+    finally:
+        monkeypatch.undo()
+        merger.close()
+        theirs.close()
+        mine.close()
