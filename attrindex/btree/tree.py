@@ -216,8 +216,10 @@ class BTreeIndex:
 
         The version never goes back. A listing that raced another process's truncation (a chunk
         deleted between listing and reading, the newest chunk missed, the footer's pages below the
-        listed truncation offset) is taken again, a bounded number of times; an inconsistency that
-        persists is damage: ``CorruptDataError``.
+        listed truncation offset, for a new version and for the one already held alike) is taken
+        again, a bounded number of times; an inconsistency that persists is damage:
+        ``CorruptDataError``. So a version it returns has every page at or above the listed
+        truncation offset.
         """
         problem: Exception | None = None
         for attempt in range(MAX_RELIST_ATTEMPTS):
@@ -231,6 +233,13 @@ class BTreeIndex:
             length, start = self.segment.length, self.segment.start_offset
             current = self._state
             if length == current.length and (current.footer_offset >= 0 or length == 0):
+                if current.footer_offset >= 0 and current.footer.min_offset < start:
+                    # Writers truncate only below a newer durable version: the listing took the
+                    # truncation of a version it did not list yet (or the pages are gone).
+                    problem = self._corrupt(current.footer_offset, f"the newest footer at offset "
+                                            f"{current.footer_offset} references pages from offset "
+                                            f"{current.footer.min_offset}, below the truncation offset {start}")
+                    continue
                 return current
             if length < current.length:  # an append-only segment never shrinks: a stale listing
                 problem = self._corrupt(length, f"the segment's length went back from {current.length} to {length}")
@@ -401,15 +410,13 @@ class BTreeIndex:
         """A page of ``state`` is no longer stored: adopt a newer version, or report the damage.
 
         Another writer's compaction frees pages only after a newer footer is durable, so a page
-        missing under the newest version is damage, not a race (a listing is taken again a few
-        times first, in case it raced that writer's truncation).
+        missing under the newest version is damage, not a race. One ``reload`` tells: it takes a
+        listing that raced that writer's truncation again itself, and it returns a version only
+        if none of its pages lies below the listed truncation offset.
         """
-        for attempt in range(MAX_RELIST_ATTEMPTS):
-            if attempt:
-                _pause(attempt)
-            newest = self.reload()
-            if (newest.footer_offset, newest.length) != (state.footer_offset, state.length):
-                return
+        newest = self.reload()
+        if (newest.footer_offset, newest.length) != (state.footer_offset, state.length):
+            return
         raise self._corrupt(
             error.offset,
             f"B+tree page at offset {error.offset} is referenced by the newest footer (at offset "
