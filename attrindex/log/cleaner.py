@@ -503,7 +503,7 @@ class LogCleaner:
             try:
                 done, end, pins_after = self._pass(first_dirty, clock, pins)
             except RetriesExhaustedError:
-                raise  # a loop below retried its race to its bound (a replacement's generations)
+                raise  # a loop below (a replacement, a resync) retried its race to its bound
             except (LayoutConflictError, LayoutChangedError, TruncatedError) as exc:
                 lost += 1
                 if lost > MAX_PASS_ATTEMPTS:
