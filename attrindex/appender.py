@@ -21,7 +21,7 @@ import attrs
 
 from .attribute_state import AttributeState
 from .conditional import resolve_updates
-from .errors import BadOffsetError, ConditionalUpdateError, StorageError
+from .errors import BadOffsetError, ConditionalUpdateError, RetriesExhaustedError, StorageError
 from .log.batch.compression import Codec
 from .log.batch.encode import encode_batch, encode_batch_with_header, new_batch_id, rebase_batch
 from .log.batch.header import read_header
@@ -213,8 +213,8 @@ def _bounded_races(name: str) -> Iterator[int]:
     """Laps of an append loop: each lost race means another writer appended; give up after
     ``MAX_GROUP_APPEND_ATTEMPTS`` of them with a clear error rather than spin."""
     yield from range(MAX_GROUP_APPEND_ATTEMPTS)
-    raise StorageError(f"segment {name!r}: an append lost the race to other writers {MAX_GROUP_APPEND_ATTEMPTS} times "
-                       f"in a row; nothing of it was written")
+    raise RetriesExhaustedError(f"segment {name!r}: an append lost the race to other writers {MAX_GROUP_APPEND_ATTEMPTS} times "
+                                f"in a row; nothing of it was written")
 
 
 __all__ = ["AppendResult", "Appender", "MAX_GROUP_APPEND_ATTEMPTS", "PendingAppend"]

@@ -31,7 +31,7 @@ from .arguments import check_progress
 from .btree.bulk import DEFAULT_SPILL_BYTES, read_pairs
 from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
-from .errors import CorruptDataError, InvalidInputError, StorageError
+from .errors import CorruptDataError, InvalidInputError, RetriesExhaustedError, StorageError
 from .handle import IndexHandle
 from .keys import KEY_SIZE, all_canonical_keys, all_canonical_values, canonical_batch, to_key
 from .locations import index_storage
@@ -395,8 +395,8 @@ class AttributeIndex(IndexHandle):
                         if not attributes.pending_keys:  # no update slipped in before it
                             break
                 else:
-                    raise StorageError(f"index {self._name!r}: updates kept arriving during bulk_load "
-                                       f"({MAX_REFRESH_ATTEMPTS} tries); nothing was loaded")
+                    raise RetriesExhaustedError(f"index {self._name!r}: updates kept arriving during bulk_load "
+                                                f"({MAX_REFRESH_ATTEMPTS} tries); nothing was loaded")
                 # Updates appended meanwhile land after ``position`` in the WAL and in the overlay.
                 tree.bulk_load(run, checkpoint=position, progress=progress)
                 if tree.checkpoint != position:

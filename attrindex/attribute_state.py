@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from .errors import InvalidInputError, LayoutChangedError, MergeBacklogError, StorageError, TruncatedError
+from .errors import InvalidInputError, LayoutChangedError, MergeBacklogError, RetriesExhaustedError, TruncatedError
 from .layout import rolling_dir
 from .listing import ListedStorage
 from .log.segment_log import SegmentLog
@@ -92,8 +92,8 @@ class AttributeState:
                     break
                 except TruncatedError:  # retention elsewhere removed what was being replayed
                     if attempt + 1 == MAX_OPEN_ATTEMPTS:
-                        raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the "
-                                           f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
+                        raise RetriesExhaustedError(f"segment {self.name!r}: retention in another handle kept removing the "
+                                                    f"log being replayed on open ({MAX_OPEN_ATTEMPTS} tries)") from None
                     tree.refresh()  # retention merged first: replay from its newer checkpoint
         except BaseException:
             tree.close()
@@ -130,10 +130,12 @@ class AttributeState:
                     try:
                         replayed = self._adopt_tree(tree)
                         break
-                    except (TruncatedError, LayoutChangedError):  # retention or compaction elsewhere meanwhile
+                    # Retention or compaction elsewhere meanwhile. (A catch-up that resynced to its
+                    # bound raises RetriesExhaustedError: passed up, not retried here.)
+                    except (TruncatedError, LayoutChangedError):
                         if attempt + 1 == MAX_OPEN_ATTEMPTS:
-                            raise StorageError(f"segment {self.name!r}: retention in another handle kept removing "
-                                               f"the log being replayed ({MAX_OPEN_ATTEMPTS} tries)") from None
+                            raise RetriesExhaustedError(f"segment {self.name!r}: retention in another handle kept removing "
+                                                        f"the log being replayed ({MAX_OPEN_ATTEMPTS} tries)") from None
                         tree.refresh()  # retention merged first: replay from its newer checkpoint
                         self._log.catch_up(None)
             except BaseException:
@@ -210,8 +212,8 @@ class AttributeState:
                 return self._log.catch_up(visit)
             except TruncatedError:
                 continue
-        raise StorageError(f"segment {self.name!r}: other handles kept truncating the log while this handle read "
-                           f"its tail ({MAX_OPEN_ATTEMPTS} tries); try again")
+        raise RetriesExhaustedError(f"segment {self.name!r}: other handles kept truncating the log while this handle read "
+                                    f"its tail ({MAX_OPEN_ATTEMPTS} tries); try again")
 
     def refresh(self) -> None:
         """Under the lock, with the merge mutex held: pick up other handles' updates. The tree
@@ -227,13 +229,9 @@ class AttributeState:
             self.catch_up()
             if log.start_position <= seen:  # nothing this handle had not replayed was cut
                 return
-        for _attempt in range(MAX_TREE_REFRESH_ATTEMPTS):
-            self.rebuild()  # replay the log from the tree's newest checkpoint (the overlay rebuilt aside)
-            if (tree.checkpoint or 0) >= log.start_position:
-                return
-            tree.refresh()
-        raise StorageError(f"segment {self.name!r}: other handles kept truncating the log during refresh "
-                           f"({MAX_TREE_REFRESH_ATTEMPTS} tries)")
+        # Replay the log from the tree's newest version that covers its start (the overlay is
+        # rebuilt aside). That rebuild is the one loop over tree versions (``from_newest_tree``).
+        self.rebuild()
 
     def settle(self) -> None:
         """Under the lock: if a rebuild of tier 1 failed, rebuild it now (raises if it cannot)."""
@@ -284,9 +282,9 @@ class AttributeState:
                 self._publish()  # one swap: a reader never pairs the rebuilt overlay with the old frozen one
                 self._dirty_since = time.monotonic()
                 return
-            raise StorageError(f"segment {self.name!r}: other handles kept merging and truncating the log while "
-                               f"this handle rebuilt its pending attribute updates from the B+tree "
-                               f"({MAX_TREE_REFRESH_ATTEMPTS} tries); try again")
+            raise RetriesExhaustedError(f"segment {self.name!r}: other handles kept merging and truncating the log while "
+                                        f"this handle rebuilt its pending attribute updates from the B+tree "
+                                        f"({MAX_TREE_REFRESH_ATTEMPTS} tries); try again")
         finally:
             if self._stale:
                 self._publish()  # reads rebuild first from now on, never serving the stale values

@@ -16,6 +16,8 @@ from storage_adapters.errors import (
     MissingDependencyError,
     OffsetOutOfRangeError,
     OutcomeUnknownError,
+    ReplaceRetriesExhaustedError,
+    RetriesExhaustedError,
     StorageError,
     StorageFullError,
     TruncatedError,
@@ -94,8 +96,9 @@ class MergeBacklogError(StorageError):
 
 class LayoutChangedError(StorageError):
     """Chunks under a scan of a segment's log were replaced meanwhile (consolidation or compaction
-    elsewhere): the bytes read may belong to the new layout. Scans resync and go on; raised only
-    when one keeps happening (ten times in a row) or where no resync is possible. Read again."""
+    elsewhere): the bytes read may belong to the new layout. Scans resync and go on, so this is
+    raised only where no resync is possible (a single read of planned chunks), for the caller that
+    can plan again. A scan that resynced to its bound raises ``RetriesExhaustedError`` instead."""
 
 
 class IndexNotFoundError(AttrIndexError, LookupError):
@@ -126,6 +129,8 @@ __all__ = [
     "OffsetOutOfRangeError",
     "OutcomeUnknownError",
     "RecordTruncatedError",
+    "ReplaceRetriesExhaustedError",
+    "RetriesExhaustedError",
     "SegmentNotFoundError",
     "StreamNotFoundError",
     "WriterConflictError",

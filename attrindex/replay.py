@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from .errors import CorruptDataError, StorageError, TruncatedError
+from .errors import CorruptDataError, RetriesExhaustedError, StorageError, TruncatedError
 from .log.batch.decode import decode_attribute_updates
 from .log.batch.header import BatchHeader
 from .log.segment_log import BatchVisitor, SegmentLog
@@ -119,8 +119,8 @@ def adopt_tree(log: SegmentLog, tree: Any) -> tuple[AttributeOverlay, int]:
         if (tree.checkpoint or 0) == checkpoint:
             raise lost_between_error(log, checkpoint)
     else:
-        raise StorageError(f"segment {log.segment!r}: retention in another handle kept moving the log's start "
-                           f"while the attributes were loaded ({MAX_TREE_REFRESH_ATTEMPTS} tries)")
+        raise RetriesExhaustedError(f"segment {log.segment!r}: retention in another handle kept moving the log's start "
+                                    f"while the attributes were loaded ({MAX_TREE_REFRESH_ATTEMPTS} tries)")
     if checkpoint > log.bytes.length:
         raise beyond_log_error(log, checkpoint)
     return replay_range(log, max(checkpoint, log.start_position), log.position)
@@ -129,14 +129,27 @@ def adopt_tree(log: SegmentLog, tree: Any) -> tuple[AttributeOverlay, int]:
 def from_newest_tree(log: SegmentLog, tree: Any) -> tuple[AttributeOverlay, int]:
     """``(overlay, checkpoint)``: the log's updates between the newest version of ``tree`` that
     covers the log's start and the log's position, and that version's checkpoint (a rebuild of
-    tier 1 after another handle merged further or cut the log)."""
+    tier 1 after another handle merged further or cut the log).
+
+    The checks of ``adopt_tree``: a log cut past the newest version's checkpoint, with batches
+    after the cut, lost the updates in between (``CorruptDataError``: every handle merges before
+    it cuts, so a version covering the cut exists unless something was lost). Newer versions that
+    keep coming without covering the log's start (``MAX_TREE_REFRESH_ATTEMPTS``) raise
+    ``RetriesExhaustedError``: replaying from the log's start over such a version would lose the
+    updates between its checkpoint and the cut."""
     for _attempt in range(MAX_TREE_REFRESH_ATTEMPTS):
         checkpoint = tree.checkpoint or 0
-        if checkpoint >= log.start_position:
+        if checkpoint >= log.start_position or log.bytes.length <= log.start_position:
             break
         tree.refresh()
         if (tree.checkpoint or 0) == checkpoint:
-            break  # no newer version: the log cut held no updates (retention's empty batch)
+            raise lost_between_error(log, checkpoint)
+    else:
+        if (tree.checkpoint or 0) < log.start_position < log.bytes.length:
+            raise RetriesExhaustedError(
+                f"segment {log.segment!r}: other handles kept merging and cutting the log while tier 1 was "
+                f"rebuilt: {MAX_TREE_REFRESH_ATTEMPTS} tree versions in a row did not cover the log's start; "
+                "try again")
     checkpoint = tree.checkpoint or 0
     rebuilt, _batches = replay_range(log, max(checkpoint, log.start_position), log.position)
     return rebuilt, checkpoint

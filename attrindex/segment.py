@@ -26,7 +26,7 @@ from .appender import AppendResult, Appender, PendingAppend
 from .attribute_state import MAX_OPEN_ATTEMPTS, AttributeState
 from .conditional import AttributeUpdate, UpdateType
 from .errors import (ChunkExistsError, HoleError, InvalidInputError, LayoutChangedError, LayoutConflictError,
-                     RecordTruncatedError, StorageError, TruncatedError)
+                     RecordTruncatedError, RetriesExhaustedError, StorageError, TruncatedError)
 from .layout import attributes_name
 from .keys import canonical_batch, pair_list, to_key, to_keys
 from .log.batch.compression import Codec, codec_for
@@ -112,10 +112,12 @@ class Segment:
                 self._log.open_at(self._log.bytes.length)  # the end lies in the last chunk
                 self._log.catch_up(None, refresh=False)
                 return
-            except (TruncatedError, LayoutChangedError):  # retention or a chunk switch elsewhere: look again
+            # Retention or a chunk switch elsewhere: look again. (A catch-up that resynced to its
+            # bound raises RetriesExhaustedError: passed up, not retried here.)
+            except (TruncatedError, LayoutChangedError):
                 if attempt + 1 == MAX_OPEN_ATTEMPTS:
-                    raise StorageError(f"segment {self.name!r}: other handles kept removing or replacing the log's "
-                                       f"last chunk while it was opened ({MAX_OPEN_ATTEMPTS} tries)") from None
+                    raise RetriesExhaustedError(f"segment {self.name!r}: other handles kept removing or replacing the log's "
+                                                f"last chunk while it was opened ({MAX_OPEN_ATTEMPTS} tries)") from None
 
     def _catch_up(self) -> int:
         """Under ``_lock``: read what other writers appended since this handle last looked (the
@@ -271,8 +273,8 @@ class Segment:
                 return self._log.start_offset
             except TruncatedError:  # another handle's retention deleted the chunk it names: look again
                 self._catch_up()
-        raise StorageError(f"segment {self.name!r}: retention in another handle kept removing the first "
-                           f"chunk while its start offset was read ({MAX_OPEN_ATTEMPTS} tries)")
+        raise RetriesExhaustedError(f"segment {self.name!r}: retention in another handle kept removing the first "
+                                    f"chunk while its start offset was read ({MAX_OPEN_ATTEMPTS} tries)")
 
     def read(self, offset: int, max_records: int = 1000, *, max_bytes: int = DEFAULT_READ_BYTES) -> list[Record]:
         """Records from ``offset`` on, at most ``max_records`` (fewer at the end; ``[]`` past it).
@@ -467,6 +469,14 @@ class Segment:
                 raise InvalidInputError(f"segment {self.name!r}: start_offset {start_offset} is past the end "
                                         f"(next offset {self._log.next_offset})")
             position, deleted = plan_retention(self._log, max_age_ms, max_bytes, start_offset, now)
+            covered = attributes.tree.checkpoint or 0
+            if min(position, self._log.position) > max(covered, self._log.start_position):
+                # The drain gave up (other handles kept merging): a cut above the tree's checkpoint
+                # would leave updates in no tree version, only in tier 1s.
+                raise RetriesExhaustedError(
+                    f"segment {self.name!r}: other handles kept merging while retention merged this handle's "
+                    f"attribute updates (AttributeState.drain's laps); the tree covers the log up to byte "
+                    f"{covered}, below the cut at {position}; nothing was removed, try again")
             if position >= self._log.position > self._log.start_position:
                 # Nothing readable would be left, and with it the next offset: keep an empty batch
                 # that records it (Kafka rolls a new segment for the same reason).
@@ -700,8 +710,8 @@ def _configure(storage, name: str, options: dict) -> _policy.CleanupPolicy:
         except ChunkExistsError:
             continue  # another process configured meanwhile: apply ours over theirs
         return changed
-    raise StorageError(f"segment {name!r}: configure lost {_policy.MAX_CONFIGURE_ATTEMPTS} races in a row "
-                       "to other processes changing the policy; nothing was written")
+    raise RetriesExhaustedError(f"segment {name!r}: configure lost {_policy.MAX_CONFIGURE_ATTEMPTS} races in a row "
+                                "to other processes changing the policy; nothing was written")
 
 
 def _foreseen(updates: list[AttributeUpdate]) -> tuple[list[bytes], list[int | None]] | None:

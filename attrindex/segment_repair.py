@@ -24,7 +24,7 @@ from storage_adapters import ChunkStorage, RollingSegment
 
 from .tree_index import TreeIndex
 from .damage import Damage
-from .errors import BadOffsetError, CorruptDataError, StorageError, TruncatedError
+from .errors import BadOffsetError, CorruptDataError, RetriesExhaustedError, StorageError, TruncatedError
 from .log.batch.encode import encode_batch
 from .log.batch.header import read_header
 from .layout import INDEX_DIR, attributes_name
@@ -153,8 +153,8 @@ def verify_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
             return _verify_once(storage, name, options, tree_name)
         except TruncatedError:  # retention removed what was being read: look again
             continue
-    raise StorageError(f"segment {name!r}: retention changed the log under verification {MAX_VERIFY_ATTEMPTS} times; "
-                       "verify it when its writers are idle")
+    raise RetriesExhaustedError(f"segment {name!r}: retention changed the log under verification {MAX_VERIFY_ATTEMPTS} times; "
+                                "verify it when its writers are idle")
 
 
 def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions, tree_name: str | None) -> SegmentVerifyReport:

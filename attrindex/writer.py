@@ -36,6 +36,7 @@ from .errors import (
     CorruptDataError,
     InvalidInputError,
     MergeBacklogError,
+    RetriesExhaustedError,
     WriterConflictError,
 )
 from .keys import to_key
@@ -43,10 +44,12 @@ from .log.batch.records import Record, check_timestamps, normalize_headers
 from .store import SegmentStore, check_segment_count, validate_name
 
 _PERMANENT = (InvalidInputError, ConditionalUpdateError, CorruptDataError)
-#: Raised at once, not resent: the segment refused the append before writing anything, after its
-#: own bounded wait for room (back-pressure); a resend would only wait that long again
-#: (docs/retries.md: each race is retried by the one layer that can settle it).
-_SETTLED_BELOW = (MergeBacklogError,)
+#: Raised at once, not resent (docs/retries.md: each failure is retried by the one layer that can
+#: settle it). ``MergeBacklogError``: the segment refused the append before writing anything, after
+#: its own bounded wait for room (back-pressure). ``RetriesExhaustedError``: a loop below retried
+#: its race or request to its bound. A resend would only run those loops again; the events stay
+#: queued, and a later flush resends them with their conditions (exactly once).
+_SETTLED_BELOW = (MergeBacklogError, RetriesExhaustedError)
 _DIGEST_NAME = "attrindex.EventWriter/digest"  #: derives a writer's digest key from its id
 _log = logging.getLogger("attrindex.writer")
 _REPLAY_FEED = 4096  #: skipped events are digested in groups of this many
@@ -286,9 +289,11 @@ class EventWriter:
     names the writer across restarts; a new random one is used if omitted. Events are buffered and
     sent in batches of up to ``batch_events`` events or ``batch_bytes`` bytes; ``flush()`` sends
     the rest and returns once everything written is durable. A failed append is retried up to
-    ``retries`` times, ``retry_delay`` seconds apart (growing linearly), except a refusal the
-    segment settled itself (``MergeBacklogError``, raised after its own wait for room: resending
-    would wait again). Every argument is checked before anything is created on storage.
+    ``retries`` times, ``retry_delay`` seconds apart (growing linearly), except a failure the
+    segment settled itself: ``MergeBacklogError`` (raised after its own wait for room: resending
+    would wait again) and ``RetriesExhaustedError`` (a retry loop below reached its bound). Those
+    are raised at once; the events stay queued for the next flush. Every argument is checked
+    before anything is created on storage.
 
     A writer resumed with the same id must replay the same events in the same order: the ones
     already stored are skipped. It checks that they are the same events (a digest of payloads and

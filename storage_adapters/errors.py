@@ -27,6 +27,17 @@ class StorageError(AttrIndexError):
     """The storage backend failed or refused an operation."""
 
 
+class RetriesExhaustedError(StorageError):
+    """A bounded retry loop reached its bound: another handle kept winning the race it retried, or
+    storage kept failing the request it repeated. The message names the loop and its bound.
+
+    What was written is what the raising loop's documentation says (usually nothing: see
+    docs/retries.md, which lists every loop and what it leaves at its bound). The loops above the
+    one that raised pass it up without trying again: the failure was retried to its bound by the
+    one layer that could settle it. Try again later.
+    """
+
+
 class BadOffsetError(StorageError):
     """A compare-and-append found the segment's length different from the expected offset.
 
@@ -126,3 +137,10 @@ class HoleError(StorageError):
 class LayoutConflictError(StorageError):
     """A chunk replacement lost to another one: the chunks it was to replace were replaced (or
     truncated) by another handle or process first. Nothing of the losing replacement is visible."""
+
+
+class ReplaceRetriesExhaustedError(RetriesExhaustedError, LayoutConflictError):
+    """A chunk replacement lost the race for a generation to other replacers at every one of its
+    bounded attempts; nothing of it is visible. A ``LayoutConflictError`` too, so code that skips a
+    replacement it lost (consolidation) skips this one; retry loops pass it up as a
+    ``RetriesExhaustedError``."""

@@ -31,7 +31,7 @@ from typing import Iterator
 from fsspec.implementations.local import LocalFileSystem
 
 from .base import ChunkStorage
-from .errors import ChunkExistsError, CorruptDataError, OutcomeUnknownError, StorageError, StorageFullError
+from .errors import ChunkExistsError, CorruptDataError, OutcomeUnknownError, RetriesExhaustedError, StorageError, StorageFullError
 
 LOCK_NAME = ".lock"
 TEMP_PREFIX = ".tmp-"  #: files being created; never listed (a crash may leave one behind)
@@ -454,8 +454,8 @@ class LocalChunkStorage(ChunkStorage):
             # was opened: a lock on the old file excludes nobody who opens the new one.
             self._forget(directory, entry)
             entry.mutex.release()
-        raise StorageError(f"local storage: lock of {directory!r}: its lock file kept being replaced "
-                           f"({MAX_LOCK_ATTEMPTS} tries)")
+        raise RetriesExhaustedError(f"local storage: lock of {directory!r}: its lock file kept being replaced "
+                                    f"({MAX_LOCK_ATTEMPTS} tries)")
 
     @staticmethod
     def _release(entry: _DirectoryLock) -> None:

@@ -25,6 +25,7 @@ from .errors import (
     HoleError,
     OffsetOutOfRangeError,
     OutcomeUnknownError,
+    RetriesExhaustedError,
     StorageError,
 )
 from .framing import Framing
@@ -156,7 +157,7 @@ class SegmentHandle:
                     self.view_loaded(look)
                     return
                 _log.info("segment %r: the listing raced an append or truncation; listing again", self.name)
-        raise StorageError(
+        raise RetriesExhaustedError(
             f"segment {self.name!r}: {MAX_REFRESH_ATTEMPTS} listings in a row saw the segment change under "
             "them; no consistent view could be read"
         )
@@ -245,8 +246,8 @@ class SegmentHandle:
                 return self.read_chunks(view.chunks, offset, end)
             except FileNotFoundError:
                 continue  # replaced again meanwhile (compaction keeps running): bounded
-        raise StorageError(f"segment {self.name!r}: a chunk holding offset {offset} kept vanishing "
-                           f"({MAX_READ_REFRESH_ATTEMPTS} listings)")
+        raise RetriesExhaustedError(f"segment {self.name!r}: a chunk holding offset {offset} kept vanishing "
+                                    f"({MAX_READ_REFRESH_ATTEMPTS} listings)")
 
     def read_chunks(self, chunks: tuple[ChunkInfo, ...], offset: int, end: int) -> bytes:
         """The bytes ``[offset, end)`` from ``chunks``; ``HoleError`` for a hole, ``CorruptDataError``

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from .errors import BadOffsetError, ChunkExistsError, OutcomeUnknownError, StorageError
+from .errors import BadOffsetError, ChunkExistsError, OutcomeUnknownError, RetriesExhaustedError, StorageError
 from .rolling_handle import SegmentHandle
 from .rolling_view import CHUNK_NAME, ChunkInfo, chunk_name
 
@@ -99,7 +99,7 @@ class ObjectHandle(SegmentHandle):
             self.view_time = max(self.view_time, sent)
             self.delete_dead()
             return offset
-        raise StorageError(
+        raise RetriesExhaustedError(
             f"segment {self.name!r}: gave up appending after {MAX_APPEND_ATTEMPTS} attempts; other writers "
             "kept taking the offset (nothing of this append was written)"
         )

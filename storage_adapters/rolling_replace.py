@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from .errors import ChunkExistsError, InvalidInputError, LayoutConflictError, OutcomeUnknownError, StorageError
+from .errors import (ChunkExistsError, InvalidInputError, LayoutConflictError, OutcomeUnknownError,
+                     ReplaceRetriesExhaustedError, StorageError)
 from .rolling_handle import SegmentHandle
 from .rolling_view import SWITCH_DIR, chunk_name, replacement_name
 
@@ -63,7 +64,7 @@ class ChunkReplacer:
             handle.sweep_layout()
             handle.delete_obsolete(handle.obsolete_names(), locked=True)  # this listing: _confirm_switch's
             return
-        raise LayoutConflictError(f"segment {handle.name!r}: gave up replacing [{start}, {end}) after "
+        raise ReplaceRetriesExhaustedError(f"segment {handle.name!r}: gave up replacing [{start}, {end}) after "
                                   f"{MAX_REPLACE_ATTEMPTS} lost races with other replacers; nothing replaced")
 
     def _write_replacement(self, name: str, data: bytes) -> bool:

@@ -24,7 +24,8 @@ again up to five times (25 for a read), is turned off, so an endpoint that accep
 never answers fails a request after ``max_attempts`` read timeouts plus back-off
 (``worst_case_seconds``: under 2 minutes with the defaults, if the connection is made). A request
 whose response breaks off part-way (which botocore does not retry) is sent again, up to
-``max_attempts`` times in all.
+``max_attempts`` times in all. A read, listing or existence check that failed at either bound is
+``RetriesExhaustedError``; a write is ``OutcomeUnknownError`` (it may have been applied).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .errors import (
     ExclusiveCreateUnsupportedError,
     InvalidInputError,
     OutcomeUnknownError,
+    RetriesExhaustedError,
     StorageError,
 )
 
@@ -183,6 +185,31 @@ def _without_expect_continue(request: Any, **_: Any) -> None:
     request.headers.pop("Expect", None)
 
 
+#: Error codes of throttling answers that botocore's standard mode retries whatever their status.
+_THROTTLING_CODES = frozenset({"Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+                               "RequestThrottledException", "TooManyRequestsException", "SlowDown",
+                               "RequestLimitExceeded", "BandwidthLimitExceeded", "RequestTimeout",
+                               "RequestTimeoutException", "PriorRequestNotComplete"})
+
+
+def _retried_by_botocore(exc: BaseException) -> bool:
+    """Whether botocore's standard retry mode retries a failure like ``exc`` (a 5xx, throttling, a
+    connection error or a timeout), so that it came here only after ``max_attempts`` attempts."""
+    import botocore.exceptions
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, botocore.exceptions.ClientError):
+            status = seen.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            code = seen.response.get("Error", {}).get("Code")
+            return status >= 500 or status == 429 or code in _THROTTLING_CODES
+        if isinstance(seen, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
+                             asyncio.TimeoutError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _never_sent(exc: BaseException) -> bool:
     """Whether the request certainly did not reach S3 (the connection was never made)."""
     import botocore.exceptions
@@ -197,11 +224,18 @@ def s3_errors(operation: str, path: str, *, missing: bool = False, write: bool =
     ``missing=True`` lets ``FileNotFoundError`` through. With ``write=True`` an error that may have
     come after the request was sent (no response, or a 5xx) is ``OutcomeUnknownError``: the write may
     have happened; a refusal (a 4xx) or a connection never made is a definite ``StorageError``.
+    Otherwise a failure that the request's attempts retried to their bound (botocore's, for a 5xx,
+    throttling, a connection error or a timeout; ``_again``'s, for a response that kept breaking
+    off) is ``RetriesExhaustedError``: the layers above pass it up.
     """
     import botocore.exceptions
 
     try:
         yield
+    except RetriesExhaustedError as exc:  # _again's bound: the response kept breaking off
+        if write:
+            raise OutcomeUnknownError(f"S3: {operation} of {path!r} may or may not have happened: {exc}") from exc
+        raise RetriesExhaustedError(f"S3: {operation} of {path!r} failed: {exc}") from exc
     except StorageError:
         raise
     except FileNotFoundError:
@@ -222,10 +256,13 @@ def s3_errors(operation: str, path: str, *, missing: bool = False, write: bool =
             raise OutcomeUnknownError(
                 f"S3: {operation} of {path!r} may or may not have happened: {type(exc).__name__}: {exc}"
             ) from exc
+        error, bound = StorageError, ""
+        if _retried_by_botocore(exc):
+            error, bound = RetriesExhaustedError, " (every one of the request's max_attempts attempts failed)"
         if _never_sent(exc):
-            raise StorageError(f"S3: {operation} of {path!r} failed: the endpoint cannot be reached "
-                               f"({type(exc).__name__}: {exc})") from exc
-        raise StorageError(f"S3: {operation} of {path!r} failed: {type(exc).__name__}: {exc}") from exc
+            raise error(f"S3: {operation} of {path!r} failed: the endpoint cannot be reached "
+                        f"({type(exc).__name__}: {exc}){bound}") from exc
+        raise error(f"S3: {operation} of {path!r} failed: {type(exc).__name__}: {exc}{bound}") from exc
 
 
 class S3ChunkStorage(ChunkStorage):
@@ -301,16 +338,20 @@ class S3ChunkStorage(ChunkStorage):
 
     def _again(self, call: Any, *args: Any, **kwargs: Any) -> Any:
         """``call(*args, **kwargs)``, tried again (up to ``max_attempts`` in all) while its response
-        breaks off part-way (as s3fs's own retry loop did). Reads, listings and deletions may be
-        repeated; so may a create: a repeat that finds its own first try landed gets 412, which
-        ``RollingSegment`` settles by reading the chunk back."""
+        breaks off part-way (as s3fs's own retry loop did), then ``RetriesExhaustedError``
+        (``s3_errors`` makes that ``OutcomeUnknownError`` for a write). Reads, listings and deletions
+        may be repeated; so may a create: a repeat that finds its own first try landed gets 412,
+        which ``RollingSegment`` settles by reading the chunk back. botocore does not retry a
+        response that broke off, and this loop retries nothing else: the two never repeat the same
+        failure (docs/retries.md)."""
         broken = _broken_off_errors()
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return call(*args, **kwargs)
-            except broken:
+            except broken as exc:
                 if attempt >= self.max_attempts:
-                    raise
+                    raise RetriesExhaustedError(f"the response broke off part-way {attempt} times in a row "
+                                                f"(max_attempts): {type(exc).__name__}: {exc}") from exc
                 _log.info("S3 response broke off part-way; trying again (%d of %d)", attempt + 1, self.max_attempts)
 
     @property

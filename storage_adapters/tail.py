@@ -26,7 +26,7 @@ from typing import Callable
 
 import attrs
 
-from .errors import StorageError
+from .errors import RetriesExhaustedError, StorageError
 from .framing import Framing
 
 #: Bytes before a chain's end that a later look compares to tell it is the same chunk.
@@ -80,8 +80,8 @@ def look_at_tail(read: Callable[[int, int], bytes], start: int, framing: Framing
         if found.damaged_at is None or locked or found == previous:
             return found
         previous = found
-    raise StorageError(f"the chunk at segment position {start} kept changing while its end was read: "
-                       f"{MAX_DAMAGE_LOOK_ATTEMPTS} looks found different damage each time")
+    raise RetriesExhaustedError(f"the chunk at segment position {start} kept changing while its end was read: "
+                                f"{MAX_DAMAGE_LOOK_ATTEMPTS} looks found different damage each time")
 
 
 def _look_on(read: Callable[[int, int], bytes], start: int, framing: Framing, since: TailLook) -> TailLook | int | None:

@@ -2,8 +2,10 @@
 
 ``S3Proxy(upstream, drop_if_none_match=True)`` forwards every request without its
 ``If-None-Match`` (a store that ignores conditional writes); setting ``fail_next_put`` makes the
-next PUT reach moto and then answers 503 in its place (a server error after the write was applied).
-``forwarded`` lists ``(method, moto's status)`` of what went through.
+next PUT reach moto and then answers 503 in its place (a server error after the write was applied);
+every request whose method is in ``unavailable`` is answered 503 without reaching moto (a store
+that keeps throttling), and ``refused`` lists their methods. ``forwarded`` lists ``(method, moto's
+status)`` of what went through.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class S3Proxy:
     def __init__(self, upstream: str, *, drop_if_none_match: bool = False):
         host, port = upstream.rsplit("/", 1)[-1].split(":")
         self.fail_next_put = False
+        self.unavailable: set[str] = set()
+        self.refused: list[str] = []
         self.forwarded: list[tuple[str, int]] = []
         proxy = self
 
@@ -31,6 +35,10 @@ class S3Proxy:
 
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command in proxy.unavailable:
+                    proxy.refused.append(self.command)
+                    self._answer(503, [], _SERVICE_UNAVAILABLE)
+                    return
                 headers = {k: v for k, v in self.headers.items()
                            if not (drop_if_none_match and k.lower() == "if-none-match")}
                 connection = http.client.HTTPConnection(host, int(port), timeout=10)
@@ -49,10 +57,13 @@ class S3Proxy:
 
             def _answer(self, status, headers, payload):
                 self.send_response(status)
+                length = str(len(payload))
                 for name, value in headers:
-                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    if name.lower() == "content-length" and self.command == "HEAD":
+                        length = value  # the object's size: a HEAD answer has no body
+                    elif name.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(name, value)
-                self.send_header("Content-Length", str(len(payload)))
+                self.send_header("Content-Length", length)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(payload)

@@ -748,3 +748,35 @@ def test_a_backlog_refusal_is_raised_at_once_not_resent(tmp_path):
     assert sorted(v for _, _, v in stream_events(store, "s")) == [b"0", b"1"]
     assert writer.last_event_numbers() == {"s/0": 2}
     store.close()
+
+
+def test_a_bound_reached_below_is_raised_at_once_not_resent(tmp_path, monkeypatch):
+    """``RetriesExhaustedError`` means a loop under the append (the appender's races, a catch-up's
+    resyncs, S3's attempts) already retried to its bound: the writer raises it after ONE append
+    instead of running those loops ``retries`` times more, keeps the events queued, and a later
+    flush sends them once each."""
+    from attrindex.errors import RetriesExhaustedError
+    from attrindex.segment import Segment
+
+    store = SegmentStore(open_storage(str(tmp_path / "s")))
+    writer = EventWriter(store, "s", segments=1, retries=5, retry_delay=0)
+    writer.write(b"0")
+    writer.flush()
+    calls = []
+    real_append = Segment.append
+
+    def append_at_bound(self, *args, **kwargs):
+        calls.append(self.name)
+        raise RetriesExhaustedError(f"segment {self.name!r}: an append lost the race to other writers "
+                                    "10000 times in a row; nothing of it was written")
+
+    monkeypatch.setattr(Segment, "append", append_at_bound)
+    writer.write(b"1")
+    with pytest.raises(RetriesExhaustedError):
+        writer.flush()
+    assert calls == ["s/0"] and writer.retried_appends == 0
+    monkeypatch.setattr(Segment, "append", real_append)
+    writer.flush()  # the queued event goes out, once
+    assert sorted(v for _, _, v in stream_events(store, "s")) == [b"0", b"1"]
+    assert writer.last_event_numbers() == {"s/0": 2}
+    store.close()

@@ -201,10 +201,10 @@ def test_a_failed_catch_up_never_serves_or_merges_stale_values(backend, fails, t
 @pytest.mark.parametrize("where", ["scan", "rebuild"])
 def test_catch_ups_that_keep_meeting_truncations_end_in_a_clear_error(where, monkeypatch):
     """Every loop is bounded: a catch-up whose scan, or whose rebuild, meets a fresh truncation
-    every time gives up with a ``StorageError`` that says so (nothing written), not with the raw
-    ``TruncatedError``; the handle works again once the truncations stop."""
+    every time gives up with a ``RetriesExhaustedError`` that says so (nothing written), not with
+    the raw ``TruncatedError``; the handle works again once the truncations stop."""
     from attrindex import attribute_state
-    from attrindex.errors import StorageError, TruncatedError
+    from attrindex.errors import RetriesExhaustedError, StorageError, TruncatedError
 
     url = f"memory://wal-race-bound-{uuid.uuid4().hex}"
     a, b = _behind_a_merged_and_cut_wal(url, open_storage(url))
@@ -222,10 +222,41 @@ def test_catch_ups_that_keep_meeting_truncations_end_in_a_clear_error(where, mon
         message = "kept merging and truncating the log while this handle rebuilt"
     with pytest.raises(StorageError, match=message) as raised:
         b.update({1001: 2})
-    assert type(raised.value) is StorageError and len(calls) == 10
+    assert type(raised.value) is RetriesExhaustedError and len(calls) == 10
     monkeypatch.undo()
     assert b.get_many([7, 100, 1001]) == [1, 1000, None]
     b.update({1001: 2})
     assert b.get(1001) == 2
+    for index in (a, b):
+        index.close()
+
+
+def test_a_refresh_rebuilds_tier_1_once_and_reports_a_wal_cut_past_every_tree_version(monkeypatch):
+    """B's refresh adopts A's newer tree version and rebuilds tier 1 once: that rebuild is the one
+    loop over tree versions. Here A cut its WAL past the tree's checkpoint without merging (as
+    damage or a lost merge would): no version covers the cut, the updates in between are lost,
+    and the refresh says so (``CorruptDataError``) after ONE look for a newer version, instead of
+    rebuilding ``MAX_TREE_REFRESH_ATTEMPTS`` times from a tree that cannot cover the WAL's start."""
+    from attrindex import replay
+    from attrindex.errors import CorruptDataError
+
+    url = f"memory://wal-race-refresh-{uuid.uuid4().hex}"
+    a = AttributeIndex(open_storage(url), **OPTIONS)
+    b = AttributeIndex(open_storage(url), **OPTIONS)
+    for i in range(N):
+        a.update({i: i})
+    a.flush()  # tree checkpoint C
+    a.update({0: 100})
+    a.update({1: 101})  # only in the WAL, and cut below
+    cut = a._log.position
+    a.update({2: 102})
+    a._log.truncate_at(cut)
+    real, rebuilds = replay.from_newest_tree, []
+    monkeypatch.setattr(replay, "from_newest_tree", lambda *args: rebuilds.append(1) or real(*args))
+    with pytest.raises(CorruptDataError, match="updates in between are lost"):
+        b.refresh()
+    assert len(rebuilds) == 1
+    with pytest.raises(CorruptDataError):
+        b.get(0)  # never the value of the tree below the lost updates
     for index in (a, b):
         index.close()

@@ -749,6 +749,38 @@ def test_a_pass_that_loses_the_switch_to_another_cleaner_starts_again(tmp_path):
         assert {r.key: r for r in everything(seg)} == latest
 
 
+def test_a_replacement_that_lost_every_generation_race_is_passed_up_not_planned_again(tmp_path, monkeypatch):
+    """A replacement retries a lost generation race ``MAX_REPLACE_ATTEMPTS`` times; at that bound
+    the cleaner passes its ``ReplaceRetriesExhaustedError`` up after that ONE replacement instead of
+    planning the pass again (which would run the same races up to 11 times more). Nothing of it is
+    visible; the next compaction, without the racer, cleans."""
+    from attrindex.errors import LayoutConflictError, ReplaceRetriesExhaustedError
+    from storage_adapters.rolling_replace import MAX_REPLACE_ATTEMPTS, ChunkReplacer
+
+    url = str(tmp_path / "store")
+    with compact_store(url) as store:
+        seg = store.segment("s", create=True, cleanup_policy="compact")
+        for i in range(30):
+            seg.append([Record(b"%d" % i + b"." * 40, b"k%d" % (i % 4))], timestamp=1)
+        latest, before = {r.key: r for r in everything(seg)}, everything(seg)
+        real_switch, switches = ChunkReplacer._switch, []
+
+        def lose_the_race(self, gen, name):
+            switches.append(gen)
+            self._fence(gen)  # another replacer takes this generation first (its switch marker)
+            return real_switch(self, gen, name)
+
+        monkeypatch.setattr(ChunkReplacer, "_switch", lose_the_race)
+        with pytest.raises(ReplaceRetriesExhaustedError, match=f"{MAX_REPLACE_ATTEMPTS} lost races") as raised:
+            seg.compact(min_lag_ms=0)
+        assert isinstance(raised.value, LayoutConflictError) and len(switches) == MAX_REPLACE_ATTEMPTS
+        monkeypatch.undo()
+        seg.refresh()
+        assert everything(seg) == before
+        assert seg.compact(min_lag_ms=0).chunks_cleaned > 0
+        assert {r.key: r for r in everything(seg)} == latest
+
+
 def test_a_pass_whose_later_chunks_another_handle_consolidated_starts_again(tmp_path):
     """The first group's switch reloads the view, which then shows a consolidation (by another
     handle) of the chunks of a later group: that group is a lost race, not bad input."""

@@ -14,6 +14,7 @@ from storage_adapters import (
     ExclusiveCreateUnsupportedError,
     InvalidInputError,
     OutcomeUnknownError,
+    RetriesExhaustedError,
     RollingSegment,
     StorageError,
     StorageFullError,
@@ -26,6 +27,7 @@ from storage_adapters.s3 import S3ChunkStorage, probe_exclusive_create
 from testkit.moto_server import S3_KEY, S3_SECRET, free_port, make_s3_url
 
 from .framed import open_segment, pieces
+from .s3_proxy import S3Proxy
 
 
 def test_schemes_pick_backends(tmp_path, s3_options):
@@ -116,8 +118,9 @@ def test_missing_s3fs_names_the_extra():
 
 def test_missing_bucket_is_a_storage_error(s3_options):
     storage = open_storage("s3://no-such-bucket-attrindex/p", **s3_options)
-    with pytest.raises(StorageError, match="no-such-bucket-attrindex"):
+    with pytest.raises(StorageError, match="no-such-bucket-attrindex") as caught:
         RollingSegment(storage, "s").append(b"x")
+    assert not isinstance(caught.value, RetriesExhaustedError)  # a refusal: nothing was retried
 
 
 class IgnoresIfNoneMatch(MemoryFileSystem):
@@ -276,11 +279,42 @@ def test_an_s3_response_that_breaks_off_is_read_again(s3_options):
         assert storage.read("d/chunk", 0, 7) == b"payload" and len(broken) == 2
         broken.clear()
         storage.max_attempts = 2
-        with pytest.raises(StorageError, match="ClientPayloadError"):
+        before = storage.requests
+        with pytest.raises(RetriesExhaustedError, match="ClientPayloadError"):
             storage.read("d/chunk", 0, 7)
+        # max_attempts calls of one HTTP request each: botocore does not retry a broken-off body
+        assert len(broken) == 2 and (storage.requests - before).get == 2
     finally:
         events.unregister("after-call.s3.GetObject", break_off)
     storage.close()
+
+
+def test_a_persistent_5xx_costs_max_attempts_requests_not_their_square(s3_options):
+    """botocore retries a 503 (max_attempts HTTP requests in all); ``_again`` retries only a response
+    that broke off, so it does not repeat those: 3, not 3 x 3. At that bound a read or a listing is
+    ``RetriesExhaustedError`` (the layers above pass it up); a create is ``OutcomeUnknownError`` (a
+    5xx may come after the write was applied: the byte stream reads it back)."""
+    proxy = S3Proxy(s3_options["endpoint_url"])
+    try:
+        storage = open_storage(make_s3_url(s3_options), **{**s3_options, "endpoint_url": proxy.endpoint},
+                               max_attempts=3)
+        storage.create("d/chunk", b"payload")  # (the bucket's exclusive-create probe is behind us)
+        proxy.unavailable = {"GET"}
+        for call in (lambda: storage.read("d/chunk", 0, 7), lambda: storage.list_files("d")):
+            proxy.refused.clear()
+            with pytest.raises(RetriesExhaustedError, match="max_attempts"):
+                call()
+            assert proxy.refused == ["GET"] * 3
+        proxy.unavailable = {"PUT"}
+        proxy.refused.clear()
+        with pytest.raises(OutcomeUnknownError) as caught:
+            storage.create("d/other", b"x")
+        assert proxy.refused == ["PUT"] * 3 and not isinstance(caught.value, RetriesExhaustedError)
+        proxy.unavailable = set()
+        assert storage.read("d/chunk", 0, 7) == b"payload"
+        storage.close()
+    finally:
+        proxy.close()
 
 
 def test_s3_lost_response_to_a_create_is_an_unknown_outcome(s3_options):

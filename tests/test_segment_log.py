@@ -195,6 +195,31 @@ def test_retention_by_size_and_by_start_offset(tmp_path):
         assert (seg.start_offset, seg.next_offset) == (100, 100)
 
 
+@pytest.mark.parametrize("backend", ["memory", "local"], indirect=True)
+def test_retention_elsewhere_inside_the_chunk_this_handle_stood_in(storage_url):
+    """Another handle appends to the chunk this handle was scanning and cuts inside it, past this
+    handle's position (retention by start offset: the batch holding it). This handle's catch-up
+    restarts at the new start: it reads, looks up offsets and times, and appends on, with the
+    sparse index of that chunk right (not the one it had built up to its old position)."""
+    url, options = storage_url
+    with SegmentStore.open(url, storage_options=options, **SMALL) as mine, \
+            SegmentStore.open(url, storage_options=options, **SMALL) as theirs:
+        seg = mine.segment("s", create=True)
+        for i in range(2):
+            seg.append([Record(b"r%d" % i, key(i))], timestamp=1000 + i)
+        other = theirs.segment("s")
+        for i in range(2, 6):
+            other.append([Record(b"r%d" % i, key(i))], timestamp=1000 + i)
+        other.apply_retention(start_offset=4)
+        seg.refresh()
+        assert (seg.start_offset, seg.next_offset) == (4, 6)
+        seg.append([Record(b"r6", key(6))], timestamp=1006)
+        assert [r.value for r in seg.read(4, 10)] == [b"r4", b"r5", b"r6"]
+        assert seg.read(5, 1)[0].offset == 5 and seg.offset_for_timestamp(1005) == 5
+        other.refresh()
+        assert [r.value for r in other.read(4, 10)] == [b"r4", b"r5", b"r6"]
+
+
 def test_retention_never_loses_attribute_updates(tmp_path):
     root = str(tmp_path / "store")
     with SegmentStore.open(root, flush_keys=10**9, **SMALL) as store:

@@ -68,6 +68,65 @@ def test_open_looks_again_when_retention_removes_what_it_replays(monkeypatch):
         assert not isinstance(caught.value, TruncatedError)
 
 
+def _scans_always_meet_a_switch(monkeypatch) -> list[int]:
+    """Every scan of a chunk meets chunks replaced under it (as if another handle kept
+    consolidating), so ``SegmentLog.catch_up`` resyncs to its bound; return the list that counts
+    the calls of ``catch_up``."""
+    from attrindex.errors import LayoutChangedError
+    from attrindex.log.segment_log import SegmentLog
+
+    calls: list[int] = []
+    real_catch_up = SegmentLog.catch_up
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return real_catch_up(self, *args, **kwargs)
+
+    def switched(self, *_args):
+        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced during the read")
+
+    monkeypatch.setattr(SegmentLog, "catch_up", counted)
+    monkeypatch.setattr(SegmentLog, "_scan_chunk", switched)
+    return calls
+
+
+def test_a_lazy_open_passes_up_a_catch_up_that_resynced_to_its_bound(tmp_path, monkeypatch):
+    """``Segment._open_tail`` looks again after a single layout change, but a catch-up that
+    already resynced ``MAX_RESYNC_ATTEMPTS`` times is passed up after ONE call, not run again."""
+    from attrindex.errors import RetriesExhaustedError
+    from attrindex.segment import Segment
+
+    with SegmentStore.open(str(tmp_path)) as store:
+        store.segment("s", create=True).append([b"x"], [(1, 1)])
+        calls = _scans_always_meet_a_switch(monkeypatch)
+        with pytest.raises(RetriesExhaustedError, match="catch-up 10 times in a row"):
+            Segment(store.storage, "s", store.options, lazy_attributes=True)
+        assert len(calls) == 1
+
+
+def test_a_lazy_load_passes_up_a_catch_up_that_resynced_to_its_bound(tmp_path, monkeypatch):
+    """``AttributeState.ensure_loaded`` likewise: the tree it opens is ahead of the log's view
+    (another handle merged), its catch-up resyncs to the bound, and the load raises that after ONE
+    catch-up; the handle loads once the layout holds still."""
+    from attrindex.errors import RetriesExhaustedError
+    from attrindex.segment import Segment
+
+    with SegmentStore.open(str(tmp_path)) as store:
+        store.segment("s", create=True).append([b"x"], [(1, 1)])
+        lazy = Segment(store.storage, "s", store.options, lazy_attributes=True)
+        with SegmentStore.open(str(tmp_path)) as other:
+            seg = other.segment("s")
+            seg.append([b"y"], [(1, 2)])
+            seg.flush()  # merged: the tree's checkpoint is past the lazy handle's view
+        with monkeypatch.context() as patched:
+            calls = _scans_always_meet_a_switch(patched)
+            with pytest.raises(RetriesExhaustedError, match="catch-up 10 times in a row"):
+                lazy.get_attribute(1)
+            assert len(calls) == 1 and not lazy._attributes.loaded
+        assert lazy.get_attribute(1) == 2
+        lazy.close()
+
+
 def test_open_after_a_retention_race_replays_from_the_newer_checkpoint(tmp_path, monkeypatch):
     """The retry must not keep the checkpoint it read before the race: retention merged first, and
     the log below that newer checkpoint is gone (the stale one made the retry report damage)."""
@@ -136,3 +195,90 @@ def test_a_merge_that_fails_while_rebuilding_tier_1_keeps_it_whole():
         del a._log.batches
         a.flush()
         assert a.get_attribute(1) == 20
+
+
+def _cut_past_the_tree(tmp_path):
+    """Handles ``mine`` and ``theirs`` of segment "s": the tree covers key 1 = 1; then key 1 = 2
+    (mine), key 2 = 3 and key 3 = 4 (theirs) are only in the log, and theirs cuts the log after
+    key 2's batch WITHOUT merging first (as damage or a lost merge would): 1 = 2 and 2 = 3 are in
+    no tree version and no longer in the log."""
+    mine, theirs = SegmentStore.open(str(tmp_path)), SegmentStore.open(str(tmp_path))
+    seg = mine.segment("s", create=True)
+    seg.append([b"a"], [(1, 1)])
+    seg.flush()
+    seg.append([b"b"], [(1, 2)])
+    other = theirs.segment("s")
+    other.append([b"c"], [(2, 3)])
+    cut = other._log.position
+    other.append([b"d"], [(3, 4)])
+    other._log.truncate_at(cut)
+    return mine, theirs, seg
+
+
+def test_a_log_cut_past_every_tree_version_is_lost_data_not_a_silent_rollback(tmp_path):
+    """A catch-up that steps over the cut rebuilds tier 1 from the newest tree version; none
+    covers the cut, so the updates in between are lost: ``CorruptDataError`` (as on open), never
+    tier 1 rebuilt from the log's new start, which would answer key 1 = 1 over the acknowledged 2."""
+    from attrindex.errors import CorruptDataError
+
+    mine, theirs, seg = _cut_past_the_tree(tmp_path)
+    try:
+        with pytest.raises(CorruptDataError, match="updates in between are lost"):
+            seg.refresh()
+        with pytest.raises(CorruptDataError):  # reads rebuild first: never the stale or rolled-back value
+            seg.get_attribute(1)
+    finally:
+        theirs.close()
+        mine.close()
+
+
+def test_a_rebuild_whose_tree_versions_never_cover_the_cut_gives_up(tmp_path, monkeypatch):
+    """Another handle keeps merging, but every version it writes stays below the log's start: after
+    ``MAX_TREE_REFRESH_ATTEMPTS`` versions the rebuild raises ``RetriesExhaustedError`` (it does not
+    replay from the log's start over the last version seen, losing what lies between)."""
+    from attrindex.errors import RetriesExhaustedError
+    from attrindex.tree_index import TreeIndex
+
+    mine, theirs, seg = _cut_past_the_tree(tmp_path)
+    merger = TreeIndex(mine.storage, seg.tree_name)
+    real_refresh, refreshes = TreeIndex.refresh, []
+
+    def refresh_after_a_lagging_merge(self):
+        if self is not merger:
+            refreshes.append(1)
+            merger.refresh()
+            merger.update_sorted([], [], checkpoint=merger.checkpoint + 1)  # newer, still below the cut
+        return real_refresh(self)
+
+    monkeypatch.setattr(TreeIndex, "refresh", refresh_after_a_lagging_merge)
+    try:
+        with pytest.raises(RetriesExhaustedError, match="10 tree versions in a row"):
+            seg.refresh()
+    finally:
+        monkeypatch.undo()
+        merger.close()
+        theirs.close()
+        mine.close()
+
+
+def test_retention_whose_merge_gave_up_cuts_nothing(tmp_path, monkeypatch):
+    """Retention merges tier 1 into the tree before it cuts. If that drain gave up (its merges kept
+    losing to other handles' merges: its laps are bounded and it returns), the tree does not cover
+    the cut: retention raises ``RetriesExhaustedError`` and removes nothing, instead of leaving
+    acknowledged updates in no tree version and no log."""
+    from attrindex.attribute_state import AttributeState
+    from attrindex.errors import RetriesExhaustedError
+
+    root = str(tmp_path / "store")
+    with SegmentStore.open(root) as store:
+        seg = store.segment("s", create=True)
+        for i in range(20):
+            seg.append([b"r%02d" % i], [(i % 3, i)])
+        with monkeypatch.context() as patched:
+            patched.setattr(AttributeState, "drain", lambda self, force=False: None)  # every lap lost
+            with pytest.raises(RetriesExhaustedError, match="nothing was removed"):
+                seg.apply_retention(start_offset=15)
+        assert seg.start_offset == 0 and len(seg.read(0, 100)) == 20
+        assert seg.apply_retention(start_offset=15) >= 0 and seg.start_offset == 15
+    with SegmentStore.open(root) as store:
+        assert store.segment("s").get_attributes([0, 1, 2]) == [18, 19, 17]

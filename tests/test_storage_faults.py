@@ -12,6 +12,7 @@ from storage_adapters import (
     ChunkExistsError,
     InvalidInputError,
     OutcomeUnknownError,
+    RetriesExhaustedError,
     RollingSegment,
     StorageError,
     StorageFullError,
@@ -319,7 +320,7 @@ def test_object_append_loop_is_bounded():
     lagging.appendable = False
     seg = RollingSegment(lagging, "s")
     inner.create("s.seg/" + "0" * 20, b"someone else's chunk")
-    with pytest.raises(StorageError, match=f"after {MAX_APPEND_ATTEMPTS} attempts"):
+    with pytest.raises(RetriesExhaustedError, match=f"after {MAX_APPEND_ATTEMPTS} attempts"):
         seg.append(b"mine")
     assert _stored(inner) == b"someone else's chunk"
 
@@ -390,7 +391,7 @@ def test_refresh_relists_a_torn_listing_and_gives_up_after_its_bound():
     listings = []
     torn = _MarkerAhead(inner, seed=1)
     torn.list_files = lambda directory: listings.append(directory) or _MarkerAhead.list_files(torn, directory)
-    with pytest.raises(StorageError, match=f"{MAX_REFRESH_ATTEMPTS} listings"):
+    with pytest.raises(RetriesExhaustedError, match=f"{MAX_REFRESH_ATTEMPTS} listings"):
         RollingSegment(torn, "s")
     assert len(listings) == MAX_REFRESH_ATTEMPTS
 

@@ -25,6 +25,7 @@ from attrindex.errors import (
     BadOffsetError,
     CorruptDataError,
     OutcomeUnknownError,
+    RetriesExhaustedError,
     StorageError,
     StorageFullError,
     TruncatedError,
@@ -212,11 +213,11 @@ def test_restarts_are_bounded_even_when_every_one_finds_a_newer_version(url):
     for name, call in {"get": lambda: idx.get(1), "get_many": lambda: idx.get_many(range(50)),
                        "items": lambda: list(idx.items()), "split_keys": lambda: idx.split_keys(4)}.items():
         reloads.clear()
-        with pytest.raises(StorageError, match="restarted 32 times"):
+        with pytest.raises(RetriesExhaustedError, match="restarted 32 times"):
             within(10, call)
         assert len(reloads) == 32, name
     reloads.clear()
-    with pytest.raises(StorageError, match="1000 times in a row"):
+    with pytest.raises(RetriesExhaustedError, match="1000 times in a row"):
         within(30, lambda: idx.update({k(1): 5}))
     assert len(reloads) == 1000
 
@@ -229,7 +230,7 @@ def test_the_update_race_loop_is_bounded(url):
         raise BadOffsetError("attributes", expected_offset, expected_offset + 1)
 
     idx._segment.append = always_lose
-    with pytest.raises(StorageError, match="lost the append race") as caught:
+    with pytest.raises(RetriesExhaustedError, match="lost the append race") as caught:
         within(30, lambda: idx.update({2: 2}))
     assert idx.get(2) is None
 
@@ -242,7 +243,7 @@ def test_the_relisting_loop_is_bounded(url):
         raise FileNotFoundError("a chunk vanished between listing and sizing it")
 
     idx._segment.refresh = always_racing
-    with pytest.raises(StorageError, match="no consistent listing") as caught:
+    with pytest.raises(RetriesExhaustedError, match="no consistent listing") as caught:
         within(10, idx.refresh)
     assert not isinstance(caught.value, FileNotFoundError)
 
@@ -382,6 +383,66 @@ def test_a_listing_that_raced_a_truncation_is_taken_again(url, race):
     reader.refresh()
     assert reader.get_many(range(40)) == [59] * 40 and len(reader) == 40
     assert len(raced) == 2  # both raced listings were taken again
+
+
+def _reader_behind_a_truncation(url):
+    """A writer and a reader on one index: the reader holds version V; the writer then updates
+    (compacting) until its truncation offset passes V's oldest page. Returns (writer, reader,
+    V's chunks as the reader listed them)."""
+    writer = TreeIndex.open(url, page_size=256, rolling_size=1024)
+    reader = TreeIndex.open(url, page_size=256, rolling_size=1024, cache_bytes=0, value_cache_entries=0)
+    writer.update({k(i): 0 for i in range(40)})
+    reader.refresh()
+    held = reader._tree.state
+    listed = tuple(reader._segment.chunks())
+    for n in range(1, 200):
+        writer.update({k(i): n for i in range(40)})
+        if writer._segment.start_offset > held.footer.min_offset:
+            break
+    assert writer._segment.start_offset > held.footer.min_offset
+    return writer, reader, listed
+
+
+def test_a_listing_with_a_newer_truncation_but_the_held_length_is_taken_again(url):
+    """A listing can take the writer's newest truncation marker but miss its newest chunks: the
+    length the reader holds, with its pages below the truncation offset. ``reload`` takes it
+    again (as for a new version) and adopts the writer's version, instead of keeping the one whose
+    pages are gone; a restart of a read then needs ONE reload."""
+    writer, reader, listed = _reader_behind_a_truncation(url)
+    segment, real_refresh, raced = reader._segment, reader._segment.refresh, []
+
+    def racing_refresh():
+        real_refresh()  # the newest truncation marker, and then the chunks of the held version
+        if not raced:
+            raced.append(1)
+            segment._handle.view = attrs.evolve(segment._handle.view, chunks=listed)
+
+    segment.refresh = racing_refresh
+    reloads, real_reload = [], reader._tree.reload
+    reader._tree.reload = lambda: reloads.append(1) or real_reload()
+    assert reader.get_many(range(40)) == [writer.get(k(0))] * 40
+    assert raced and len(reloads) == 1  # the read's restart: its one reload took the listing again
+    assert reader._tree.state.length == writer._tree.state.length
+
+
+def test_pages_of_the_newest_version_below_the_truncation_offset_are_damage_after_one_reload(url):
+    """Truncated past the newest version's pages with no newer version (as damage could): a reload
+    reports it (``CorruptDataError``) rather than keeping a version whose pages are gone, and a
+    read's restart calls reload once, not once per listing."""
+    writer = TreeIndex.open(url, page_size=256, rolling_size=1024)
+    for n in range(30):
+        writer.update({k(i): n for i in range(40)})
+    state = writer._tree.state
+    reader = TreeIndex.open(url, page_size=256, rolling_size=1024, cache_bytes=0, value_cache_entries=0)
+    raw = RollingSegment(open_storage(url), "attributes", framing=TREE_FRAMING)
+    raw.truncate(state.footer.min_offset + 1)  # no newer version: the oldest page is cut
+    with pytest.raises(CorruptDataError, match="below the truncation offset"):
+        within(10, reader.refresh)
+    reloads, real_reload = [], reader._tree.reload
+    reader._tree.reload = lambda: reloads.append(1) or real_reload()
+    with pytest.raises(CorruptDataError):
+        within(10, lambda: reader.get_many(range(40)))
+    assert len(reloads) == 1
 
 
 # -- verify and repair -------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from storage_adapters.errors import (
     InvalidInputError,
     OffsetOutOfRangeError,
     OutcomeUnknownError,
+    RetriesExhaustedError,
     StorageError,
     TruncatedError,
 )
@@ -143,8 +144,10 @@ class BTreeIndex:
 
         The version never goes back. A listing that raced another process's truncation (a chunk
         deleted between listing and reading, the newest chunk missed, the footer's pages below the
-        listed truncation offset) is taken again, a bounded number of times; an inconsistency that
-        persists is damage: ``CorruptDataError``.
+        listed truncation offset, for a new version and for the one already held alike) is taken
+        again, a bounded number of times; an inconsistency that persists is damage:
+        ``CorruptDataError``. So a version it returns has every page at or above the listed
+        truncation offset.
         """
         problem: Exception | None = None
         for attempt in range(MAX_RELIST_ATTEMPTS):
@@ -158,6 +161,13 @@ class BTreeIndex:
             length, start = self.segment.length, self.segment.start_offset
             current = self._state
             if length == current.length and (current.footer_offset >= 0 or length == 0):
+                if current.footer_offset >= 0 and current.footer.min_offset < start:
+                    # Writers truncate only below a newer durable version: the listing took the
+                    # truncation of a version it did not list yet (or the pages are gone).
+                    problem = self._corrupt(current.footer_offset, f"the newest footer at offset "
+                                            f"{current.footer_offset} references pages from offset "
+                                            f"{current.footer.min_offset}, below the truncation offset {start}")
+                    continue
                 return current
             if length < current.length:  # an append-only segment never shrinks: a stale listing
                 problem = self._corrupt(length, f"the segment's length went back from {current.length} to {length}")
@@ -179,7 +189,7 @@ class BTreeIndex:
             return state
         if isinstance(problem, CorruptDataError):
             raise problem
-        raise StorageError(f"segment {self.segment.name!r}: no consistent listing in {MAX_RELIST_ATTEMPTS} attempts: {problem}") from problem
+        raise RetriesExhaustedError(f"segment {self.segment.name!r}: no consistent listing in {MAX_RELIST_ATTEMPTS} attempts: {problem}") from problem
 
     def _read_state(self, length: int, start: int) -> TreeState:
         """The version whose footer ends at ``length``: with the chain of frames (local disk) and
@@ -334,24 +344,22 @@ class BTreeIndex:
         """A page of ``state`` is no longer stored: adopt a newer version, or report the damage.
 
         Another writer's compaction frees pages only after a newer footer is durable, so a page
-        missing under the newest version is damage, not a race (a listing is taken again a few
-        times first, in case it raced that writer's truncation).
+        missing under the newest version is damage, not a race. One ``reload`` tells: it takes a
+        listing that raced that writer's truncation again itself, and it returns a version only
+        if none of its pages lies below the listed truncation offset.
         """
-        for attempt in range(MAX_RELIST_ATTEMPTS):
-            if attempt:
-                _pause(attempt)
-            newest = self.reload()
-            if (newest.footer_offset, newest.length) != (state.footer_offset, state.length):
-                return
+        newest = self.reload()
+        if (newest.footer_offset, newest.length) != (state.footer_offset, state.length):
+            return
         raise self._corrupt(
             error.offset,
             f"B+tree page at offset {error.offset} is referenced by the newest footer (at offset "
             f"{state.footer_offset}) but lies outside the stored range [{error.start_offset}, {error.end_offset})",
         ) from error
 
-    def _gave_up(self, what: str) -> StorageError:
-        return StorageError(f"segment {self.segment.name!r}: {what} restarted {MAX_READ_ATTEMPTS} times, each "
-                            "time after another writer had compacted the pages it needed; giving up")
+    def _gave_up(self, what: str) -> RetriesExhaustedError:
+        return RetriesExhaustedError(f"segment {self.segment.name!r}: {what} restarted {MAX_READ_ATTEMPTS} times, each "
+                                     "time after another writer had compacted the pages it needed; giving up")
 
     def _descend(self, page: LeafPage | IndexPage, key: bytes) -> int | None:
         while not page.is_leaf:
@@ -473,9 +481,9 @@ class BTreeIndex:
                     continue
                 self._commit(state, data, footer)
                 return self._state
-        raise StorageError(f"segment {self.segment.name!r}: an update lost the append race to other writers "
-                           f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
-                           "(nothing was written)")
+        raise RetriesExhaustedError(f"segment {self.segment.name!r}: an update lost the append race to other writers "
+                                    f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
+                                    "(nothing was written)")
 
     def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[UpdateBuilder, Footer] | None:
         footer = state.footer
@@ -591,8 +599,8 @@ class BTreeIndex:
                     continue
                 self._commit_bulk(at, data, new_footer)
                 return self._state
-        raise StorageError(f"segment {self.segment.name!r}: a bulk load lost the append race to other writers "
-                           f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
+        raise RetriesExhaustedError(f"segment {self.segment.name!r}: a bulk load lost the append race to other writers "
+                                    f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
 
     def _commit_bulk(self, at: int, data: bytes, footer: Footer) -> None:
         """After a bulk load's last append (``data`` at ``at``): publish the new root, drop the dead

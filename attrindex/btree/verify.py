@@ -17,7 +17,7 @@ from typing import Callable
 import attrs
 
 from storage_adapters import RollingSegment
-from storage_adapters.errors import CorruptDataError, OffsetOutOfRangeError, StorageError
+from storage_adapters.errors import CorruptDataError, OffsetOutOfRangeError, RetriesExhaustedError
 
 from ..arguments import check_progress
 from ..damage import Damage
@@ -87,8 +87,8 @@ def verify_index(segment: RollingSegment, progress: Callable[[int, int], None] |
         if (segment.length, segment.start_offset) == (survey.length, survey.start):
             return report  # nobody wrote meanwhile: the damage is real
     # Damage seen while a writer kept compacting may be pages it freed meanwhile: not reported as such.
-    raise StorageError(f"segment {segment.name!r}: the index changed under verification {MAX_VERIFY_ATTEMPTS} times; "
-                       "verify it when its writers are idle")
+    raise RetriesExhaustedError(f"segment {segment.name!r}: the index changed under verification {MAX_VERIFY_ATTEMPTS} times; "
+                                "verify it when its writers are idle")
 
 
 def _report(segment: RollingSegment, survey: Survey, progress) -> VerifyReport:

@@ -53,8 +53,8 @@ import attrs
 from storage_adapters.rolling import chunk_name
 
 from ..layout import cleaner_dir
-from ..errors import (ChunkExistsError, InvalidInputError, LayoutChangedError, LayoutConflictError, StorageError,
-                      TruncatedError)
+from ..errors import (ChunkExistsError, InvalidInputError, LayoutChangedError, LayoutConflictError,
+                      RetriesExhaustedError, StorageError, TruncatedError)
 from .batch.chain import place_batches
 from .batch.decode import batch_columns, decode_keys, decode_records, uniform_keys
 from .batch.encode import encode_batch
@@ -502,11 +502,13 @@ class LogCleaner:
             first_dirty, clock, pins = self.load_checkpoint()
             try:
                 done, end, pins_after = self._pass(first_dirty, clock, pins)
+            except RetriesExhaustedError:
+                raise  # a loop below (a replacement, a resync) retried its race to its bound
             except (LayoutConflictError, LayoutChangedError, TruncatedError) as exc:
                 lost += 1
                 if lost > MAX_PASS_ATTEMPTS:
-                    raise StorageError(f"segment {self.log.segment!r}: compaction lost {lost} races in a row to "
-                                       f"other cleaners or retention; the segment is intact") from exc
+                    raise RetriesExhaustedError(f"segment {self.log.segment!r}: compaction lost {lost} races in a row to "
+                                                f"other cleaners or retention; the segment is intact") from exc
                 _log.info("segment %r: a compaction pass lost a race (%s); starting it again", self.log.segment, exc)
                 continue
             lost = 0

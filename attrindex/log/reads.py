@@ -12,7 +12,7 @@ from typing import Iterator, Protocol, Sequence
 
 from storage_adapters import RollingSegment
 
-from ..errors import LayoutChangedError
+from ..errors import LayoutChangedError, RetriesExhaustedError
 from .batch.decode import decode_records
 from .batch.header import BatchHeader
 from .batch.records import Record
@@ -184,8 +184,8 @@ class LogReads:
                 return
             except LayoutChangedError:
                 pending = self._replan(pending)
-        raise LayoutChangedError(f"segment {log.segment!r}: log chunks were replaced under a read "
-                                 f"{MAX_RESYNC_ATTEMPTS} times in a row; read again")
+        raise RetriesExhaustedError(f"segment {log.segment!r}: log chunks were replaced under a read "
+                                    f"{MAX_RESYNC_ATTEMPTS} times in a row; read again")
 
     def _replan(self, pending: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
         """The ranges left after a layout change, from the byte stream's new view: each chunk whole

@@ -49,7 +49,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 
 from ..layout import gap_dir, index_dir, log_name
-from ..errors import CorruptDataError, HoleError, InvalidInputError, LayoutChangedError, StorageError
+from ..errors import CorruptDataError, HoleError, InvalidInputError, LayoutChangedError, RetriesExhaustedError, StorageError
 from .batch.header import BATCH_HEADER_SIZE, BatchHeader, check_batch, read_header
 from .chunk_indexes import IndexFiles, index_batch, summarize_replacement
 from .framing import LOG_FRAMING, torn_claim
@@ -144,8 +144,8 @@ class SegmentLog:
             except LayoutChangedError:
                 if self.bytes.view_changes == self._synced_view:
                     self.bytes.refresh()  # the chunks changed, yet no read reloaded the view: look again
-        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under this handle "
-                                 f"{MAX_RESYNC_ATTEMPTS} times in a row while it planned a read; try again")
+        raise RetriesExhaustedError(f"segment {self.segment!r}: log chunks were replaced under this handle "
+                                    f"{MAX_RESYNC_ATTEMPTS} times in a row while it planned a read; try again")
 
     def _replaced_under_position(self) -> LogChunk | None:
         """The chunk holding ``position`` strictly inside it if ``position`` was reached in another
@@ -226,8 +226,8 @@ class SegmentLog:
                 return seen
             except LayoutChangedError:
                 continue  # chunks were replaced under the scan: sync (and resync) and go on
-        raise LayoutChangedError(f"segment {self.segment!r}: log chunks were replaced under a catch-up "
-                                 f"{MAX_RESYNC_ATTEMPTS} times in a row; try again")
+        raise RetriesExhaustedError(f"segment {self.segment!r}: log chunks were replaced under a catch-up "
+                                    f"{MAX_RESYNC_ATTEMPTS} times in a row; try again")
 
     def _end_went_back_error(self) -> CorruptDataError:
         """The stored log ends below ``position``, which this handle read as committed. Writers
@@ -252,9 +252,13 @@ class SegmentLog:
         header = self.header_at(self.position)
         if header is not None:
             self.next_offset = header.base_offset
-        first = self.chunks[0] if self.chunks else None
-        if first is not None and first.start == self.position:
-            first.builder = ChunkIndexBuilder(first.start, self.interval, next_offset=self.next_offset)
+        if self.chunks:
+            # The chunk's builder indexed its batches up to where this handle stood, not up to the
+            # new start: a fresh one where the chunk starts here, else none (its summary then
+            # comes from its index file or a rebuild, as after ``_resync``).
+            chunk = self.chunks[self.chunk_index(self.position)]
+            chunk.builder = (ChunkIndexBuilder(chunk.start, self.interval, next_offset=self.next_offset)
+                             if chunk.start == self.position else None)
 
     def _scan_chunk(self, chunk: LogChunk, visit: BatchVisitor | None, seen: int) -> tuple[int, bool]:
         """Scan ``chunk`` from ``position``; return (batches seen, whether scanning stopped)."""
