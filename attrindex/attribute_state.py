@@ -34,6 +34,10 @@ from .overlay import AttributeOverlay, merge_scan
 from .read_view import fallback_view, view_value, view_values
 from . import replay
 from .replay import MAX_TREE_REFRESH_ATTEMPTS, replaying
+
+#: Merges one ``drain`` makes: what is frozen, the active overlay, and one more for each time another
+#: handle's merge made this one rebuild tier 1 instead (as many as ``MAX_TREE_REFRESH_ATTEMPTS``).
+MAX_DRAIN_MERGE_ATTEMPTS = 12
 from .tree_index import TreeIndex
 
 BACKPRESSURE_WAIT_SECONDS = 60.0  #: the longest an update waits for a merge to make room in tier 1
@@ -519,7 +523,9 @@ class AttributeState:
         other handles that keep merging leave the rest to the next merge). ``force``: move the
         checkpoint to the log's position even with nothing pending. Raises a merge's error."""
         self.ensure_loaded()  # a lazily opened owner: what it merges is the log after the tree
-        for _lap in range(2 + MAX_TREE_REFRESH_ATTEMPTS):
+        with self._lock:
+            target = self._log.position  # what this handle has seen: in the tree once drained
+        for _lap in range(MAX_DRAIN_MERGE_ATTEMPTS):
             with self._lock:
                 self.settle()  # (raises if tier 1 cannot be rebuilt: nothing stale is merged)
                 if self._frozen is None:
@@ -528,6 +534,12 @@ class AttributeState:
                         return
                     self._freeze()
             self._merge_once()
+        if (self.tree.checkpoint or 0) >= target:
+            return  # other handles' merges took in everything this handle had seen
+        raise RetriesExhaustedError(f"segment {self.name!r}: other handles kept merging into the B+tree while this handle "
+                                    f"merged its pending updates ({MAX_DRAIN_MERGE_ATTEMPTS} merges); the tree covers the log up "
+                                    f"to byte {self.tree.checkpoint or 0}, not {target}. The updates are durable in "
+                                    f"the log and merged later; try again")
 
     def flush(self) -> None:
         """Merge every update seen so far into the B+tree now (takes the merge mutex; not the lock).

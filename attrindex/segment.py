@@ -464,19 +464,13 @@ class Segment:
             self._check_open()
             attributes.ensure_loaded()
             self._catch_up()
-            attributes.drain(force=True)  # with _lock held: no append lands between the merge and the cut
+            # With _lock held: no append lands between the merge and the cut. The drain returns only
+            # once the tree covers the log's position (else RetriesExhaustedError, nothing cut).
+            attributes.drain(force=True)
             if start_offset is not None and start_offset > self._log.next_offset:
                 raise InvalidInputError(f"segment {self.name!r}: start_offset {start_offset} is past the end "
                                         f"(next offset {self._log.next_offset})")
             position, deleted = plan_retention(self._log, max_age_ms, max_bytes, start_offset, now)
-            covered = attributes.tree.checkpoint or 0
-            if min(position, self._log.position) > max(covered, self._log.start_position):
-                # The drain gave up (other handles kept merging): a cut above the tree's checkpoint
-                # would leave updates in no tree version, only in tier 1s.
-                raise RetriesExhaustedError(
-                    f"segment {self.name!r}: other handles kept merging while retention merged this handle's "
-                    f"attribute updates (AttributeState.drain's laps); the tree covers the log up to byte "
-                    f"{covered}, below the cut at {position}; nothing was removed, try again")
             if position >= self._log.position > self._log.start_position:
                 # Nothing readable would be left, and with it the next offset: keep an empty batch
                 # that records it (Kafka rolls a new segment for the same reason).

@@ -260,3 +260,31 @@ def test_a_refresh_rebuilds_tier_1_once_and_reports_a_wal_cut_past_every_tree_ve
         b.get(0)  # never the value of the tree below the lost updates
     for index in (a, b):
         index.close()
+
+
+def test_a_flush_whose_merges_keep_losing_raises_and_never_claims_them(tmp_path, monkeypatch):
+    """Each merge of the flush finds the tree written by another handle (as a handle whose merges
+    always come second sees it): after ``MAX_DRAIN_MERGE_ATTEMPTS`` laps the flush raises, its updates still
+    in the WAL and readable, instead of returning as if they were in the tree."""
+    from attrindex import attribute_state
+    from attrindex.errors import RetriesExhaustedError
+
+    index = AttributeIndex.open(str(tmp_path), **OPTIONS)
+    index.update({i: i for i in range(N)})
+    runner = index._attributes.runner
+    laps = []
+
+    def always_second(tree, frozen, at, base, background):
+        laps.append(at)
+        return False  # "another handle merged first": tier 1 is rebuilt and merged again
+
+    monkeypatch.setattr(runner, "merge", always_second)
+    with pytest.raises(RetriesExhaustedError, match="kept merging"):
+        index.flush()
+    assert len(laps) == attribute_state.MAX_DRAIN_MERGE_ATTEMPTS
+    assert index.checkpoint is None and index.stats().pending_keys == N
+    assert index.get_many(range(N)) == list(range(N))
+    monkeypatch.undo()
+    index.flush()  # the next flush merges them
+    assert index.checkpoint is not None and index.stats().pending_keys == 0
+    index.close()

@@ -261,12 +261,11 @@ def test_a_rebuild_whose_tree_versions_never_cover_the_cut_gives_up(tmp_path, mo
         mine.close()
 
 
-def test_retention_whose_merge_gave_up_cuts_nothing(tmp_path, monkeypatch):
-    """Retention merges tier 1 into the tree before it cuts. If that drain gave up (its merges kept
-    losing to other handles' merges: its laps are bounded and it returns), the tree does not cover
-    the cut: retention raises ``RetriesExhaustedError`` and removes nothing, instead of leaving
-    acknowledged updates in no tree version and no log."""
-    from attrindex.attribute_state import AttributeState
+def test_retention_whose_merges_keep_losing_cuts_nothing(tmp_path, monkeypatch):
+    """Retention merges tier 1 into the tree before it cuts. If those merges keep losing to other
+    handles' merges (as a handle whose merges always come second sees it), the drain gives up
+    with ``RetriesExhaustedError`` and retention removes nothing, instead of leaving acknowledged
+    updates in no tree version and no log."""
     from attrindex.errors import RetriesExhaustedError
 
     root = str(tmp_path / "store")
@@ -275,8 +274,8 @@ def test_retention_whose_merge_gave_up_cuts_nothing(tmp_path, monkeypatch):
         for i in range(20):
             seg.append([b"r%02d" % i], [(i % 3, i)])
         with monkeypatch.context() as patched:
-            patched.setattr(AttributeState, "drain", lambda self, force=False: None)  # every lap lost
-            with pytest.raises(RetriesExhaustedError, match="nothing was removed"):
+            patched.setattr(seg._attributes.runner, "merge", lambda *args: False)  # every merge lost
+            with pytest.raises(RetriesExhaustedError, match="kept merging"):
                 seg.apply_retention(start_offset=15)
         assert seg.start_offset == 0 and len(seg.read(0, 100)) == 20
         assert seg.apply_retention(start_offset=15) >= 0 and seg.start_offset == 15
