@@ -14,7 +14,8 @@ the limit on itself first (children inherit it: the merge worker is held too):
   whole     bulk_load --big keys (24 bytes each held in the run, as much again in the pages):
             the operation that must fail with a clear MemoryError under the limit
 
-and prints what happened to each (ok, MemoryError, killed by a signal, another error). A limit
+and prints what happened to each (ok, MemoryError, killed by a signal, another error, or hung:
+no exit within ``--timeout``). A limit
 recipe is reliable when "imports" and "bounded" pass and "whole" fails with MemoryError.
 """
 
@@ -54,7 +55,7 @@ def child(kind: str, limit_mib: int, what: str, small: int, big: int, directory:
 
     if what == "imports":
         stop = threading.Event()
-        threads = [threading.Thread(target=stop.wait) for _ in range(4)]
+        threads = [threading.Thread(target=stop.wait, daemon=True) for _ in range(4)]
         for t in threads:
             t.start()
         row = status()
@@ -79,9 +80,12 @@ def run(kind: str, limit_mib: int, what: str, args) -> str:
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1") if args.one_blas_thread else dict(os.environ)
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "sims.scale.rlimit", "--child", kind, str(limit_mib), what,
-                               "--small", str(args.small), "--big", str(args.big), "--dir", directory],
-                              capture_output=True, text=True, env=env, timeout=1800)
+        try:
+            done = subprocess.run([sys.executable, "-m", "sims.scale.rlimit", "--child", kind, str(limit_mib), what,
+                                   "--small", str(args.small), "--big", str(args.big), "--dir", directory],
+                                  capture_output=True, text=True, env=env, timeout=args.timeout)
+        except subprocess.TimeoutExpired:  # (run() killed the child; its merge worker sees its parent gone)
+            return f"HUNG: no exit within {args.timeout:g} s (killed)"
         took = time.perf_counter() - started
     if done.returncode == 0:
         return f"ok {took:.0f}s {done.stdout.strip().splitlines()[-1]}"
@@ -99,6 +103,7 @@ def main(argv=None) -> int:
     parser.add_argument("--small", type=int, default=200_000)
     parser.add_argument("--big", type=int, default=20_000_000)
     parser.add_argument("--one-blas-thread", action="store_true", help="OPENBLAS_NUM_THREADS=1 in the child")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before a child counts as hung")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
