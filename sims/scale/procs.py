@@ -7,7 +7,8 @@ descendants (an index's merge worker among them): through psutil when installed,
 the whole tree and of each process, and each process's bytes written (``write_bytes`` of
 ``/proc/PID/io``: bytes this process caused to be sent to the block device, page-cache writes
 included when they are dirtied). Sampling misses spikes shorter than ``interval``: the child
-also reports its own ``ru_maxrss`` (exact), and the parent reads the children's after they exit.
+also reports its own ``ru_maxrss`` (exact for itself; a forked child's starts at its parent's RSS
+at the fork, before its exec, so the children's ``ru_maxrss`` is only an upper bound).
 
 With ``cap_bytes`` set, the tree is killed (SIGKILL, by pid, descendants first) when its RSS
 passes the cap, so a run on a shared machine can never take the memory of others: the run

@@ -30,7 +30,9 @@ kills it if its RSS passes ``--max-rss-gib`` (the run then says in which phase).
 
 Peak RSS is reported for the whole tree and for each process of it (``main``, ``worker N``), per
 phase, from the samples, and each child's exact ``ru_maxrss`` (its own, and of its reaped children:
-the merge worker, reaped when the index closes). Prints a table per size, attrindex first, the
+the merge worker, reaped when the index closes). A forked child's ``ru_maxrss`` (Linux) starts at
+its parent's RSS at the fork, before the exec, so the reaped children's figure is at least the
+writer's RSS when the worker started: the sampled peak is the worker's own. Prints a table per size, attrindex first, the
 ratio against RocksDB where both measured it (>1: attrindex better), and writes
 ``results.json`` (every round, every phase) and ``results.csv`` to ``--out``.
 """
@@ -392,7 +394,8 @@ METRICS = [  # label, field, higher is better (None: no ratio), scale
     ("  main process (MiB)", "peak_rss_mib[main]", False, 1),
     ("  merge worker (MiB)", "peak_rss_mib[worker 1]", None, 1),
     ("  main, exact ru_maxrss (MiB)", "child_maxrss_mib", False, 1),
-    ("  reaped children, ru_maxrss (MiB)", "child_children_maxrss_mib", None, 1),
+    # (a child's ru_maxrss starts at its parent's RSS when it was forked, before its exec: an upper bound)
+    ("  reaped children, ru_maxrss (MiB; >= RSS at fork)", "child_children_maxrss_mib", None, 1),
 ]
 
 
