@@ -220,6 +220,12 @@ def storage(storage_url):
         yield opened
 
 
+#: JVM options of the tests' Spark drivers: the quick (C1) compiler only. The tests' jobs are
+#: small and short, so the JVM's optimising (C2) compiler spends more CPU on warm-up than its code
+#: saves them; on a busy 2-core machine that CPU is what the run waits for.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+
+
 @pytest.fixture(scope="session")
 def spark():
     """One ``local[2,4]`` SparkSession for the whole run (2 cores; a task may fail 3 times and be
@@ -228,7 +234,8 @@ def spark():
 
     session = attrindex.spark.session("local[2,4]", app_name="attrindex-tests",
                                       conf={"spark.sql.shuffle.partitions": "4",
-                                            "spark.default.parallelism": "4"})
+                                            "spark.default.parallelism": "4",
+                                            "spark.driver.extraJavaOptions": TEST_JVM_OPTIONS})
     session.sparkContext.setLogLevel("OFF")  # injected task failures would log pages of traces
     yield session
     session.stop()
