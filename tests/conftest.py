@@ -220,6 +220,12 @@ def storage(storage_url):
         yield opened
 
 
+#: JVM options of the tests' Spark drivers: the quick (C1) compiler only. The tests' jobs are
+#: small and short, so the JVM's optimising (C2) compiler spends more CPU on warm-up than its code
+#: saves them; on a busy 2-core machine that CPU is what the run waits for.
+TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
+
+
 @pytest.fixture(scope="session")
 def spark():
     """One ``local[2,4]`` SparkSession for the whole run (2 cores; a task may fail 3 times and be
@@ -228,7 +234,8 @@ def spark():
 
     session = attrindex.spark.session("local[2,4]", app_name="attrindex-tests",
                                       conf={"spark.sql.shuffle.partitions": "4",
-                                            "spark.default.parallelism": "4"})
+                                            "spark.default.parallelism": "4",
+                                            "spark.driver.extraJavaOptions": TEST_JVM_OPTIONS})
     session.sparkContext.setLogLevel("OFF")  # injected task failures would log pages of traces
     yield session
     session.stop()
@@ -245,6 +252,44 @@ SPARK_TESTS = ("tests/test_spark.py::", "tests/test_spark_core.py::", "tests/tes
                "tests/test_docs_examples.py::test_spark_examples_run")
 
 
+#: Tests outside the Spark group that took 20 s or more in a full run on 2 busy cores, longest
+#: first (node id prefixes). Under pytest-xdist they start before the short tests: the worker that
+#: does not run the Spark group works through them while the other runs it, and the run ends on
+#: short tests on both workers instead of one long test on one of them. A renamed test only loses
+#: its early start.
+START_FIRST = (
+    "tests/test_log_faults.py::test_the_newest_batches_damaged_after_a_merge_are_given_up_and_never_reused",
+    "tests/test_chaos.py::test_writers_killed_at_random_write_every_event_exactly_once",
+    "tests/test_index_model.py::test_index_matches_dict_on_memory",
+    "tests/test_compaction_history.py::test_compaction_racing_writers_and_a_tail_reader_under_faults_and_kills_s3",
+    "tests/test_index_model.py::test_index_matches_dict_with_pravega_policy_and_without_compaction",
+    "tests/test_index_processes.py::test_two_writer_processes_with_worker_merges_never_fail_an_update",
+    "tests/test_fault_history.py::test_clients_under_faults_and_kills_s3",
+    "tests/test_fault_history.py::test_spark_write_protocol_exactly_once_under_faults",
+    "tests/test_moto_server.py::test_concurrent_exclusive_creates_of_one_name_have_one_winner",
+    "tests/test_index_model.py::test_index_matches_dict_on_local_disk",
+    "tests/test_segment.py::test_read_arrow_gives_the_rows_read_gives",
+    "tests/test_log_compaction.py::test_sigkill_during_compaction_on_s3",
+    "tests/test_rolling_model.py::test_rolling_segment_matches_bytearray_model",
+    "tests/test_log_faults.py::test_log_compaction_after_a_repair_keeps_every_kept_record",
+    "tests/test_processes.py::test_every_raced_offset_is_won_by_exactly_one_process",
+    "tests/test_cli_errors.py::test_the_demo_checks_java_before_anything_else",
+    "tests/test_processes.py::test_free_for_all_appends_are_neither_lost_nor_interleaved",
+    "tests/test_log_faults.py::test_repair_gives_up_only_the_damaged_batches",
+    "tests/test_local_storage.py::test_crashes_in_a_row_leave_torn_writes_never_damage",
+    "tests/test_typing.py::",
+    "tests/test_replace_processes.py::test_replacer_killed_at_each_write_leaves_one_layout",
+    "tests/test_overlay.py::TestShardedOverlayModel",
+    "tests/test_open_cost.py::test_lazy_handles_agree_with_a_model_under_random_interleavings",
+    "tests/test_segment_background.py::test_kills_beside_merges_and_truncations_of_the_merged_log_lose_nothing",
+)
+
+
+def start_rank(nodeid: str) -> int:
+    """Where ``nodeid`` starts among the tests: its place in ``START_FIRST``, else after them all."""
+    return next((rank for rank, prefix in enumerate(START_FIRST) if nodeid.startswith(prefix)), len(START_FIRST))
+
+
 def work_group(nodeid: str) -> str:
     """The unit of work a pytest-xdist worker takes whole: ``spark``, a module of
     ``ONE_WORKER_MODULES``, or else the test alone."""
@@ -256,7 +301,8 @@ def work_group(nodeid: str) -> str:
 
 def pytest_xdist_make_scheduler(config, log):
     """With ``-n N`` (``--dist load``): the workers take ``work_group``s, largest first (the Spark
-    group starts at once on one worker; single tests fill both workers around it)."""
+    group starts at once on one worker; single tests fill both workers around it), and among
+    single tests those of ``START_FIRST`` first."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -266,3 +312,11 @@ def pytest_xdist_make_scheduler(config, log):
             return work_group(nodeid)
 
     return WorkGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """In a pytest-xdist worker: ``START_FIRST`` tests first, the rest in their order. Every worker
+    sorts alike, so the workers' collections still agree; the scheduler orders the groups by size
+    and keeps this order among groups of one size (single tests)."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: start_rank(item.nodeid))

@@ -25,6 +25,8 @@ from attrindex.errors import SegmentNotFoundError, StreamNotFoundError  # noqa: 
 from testkit.moto_server import free_port  # noqa: E402
 from testkit.moto_server import die_with_parent  # noqa: E402
 
+from .conftest import TEST_JVM_OPTIONS  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -47,7 +49,8 @@ def connect_url(tmp_path_factory):
                "--conf", f"spark.connect.grpc.binding.port={port}",
                "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
                "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4",
-               "--conf", "spark.sql.session.timeZone=UTC", "spark-internal"]
+               "--conf", "spark.sql.session.timeZone=UTC",
+               "--conf", f"spark.driver.extraJavaOptions={TEST_JVM_OPTIONS}", "spark-internal"]
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
     log_path = root / "server.log"
     with open(log_path, "wb") as log:
