@@ -129,17 +129,26 @@ def seaweedfs_options(tmp_path_factory):
     config.write_text(json.dumps({"identities": [{
         "name": "tests", "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
         "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    ports = {name: free_port() for name in (
-        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-        "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")}
-    command = [_weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root}", "-filer", "-s3",
-               f"-s3.config={config}", "-volume.max=20", "-master.volumeSizeLimitMB=64",
-               *(f"-{name}={port}" for name, port in ports.items())]
-    log = open(root / "weed.log", "wb")
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, preexec_fn=die_with_parent)
-    options = {"endpoint_url": f"http://127.0.0.1:{ports['s3.port']}", "key": S3_KEY, "secret": S3_SECRET}
+    log_path = root / "weed.log"
+    for attempt in range(SEAWEEDFS_STARTS):
+        ports = _distinct_free_ports(_SEAWEEDFS_PORTS)
+        command = [_weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={root / str(attempt)}",
+                   "-filer", "-s3", f"-s3.config={config}", "-volume.max=20", "-master.volumeSizeLimitMB=64",
+                   *(f"-{name}={port}" for name, port in ports.items())]
+        (root / str(attempt)).mkdir()
+        log = open(log_path, "wb")
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, preexec_fn=die_with_parent)
+        options = {"endpoint_url": f"http://127.0.0.1:{ports['s3.port']}", "key": S3_KEY, "secret": S3_SECRET}
+        try:
+            _wait_until_writable(server, options, log_path)
+            break
+        except RuntimeError:
+            log.close()
+            # A port taken by another process between choosing it and the server binding it: the
+            # server exits at once ("address already in use"); start it again on other ports.
+            if attempt + 1 == SEAWEEDFS_STARTS or b"address already in use" not in log_path.read_bytes():
+                raise
     try:
-        _wait_until_writable(server, options, root / "weed.log")
         yield options
     finally:
         server.terminate()
@@ -149,6 +158,21 @@ def seaweedfs_options(tmp_path_factory):
             server.kill()
             server.wait(timeout=10)
         log.close()
+
+
+SEAWEEDFS_STARTS = 3  #: starts of the SeaweedFS server whose port another process took meanwhile
+_SEAWEEDFS_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+                    "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")
+
+
+def _distinct_free_ports(names) -> dict[str, int]:
+    """A free loopback port for each name, no two the same (each probe frees its port again)."""
+    chosen: dict[str, int] = {}
+    while len(chosen) < len(names):
+        port = free_port()
+        if port not in chosen.values():
+            chosen[names[len(chosen)]] = port
+    return chosen
 
 
 def _wait_until_writable(server, options, log_path, timeout: float = 60) -> None:
