@@ -62,6 +62,16 @@ DISK_MARGIN = 8 << 30  #: free space left to the machine's other users
 
 
 # -- measuring helpers, used in the children ----------------------------------------------------
+def warm_lookups(get, n: int, lookups: int) -> dict:
+    """Lookups of ``lookups`` random keys of ``n``, the second pass timed (the first warms)."""
+    probe = data.keys_of(data.random_indexes(11, n, lookups), n)
+    found = sum(get(k) is not None for k in probe)
+    start = time.perf_counter()
+    for k in probe:
+        get(k)
+    return dict(warm_lookups_per_s=len(probe) / (time.perf_counter() - start), warm_found=found / len(probe))
+
+
 def disk_bytes(path: str) -> int:
     """Bytes allocated on disk below ``path``."""
     total = 0
@@ -157,13 +167,7 @@ def child_attrindex(args, out: Reporter) -> None:
     shape = index.stats()
     out.metrics(live_bytes_after_load=shape.live_bytes, pages=shape.page_count, height=shape.height)
     out.phase("warm lookups")
-    probe = data.keys_of(data.random_indexes(11, n, args.lookups), n)
-    get = index.get
-    found = sum(get(k) is not None for k in probe)
-    start = time.perf_counter()
-    for k in probe:
-        get(k)
-    out.metrics(warm_lookups_per_s=len(probe) / (time.perf_counter() - start), warm_found=found / len(probe))
+    out.metrics(**warm_lookups(index.get, n, args.lookups))
     out.phase("updates")
     before = index.stats()
     elapsed, each, keys = timed_updates(index.update, data.update_batches(12, n, args.update_calls, args.batch))
@@ -237,13 +241,7 @@ def child_rocksdb(args, out: Reporter) -> None:
     stored = disk_bytes(directory)
     out.metrics(storage_after_load=stored, bytes_per_key_after_load=stored / n)
     out.phase("warm lookups")
-    probe = data.keys_of(data.random_indexes(11, n, args.lookups), n)
-    get = db.get
-    found = sum(get(k) is not None for k in probe)
-    start = time.perf_counter()
-    for k in probe:
-        get(k)
-    out.metrics(warm_lookups_per_s=len(probe) / (time.perf_counter() - start), warm_found=found / len(probe))
+    out.metrics(**warm_lookups(db.get, n, args.lookups))
     out.phase("updates")
 
     def update(pairs):
