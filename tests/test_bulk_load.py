@@ -631,3 +631,34 @@ def test_a_load_spills_once_its_pairs_pass_spill_bytes_and_deletes_the_runs_on_f
             bulk.read_pairs([], spill_bytes=0)
     finally:
         tempfile.tempdir = None
+
+
+def test_sorted_runs_that_cannot_be_written_fail_the_load_and_leave_no_file(tmp_path, monkeypatch):
+    """A full disk (or no directory) for the sorted runs fails the load with ``StorageError``
+    before the tree is written; the runs already written are deleted."""
+    import builtins
+    import errno
+
+    monkeypatch.setattr(bulk, "READ_CHUNK", 100)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    written = []
+
+    def full_after_two_runs(path, mode="r", *args, **kwargs):
+        if "w" in mode and path.endswith(".keys"):
+            written.append(path)
+            if len(written) > 2:
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(spill, "open", full_after_two_runs, raising=False)
+    index = new_index()
+    index.update({k(0): 0})
+    length = index.stats().length
+    with pytest.raises(StorageError, match="No space left"):
+        index.bulk_load(((k(i), i) for i in range(1000)), spill_bytes=250 * 24)
+    assert len(written) == 3 and os.listdir(tmp_path) == [] and index.stats().length == length
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "not-a-directory"))
+    (tmp_path / "not-a-directory").write_bytes(b"")
+    with pytest.raises(StorageError, match="making a directory for sorted runs"):
+        index.bulk_load(((k(i), i) for i in range(1000)), spill_bytes=250 * 24)
+    check(index, {k(0): 0})

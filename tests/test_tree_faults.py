@@ -704,14 +704,16 @@ def test_a_writer_that_appends_between_two_pieces_makes_the_update_start_over(ur
     a = TreeIndex(open_storage(url), page_size=256, piece_size=1024)
     a.update({k(i): i for i in range(600)})
     b = TreeIndex(open_storage(url), page_size=256)
+    assert b.get(k(0)) == b.get(k(0)) == 0  # now in b's recent values (the first read decoded the root)
     appends = []
     append = a._tree.segment.append
 
     def then_b_writes(data, **kwargs):
         appends.append(len(data))
         if len(appends) == 2:  # after a's first piece
-            b.refresh()
-            assert b.get(k(0)) == 0  # a piece changes no value
+            hits = b.stats().value_cache_hits
+            b.refresh()  # adopts the piece's footer: the same version, so b keeps its recent values
+            assert b.get(k(0)) == 0 and b.stats().value_cache_hits == hits + 1
             b.update({k(0): 1000, k(1): 1001, k(700): 700})
         return append(data, **kwargs)
 
@@ -734,3 +736,61 @@ def test_verify_checks_the_pages_of_pieces_and_not_the_bytes_a_repair_abandoned(
     flip(url, first_leaf + 20)
     report = TreeIndex.verify_at(url)
     assert [d.start for d in report.damage] == [first_leaf], report.damage
+
+
+@pytest.mark.parametrize("fault", ["torn", "enospc", "lost_ack"])
+def test_an_update_in_pieces_meeting_a_fault_at_any_append_is_applied_once_or_not_at_all(tmp_path, fault):
+    """A torn write or a full disk at any append of an update in pieces leaves the version before
+    it (the torn bytes are cut); a lost acknowledgement is settled by reading back and the update
+    goes on, applied once."""
+    url = str(tmp_path / "store")
+    storage = FaultyStorage(open_storage(url), seed=2)
+    idx = TreeIndex(storage, page_size=256, piece_size=2048)
+    before = {k(i): i for i in range(0, 400, 2)}
+    idx.update(before)
+    new = {k(i): -i for i in range(0, 400, 3)}
+    hit = 0
+    for after in range(8):
+        storage.script(fault, op="append", after=after)
+        try:
+            idx.update(new)
+            applied = True
+        except StorageError as error:
+            assert not isinstance(error, OutcomeUnknownError)
+            applied = False
+        injected = storage.cancel_scripts() == 0
+        hit += injected
+        reader = TreeIndex(open_storage(url), page_size=256)
+        assert dict(reader.items()) == ({**before, **new} if applied else before)
+        assert reader.verify().ok
+        assert applied == (fault == "lost_ack" or not injected), (fault, after)
+        if applied:
+            before = {**before, **new}
+            new = {key: value - 1 for key, value in new.items()}  # something to write next time
+    assert hit >= 4, "the faults did not meet the pieces of the updates"
+
+
+def test_a_piece_whose_outcome_stays_unknown_fails_the_update_which_is_not_applied(url, monkeypatch):
+    """The byte stream could not settle whether a piece landed: whatever it did, no footer refers
+    to it, so the update is simply not applied (``StorageError``, not an unknown outcome)."""
+    idx = TreeIndex(open_storage(url), page_size=256, piece_size=1024)
+    before = {k(i): i for i in range(300)}
+    idx.update(before)
+    append, calls = idx._tree.segment.append, []
+
+    def unsettled(data, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            append(data, **kwargs)
+            raise OutcomeUnknownError("the answer was lost and reading back failed")
+        return append(data, **kwargs)
+
+    monkeypatch.setattr(idx._tree.segment, "append", unsettled)
+    with pytest.raises(StorageError, match="the update was not applied") as raised:
+        idx.update({k(i): -i for i in range(300)})
+    assert not isinstance(raised.value, OutcomeUnknownError)
+    monkeypatch.undo()
+    assert dict(TreeIndex(open_storage(url), page_size=256).items()) == before
+    idx.update({k(0): 5})  # the handle goes on from what is stored
+    reader = TreeIndex(open_storage(url), page_size=256)
+    assert dict(reader.items()) == {**before, k(0): 5} and reader.verify().ok

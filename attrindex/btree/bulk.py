@@ -64,21 +64,6 @@ _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 Progress = Callable[[int, int], None]
 
 
-class _KeyView:
-    """The run's keys as a sequence, for ``bisect``."""
-
-    __slots__ = ("run",)
-
-    def __init__(self, run: SortedRun):
-        self.run = run
-
-    def __len__(self) -> int:
-        return len(self.run)
-
-    def __getitem__(self, i: int) -> bytes:
-        return self.run.key(i)
-
-
 # -- phase 1: read and validate ----------------------------------------------------------------
 def _canonical_chunk(chunk: list, first: int) -> tuple[list[bytes], list[int | None], bool]:
     """Keys and values of ``chunk`` (pairs number ``first``...), validated, and whether the chunk's
@@ -121,7 +106,7 @@ def read_pairs(pairs: object, progress: Progress | None = None, *,
         raise InvalidInputError(f"spill_bytes must be an int >= 1, got {spill_bytes!r:.60}")
     paused = gc.isenabled()
     gc.disable()
-    spilled = SpilledRuns(SortedRun, _new_collector)
+    spilled = SpilledRuns(_new_collector)
     try:
         run = _read_pairs(pairs, progress, spilled, spill_bytes)
         if not spilled.runs:
@@ -417,6 +402,7 @@ def build(run: SortedRun | SpilledRuns, old_leaves: Iterator | None, base: int, 
     total, done, reported = len(run) + old_entries, 0, 0
     chunks = run.chunks()
     chunk = next(chunks, None)
+    keys = chunk.key_view() if chunk is not None else None
     i = r = 0  # the next kept entry and the next removal of ``chunk``
     for leaf in old_leaves or ():
         high = leaf.keys[-1]
@@ -424,7 +410,7 @@ def build(run: SortedRun | SpilledRuns, old_leaves: Iterator | None, base: int, 
         new_values: list[int] = []
         gone: list[bytes] = []
         while chunk is not None:  # the run's entries up to ``high``, over as many chunks as hold them
-            j = bisect.bisect_right(_KeyView(chunk), high, i)
+            j = bisect.bisect_right(keys, high, i)
             s = bisect.bisect_right(chunk.removed, high, r)
             new_keys += chunk.key_list(i, j)
             new_values += chunk.values[i:j]
@@ -433,6 +419,7 @@ def build(run: SortedRun | SpilledRuns, old_leaves: Iterator | None, base: int, 
             if i < len(chunk) or r < len(chunk.removed):
                 break  # this chunk goes on above ``high``
             chunk, i, r = next(chunks, None), 0, 0
+            keys = chunk.key_view() if chunk is not None else None
         if not new_keys and not gone:
             builder.add_lists(leaf.keys, leaf.values)
         else:

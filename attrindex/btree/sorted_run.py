@@ -70,6 +70,10 @@ class SortedRun:
         """The run as ``(key, value)`` pairs, removals as ``(key, None)`` (not in key order)."""
         return [*zip(self.key_list(0, len(self)), self.values), *((key, None) for key in self.removed)]
 
+    def key_view(self) -> "KeyView":
+        """The kept keys as a sequence, for ``bisect``."""
+        return KeyView(self)
+
     def chunks(self) -> Iterator["SortedRun"]:
         """The run as sorted runs of ascending key ranges (as ``spill.SpilledRuns`` gives them): itself."""
         yield self
@@ -78,4 +82,19 @@ class SortedRun:
         """Nothing to release (a ``spill.SpilledRuns`` deletes its files)."""
 
 
-__all__ = ["SortedRun"]
+class KeyView:
+    """A run's kept keys as a sequence (``SortedRun.key_view``)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: SortedRun):
+        self.run = run
+
+    def __len__(self) -> int:
+        return len(self.run)
+
+    def __getitem__(self, i: int) -> bytes:
+        return self.run.key(i)
+
+
+__all__ = ["KeyView", "SortedRun"]

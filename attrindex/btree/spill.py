@@ -22,6 +22,7 @@ by this process alone, and are deleted when the load ends (``close``), also when
 
 from __future__ import annotations
 
+import bisect
 import os
 import shutil
 import tempfile
@@ -57,7 +58,7 @@ class RunFile:
             raise StorageError(f"bulk load: writing a sorted run of {self.count + self.removed:,} pairs to "
                                f"{directory!r} failed (set TMPDIR to a disk with room): {error}") from error
 
-    def blocks(self, make_run: Callable[[], SortedRun], block_pairs: int) -> Iterator[SortedRun]:
+    def blocks(self, block_pairs: int) -> Iterator[SortedRun]:
         """The run again, as sorted runs of up to ``block_pairs`` kept keys each, with the removed
         keys that fall in each one's key range (the last block takes the rest)."""
         with open(self.base + ".keys", "rb") as keys, open(self.base + ".values", "rb") as values, \
@@ -65,7 +66,7 @@ class RunFile:
             pending = removed.read(KEY_SIZE)  # the next removed key not handed out yet
             left = self.count
             while left or pending:
-                block = make_run()
+                block = SortedRun()
                 take = min(left, block_pairs)
                 if take:
                     block.keys += keys.read(take * KEY_SIZE)
@@ -82,8 +83,7 @@ class SpilledRuns:
     """A bulk load's pairs as sorted runs on disk (see the module doc). ``len`` is the number of
     kept keys over all runs (an upper bound: runs may share keys)."""
 
-    def __init__(self, make_run: Callable[[], SortedRun], collect: Callable[[], object]):
-        self._make_run = make_run
+    def __init__(self, collect: Callable[[], object]):
         self._collect = collect  # a new collector for unsorted pairs (``bulk._new_collector``)
         self._directory: str | None = None
         self.runs: list[RunFile] = []
@@ -125,12 +125,12 @@ class SpilledRuns:
         runs, block_pairs = self.runs, BLOCK_PAIRS
         if all(a.last < b.first for a, b in zip(runs, runs[1:])):  # one after the other
             for run in runs:
-                yield from run.blocks(self._make_run, block_pairs)
+                yield from run.blocks(block_pairs)
             return
         yield from self._merged(block_pairs)
 
     def _merged(self, block_pairs: int) -> Iterator[SortedRun]:
-        readers = [run.blocks(self._make_run, block_pairs) for run in self.runs]
+        readers = [run.blocks(block_pairs) for run in self.runs]
         heads: list[SortedRun | None] = [next(reader, None) for reader in readers]
         while any(head is not None for head in heads):
             bound = min(head.last_key() for head in heads if head is not None)  # type: ignore[type-var]
@@ -138,32 +138,26 @@ class SpilledRuns:
             for n, head in enumerate(heads):  # oldest run first: a later one's pair for a key wins
                 if head is None:
                     continue
-                taken, rest = _split(head, bound, self._make_run)
+                taken, rest = _split(head, bound)
                 collector.add_run(taken)  # type: ignore[attr-defined]
                 heads[n] = rest if rest is not None else next(readers[n], None)
-            block = self._make_run()
+            block = SortedRun()
             collector.sort_into(block, None)  # type: ignore[attr-defined]
             yield block
 
 
-def _split(run: SortedRun, bound: bytes, make_run: Callable[[], SortedRun]) -> tuple[SortedRun, SortedRun | None]:
+def _split(run: SortedRun, bound: bytes) -> tuple[SortedRun, SortedRun | None]:
     """``run`` cut after ``bound``: the keys up to it, and the rest (``None`` if nothing is left)."""
     if run.last_key() <= bound:  # type: ignore[operator]
         return run, None
-    lo, hi = 0, len(run)
-    while lo < hi:  # the kept keys up to ``bound``: [0, lo)
-        mid = (lo + hi) // 2
-        if run.key(mid) <= bound:
-            lo = mid + 1
-        else:
-            hi = mid
-    gone = sum(1 for key in run.removed if key <= bound)  # ascending: a prefix
-    taken, rest = make_run(), make_run()
-    taken.keys += run.keys[:lo * KEY_SIZE]
-    taken.values = array("q", run.values[:lo])
+    kept = bisect.bisect_right(run.key_view(), bound)
+    gone = bisect.bisect_right(run.removed, bound)
+    taken, rest = SortedRun(), SortedRun()
+    taken.keys += run.keys[:kept * KEY_SIZE]
+    taken.values = array("q", run.values[:kept])
     taken.removed = run.removed[:gone]
-    rest.keys += run.keys[lo * KEY_SIZE:]
-    rest.values = array("q", run.values[lo:])
+    rest.keys += run.keys[kept * KEY_SIZE:]
+    rest.values = array("q", run.values[kept:])
     rest.removed = run.removed[gone:]
     return taken, rest
 
