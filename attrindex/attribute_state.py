@@ -478,6 +478,18 @@ class AttributeState:
         self._dirty_since = time.monotonic()
         self.runner.wake()
 
+    def _fold_active(self) -> None:
+        """Under the lock, with the merge mutex held (no merge reads the frozen overlay): move the
+        active overlay's entries into the frozen one, which then covers the log up to its
+        position, so one merge takes both (a merge of a large tree costs about the same for
+        more keys: ``btree.tree.DENSE_PAGES_PER_KEY``). Readers see the same values throughout:
+        the active overlay shadows the frozen one until the view without it is published."""
+        keys, values = self._overlay.sorted_items()
+        self._frozen.apply(keys, values)  # type: ignore[union-attr]
+        self._frozen_at = self._log.position
+        self._overlay = AttributeOverlay()
+        self._publish()
+
     def _merge_once(self, background: bool = False) -> None:
         """Merge the frozen overlay into the B+tree with checkpoint = the log position at the
         freeze (merge mutex held; ``background``: by the merge thread, which may hand it to the
@@ -517,8 +529,8 @@ class AttributeState:
 
     def drain(self, *, force: bool = False) -> None:
         """Merge everything tier 1 holds, in the calling thread (merge mutex held; the lock may be
-        held too: retention keeps appends out between the merge and its cut): first what is
-        frozen, then the active overlay. A merge that finds the tree written by another handle
+        held too: retention keeps appends out between the merge and its cut): what is frozen and
+        the active overlay together, in one merge (``_fold_active``). A merge that finds the tree written by another handle
         rebuilds tier 1 from it instead; the rebuilt tier 1 is merged in the next lap (bounded:
         other handles that keep merging leave the rest to the next merge). ``force``: move the
         checkpoint to the log's position even with nothing pending. Raises a merge's error."""
@@ -533,6 +545,8 @@ class AttributeState:
                         self._dirty_since = time.monotonic()
                         return
                     self._freeze()
+                elif len(self._overlay):
+                    self._fold_active()
             self._merge_once()
         if (self.tree.checkpoint or 0) >= target:
             return  # other handles' merges took in everything this handle had seen

@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from attrindex import AttributeIndex
 from attrindex.tree_index import TreeIndex
 from attrindex.btree import bulk, spill
+from attrindex.btree.columns import KEY_DTYPE, VALUE_DTYPE, merge_columns
 from attrindex.btree.page import decode_page, encode_leaf, leaf_capacity
 from attrindex.errors import InvalidInputError, InvalidKeyError, InvalidValueError, OutcomeUnknownError, StorageError
 from storage_adapters import open_storage
@@ -141,10 +143,32 @@ def test_leaves_and_index_pages_are_full(count):
     check(index, {k(i): i for i in range(count)})
 
 
+# Keys that stress numpy's fixed-width byte strings: trailing and leading zero bytes, 0x80 and up.
+_EDGE_KEY = st.builds(bytes, st.lists(st.sampled_from([0, 1, 0x7F, 0x80, 0xFF]), min_size=16, max_size=16))
+
+
+@settings(max_examples=300, deadline=None)
+@given(old=st.dictionaries(_EDGE_KEY, st.integers(-(1 << 63), (1 << 63) - 1), max_size=40),
+       new=st.dictionaries(_EDGE_KEY, st.one_of(st.none(), st.integers(-(1 << 63), (1 << 63) - 1)), max_size=40))
+def test_merging_columns_is_a_dict_update(old, new):
+    keys = sorted(old)
+    set_keys = sorted(key for key, value in new.items() if value is not None)
+    removed = sorted(key for key, value in new.items() if value is None)
+    merged_keys, merged_values = merge_columns(
+        np.array(keys, KEY_DTYPE).reshape(-1), np.array([old[key] for key in keys], VALUE_DTYPE),
+        np.array(set_keys, KEY_DTYPE).reshape(-1), np.array([new[key] for key in set_keys], VALUE_DTYPE),
+        np.array(removed, KEY_DTYPE).reshape(-1))
+    expected = {**old, **new}
+    expected = {key: value for key, value in sorted(expected.items()) if value is not None}
+    got_keys = [merged_keys[i:i + 1].tobytes() for i in range(len(merged_keys))]  # 16 bytes each, zeros kept
+    assert got_keys == list(expected)
+    assert merged_values.tolist() == list(expected.values())
+
+
 def test_leaves_are_encoded_as_the_page_codec_does():
     builder = bulk._Builder(1000, leaf_capacity(4096), 100)
     keys = [k(i) for i in range(5)]
-    builder.add_lists(keys, [-1, 0, 1, 1 << 62, -(1 << 63)])
+    builder.add(np.array(keys, KEY_DTYPE), np.array([-1, 0, 1, 1 << 62, -(1 << 63)], VALUE_DTYPE))
     data, _footer, _at = builder.finish(-1)
     page = encode_leaf(keys, [-1, 0, 1, 1 << 62, -(1 << 63)], 1000)
     assert data.startswith(page)

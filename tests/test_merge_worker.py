@@ -201,6 +201,28 @@ def test_close_never_waits_for_a_hung_worker_and_loses_nothing(tmp_path, merge_f
         assert reopened.stats().pending_keys == 0  # close merged everything itself
 
 
+def test_close_merges_what_is_frozen_and_what_came_after_in_one_merge(tmp_path, merge_faults, monkeypatch):
+    """A merge of a large tree costs about the same for more keys (dense merges rebuild it), so
+    close folds the active overlay into the frozen one the killed worker was merging and merges
+    them once, not twice."""
+    index, model, rng = open_index(tmp_path, merge_hang_seconds=600), {}, random.Random(12)
+    worker = index._attributes.runner.worker_for_merges()
+    merge_faults.set("hang")
+    write(index, model, rng, 3)
+    wal = index._attributes
+    wait_for(lambda: wal.runner._mutex.locked() and wal._frozen is not None and worker.pid, "the merge to hang")
+    write(index, model, rng, 3)  # into the active overlay, over the frozen one
+    merged = []
+    original = merge_runner.merge_overlay
+    monkeypatch.setattr(merge_runner, "merge_overlay",
+                        lambda tree, overlay, at, base=None: merged.append(len(overlay)) or original(tree, overlay, at, base))
+    index.close()
+    assert merged == [len(model)]  # one merge of every key written (none was merged before)
+    with open_index(tmp_path) as reopened:
+        check(reopened, model)
+        assert reopened.stats().pending_keys == 0
+
+
 def test_flush_waits_for_a_hung_worker_only_until_it_is_found_hung(tmp_path, merge_faults):
     """``flush`` needs the merge mutex, which the merge thread holds while it waits on the worker:
     with a worker hung mid-merge, flush goes on once the hang is noticed and merges itself."""

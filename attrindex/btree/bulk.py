@@ -34,21 +34,22 @@ byte for byte (leaves are encoded from the columns directly, without a per-entry
 
 from __future__ import annotations
 
-import bisect
 import functools
 import gc
 import itertools
 import operator
 import struct
-import sys
 from array import array
 from typing import Callable, Iterator
+
+import numpy as np
 
 from storage_adapters.errors import InvalidInputError
 
 from ..arguments import check_progress
 from ..keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_iter, to_key, to_update
 from .column_sort import ColumnCollector, load_numpy
+from .columns import VALUE_DTYPE, RunCursor, merge_columns
 from .sorted_run import SortedRun
 from .spill import SpilledRuns
 from .footer import FOOTER_SIZE, Footer
@@ -57,7 +58,6 @@ from .page import FORMAT_VERSION, HEADER, LEAF, page_checksum, encode_index
 READ_CHUNK = 1 << 16  #: pairs validated and sorted-checked at a time
 PROGRESS_EVERY = 1 << 16  #: pairs (or entries) between progress calls
 DEFAULT_SPILL_BYTES = 256 << 20  #: about what the pairs held in memory may take before they are spilled
-_LITTLE = sys.byteorder == "little"
 _CRC = struct.Struct("<I")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
@@ -258,6 +258,11 @@ def _pack_ascending(run: SortedRun, pairs: list, progress: Progress | None) -> b
 
 
 # -- phase 2: build ----------------------------------------------------------------------------
+#: Entries of old leaves gathered before one merge step: numpy's calls cost microseconds each, so
+#: a step spans some dozens of leaves.
+MERGE_BLOCK_ENTRIES = 1 << 16
+
+
 class _Builder:
     """Lays out leaves (full), then index levels, then the footer, at ``base``. With ``flush``,
     the pages are handed over in pieces as they fill (``flush(data, offset)`` appends them as a
@@ -270,8 +275,8 @@ class _Builder:
         self.leaf_capacity = leaf_capacity
         self.index_capacity = index_capacity
         self.buffer = bytearray()
-        self.pending_keys = bytearray()
-        self.pending_values = array("q")
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # entries short of a full leaf
+        self.pending_count = 0
         # Level 1, one entry a leaf: its first key, offset and length (its minimum offset is its own).
         self.leaf_keys = bytearray()
         self.leaf_offsets = array("q")
@@ -282,39 +287,33 @@ class _Builder:
         self._flush = flush
         self._piece_size = piece_size
 
-    def add(self, keys: bytes | bytearray | memoryview, values: array) -> None:
-        """Append ascending entries (all above those added before): key column and value column."""
-        count, at, cap = len(values), 0, self.leaf_capacity
-        if self.pending_values:
-            at = min(cap - len(self.pending_values), count)
-            self.pending_keys += keys[:at * KEY_SIZE]
-            self.pending_values.extend(values[:at])
-            if len(self.pending_values) < cap:
+    def add(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Append ascending entries (all above those added before) as columns: ``S16`` keys and
+        little-endian int64 values (``columns.py``)."""
+        count, at, cap = len(keys), 0, self.leaf_capacity
+        if self.pending:
+            at = min(cap - self.pending_count, count)
+            self.pending.append((keys[:at], values[:at]))
+            self.pending_count += at
+            if self.pending_count < cap:
                 return
-            self._leaf(self.pending_keys, self.pending_values)
-            self.pending_keys, self.pending_values = bytearray(), array("q")
-        while count - at >= cap:  # whole leaves straight from the columns, no copy into pending
-            self._leaf(keys[at * KEY_SIZE:(at + cap) * KEY_SIZE], values[at:at + cap])
+            self._leaf(np.concatenate([k for k, _ in self.pending]), np.concatenate([v for _, v in self.pending]))
+            self.pending, self.pending_count = [], 0
+        while count - at >= cap:  # whole leaves straight from the columns
+            self._leaf(keys[at:at + cap], values[at:at + cap])
             at += cap
         if at < count:
-            self.pending_keys += keys[at * KEY_SIZE:]
-            self.pending_values.extend(values[at:])
+            self.pending.append((keys[at:], values[at:]))
+            self.pending_count = count - at
 
-    def add_lists(self, keys: list[bytes], values: list[int]) -> None:
-        if keys:
-            column = array("q")
-            column.frombytes(struct.pack(f"={len(values)}q", *values))  # faster than array("q", values)
-            self.add(b"".join(keys), column)
-
-    def _leaf(self, keys, values: array) -> None:
-        n = len(values)
+    def _leaf(self, keys: np.ndarray, values: np.ndarray) -> None:
+        n = len(keys)
         offset = self.base + len(self.buffer)
-        column = values if _LITTLE else _swapped(values)
         page = bytearray(HEADER.pack(FORMAT_VERSION, LEAF, 0, n, 0))
-        page += keys
-        page += column.tobytes()
+        page += keys.tobytes()
+        page += values.astype(VALUE_DTYPE, copy=False).tobytes()
         _CRC.pack_into(page, 8, page_checksum(offset, page))
-        self.leaf_keys += keys[:KEY_SIZE]
+        self.leaf_keys += keys[:1].tobytes()  # (a slice: an element of S16 loses trailing zero bytes)
         self.leaf_offsets.append(offset)
         self.leaf_lengths.append(len(page))
         self.entries += n
@@ -335,8 +334,9 @@ class _Builder:
     def finish(self, checkpoint: int) -> tuple[bytes, Footer, int]:
         """Flush the last leaf, stack the index levels, append the footer: the bytes of the last
         append, its footer, and the offset to append them at (after the pieces)."""
-        if self.pending_values:
-            self._leaf(self.pending_keys, self.pending_values)
+        if self.pending:
+            self._leaf(np.concatenate([k for k, _ in self.pending]), np.concatenate([v for _, v in self.pending]))
+            self.pending, self.pending_count = [], 0
         leaves = len(self.leaf_offsets)
         height = 1 if leaves else 0
         if leaves > 1:  # the level above the leaves, one group of pointers at a time
@@ -383,65 +383,50 @@ def _ranges(count: int, capacity: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def _swapped(values: array) -> array:
-    copy = array("q", values)
-    copy.byteswap()
-    return copy
-
-
-def build(run: SortedRun | SpilledRuns, old_leaves: Iterator | None, base: int, checkpoint: int, *,
-          leaf_capacity: int, index_capacity: int, old_entries: int = 0, progress: Progress | None = None,
-          flush: Callable[[bytearray, int], int] | None = None, piece_size: int = 0) -> tuple[bytes, Footer, int]:
-    """A fresh tree holding ``run`` merged over ``old_leaves`` (the current tree's leaf pages in
-    key order, ``None`` for an empty tree), appended from ``base`` on, with at most
-    ``leaf_capacity`` entries a leaf and ``index_capacity`` an index page: ``(bytes, footer,
-    offset)``, the last append and where it goes. With ``flush``, pages are handed to it in pieces
-    of about ``piece_size`` bytes first (see ``_Builder``). ``run`` is read once, chunk by chunk
-    (``chunks()``: sorted runs of ascending key ranges)."""
+def build(run: SortedRun | SpilledRuns, old_leaves: Iterator[tuple[np.ndarray, np.ndarray]] | None, base: int,
+          checkpoint: int, *, leaf_capacity: int, index_capacity: int, old_entries: int = 0,
+          progress: Progress | None = None, flush: Callable[[bytearray, int], int] | None = None,
+          piece_size: int = 0) -> tuple[bytes, Footer, int]:
+    """A fresh tree holding ``run`` merged over ``old_leaves`` (the current tree's leaves in key
+    order as columns, ``(keys, values)`` from ``columns.leaf_columns``; ``None`` for an empty
+    tree), appended from ``base`` on, with at most ``leaf_capacity`` entries a leaf and
+    ``index_capacity`` an index page: ``(bytes, footer, offset)``, the last append and where it
+    goes. With ``flush``, pages are handed to it in pieces of about ``piece_size`` bytes first
+    (see ``_Builder``). ``run`` is read once, chunk by chunk (``chunks()``: sorted runs of
+    ascending key ranges). The old entries are merged with the run's in blocks of about
+    ``MERGE_BLOCK_ENTRIES`` (``columns.merge_columns``)."""
     builder = _Builder(base, leaf_capacity, index_capacity, flush, piece_size)
     total, done, reported = len(run) + old_entries, 0, 0
-    chunks = run.chunks()
-    chunk = next(chunks, None)
-    keys = chunk.key_view() if chunk is not None else None
-    i = r = 0  # the next kept entry and the next removal of ``chunk``
-    for leaf in old_leaves or ():
-        high = leaf.keys[-1]
-        new_keys: list[bytes] = []
-        new_values: list[int] = []
-        gone: list[bytes] = []
-        while chunk is not None:  # the run's entries up to ``high``, over as many chunks as hold them
-            j = bisect.bisect_right(keys, high, i)
-            s = bisect.bisect_right(chunk.removed, high, r)
-            new_keys += chunk.key_list(i, j)
-            new_values += chunk.values[i:j]
-            gone += chunk.removed[r:s]
-            i, r = j, s
-            if i < len(chunk) or r < len(chunk.removed):
-                break  # this chunk goes on above ``high``
-            chunk, i, r = next(chunks, None), 0, 0
-            keys = chunk.key_view() if chunk is not None else None
-        if not new_keys and not gone:
-            builder.add_lists(leaf.keys, leaf.values)
-        else:
-            merged = dict(zip(leaf.keys, leaf.values))
-            merged.update(zip(new_keys, new_values))
-            for key in gone:
-                merged.pop(key, None)
-            ordered = sorted(merged)
-            builder.add_lists(ordered, list(map(merged.__getitem__, ordered)))
-        done += len(leaf.keys) + len(new_keys)
-        if progress is not None and done - reported >= PROGRESS_EVERY:
-            progress(done, total)
-            reported = done
-    while chunk is not None:  # above the old tree's keys: straight from the columns
-        n = len(chunk)
-        for at in range(i, n, PROGRESS_EVERY):
-            end = min(at + PROGRESS_EVERY, n)
-            builder.add(memoryview(chunk.keys)[at * KEY_SIZE:end * KEY_SIZE], chunk.values[at:end])
-            done += end - at
+    cursor = RunCursor(run.chunks())
+
+    def merge_block(block: list[tuple[np.ndarray, np.ndarray]]) -> int:
+        keys = block[0][0] if len(block) == 1 else np.concatenate([k for k, _ in block])
+        values = block[0][1] if len(block) == 1 else np.concatenate([v for _, v in block])
+        new_keys, new_values, removed = cursor.through(keys[-1:].tobytes())
+        builder.add(*merge_columns(keys, values, new_keys, new_values, removed))
+        return len(keys) + len(new_keys)
+
+    block: list[tuple[np.ndarray, np.ndarray]] = []
+    held = 0
+    for keys, values in old_leaves or ():
+        if not len(keys):
+            continue
+        block.append((keys, values))
+        held += len(keys)
+        if held >= MERGE_BLOCK_ENTRIES:
+            done += merge_block(block)
+            block, held = [], 0
+            if progress is not None and done - reported >= PROGRESS_EVERY:
+                progress(min(done, total), total)
+                reported = done
+    if block:
+        done += merge_block(block)
+    for keys, values in cursor.rest():  # above the old tree's keys: straight from the columns
+        for at in range(0, len(keys), PROGRESS_EVERY):
+            builder.add(keys[at:at + PROGRESS_EVERY], values[at:at + PROGRESS_EVERY])
+            done += min(PROGRESS_EVERY, len(keys) - at)
             if progress is not None:
                 progress(min(done, total), total)
-        chunk, i = next(chunks, None), 0
     if progress is not None:
         progress(total, total)
     return builder.finish(checkpoint)
@@ -450,25 +435,3 @@ def build(run: SortedRun | SpilledRuns, old_leaves: Iterator | None, base: int, 
 def validate_checkpoint(checkpoint: object) -> None:
     if checkpoint is not None and (type(checkpoint) is not int or not 0 <= checkpoint <= VALUE_MAX):
         raise InvalidInputError(f"checkpoint must be an int >= 0 or None, got {checkpoint!r:.60}")
-
-
-def leaves(root, child: Callable) -> Iterator:
-    """The non-empty leaf pages under ``root`` in key order, read one at a time by ``child(page,
-    i)`` (the tree's read of an index page's ``i``-th child, through its page cache): memory holds
-    one root-to-leaf path, not a level."""
-    if root.is_leaf:
-        if root.keys:
-            yield root
-        return
-    path = [(root, 0)]  # (index page, next child)
-    while path:
-        page, i = path.pop()
-        if i == len(page.keys):
-            continue
-        path.append((page, i + 1))
-        below = child(page, i)
-        if below.is_leaf:
-            if below.keys:
-                yield below
-        else:
-            path.append((below, 0))

@@ -18,6 +18,7 @@ import weakref
 from typing import Callable, Iterator, Sequence
 
 import attrs
+import numpy as np
 
 from storage_adapters import BadOffsetError, RollingSegment
 from storage_adapters.errors import (
@@ -31,10 +32,12 @@ from storage_adapters.errors import (
 )
 
 from . import bulk
+from .columns import KEY_DTYPE, VALUE_DTYPE, leaf_columns
 from .compaction import OnePagePolicy
 from .footer import EMPTY, FOOTER_SIZE, PIECE, Footer, decode_footer
 from .page import HEADER_SIZE, INDEX_ENTRY_SIZE, IndexPage, LeafPage, decode_page, index_capacity, leaf_capacity
 from .rewrite import Rewrite, UpdateBuilder
+from .sorted_run import SortedRun
 from .spill import SpilledRuns
 
 MIN_PAGE_SIZE = HEADER_SIZE + 3 * INDEX_ENTRY_SIZE  # an index page must hold at least 3 children
@@ -43,6 +46,12 @@ MAX_PAGE_SIZE = 1 << 24
 MAX_RELIST_ATTEMPTS = 6  # fresh listings before an inconsistent view is taken for damage
 MAX_READ_ATTEMPTS = 32  # restarts of one read from a newer version, each after another writer's truncation
 MAX_UPDATE_ATTEMPTS = 1000  # compare-and-append races one update may lose in a row
+#: An update of at least one key for this many pages of the tree is merged by rebuilding the tree
+#: (``update``). Random keys at that density touch 40% of the leaves (1 - e^-1/2), and the rewrite
+#: of those costs more time than a rebuild of all of them (1M keys, 735 leaves: 367 keys took
+#: 0.27 s rewritten, 0.18 s rebuilt; 183 keys 0.11 s against 0.20 s; docs/design.md, "Dense merges").
+DENSE_PAGES_PER_KEY = 2
+LEAF_READ_BYTES = 4 << 20  #: the most bytes of consecutive leaves a merge reads at once
 DEFAULT_PIECE_SIZE = 8 << 20  #: an update larger than this is appended in pieces of about this size
 #: The largest ``piece_size``: one append (a piece, or the last: less than a piece and a page, then
 #: the footer) stays well within the footer's 32-bit update length.
@@ -444,6 +453,41 @@ class BTreeIndex:
             if not page.is_leaf:
                 stack.extend((depth + 1, o, n) for o, n in zip(reversed(page.offsets), reversed(page.lengths)))
 
+    def leaf_columns(self, state: TreeState) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The leaves of ``state`` in key order as columns (``columns.leaf_columns``), each checked.
+
+        Leaves are read straight from storage, not through the page cache (a merge that reads
+        them all would push every other page out), and leaves stored back to back are read in
+        one request of up to ``LEAF_READ_BYTES``: after a bulk load or a dense merge, the leaves
+        of an index page lie in key order one after the other. Memory: one such read, one path."""
+        root = self._root_page(state)
+        if root.is_leaf:
+            if root.keys:
+                yield np.array(root.keys, KEY_DTYPE), np.array(root.values, VALUE_DTYPE)
+            return
+        for page in self._lowest_index_pages(root, 1, state.footer.height):
+            offsets, lengths = page.offsets, page.lengths
+            i, n = 0, len(offsets)
+            while i < n:
+                start, end, j = offsets[i], offsets[i] + lengths[i], i + 1
+                while j < n and offsets[j] == end and end + lengths[j] - start <= LEAF_READ_BYTES:
+                    end += lengths[j]
+                    j += 1
+                data = memoryview(self._read(start, end - start))
+                self.io.storage_reads += 1
+                for k in range(i, j):
+                    at = offsets[k] - start
+                    yield leaf_columns(data[at:at + lengths[k]], offsets[k], self.segment.name)
+                i = j
+
+    def _lowest_index_pages(self, page: IndexPage, depth: int, height: int) -> Iterator[IndexPage]:
+        """The index pages right above the leaves under ``page`` (at ``depth``), in key order."""
+        if depth == height - 1:
+            yield page
+            return
+        for i in range(len(page.keys)):
+            yield from self._lowest_index_pages(self._child(page, i), depth + 1, height)  # type: ignore[arg-type]
+
     # -- writing -------------------------------------------------------------------------------
     def update(self, keys: Sequence[bytes], values: Sequence[int | None], checkpoint: int | None = None,
                base: int | None = None) -> TreeState:
@@ -455,7 +499,15 @@ class BTreeIndex:
         as it is, since re-applying older values would undo newer ones. With ``base``, the batch
         holds only what changed since the version with that checkpoint: on any other version
         (another writer's, seen now or after a lost race) ``TreeMovedError``, nothing written.
+
+        A dense batch, at least one key for every ``DENSE_PAGES_PER_KEY`` pages of the tree, would
+        rewrite most leaves anyway: the tree is then rebuilt as a bulk load into it does, every
+        leaf read in order and merged with the batch as columns (docs/design.md, "Dense merges").
         """
+        if len(keys) * DENSE_PAGES_PER_KEY >= self._state.footer.page_count:
+            run = SortedRun()
+            run.extend(keys, values)
+            return self._load_run(run, checkpoint, base=base)
         with self._write_lock:
             for _ in range(MAX_UPDATE_ATTEMPTS):
                 state = self._state
@@ -569,19 +621,23 @@ class BTreeIndex:
         finally:
             run.close()  # the sorted runs spilled to temporary files, if any
 
-    def _load_run(self, run: bulk.SortedRun | SpilledRuns, checkpoint: int | None, progress=None) -> TreeState:
-        """Write a fresh tree holding ``run`` merged over the current one; the state afterwards."""
+    def _load_run(self, run: bulk.SortedRun | SpilledRuns, checkpoint: int | None, progress=None, *,
+                  base: int | None = None) -> TreeState:
+        """Write a fresh tree holding ``run`` merged over the current one; the state afterwards.
+        ``checkpoint`` and ``base`` as in ``update``."""
         with self._write_lock:
             for _ in range(MAX_UPDATE_ATTEMPTS):
                 state = self._state
                 footer = state.footer
+                if base is not None and max(footer.checkpoint, 0) != base:  # (-1: none yet, as 0)
+                    raise TreeMovedError(f"the tree moved from checkpoint {base} to {footer.checkpoint}")
                 if checkpoint is not None and footer.checkpoint >= checkpoint:
                     return state
                 if not len(run) and not footer.root_length and checkpoint in (None, footer.checkpoint):
                     return state  # removals from an empty tree: nothing to write
                 target = footer.checkpoint if checkpoint is None else checkpoint
                 try:
-                    old = bulk.leaves(self._root_page(state), self._child) if footer.root_length else None
+                    old = self.leaf_columns(state) if footer.root_length else None
                     data, new_footer, at = bulk.build(
                         run, old, state.length, target, leaf_capacity=self.leaf_capacity,
                         index_capacity=self.index_capacity, old_entries=footer.entry_count, progress=progress,

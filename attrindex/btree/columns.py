@@ -1,0 +1,129 @@
+"""Entries as numpy columns: what a bulk build and a dense merge stream through (no I/O).
+
+A leaf page stores its keys and values as two columns (``page.py``), so its entries are numpy
+arrays over the page's own bytes (``leaf_columns``): keys as ``S16`` (numpy orders and compares
+fixed-width byte strings as unsigned bytes, as the tree does) and values as little-endian int64,
+without a Python object per entry. ``merge_columns`` applies sorted updates and removals to
+sorted entries, and ``RunCursor`` hands out a sorted run's entries (``sorted_run.SortedRun``
+chunks) up to a key at a time, so a build merges a run into the old tree's leaves block by
+block. This is what makes a merge that touches every leaf cost about as much as copying the
+tree (docs/design.md, "Dense merges").
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from ..keys import KEY_SIZE
+from .page import HEADER_SIZE, LEAF, check_page
+from .sorted_run import SortedRun
+
+KEY_DTYPE = np.dtype(f"S{KEY_SIZE}")
+VALUE_DTYPE = np.dtype("<i8")
+_EMPTY_KEYS = np.empty(0, KEY_DTYPE)
+_EMPTY_VALUES = np.empty(0, VALUE_DTYPE)
+
+
+def leaf_columns(page: bytes | memoryview, offset: int, segment: str = "?") -> tuple[np.ndarray, np.ndarray]:
+    """The keys and values of the leaf stored at ``offset``, checked (``CorruptDataError``
+    otherwise, as ``page.decode_page`` raises), as read-only arrays over ``page``."""
+    kind, n = check_page(page, offset, segment)
+    if kind != LEAF:
+        from storage_adapters.errors import CorruptDataError
+
+        raise CorruptDataError(f"segment {segment!r}: B+tree page at offset {offset}: an index page where a leaf "
+                               "belongs", segment=segment, offset=offset)
+    keys = np.frombuffer(page, KEY_DTYPE, n, HEADER_SIZE)
+    return keys, np.frombuffer(page, VALUE_DTYPE, n, HEADER_SIZE + n * KEY_SIZE)
+
+
+def run_columns(run: SortedRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sorted run's kept keys, their values and its removed keys, as arrays (the first two over
+    the run's own buffers: the run must not change while they are in use)."""
+    keys = np.frombuffer(run.keys, KEY_DTYPE) if len(run) else _EMPTY_KEYS
+    values = np.frombuffer(run.values, np.int64).astype(VALUE_DTYPE, copy=False) if len(run) else _EMPTY_VALUES
+    removed = np.array(run.removed, KEY_DTYPE) if run.removed else _EMPTY_KEYS
+    return keys, values, removed
+
+
+def _positions(keys: np.ndarray, probes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of ``probes`` goes in ``keys`` (both sorted) and whether it is there already."""
+    at = np.searchsorted(keys, probes)
+    found = at < len(keys)
+    found[found] = keys[at[found]] == probes[found]
+    return at, found
+
+
+def merge_columns(keys: np.ndarray, values: np.ndarray, new_keys: np.ndarray, new_values: np.ndarray,
+                  removed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique entries ``keys -> values`` with ``new_keys -> new_values`` set and ``removed``
+    deleted (each argument sorted and unique; ``new_keys`` and ``removed`` disjoint). New arrays."""
+    keep = None
+    if len(removed) and len(keys):
+        at, found = _positions(keys, removed)
+        keep = np.ones(len(keys), bool)
+        keep[at[found]] = False
+    if len(new_keys):
+        at, found = _positions(keys, new_keys) if len(keys) else (np.zeros(len(new_keys), np.intp),
+                                                                  np.zeros(len(new_keys), bool))
+        values = values.copy()
+        values[at[found]] = new_values[found]
+        fresh = ~found
+        if fresh.any():
+            at = at[fresh]
+            keys = np.insert(keys, at, new_keys[fresh])
+            values = np.insert(values, at, new_values[fresh])
+            if keep is not None:
+                keep = np.insert(keep, at, True)
+    if keep is not None:
+        return keys[keep], values[keep]
+    return keys, values
+
+
+class RunCursor:
+    """A sorted run (the chunks of a ``SortedRun`` or ``spill.SpilledRuns``) read in key order:
+    ``through(high)`` takes its entries up to ``high``, ``rest()`` what is left."""
+
+    def __init__(self, chunks: Iterator[SortedRun]):
+        self._chunks = chunks
+        self._keys = self._values = self._removed = None
+        self._i = self._r = 0  # the next kept entry and the next removal of the current chunk
+        self._next_chunk()
+
+    def _next_chunk(self) -> None:
+        chunk = next(self._chunks, None)
+        if chunk is None:
+            self._keys = None
+            return
+        self._keys, self._values, self._removed = run_columns(chunk)
+        self._i = self._r = 0
+
+    def through(self, high: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The run's keys up to and including ``high`` not taken yet: kept keys, values, removed keys."""
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        while self._keys is not None:
+            keys, removed = self._keys, self._removed
+            j = self._i + int(np.searchsorted(keys[self._i:], high, "right"))
+            s = self._r + int(np.searchsorted(removed[self._r:], high, "right"))
+            parts.append((keys[self._i:j], self._values[self._i:j], removed[self._r:s]))
+            self._i, self._r = j, s
+            if j < len(keys) or s < len(removed):
+                break  # this chunk goes on above ``high``
+            self._next_chunk()
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return _EMPTY_KEYS, _EMPTY_VALUES, _EMPTY_KEYS
+        return tuple(np.concatenate(column) for column in zip(*parts))  # type: ignore[return-value]
+
+    def rest(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The kept entries not taken yet, chunk by chunk (removals beyond the old tree remove nothing)."""
+        while self._keys is not None:
+            if self._i < len(self._keys):
+                yield self._keys[self._i:], self._values[self._i:]
+            self._next_chunk()
+
+
+__all__ = ["KEY_DTYPE", "VALUE_DTYPE", "RunCursor", "leaf_columns", "merge_columns", "run_columns"]
