@@ -22,7 +22,7 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 
 from .btree import DEFAULT_PIECE_SIZE, BTreeIndex, policy_for
-from .btree.bulk import DEFAULT_SPILL_BYTES
+from .btree.bulk import DEFAULT_SPILL_BYTES, read_columns
 from .btree.framing import TREE_FRAMING
 from .btree.repair import IndexRepairReport, repair_index
 from .btree.verify import VerifyReport, verify_index
@@ -332,6 +332,24 @@ class TreeIndex(IndexHandle):
             # The recent values may hold values the load replaced (also after a failure: a settled lost
             # acknowledgement may have loaded them): drop it, as when another writer's version
             # is adopted.
+            self._external_change()
+
+    def bulk_load_columns(self, chunks: Iterable[tuple[object, object]], *, checkpoint: int | None = None,
+                          progress: Callable[[int, int], None] | None = None,
+                          spill_bytes: int = DEFAULT_SPILL_BYTES) -> int:
+        """``bulk_load`` for input given as columns: an iterable of ``(keys, values)`` chunks, each
+        checked as a whole, without a Python object per pair. Keys: a numpy array of ``S16``, of
+        ``uint8`` shaped ``(n, 16)`` or of ``uint64`` shaped ``(n, 2)`` (big-endian words, high
+        first), a pyarrow ``fixed_size_binary(16)`` array, or ``bytes`` of 16 per key; values:
+        integers that fit int64 (numpy, pyarrow or a sequence), no nulls: columns remove nothing.
+        Chunks in ascending key order are streamed; others are sorted as ``bulk_load`` sorts (the
+        last value for a key wins). Returns the number of entries afterwards."""
+        self._check_writable()
+        run = read_columns(chunks, progress, spill_bytes=spill_bytes)  # every chunk checked first
+        try:
+            return self._tree.bulk_load(run, checkpoint=checkpoint, progress=progress)
+        finally:
+            run.close()
             self._external_change()
 
     @property

@@ -47,21 +47,6 @@ VALUES = st.one_of(st.none(), st.integers(min_value=-(1 << 63), max_value=(1 << 
 PAIRS = st.lists(st.tuples(KEYS, VALUES), max_size=300)
 
 
-#: The two sorts of unsorted input: numpy's columns (numpy is installed with the test extras) and
-#: the pure-Python one (``load_numpy`` finding no numpy).
-SORTERS = ["numpy", "python"]
-
-
-@contextlib.contextmanager
-def sorter(name: str):
-    with pytest.MonkeyPatch.context() as patch:
-        if name == "python":
-            patch.setattr(bulk, "load_numpy", lambda: None)
-        else:
-            assert bulk.load_numpy() is not None, "numpy is part of the test extras"
-        yield
-
-
 def new_index(url: str | None = None, storage=None, page_size: int = PAGE_SIZE) -> TreeIndex:
     storage = storage if storage is not None else open_storage(url or f"memory://bulk-{uuid.uuid4().hex}")
     return TreeIndex(storage, page_size=page_size, cache_bytes=1 << 20)
@@ -88,13 +73,11 @@ def check(index: TreeIndex, model: dict) -> None:
     assert report.entries == len(model)
 
 
-@pytest.mark.parametrize("sort", SORTERS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(before=PAIRS, pairs=PAIRS, order=st.sampled_from(["as given", "sorted", "reversed"]),
        existing=st.sampled_from(["empty", "updated", "bulk loaded"]))
-def test_bulk_load_matches_a_dict(sort, before, pairs, order, existing):
-    with sorter(sort):
-        _bulk_load_matches_a_dict(before, pairs, order, existing)
+def test_bulk_load_matches_a_dict(before, pairs, order, existing):
+    _bulk_load_matches_a_dict(before, pairs, order, existing)
 
 
 def _bulk_load_matches_a_dict(before, pairs, order, existing):
@@ -275,10 +258,7 @@ def test_progress_is_reported_up_to_the_total():
     assert calls[-1] == (200_000, 200_000)
 
 
-@pytest.mark.parametrize("sort", SORTERS)
-def test_unsorted_after_a_sorted_start_and_duplicates_across_chunks(sort, monkeypatch):
-    if sort == "python":
-        monkeypatch.setattr(bulk, "load_numpy", lambda: None)
+def test_unsorted_after_a_sorted_start_and_duplicates_across_chunks():
     n = bulk.READ_CHUNK + 10
     pairs = [(k(i), i) for i in range(n)] + [(k(n - 1), -1), (k(3), -3), (k(n + 5), 5)]
     index = new_index(page_size=4096)
@@ -452,27 +432,14 @@ def test_load_reopen_and_truncate_on_every_backend(storage_url):
     assert reopened.stats().start_offset == reopened.stats().length - reopened.stats().live_bytes - 72
 
 
-def _constant_floats(keys):
-    return (0.0 for _ in keys)
-
-
-def _reversed_floats(keys):
-    return (-float(int.from_bytes(key, "big")) for key in keys)
-
-
-@pytest.mark.parametrize("order_keys", [bulk._order_keys, _constant_floats, _reversed_floats],
-                         ids=["floats", "all-tied", "misordered"])
 @pytest.mark.parametrize("shape", ["random", "shared-prefix", "duplicates-and-removals"])
-def test_unsorted_input_sorted_by_float_keys_or_by_the_keys_when_floats_tie(monkeypatch, order_keys, shape):
-    """The pure-Python sort goes by floats; floats that tie (keys differing past 53 bits, repeats)
-    or, were the key function ever misapplied, misorder, fall back to a sort by the keys themselves."""
-    monkeypatch.setattr(bulk, "load_numpy", lambda: None)  # the pure-Python sort
-    monkeypatch.setattr(bulk, "_order_keys", order_keys)
-    monkeypatch.setattr(bulk, "_PACK_SLICE", 64)  # many slices, and ties across their borders
+def test_unsorted_input_into_a_tree_matches_a_dict(shape):
+    """Keys equal up to their last bytes (the sort's first word ties), repeats and removals,
+    loaded unsorted into a tree that holds some of them."""
     rng = random.Random(shape)
     if shape == "random":
         universe = [rng.randbytes(16) for _ in range(3000)]
-    elif shape == "shared-prefix":  # equal up to the last bytes: many keys share one float
+    elif shape == "shared-prefix":  # equal up to the last bytes
         universe = [b"\xff" * 12 + rng.randbytes(4) for _ in range(3000)]
     else:
         universe = [bytes([rng.randrange(3), rng.randrange(4)]) + rng.randbytes(14) for _ in range(3000)]
@@ -489,17 +456,14 @@ def test_unsorted_input_sorted_by_float_keys_or_by_the_keys_when_floats_tie(monk
     check(index, model)
 
 
-@pytest.mark.parametrize("sort", SORTERS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(runs=st.lists(st.tuples(PAIRS, st.booleans()), max_size=4), read_chunk=st.integers(1, 9),
-       pack_slice=st.integers(1, 9))
-def test_read_pairs_in_small_chunks_matches_a_dict(sort, runs, read_chunk, pack_slice):
+@given(runs=st.lists(st.tuples(PAIRS, st.booleans()), max_size=4), read_chunk=st.integers(1, 9))
+def test_read_pairs_in_small_chunks_matches_a_dict(runs, read_chunk):
     """Input that streams sorted for a while, then turns unsorted in some chunk (the run so far is
     collected with it), read and packed a few pairs at a time: the run is the dict's content."""
     pairs = [pair for run, ascending in runs for pair in (sorted(run, key=lambda p: p[0]) if ascending else run)]
-    with sorter(sort), pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bulk, "READ_CHUNK", read_chunk)
-        patch.setattr(bulk, "_PACK_SLICE", pack_slice)
         run = bulk.read_pairs(iter(pairs))
     latest = dict(pairs)  # the last value for a key wins
     assert run.key_list(0, len(run)) == sorted(k for k, v in latest.items() if v is not None)
@@ -508,10 +472,9 @@ def test_read_pairs_in_small_chunks_matches_a_dict(sort, runs, read_chunk, pack_
 
 
 @pytest.mark.parametrize("shape", ["distinct first words", "shared first words", "repeats", "removals"])
-def test_the_numpy_sort_matches_the_python_sort(shape):
+def test_the_column_sort_matches_a_dict(shape):
     """numpy's column sort goes by the keys' first 8 bytes unless two keys share them, then by all
-    16; repeats keep input order (the last wins) and removals leave the kept columns. Both sorts
-    give the same run, byte for byte."""
+    16; repeats keep input order (the last wins) and removals leave the kept columns."""
     rng = random.Random(shape)
     if shape == "shared first words":  # 8 equal bytes, then the order is in the second word alone
         universe = [bytes(rng.choice([0, 255]) for _ in range(8)) + rng.randbytes(8) for _ in range(5000)]
@@ -522,17 +485,12 @@ def test_the_numpy_sort_matches_the_python_sort(shape):
     if shape == "removals":
         pairs = [(key, None if rng.random() < 0.3 else value) for key, value in pairs]
     pairs += [(universe[0], 1)]  # unsorted from the first chunk on
-    runs = {}
-    for name in SORTERS:
-        with sorter(name):
-            runs[name] = bulk.read_pairs(pairs)
+    run = bulk.read_pairs(pairs)
     latest = dict(pairs)
     kept = sorted(key for key, value in latest.items() if value is not None)
-    for run in runs.values():
-        assert run.key_list(0, len(run)) == kept
-        assert list(run.values) == [latest[key] for key in kept]
-        assert run.removed == sorted(key for key, value in latest.items() if value is None)
-    assert bytes(runs["numpy"].keys) == bytes(runs["python"].keys)
+    assert run.key_list(0, len(run)) == kept
+    assert list(run.values) == [latest[key] for key in kept]
+    assert run.removed == sorted(key for key, value in latest.items() if value is None)
 
 
 # -- AttributeIndex.bulk_load beside another handle ------------------------------------------------
@@ -603,17 +561,16 @@ def test_a_refresh_that_failed_after_adopting_a_bulk_loaded_tree_rebuilds_on_the
 
 
 # -- loads larger than memory: sorted runs spilled to files ------------------------------------
-@pytest.mark.parametrize("sort", SORTERS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(before=PAIRS, pairs=PAIRS, order=st.sampled_from(["as given", "sorted", "reversed"]),
        existing=st.sampled_from(["empty", "updated"]), read_chunk=st.integers(1, 40),
        spill_pairs=st.integers(1, 60), block_pairs=st.integers(1, 50))
-def test_a_load_spilled_to_sorted_runs_matches_a_dict(sort, before, pairs, order, existing, read_chunk, spill_pairs,
+def test_a_load_spilled_to_sorted_runs_matches_a_dict(before, pairs, order, existing, read_chunk, spill_pairs,
                                                       block_pairs):
     """Pairs read in small chunks and spilled every few pairs (sorted runs on disk that follow
     each other for sorted input and overlap otherwise), merged back in small blocks: the same
     tree as a load in memory, and the runs' files are gone afterwards."""
-    with sorter(sort), pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bulk, "READ_CHUNK", read_chunk)
         patch.setattr(spill, "BLOCK_PAIRS", block_pairs)
         index, model = new_index(), {}
@@ -686,3 +643,75 @@ def test_sorted_runs_that_cannot_be_written_fail_the_load_and_leave_no_file(tmp_
     with pytest.raises(StorageError, match="making a directory for sorted runs"):
         index.bulk_load(((k(i), i) for i in range(1000)), spill_bytes=250 * 24)
     check(index, {k(0): 0})
+
+
+# -- loads from columns -------------------------------------------------------------------------
+def _as_columns(pairs: list, form: str):
+    """``(key, value)`` pairs (no removals) as one ``(keys, values)`` chunk of the given form."""
+    keys = b"".join(key for key, _ in pairs)
+    values = [value for _, value in pairs]
+    if form == "bytes":
+        return keys, values
+    if form == "S16":
+        return np.frombuffer(keys, KEY_DTYPE), np.array(values, np.int64)
+    if form == "uint8":
+        return np.frombuffer(keys, np.uint8).reshape(-1, 16), np.array(values, np.int64)
+    if form == "words":
+        return np.frombuffer(keys, ">u8").reshape(-1, 2).astype(np.uint64), np.array(values, np.int64)
+    import pyarrow as pa
+
+    return pa.array([key for key, _ in pairs], pa.binary(16)), pa.array(values, pa.int64())
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(before=PAIRS, chunks=st.lists(st.lists(st.tuples(KEYS, st.integers(-(1 << 63), (1 << 63) - 1)), max_size=60),
+                                     max_size=5),
+       order=st.sampled_from(["as given", "sorted"]), form=st.sampled_from(["bytes", "S16", "uint8", "words", "arrow"]),
+       spill_pairs=st.sampled_from([3, 1000]))
+def test_a_load_from_columns_matches_a_dict(before, chunks, order, form, spill_pairs):
+    """Chunks of columns in any of the accepted forms, sorted across chunks or not, with repeats
+    (the last value wins), spilled every few pairs or not: the tree is the dict's content."""
+    if order == "sorted":
+        flat = sorted((pair for chunk in chunks for pair in chunk), key=lambda p: p[0])
+        chunks = [flat[i:i + 7] for i in range(0, len(flat), 7)]
+    index, model = new_index(), {}
+    index.update(before)
+    apply(model, before)
+    assert index.bulk_load_columns([_as_columns(chunk, form) for chunk in chunks],
+                                   spill_bytes=spill_pairs * 24) == len({**model, **dict(p for c in chunks for p in c)})
+    for chunk in chunks:
+        apply(model, chunk)
+    check(index, model)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ((np.zeros(3, KEY_DTYPE), np.zeros(2, np.int64)), "3 keys and 2 values"),
+    ((np.zeros(2, "S8"), np.zeros(2, np.int64)), "keys must be S16"),
+    ((b"x" * 20, [1]), "not a multiple of 16"),
+    ((np.zeros(2, KEY_DTYPE), np.zeros(2, np.float64)), "values must be integers"),
+    ((np.zeros(2, KEY_DTYPE), np.array([1, 1 << 63], np.uint64)), "fit int64"),
+    ((np.zeros(2, KEY_DTYPE), [1, None]), "values must be integers"),
+    (([b"k" * 16], [1]), "keys must be a numpy or pyarrow array or bytes"),
+    ("not a pair", "must be a \\(keys, values\\) pair"),
+])
+def test_a_bad_chunk_of_columns_is_refused_before_anything_is_written(bad, match):
+    index = new_index()
+    index.update({k(1): 1})
+    length = index.stats().length
+    good = (np.frombuffer(k(2) + k(3), KEY_DTYPE), np.array([2, 3], np.int64))
+    with pytest.raises(InvalidInputError, match=match):
+        index.bulk_load_columns([good, bad])  # the bad chunk comes after a good one
+    assert index.stats().length == length and dict(index.items()) == {k(1): 1}
+
+
+def test_null_keys_or_values_in_arrow_columns_are_refused():
+    import pyarrow as pa
+
+    index = new_index()
+    with pytest.raises(InvalidInputError, match="1 keys are null"):
+        index.bulk_load_columns([(pa.array([k(1), None], pa.binary(16)), pa.array([1, 2]))])
+    with pytest.raises(InvalidInputError, match="1 values are null"):
+        index.bulk_load_columns([(pa.array([k(1), k(2)], pa.binary(16)), pa.array([1, None]))])
+    with pytest.raises(InvalidInputError, match="fixed_size_binary"):
+        index.bulk_load_columns([(pa.array([b"a"]), pa.array([1]))])
+    assert not len(index)

@@ -250,6 +250,34 @@ def test_bulk_load_is_ordered_between_earlier_and_later_updates(tmp_path):
     assert reopened.verify().ok
 
 
+def test_a_load_from_columns_is_ordered_between_earlier_and_later_updates(tmp_path):
+    import numpy as np
+
+    index = AttributeIndex.open(str(tmp_path), **SMALL)
+    index.update({i: -1 for i in range(10)})  # pending in the WAL: merged before the load
+    words = np.zeros((495, 2), np.uint64)
+    words[:, 1] = np.arange(5, 500)  # keys 5..499 as (high, low) words
+    assert index.bulk_load_columns([(words[:200], np.arange(5, 205)), (words[200:], np.arange(205, 500))]) == 500
+    index.update({7: 70})  # after the load: replayed over it
+    assert index.get_many([0, 5, 7, 499]) == [-1, 5, 70, 499]
+    index._attributes._wrote = False  # no merge on close: reopening must replay the later update only
+    index.close()
+    reopened = AttributeIndex.open(str(tmp_path), **SMALL)
+    assert reopened.get_many([0, 5, 7, 499]) == [-1, 5, 70, 499] and len(reopened) == 500
+    assert reopened.verify().ok
+
+
+def test_a_bad_chunk_of_columns_writes_nothing():
+    import numpy as np
+
+    index = AttributeIndex.open(f"memory://wal-columns-bad-{uuid.uuid4().hex}", merge_keys=1000)
+    index.update({1: 1})
+    before = index.verify().wal.log_bytes
+    with pytest.raises(InvalidInputError, match="chunk 1"):
+        index.bulk_load_columns([(np.zeros((1, 2), np.uint64), [5]), (np.zeros((2, 2), np.uint64), [1.5, 2.5])])
+    assert index.verify().wal.log_bytes == before and index.stats().pending_keys == 1  # no flush, no batch
+
+
 def test_bad_options_are_refused_before_anything_is_created(tmp_path):
     for bad in (dict(merge_keys=0), dict(wal_rolling_size="4MiB"), dict(merge_seconds=-1), dict(page_size=3)):
         with pytest.raises((InvalidInputError, ValueError)):

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from attrindex.tree_index import TreeIndex
+from attrindex.btree import tree as btree
 from attrindex.btree.footer import FOOTER_SIZE, Footer
 from attrindex.btree.page import encode_index
 from attrindex.errors import (
@@ -666,7 +667,16 @@ def test_an_update_whose_append_failed_ambiguously_is_applied_once_or_not_at_all
 
 
 # -- updates in pieces -------------------------------------------------------------------------
-def test_an_update_in_pieces_that_stops_at_any_append_leaves_the_version_before_it(storage_url):
+@pytest.fixture(params=["rewrite", "rebuild"])
+def merge_path(request, monkeypatch):
+    """The two ways an update is laid out: the copy-on-write rewrite of the leaves it touches,
+    or, for a dense batch, the rebuild of the whole tree (``btree.tree.DENSE_PAGES_PER_KEY``).
+    The updates below are dense; "rewrite" takes them through the rewrite all the same."""
+    monkeypatch.setattr(btree, "DENSE_PAGES_PER_KEY", 0 if request.param == "rewrite" else 1 << 30)
+    return request.param
+
+
+def test_an_update_in_pieces_that_stops_at_any_append_leaves_the_version_before_it(storage_url, merge_path):
     """Every append of an update but its last is a piece that no version references: wherever
     the update stops, the index reads and verifies as before it, and takes the next update."""
     url, options = storage_url
@@ -697,7 +707,7 @@ def test_an_update_in_pieces_that_stops_at_any_append_leaves_the_version_before_
     assert report.ok and report.entries == len({**before, **new})
 
 
-def test_a_writer_that_appends_between_two_pieces_makes_the_update_start_over(url, monkeypatch):
+def test_a_writer_that_appends_between_two_pieces_makes_the_update_start_over(url, monkeypatch, merge_path):
     """The pieces of an update are appended back to back or not at all: another writer's update
     in between (built on the version the pieces restate) makes the first one start over from
     the newer version, so neither update is lost."""
@@ -727,7 +737,7 @@ def test_a_writer_that_appends_between_two_pieces_makes_the_update_start_over(ur
     assert dict(reader.items()) == expected and reader.verify().ok
 
 
-def test_verify_checks_the_pages_of_pieces_and_not_the_bytes_a_repair_abandoned(url):
+def test_verify_checks_the_pages_of_pieces_and_not_the_bytes_a_repair_abandoned(url, merge_path):
     idx = TreeIndex(open_storage(url), page_size=256, piece_size=1024, compaction=False)
     idx.update({k(i): i for i in range(300)})  # pieces, then the last append
     first_leaf = 0  # in the first piece: referenced by the tree
@@ -739,7 +749,7 @@ def test_verify_checks_the_pages_of_pieces_and_not_the_bytes_a_repair_abandoned(
 
 
 @pytest.mark.parametrize("fault", ["torn", "enospc", "lost_ack"])
-def test_an_update_in_pieces_meeting_a_fault_at_any_append_is_applied_once_or_not_at_all(tmp_path, fault):
+def test_an_update_in_pieces_meeting_a_fault_at_any_append_is_applied_once_or_not_at_all(tmp_path, fault, merge_path):
     """A torn write or a full disk at any append of an update in pieces leaves the version before
     it (the torn bytes are cut); a lost acknowledgement is settled by reading back and the update
     goes on, applied once."""
@@ -770,7 +780,7 @@ def test_an_update_in_pieces_meeting_a_fault_at_any_append_is_applied_once_or_no
     assert hit >= 4, "the faults did not meet the pieces of the updates"
 
 
-def test_a_piece_whose_outcome_stays_unknown_fails_the_update_which_is_not_applied(url, monkeypatch):
+def test_a_piece_whose_outcome_stays_unknown_fails_the_update_which_is_not_applied(url, monkeypatch, merge_path):
     """The byte stream could not settle whether a piece landed: whatever it did, no footer refers
     to it, so the update is simply not applied (``StorageError``, not an unknown outcome)."""
     idx = TreeIndex(open_storage(url), page_size=256, piece_size=1024)

@@ -8,17 +8,16 @@ iterator):
    keys in compact columns (a :class:`SortedRun`: 16 bytes per key, 8 per value; about 24 bytes a
    pair, against about 100 for Python lists). Input that arrives in ascending order (equal
    neighbours allowed) is streamed into the run chunk by chunk; from the first chunk out of order
-   on, the pairs are collected (the caller's tuples, referenced, not copied, with each key's value
-   as a float to sort by; with numpy installed, packed into key and value columns and sorted
-   there, in half the time: ``column_sort.py``; both sorts give the same run). Once what is held
+   on, the pairs are packed into key and value columns and sorted there with numpy
+   (``column_sort.py``). Once what is held
    reaches ``spill_bytes`` (256 MiB by default), it is sorted and written to a temporary file as
    a sorted run, and reading goes on with empty memory: the load's memory does not grow with its
    input (``spill.py``, an external sort: runs read back block by block, merged where their key
    ranges overlap). Duplicate keys: the last wins. ``None`` values mean absent: they remove
    existing keys when loading into a non-empty tree and are dropped otherwise. The cyclic garbage
    collector is paused while reading (see :func:`read_pairs`).
-2. **Build** (:func:`build`): stream the run, merged with the existing tree's leaves (read leaf by
-   leaf, in order), into full leaves, then index levels over them (child offsets, lengths and
+2. **Build** (:func:`build`): stream the run, merged with the existing tree's leaves (read in
+   key order as numpy columns, ``columns.py``, and merged in blocks), into full leaves, then index levels over them (child offsets, lengths and
    subtree minimum offsets), then the footer: one update, appended in pieces of about
    ``piece_size`` bytes as the pages fill (docs/format.md, "Updates in pieces"). Each piece ends
    with a footer that restates the old tree, so only the last append, ending with the new
@@ -34,7 +33,6 @@ byte for byte (leaves are encoded from the columns directly, without a per-entry
 
 from __future__ import annotations
 
-import functools
 import gc
 import itertools
 import operator
@@ -48,8 +46,8 @@ from storage_adapters.errors import InvalidInputError
 
 from ..arguments import check_progress
 from ..keys import KEY_SIZE, VALUE_MAX, VALUE_MIN, pair_iter, to_key, to_update
-from .column_sort import ColumnCollector, load_numpy
-from .columns import VALUE_DTYPE, RunCursor, merge_columns
+from .column_sort import ColumnCollector
+from .columns import KEY_DTYPE, VALUE_DTYPE, RunCursor, merge_columns
 from .sorted_run import SortedRun
 from .spill import SpilledRuns
 from .footer import FOOTER_SIZE, Footer
@@ -101,6 +99,107 @@ def read_pairs(pairs: object, progress: Progress | None = None, *,
     tuples, bytes), yet their sheer number would trigger collections that walk the caller's
     millions of pairs again and again (a third of the time of a 1M-pair load, measured).
     """
+    total = len(pairs) if hasattr(pairs, "__len__") else 0  # type: ignore[arg-type]
+    return _read(_pair_columns(pair_iter(pairs, "bulk_load pairs")), total, progress, spill_bytes)
+
+
+def read_columns(chunks: object, progress: Progress | None = None, *,
+                 spill_bytes: int = DEFAULT_SPILL_BYTES) -> SortedRun | SpilledRuns:
+    """``read_pairs`` for input given as columns: an iterable of ``(keys, values)`` chunks (see
+    ``column_chunk`` for what each may be), checked chunk by chunk without a Python object per
+    pair. The last value for a key wins; columns remove nothing (no ``None`` values)."""
+    if chunks is None or isinstance(chunks, (str, bytes, bytearray, memoryview, tuple)):
+        raise InvalidInputError(f"bulk_load_columns takes an iterable of (keys, values) chunks, got {chunks!r:.60}")
+    try:
+        source = iter(chunks)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidInputError(f"bulk_load_columns takes an iterable of (keys, values) chunks, "
+                                f"got {type(chunks).__name__}") from None
+    return _read((column_chunk(chunk, n) + (None,) for n, chunk in enumerate(source)), 0, progress, spill_bytes)
+
+
+def column_chunk(chunk: object, number: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One ``(keys, values)`` chunk of columns as ``S16`` keys and int64 values, checked
+    (``InvalidInputError`` naming chunk ``number`` otherwise). Keys: a numpy array of ``S16``,
+    of ``uint8`` shaped ``(n, 16)`` or of unsigned ints shaped ``(n, 2)`` (big-endian words,
+    high first, as ``int.to_bytes(16, "big")`` splits them), a pyarrow ``fixed_size_binary(16)``
+    array without nulls, or ``bytes`` of 16 per key. Values: an integer numpy or pyarrow array
+    (or a sequence) that fits int64, without nulls."""
+    what = f"bulk_load_columns chunk {number}"
+    if not isinstance(chunk, (tuple, list)) or len(chunk) != 2:
+        raise InvalidInputError(f"{what} must be a (keys, values) pair, got {type(chunk).__name__}")
+    keys, values = _key_column(chunk[0], what), _value_column(chunk[1], what)
+    if len(keys) != len(values):
+        raise InvalidInputError(f"{what} has {len(keys)} keys and {len(values)} values")
+    return keys, values
+
+
+def _key_column(keys: object, what: str) -> np.ndarray:
+    if hasattr(keys, "buffers") and hasattr(keys, "type"):  # a pyarrow array
+        if str(keys.type) != f"fixed_size_binary[{KEY_SIZE}]":
+            raise InvalidInputError(f"{what}: keys must be fixed_size_binary({KEY_SIZE}), got {keys.type}")
+        if keys.null_count:
+            raise InvalidInputError(f"{what}: {keys.null_count} keys are null")
+        data = keys.buffers()[1]
+        return np.frombuffer(data, KEY_DTYPE, len(keys), keys.offset * KEY_SIZE) if len(keys) else np.empty(0, KEY_DTYPE)
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        if len(keys) % KEY_SIZE:
+            raise InvalidInputError(f"{what}: {len(keys)} bytes of keys is not a multiple of {KEY_SIZE}")
+        return np.frombuffer(keys, KEY_DTYPE)
+    if not isinstance(keys, np.ndarray):
+        raise InvalidInputError(f"{what}: keys must be a numpy or pyarrow array or bytes, got {type(keys).__name__}")
+    if keys.dtype == KEY_DTYPE and keys.ndim == 1:
+        return np.ascontiguousarray(keys)
+    if keys.dtype == np.uint8 and keys.shape[1:] == (KEY_SIZE,):
+        return np.ascontiguousarray(keys).view(KEY_DTYPE).reshape(-1)
+    if keys.dtype.kind == "u" and keys.dtype.itemsize == 8 and keys.shape[1:] == (2,):
+        return np.ascontiguousarray(keys, dtype=">u8").view(KEY_DTYPE).reshape(-1)
+    raise InvalidInputError(f"{what}: keys must be S16, uint8 of shape (n, 16) or uint64 of shape (n, 2), got "
+                            f"{keys.dtype} of shape {keys.shape}")
+
+
+def _value_column(values: object, what: str) -> np.ndarray:
+    if hasattr(values, "null_count") and hasattr(values, "to_numpy"):  # a pyarrow array
+        if values.null_count:
+            raise InvalidInputError(f"{what}: {values.null_count} values are null (columns remove nothing)")
+        values = values.to_numpy(zero_copy_only=False)
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise InvalidInputError(f"{what}: values must be integers that fit int64: {error}") from None
+    if array.ndim == 1 and not len(array):
+        return np.empty(0, VALUE_DTYPE)  # (an empty list is float64 to numpy)
+    if array.ndim != 1 or array.dtype.kind not in "iu" or (array.dtype.kind == "u" and len(array) and array.max() > VALUE_MAX):
+        raise InvalidInputError(f"{what}: values must be integers that fit int64 in one dimension, got "
+                                f"{array.dtype} of shape {array.shape}")
+    return array.astype(VALUE_DTYPE, copy=False)
+
+
+def _pair_columns(source: Iterator) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+    """Pairs read ``READ_CHUNK`` at a time and validated, as columns: keys, values (0 for a
+    removal) and which rows are removals (``None``: none are)."""
+    done = 0
+    while True:
+        chunk = list(itertools.islice(source, READ_CHUNK))
+        if not chunk:
+            return
+        keys, values, _canonical = _canonical_chunk(chunk, done)
+        done += len(chunk)
+        key_column = np.frombuffer(b"".join(keys), KEY_DTYPE)
+        try:
+            yield key_column, np.frombuffer(struct.pack(f"={len(values)}q", *values), np.int64), None
+        except struct.error:  # a None among them: a removal
+            removed = np.fromiter(map(_is_none, values), bool, len(values))
+            column = struct.pack(f"={len(values)}q", *(0 if v is None else v for v in values))
+            yield key_column, np.frombuffer(column, np.int64), removed
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+def _read(chunks: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]], total: int,
+          progress: Progress | None, spill_bytes: int) -> SortedRun | SpilledRuns:
     check_progress(progress)
     if type(spill_bytes) is not int or spill_bytes < 1:
         raise InvalidInputError(f"spill_bytes must be an int >= 1, got {spill_bytes!r:.60}")
@@ -108,7 +207,7 @@ def read_pairs(pairs: object, progress: Progress | None = None, *,
     gc.disable()
     spilled = SpilledRuns(_new_collector)
     try:
-        run = _read_pairs(pairs, progress, spilled, spill_bytes)
+        run = _read_runs(chunks, total, progress, spilled, spill_bytes)
         if not spilled.runs:
             return run
         spilled.add(run)
@@ -122,48 +221,50 @@ def read_pairs(pairs: object, progress: Progress | None = None, *,
 
 
 #: Bytes a held pair costs: in a sorted run (its two columns), and collected unsorted, in numpy's
-#: columns (with the sort's index arrays) or as the caller's tuples with a float key each.
+#: columns (with the sort's index arrays).
 _RUN_PAIR_BYTES = KEY_SIZE + 8
 _COLUMNS_PAIR_BYTES = 56
-_TUPLES_PAIR_BYTES = 150
 
 
-def _read_pairs(pairs: object, progress: Progress | None, spilled: SpilledRuns, spill_bytes: int) -> SortedRun:
-    """The pairs read so far, sorted; the runs that reached ``spill_bytes`` go to ``spilled``."""
-    source = pair_iter(pairs, "bulk_load pairs")
-    total = len(pairs) if hasattr(pairs, "__len__") else 0  # type: ignore[arg-type]
+def _read_runs(chunks: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]], total: int,
+               progress: Progress | None, spilled: SpilledRuns, spill_bytes: int) -> SortedRun:
+    """The chunks read so far, sorted; the runs that reached ``spill_bytes`` go to ``spilled``.
+
+    Chunks that arrive in ascending key order (equal neighbours allowed: the last wins) are
+    appended to a sorted run; from the first chunk out of order on, the chunks are collected as
+    columns and sorted once at the end, or at the spill (``column_sort``)."""
     run = SortedRun()
-    collected: ColumnCollector | _PairCollector | None = None  # once the input proved unsorted
-    held = 0  # pairs in ``run`` or ``collected``
-    done = 0
-    while True:
-        chunk = list(itertools.islice(source, READ_CHUNK))
-        if not chunk:
-            break
-        keys, values, canonical = _canonical_chunk(chunk, done)
-        done += len(chunk)
+    collected: ColumnCollector | None = None  # once the input proved unsorted
+    held = done = 0  # pairs in ``run`` or ``collected``; pairs read
+    for keys, values, removed in chunks:
+        done += len(keys)
         if progress is not None:
             progress(done, total)
-        if collected is not None:
-            collected.add(chunk, keys, values, canonical)
-        else:
-            if not all(map(operator.lt, keys, keys[1:])):
-                unique = dict(zip(keys, values))  # the last value for a key wins
-                keys, values = list(unique), list(unique.values())
+        if not len(keys):
+            continue
+        if collected is None:
+            if not (keys[1:] > keys[:-1]).all():
+                if (keys[1:] >= keys[:-1]).all():  # repeats: the last of each wins
+                    last_of_each = np.append(keys[1:] != keys[:-1], True)
+                    keys, values = keys[last_of_each], values[last_of_each]
+                    removed = None if removed is None else removed[last_of_each]
+                else:
+                    collected = _new_collector()
             last = run.last_key()
-            if all(map(operator.lt, keys, keys[1:])) and (last is None or keys[0] >= last):
-                if keys[0] == last:
-                    run.drop_last(last)
-                run.extend(keys, values)
-            else:  # out of order: collect from here on, sort once at the end (or at the spill)
+            first = keys[:1].tobytes()
+            if collected is None and last is not None and first < last:
                 collected = _new_collector()
-                before = run.pairs()
-                collected.add(before, [pair[0] for pair in before], [pair[1] for pair in before], True)
-                collected.add(chunk, keys, values, False)  # ``keys`` may be deduplicated: not ``chunk``
+            if collected is None:
+                if first == last:
+                    run.drop_last(last)
+                run.extend_columns(keys, values, removed)
+            else:  # out of order: collect from here on, sort once at the end (or at the spill)
+                collected.add_run(run)
                 run = SortedRun()
+        if collected is not None:
+            collected.add_columns(keys, values, removed)
         held += len(keys)
-        cost = _RUN_PAIR_BYTES if collected is None else (
-            _COLUMNS_PAIR_BYTES if isinstance(collected, ColumnCollector) else _TUPLES_PAIR_BYTES)
+        cost = _RUN_PAIR_BYTES if collected is None else _COLUMNS_PAIR_BYTES
         if held * cost >= spill_bytes:
             if collected is not None:
                 collected.sort_into(run, None)
@@ -174,87 +275,9 @@ def _read_pairs(pairs: object, progress: Progress | None, spilled: SpilledRuns, 
     return run
 
 
-def _new_collector() -> ColumnCollector | _PairCollector:
-    """Where unsorted pairs go until the sort: numpy's columns if numpy is installed."""
-    numpy = load_numpy()
-    return _PairCollector() if numpy is None else ColumnCollector(numpy)
-
-
-class _PairCollector:
-    """Unsorted pairs kept as tuples (the caller's, referenced, when canonical) with their keys as
-    floats (``_order_keys``), for the pure-Python sort ``_sort_into``."""
-
-    def __init__(self) -> None:
-        self.pairs: list[tuple[bytes, int | None]] = []
-        self.order: list[float] = []
-
-    def add(self, chunk: list, keys: list[bytes], values: list[int | None], canonical: bool) -> None:
-        self.pairs += chunk if canonical else zip(keys, values)
-        self.order += _order_keys(keys)
-
-    def add_run(self, run: SortedRun) -> None:
-        """Add the pairs of a sorted run (kept keys, then its removals)."""
-        pairs = run.pairs()
-        self.add(pairs, [pair[0] for pair in pairs], [], True)
-
-    def sort_into(self, run: SortedRun, progress: Progress | None) -> None:
-        _sort_into(run, self.pairs, self.order, progress)
-
-
-def _order_keys(keys: list[bytes]) -> Iterator[float]:
-    """Each key as a float, in order: ``a < b`` implies ``f(a) <= f(b)`` (rounding an int to a
-    float never reorders), and random keys rarely share a float (53 significant bits). Floats
-    because ``list.sort`` compares them without calling back into Python; bytes it does not."""
-    return map(float, map(int.from_bytes, keys, itertools.repeat("big")))
-
-
-def _sort_into(run: SortedRun, collected: list[tuple[bytes, int | None]], order: list[float],
-               progress: Progress | None) -> None:
-    """Add ``collected`` pairs to the empty ``run`` in key order, the last pair for a key winning;
-    ``order[i]`` is ``collected[i]``'s key as from :func:`_order_keys` (the list is emptied).
-
-    One C-level sort by the float keys (stable: equal keys keep input order), then the sorted
-    pairs are packed in slices small enough for the CPU caches, each checked strictly ascending
-    as it goes. Keys that share a float (or repeat) fail the check: the pairs are then sorted
-    again by the keys themselves (nearly sorted already, so cheap unless many share floats) and
-    deduplicated. CPU time of the sort and pack for 1M random pairs: 0.55-0.6 s, and of the
-    whole read 0.95-1.0 s (dealing the pairs into buckets by key byte in Python instead: 1.2-1.26 s;
-    one sort by the bytes keys costs 0.7 s alone, by floats 0.25 s).
-    """
-    if progress is not None:  # the sort pass starts: one C call (4.5 s of CPU for 10M pairs)
-        progress(0, len(collected))
-    # A key function that hands out the precomputed floats: list.sort calls it once per item, in
-    # list order. Were that ever not so, the check below would see it and re-sort by the keys.
-    collected.sort(key=functools.partial(next, iter(order)))
-    order.clear()
-    if not _pack_ascending(run, collected, progress):
-        run.clear()
-        collected.sort(key=operator.itemgetter(0))
-        latest = dict(collected)  # in key order, with the last value for a key
-        collected[:] = latest.items()
-        if not _pack_ascending(run, collected, progress):
-            raise AssertionError("bulk load: pairs not in key order after sorting by key")
-
-
-_PACK_SLICE = 1 << 12  #: pairs packed at a time (a few hundred KiB of objects: in the CPU caches)
-
-
-def _pack_ascending(run: SortedRun, pairs: list, progress: Progress | None) -> bool:
-    """Extend ``run`` with ``pairs`` (sorted) slice by slice; False, at once, if two keys are not
-    strictly ascending."""
-    lt = operator.lt
-    total, last = len(pairs), None
-    for at in range(0, total, _PACK_SLICE):
-        keys, values = zip(*pairs[at:at + _PACK_SLICE])
-        if not all(map(lt, keys, keys[1:])) or (last is not None and not last < keys[0]):
-            return False
-        last = keys[-1]
-        run.extend(keys, values)
-        if progress is not None and (at // _PACK_SLICE) % 16 == 15:
-            progress(at + len(keys), total)
-    if progress is not None:
-        progress(total, total)
-    return True
+def _new_collector() -> ColumnCollector:
+    """Where unsorted pairs go until the sort (``column_sort.py``)."""
+    return ColumnCollector()
 
 
 # -- phase 2: build ----------------------------------------------------------------------------

@@ -1,33 +1,22 @@
-"""The bulk load's sort of unsorted pairs as compact columns, vectorised with numpy where installed.
+"""The bulk load's sort of unsorted pairs as compact columns, vectorised with numpy.
 
 ``bulk.read_pairs`` sorts input that arrives out of key order once, at the end (or once per run
-it spills: ``spill.py``). In pure Python that sort touches every pair object again in random
-order (about 0.7 s of CPU for 1M pairs, most of it cache misses). With numpy the pairs are
-packed as they are read, in input order, into two columns (16 bytes a key, 8 a value: 24 bytes a
-pair, the caller's objects no longer referenced) and sorted there: an argsort of the keys' first
-8 bytes, redone by all 16 only when two keys share those 8 bytes. numpy is optional (``pip install attrindex[fast]``; pandas and
-Spark users have it): without it ``bulk`` keeps its pure-Python sort, which gives the same run.
+it spills: ``spill.py``). The pairs are packed as they are read, in input order, into two columns
+(16 bytes a key, 8 a value: 24 bytes a pair, the caller's objects no longer referenced) and
+sorted there: an argsort of the keys' first 8 bytes, redone by all 16 only when two keys share
+those 8 bytes.
 """
 
 from __future__ import annotations
 
-import struct
 from array import array
 from typing import Any, Callable
+
+import numpy as np
 
 from ..keys import KEY_SIZE
 
 Progress = Callable[[int, int], None]
-
-
-def load_numpy() -> Any | None:
-    """The numpy module, or None where it is not installed (imported on the first unsorted load,
-    not with attrindex: the CLI starts without it)."""
-    try:
-        import numpy
-    except ImportError:
-        return None
-    return numpy
 
 
 class ColumnCollector:
@@ -35,24 +24,20 @@ class ColumnCollector:
 
     A removal (value ``None``) is packed as 0 and its row number kept in ``removed_rows``."""
 
-    def __init__(self, numpy: Any):
-        self.np = numpy
+    def __init__(self) -> None:
         self.keys = bytearray()
         self.values = bytearray()
         self.removed_rows: list[int] = []
         self.rows = 0
 
-    def add(self, chunk: list, keys: list[bytes], values: list[int | None], canonical: bool) -> None:
-        """Add one chunk's validated ``keys`` and ``values`` (``chunk``, the caller's pairs, is not
-        kept: the columns are the copy)."""
-        try:
-            column = struct.pack(f"={len(values)}q", *values)
-        except struct.error:  # a None among them: a removal
-            self.removed_rows += [self.rows + i for i, value in enumerate(values) if value is None]
-            column = struct.pack(f"={len(values)}q", *(0 if v is None else v for v in values))
-        self.keys += b"".join(keys)
-        self.values += column
-        self.rows += len(values)
+    def add_columns(self, keys: np.ndarray, values: np.ndarray, removed: np.ndarray | None) -> None:
+        """Add a chunk as columns: ``S16`` keys, int64 values (0 for a removal) and which rows are
+        removals (``None``: none)."""
+        if removed is not None:
+            self.removed_rows += (np.flatnonzero(removed) + self.rows).tolist()
+        self.keys += memoryview(np.ascontiguousarray(keys).view(np.uint8))
+        self.values += memoryview(np.ascontiguousarray(values, dtype="=i8").view(np.uint8))
+        self.rows += len(keys)
 
     def add_run(self, run: Any) -> None:
         """Add the pairs of a sorted run (``SortedRun``: kept keys, then its removals), straight
@@ -68,7 +53,7 @@ class ColumnCollector:
 
     def sort_into(self, run: Any, progress: Progress | None) -> None:
         """Fill the empty ``run`` with the pairs in key order, the last pair for a key winning."""
-        np, n = self.np, self.rows
+        n = self.rows
         if progress is not None:
             progress(0, n)
         keep = self._latest_rows()
@@ -96,7 +81,6 @@ class ColumnCollector:
         it (repeats of a key do too), then a stable sort by both words redoes the order. It keeps
         repeats of a key in input order, so the last of each run of equal keys is the one that
         wins. (The first sort need not be stable: it is kept only when no two keys are alike.)"""
-        np = self.np
         words = np.frombuffer(self.keys, dtype=">u8").reshape(-1, 2)
         high = words[:, 0].astype(np.uint64)
         order = np.argsort(high)

@@ -63,6 +63,16 @@ class SortedRun:
         self.keys += b"".join(keys)
         self.values.frombytes(column)
 
+    def extend_columns(self, keys, values, removed) -> None:
+        """``extend`` from columns (numpy): ascending unique ``S16`` keys above the run's, int64
+        values, and which rows are removals (a bool array, or ``None``: none are)."""
+        if removed is not None and removed.any():
+            gone = keys[removed].tobytes()
+            self.removed += [gone[at:at + KEY_SIZE] for at in range(0, len(gone), KEY_SIZE)]
+            keys, values = keys[~removed], values[~removed]
+        self.keys += memoryview(keys.view("u1")) if keys.flags.c_contiguous else keys.tobytes()
+        self.values.frombytes(values.astype("=i8", copy=False).tobytes())
+
     def key_list(self, lo: int, hi: int) -> list[bytes]:
         return list(column_struct("16s", hi - lo).unpack_from(self.keys, lo * KEY_SIZE)) if hi > lo else []
 
