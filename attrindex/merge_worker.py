@@ -1,7 +1,8 @@
 """The merge of tier 1 into the B+tree, hosted in a worker process (local disk only).
 
-Why a process: the merge is pure-Python CPU work (about 1 s per 250k keys). In the writer's
-process it holds the GIL, and every ``update`` returning from a ``write``/``fsync`` waits for it
+Why a process: the merge is CPU work (the replay of the log into an overlay, the sort of its
+keys, and the rewrite or rebuild of the tree: seconds at 10M keys). In the writer's process it
+holds the GIL, and every ``update`` returning from a ``write``/``fsync`` waits for it
 up to the switch interval, many times per call: p99 of ``update`` rose from ~5 ms to 50-100 ms
 while a merge ran. In a worker process the merge has its own interpreter and the writer's merge
 thread only waits on a pipe.

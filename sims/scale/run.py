@@ -150,7 +150,10 @@ def child_attrindex(args, out: Reporter) -> None:
     out.phase("load")
     index = AttributeIndex.open(directory)
     cpu, start = time.process_time(), time.perf_counter()
-    count = index.bulk_load(data.pairs(n, sorted_input=sorted_input))
+    if args.load_input == "columns":
+        count = index.bulk_load_columns(data.columns(n, sorted_input=sorted_input))
+    else:
+        count = index.bulk_load(data.pairs(n, sorted_input=sorted_input))
     elapsed = time.perf_counter() - start
     out.metrics(load_s=elapsed, load_keys_per_s=n / elapsed, load_cpu_s=time.process_time() - cpu, entries=count)
     out.phase("close after load")
@@ -286,7 +289,7 @@ def run_child(args, engine: str, n: int, directory: str) -> dict:
     """Run ``engine`` at ``n`` keys in a fresh interpreter, sampling its process tree; its row."""
     argv = [sys.executable, "-m", "sims.scale.run", "--child", engine, "--n", str(n), "--dir", directory,
             "--update-calls", str(args.update_calls), "--batch", str(args.batch), "--lookups", str(args.lookups),
-            "--cold-lookups", str(args.cold_lookups), "--cold-warmup", str(args.cold_warmup)]
+            "--cold-lookups", str(args.cold_lookups), "--cold-warmup", str(args.cold_warmup), "--load-input", args.load_input]
     row: dict = {"engine": engine, "keys": n, "load_average_before": load_average()}
     phase_start: dict[str, float] = {}
     started = time.perf_counter()
@@ -416,7 +419,9 @@ def report(n: int, rounds: dict[str, list[dict]], args) -> None:
     names = [name for name, rows in rounds.items() if rows]
     by = {name: median_row(rounds[name]) for name in names}
     print(f"\n{n:,} keys in one index; {args.update_calls:,} update calls of {args.batch:,} keys; "
-          f"each engine in its own process" + (f"; medians of {args.rounds} rounds, order rotated" if args.rounds > 1 else ""))
+          f"each engine in its own process" + (f"; medians of {args.rounds} rounds, order rotated" if args.rounds > 1 else "")
+          + f"; attrindex loads {'numpy columns (bulk_load_columns)' if args.load_input == 'columns' else 'pairs from a generator (bulk_load)'},"
+          " RocksDB write batches of pairs")
     head = f"{'metric':<42}" + "".join(f"{name:>20}" for name in names)
     ratio = "attrindex" in by and "rocksdb" in by
     print(head + (f"{'attrindex vs rocksdb':>22}" if ratio else ""))
@@ -463,6 +468,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lookups", type=int, default=100_000)
     parser.add_argument("--cold-lookups", type=int, default=20_000)
     parser.add_argument("--cold-warmup", type=int, default=2_000)
+    parser.add_argument("--load-input", choices=("columns", "pairs"), default="columns",
+                        help="attrindex's load input: numpy columns (bulk_load_columns) or pairs from a generator")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--max-rss-gib", type=float, default=10.0,
                         help="kill a child whose process tree passes this RSS (a shared machine)")
