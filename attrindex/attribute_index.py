@@ -29,6 +29,7 @@ from storage_adapters.rolling import validate_segment_name
 
 from .arguments import check_progress
 from .btree.bulk import DEFAULT_SPILL_BYTES, read_columns, read_pairs
+from .btree.columns import column_keys
 from .btree.repair import IndexRepairReport
 from .btree.verify import VerifyReport
 from .errors import CorruptDataError, InvalidInputError, RetriesExhaustedError, StorageError
@@ -44,7 +45,6 @@ from .log.segment_log import SegmentLog
 from .merge_worker import DEFAULT_HANG_SECONDS
 from .options import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES,
                       SegmentOptions)
-from .overlay import AttributeOverlay, sort_keys
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
 from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_PIECE_SIZE, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
                          IndexStats, TreeIndex, key_list)
@@ -72,6 +72,18 @@ class WalIndexRepairReport(IndexRepairReport):
     #: the tree rolled back to a version older than the WAL's start: the updates merged between
     #: that version and the WAL's start are lost for good (the tree's checkpoint was moved on)
     merged_updates_lost: bool = False
+
+
+#: Pending keys looked up in the tree at a time by ``len`` (Python objects for one block only).
+_COUNT_BLOCK = 1 << 16
+
+
+def _stored_count(get_many: Callable[[list[bytes]], list], keys) -> int:
+    """How many of the sorted ``S16`` ``keys`` the tree holds, asked ``_COUNT_BLOCK`` at a time."""
+    stored = 0
+    for at in range(0, len(keys), _COUNT_BLOCK):
+        stored += sum(value is not None for value in get_many(column_keys(keys[at:at + _COUNT_BLOCK])))
+    return stored
 
 
 class AttributeIndex(IndexHandle):
@@ -220,15 +232,23 @@ class AttributeIndex(IndexHandle):
         """The value stored for ``key``, or ``None``."""
         # The hot path: ``read_view.view_value`` inlined (a Python call is ~5% of a warm lookup).
         # No lock and no closed check: one read of the read view (a closed handle's raises).
-        active, frozen, recent, tree_get, _tree_get_many = self._attributes.view
+        active, active_settled, frozen, frozen_settled, recent, tree_get, _tree_get_many = self._attributes.view
         if type(key) is not bytes or len(key) != KEY_SIZE:
             key = to_key(key)
         if active is not None:  # the overlay's lookup table (``AttributeOverlay.lookup``); None: empty
             value = active[key[-2]].get(key, MISSING)
             if value is not MISSING:
                 return value  # type: ignore[return-value]
+        if active_settled is not None:
+            value = active_settled.get(key)
+            if value is not MISSING:
+                return value  # type: ignore[return-value]
         if frozen is not None:
             value = frozen[key[-2]].get(key, MISSING)
+            if value is not MISSING:
+                return value  # type: ignore[return-value]
+        if frozen_settled is not None:
+            value = frozen_settled.get(key)
             if value is not MISSING:
                 return value  # type: ignore[return-value]
         value = recent.young.get(key, MISSING)
@@ -269,27 +289,27 @@ class AttributeIndex(IndexHandle):
     def __len__(self) -> int:
         """The exact number of keys: the tree's count corrected for the WAL's pending updates.
 
-        Costs one tree lookup per pending key (``get_many``, mostly cached pages) when the state
-        changed since the last call; bounded by ``merge_keys`` (twice, with a merge running). The
-        lookups run on a snapshot of the pending updates without the WAL's lock: updates beside
-        a ``len`` wait for one copy of the active overlay, not for the count."""
+        Costs one tree lookup per pending key (``get_many``, mostly cached pages, in blocks) when
+        the state changed since the last call; bounded by ``max_pending_bytes``. The lookups run
+        on a snapshot of the pending updates (compact columns) without the WAL's lock: updates
+        beside a ``len`` wait for the snapshot, not for the count."""
         self._check_open()
         attributes = self._attributes
         for _attempt in range(MAX_REFRESH_ATTEMPTS):
             with self._lock:
                 attributes.settle()  # (a failed rebuild left tier 1 stale: rebuilt first, or raise)
-                state, frozen, active = attributes.pending_snapshot()
+                state, pending = attributes.pending_snapshot()
                 cached = self._len_cache
                 if cached is not None and cached[0] == state:
                     return cached[1]
-            count = self._count_snapshot(state[0], frozen, active)
+            count = self._count_snapshot(state[0], pending)
             if count is not None:
                 self._len_cache = (state, count)
                 return count
         with attributes.runner.merging(), self._lock:  # merges kept moving the tree: count with merges held off
             return self._count()
 
-    def _count_snapshot(self, position: int, frozen: AttributeOverlay | None, active: dict) -> int | None:
+    def _count_snapshot(self, position: int, pending: tuple) -> int | None:
         """The count at WAL ``position`` from a snapshot of tier 1 (without the lock), or None if
         the tree moved during the count or covers more than ``position`` (then count again).
 
@@ -299,18 +319,13 @@ class AttributeIndex(IndexHandle):
         version = tree.version
         if version.footer.checkpoint > position:
             return None
-        pending = active
-        if frozen is not None and len(frozen):
-            pending = frozen.copy_values()
-            pending.update(active)
         # Not through the recent-values cache, which may still answer the previous version's
         # values under this version's entry count (a key about to be written cached as absent).
         # The tree answers every key from one version, checked below.
-        stored = tree.get_many_uncached(sort_keys(list(pending))) if pending else []
+        stored = _stored_count(tree.get_many_uncached, pending[0])
         if tree.version.footer_offset != version.footer_offset:
             return None
-        present = sum(v is not None for v in pending.values())
-        return version.footer.entry_count + present - sum(v is not None for v in stored)
+        return version.footer.entry_count + int((~pending[2]).sum()) - stored
 
     def _count(self) -> int:
         """Tree entries + pending keys present now - pending keys the tree holds (under the lock)."""
@@ -318,11 +333,10 @@ class AttributeIndex(IndexHandle):
         attributes.settle()
         tree = attributes.tree
         entries = tree.version.footer.entry_count
-        pending, now = attributes.pending_items()
-        if not pending:
+        keys, _values, gone = attributes.pending_columns()
+        if not len(keys):
             return entries
-        stored = tree.get_many(pending)
-        return entries + sum(v is not None for v in now) - sum(v is not None for v in stored)
+        return entries + int((~gone).sum()) - _stored_count(tree.get_many, keys)
 
     def __contains__(self, key: object) -> bool:
         self._check_open()

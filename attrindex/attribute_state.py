@@ -30,6 +30,7 @@ from .layout import rolling_dir
 from .listing import ListedStorage
 from .log.segment_log import SegmentLog
 from .merge_runner import BACKPRESSURE_FAILURES, MergeRunner
+from .btree.columns import upsert_columns
 from .overlay import AttributeOverlay, merge_scan
 from .read_view import fallback_view, view_value, view_values
 from . import replay
@@ -370,15 +371,24 @@ class AttributeState:
             view = fallback_view(self._load_and_get, self._load_and_get_many)
         else:
             frozen, overlay = self._frozen, self._overlay
-            view = (overlay.lookup if len(overlay) else None, None if frozen is None else frozen.lookup,
+            view = (overlay.lookup if overlay.recent_count else None, overlay.settled,
+                    None if frozen is None else frozen.lookup, None if frozen is None else frozen.settled,
                     *self._tree.lookups())  # type: ignore[union-attr]
         self.view = view
 
     def _overlay_filled(self) -> None:
-        """After updates were applied to the active overlay (under the lock): publish it if the
-        view skips it as empty. Called before the updates are acknowledged or returned."""
-        if self._loaded and self.view[0] is None and len(self._overlay):
-            self._publish()  # (not while opening: the open publishes when it is done)
+        """After updates were applied to the active overlay (under the lock): fold its recent
+        part into its settled part once it holds ``overlay.FOLD_KEYS``, and publish the overlay if the
+        view does not show its parts (it skips an empty recent part, and a fold replaces both).
+        Called before the updates are acknowledged or returned."""
+        overlay = self._overlay
+        if overlay.fold_due:
+            overlay.fold()
+        if not self._loaded:
+            return  # (while opening: the open publishes when it is done)
+        view = self.view
+        if view[0] is not (overlay.lookup if overlay.recent_count else None) or view[1] is not overlay.settled:
+            self._publish()
 
     def value(self, key: bytes) -> int | None:
         """The current value of a canonical key, without a lock (from one read view)."""
@@ -410,32 +420,30 @@ class AttributeState:
         with self._lock:  # snapshots: updates and merges may follow
             self.ensure_loaded()
             self.settle()
-            overlay = list(self._overlay.items(low, high))
-            frozen = [] if self._frozen is None else list(self._frozen.items(low, high))
+            overlay = self._overlay.snapshot_items(low, high)
+            frozen = None if self._frozen is None else self._frozen.snapshot_items(low, high)
         # The tree's scan starts later, from whatever version is current then: a merge meanwhile
         # only moves into it what the frozen snapshot holds anyway.
         tree = self.tree.items(low, high)
-        return merge_scan(iter(overlay), merge_scan(iter(frozen), tree) if frozen else tree)
+        return merge_scan(overlay, merge_scan(frozen, tree) if frozen is not None else tree)
 
-    def pending_items(self) -> tuple[list[bytes], list[int | None]]:
-        """Under the lock: every key of tier 1 ascending with its newest value (``None`` for a
-        removal), the active overlay over the frozen one."""
+    def pending_columns(self) -> tuple:
+        """Under the lock: every key of tier 1 ascending with its newest value, as columns
+        (``AttributeOverlay.sorted_columns``), the active overlay over the frozen one."""
+        active = self._overlay.sorted_columns()
         if self._frozen is None:
-            return self._overlay.sorted_items()
-        merged = dict(zip(*self._frozen.sorted_items()))
-        merged.update(zip(*self._overlay.sorted_items()))
-        keys = sorted(merged)
-        return keys, [merged[k] for k in keys]
+            return active
+        return upsert_columns(*self._frozen.sorted_columns(), *active)
 
-    def pending_snapshot(self) -> tuple[tuple, AttributeOverlay | None, dict]:
-        """Under the lock: ``(state, frozen, active)``: what the state of tier 1 and the tree
-        depends on (the log's position, the tree's version and the overlays, which change only with
-        the position, a merge or a rebuild), the frozen overlay (it never changes) and a copy of
-        the active one's values."""
+    def pending_snapshot(self) -> tuple[tuple, tuple]:
+        """Under the lock: ``(state, columns)``: what the state of tier 1 and the tree depends on
+        (the log's position, the tree's version and the overlays, which change only with the
+        position, a merge or a rebuild) and tier 1's entries (``pending_columns``), which the
+        caller may read without the lock."""
         frozen, overlay = self._frozen, self._overlay
         state = (self._log.position, self.tree.version.footer_offset, id(overlay), len(overlay),
                  id(frozen), 0 if frozen is None else len(frozen))
-        return state, frozen, overlay.copy_values()
+        return state, self.pending_columns()
 
     @property
     def pending_keys(self) -> int:
@@ -484,8 +492,7 @@ class AttributeState:
         position, so one merge takes both (a merge of a large tree costs about the same for
         more keys: ``btree.tree.DENSE_PAGES_PER_KEY``). Readers see the same values throughout:
         the active overlay shadows the frozen one until the view without it is published."""
-        keys, values = self._overlay.sorted_items()
-        self._frozen.apply(keys, values)  # type: ignore[union-attr]
+        self._frozen.absorb(self._overlay)  # type: ignore[union-attr]
         self._frozen_at = self._log.position
         self._overlay = AttributeOverlay()
         self._publish()

@@ -33,11 +33,15 @@ _log = logging.getLogger("attrindex.segment")
 def replaying(overlay: AttributeOverlay, since: int, segment: str,
               applied: Callable[[], None] | None = None) -> BatchVisitor:
     """The visitor that applies to ``overlay`` the attribute updates of each batch at log byte
-    ``since`` or later (earlier ones are in the tree), calling ``applied()`` after each apply."""
+    ``since`` or later (earlier ones are in the tree), folding its recent part when due (``AttributeOverlay.fold_due``)
+    and calling ``applied()`` after each apply (an owner whose overlay is published republishes
+    there after a fold)."""
     def replay(position: int, header: BatchHeader, buf: bytes, pos: int) -> None:
         if header.attribute_count and position >= since:
             keys, values = decode_attribute_updates(buf, pos, header, position=position - pos, segment=segment)
             overlay.apply(keys, values)
+            if overlay.fold_due:  # (memory: tier 1 in compact columns)
+                overlay.fold()
             if applied is not None:
                 applied()
     return replay

@@ -307,6 +307,22 @@ class TreeIndex(IndexHandle):
                                                        values[i:i + _CACHE_UPDATES_UP_TO])))
         return True
 
+    def update_columns(self, keys, values, gone, *, checkpoint: int | None = None, base: int | None = None) -> bool:
+        """``update_sorted`` for a batch as numpy columns: ascending unique ``S16`` keys, int64
+        values and removal flags (True: remove). Not checked (a merge of tier 1 uses it). Large
+        batches keep no Python object per key; the recent values already cached are refreshed."""
+        self._check_writable()
+        written = self._tree.update_columns(keys, values, gone, checkpoint, base)
+        if checkpoint is not None and written.footer.checkpoint != checkpoint:
+            return False
+        with self._cache_lock:
+            self._cache_epoch += 1
+            if self._tree.state.footer_offset != written.footer_offset:
+                self._values.clear()  # (see update_sorted)
+            else:
+                self._values.refresh_columns(keys, values, gone)
+        return True
+
     def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,
                   checkpoint: int | None = None, progress: Callable[[int, int], None] | None = None,
                   spill_bytes: int = DEFAULT_SPILL_BYTES) -> int:

@@ -103,6 +103,24 @@ class ValueCache:
                 for key in [k for k in updates if k in table]:
                     table[key] = updates[key]
 
+    def refresh_columns(self, keys, values, gone) -> None:
+        """``refresh_many`` for a batch as columns (sorted ``S16`` keys, int64 values, removal
+        flags): the cached keys are looked up in the batch (one numpy search), none is added."""
+        import numpy as np
+
+        for table in (self.young, self.old):
+            if not table or not len(keys):
+                continue
+            cached = list(table)
+            probe = np.frombuffer(b"".join(cached), f"S{len(cached[0])}")
+            at = keys.searchsorted(probe)
+            hit = at < len(keys)
+            hit[hit] = keys[at[hit]] == probe[hit]
+            rows = np.flatnonzero(hit)
+            positions = at[rows]
+            for row, value, removed in zip(rows.tolist(), values[positions].tolist(), gone[positions].tolist()):
+                table[cached[row]] = None if removed else value
+
     def clear(self) -> None:
         self.young, self.old = {}, {}
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from attrindex import AttributeIndex
+from attrindex import overlay as overlay_module
 from attrindex.errors import CorruptDataError, InvalidInputError, MergeBacklogError, OutcomeUnknownError, StorageError
 from attrindex.tree_index import TreeIndex
 from attrindex.btree.footer import FOOTER_SIZE
@@ -124,6 +125,15 @@ class IndexWithWal(RuleBasedStateMachine):
 def test_the_index_matches_a_dict_through_merges_bulk_loads_and_reopens():
     run_state_machine_as_test(IndexWithWal, settings=settings(
         max_examples=40, stateful_step_count=30, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+def test_the_index_matches_a_dict_with_tier_1_folded_into_columns(monkeypatch):
+    """The same model with tier 1's recent part folded into compact columns every few keys, so
+    reads, scans, ``len``, merges, reopens (the replay folds too) and bulk loads meet both parts."""
+    monkeypatch.setattr(overlay_module, "FOLD_KEYS", 3)
+    run_state_machine_as_test(IndexWithWal, settings=settings(
+        max_examples=25, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
@@ -674,14 +684,14 @@ def test_len_counted_while_a_merge_makes_its_version_current_is_exact():
     index.update({n: n for n in range(10)})
     assert len(index) == 10  # looks the 10 pending keys up in the tree: absent, and cached so
     tree = index._attributes.tree._tree
-    write_version, counts = tree.update, []
+    write_version, counts = tree.update_columns, []
 
     def write_version_then_count(*args, **kwargs):
         written = write_version(*args, **kwargs)
         counts.append(len(index))  # the new version is current; the merge has not returned
         return written
 
-    tree.update = write_version_then_count
+    tree.update_columns = write_version_then_count
     index.flush()
     assert counts == [10] and len(index) == 10
     index.close()

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from attrindex.btree.columns import column_keys
 from attrindex.keys import to_key
 from attrindex.overlay import _STEP_KEYS, MISSING, SHARDS, AttributeOverlay, merge_scan, probe_many
 from attrindex.value_cache import MISSING as CACHE_MISSING
@@ -210,59 +211,89 @@ wide_key_st = st.sampled_from(ALIASED + SPREAD + KEYS) | st.binary(min_size=16, 
 
 class ShardedOverlayMachine(RuleBasedStateMachine):
     """The overlay against a plain dict over keys of every shard, with scans left open while
-    applies and clears go on: each scan yields its snapshot's keys in order, each value as it
-    is when reached (the old contents after a clear)."""
+    applies, folds and clears go on: each scan yields its snapshot's keys in order, each value of
+    the recent part as it is when reached (the old contents after a clear or a fold), each value
+    of the settled part as it was when the scan started. ``len`` counts a key in both parts twice."""
 
     def __init__(self):
         super().__init__()
         self.overlay = AttributeOverlay()
         self.model: dict[bytes, int | None] = {}
-        self.scans: list[tuple[Iterator, list[bytes], dict]] = []
+        self.recent: set[bytes] = set()
+        self.settled: set[bytes] = set()
+        self.scans: list[tuple[Iterator, list[bytes], dict, dict]] = []
 
     @rule(pairs=st.lists(st.tuples(wide_key_st, update_value_st), max_size=20))
     def apply(self, pairs):
         self.overlay.apply([k for k, _ in pairs], [v for _, v in pairs])
         self.model.update(pairs)
+        self.recent.update(k for k, _ in pairs)
+
+    @rule()
+    def fold(self):
+        self.overlay.fold()
+        self.settled |= self.recent
+        self.recent = set()
+        self.model = dict(self.model)  # open scans keep reading the old dicts, which stop changing
+
+    @rule(pairs=st.lists(st.tuples(wide_key_st, update_value_st), max_size=20))
+    def absorb(self, pairs):
+        newer = AttributeOverlay()
+        newer.apply([k for k, _ in pairs], [v for _, v in pairs])
+        self.overlay.absorb(newer)
+        self.model = {**self.model, **dict(pairs)}
+        self.settled |= self.recent | {k for k, _ in pairs}
+        self.recent = set()
 
     @rule(keys=st.lists(wide_key_st, max_size=10))
     def get_and_get_many(self, keys):
         expected = [self.model.get(k, MISSING) for k in keys]
         assert [self.overlay.get(k) for k in keys] == expected
         assert self.overlay.get_many(keys) == expected
-        assert probe_many(self.overlay.lookup, keys) == expected
+        found = probe_many(self.overlay.lookup, keys)  # what a lock-free reader does: both parts
+        if self.overlay.settled is not None:
+            self.overlay.settled.get_many(keys, found)
+        assert found == expected
 
     @precondition(lambda self: len(self.scans) < 3)
     @rule(start=st.none() | wide_key_st, stop=st.none() | wide_key_st)
     def open_scan(self, start, stop):
         snapshot = sorted(k for k in self.model if in_range(k, start, stop))
-        self.scans.append((self.overlay.items(start, stop), snapshot, self.model))
+        settled_only = {k: self.model[k] for k in self.settled - self.recent}
+        self.scans.append((self.overlay.items(start, stop), snapshot, self.model, settled_only))
 
     @precondition(lambda self: self.scans)
     @rule(which=st.integers(0, 2), take=st.integers(0, 5))
     def advance_scan(self, which, take):
-        scan, remaining, contents = self.scans[which % len(self.scans)]
+        entry = self.scans[which % len(self.scans)]
+        scan, remaining, contents, settled_only = entry
         for key, value in islice(scan, take):
             assert key == remaining.pop(0)
-            assert value == contents[key]  # read when reached: later applies are seen
+            # the recent part's values read when reached (later applies are seen), the settled part's as at the start
+            assert value == (settled_only[key] if key in settled_only else contents[key])
         if not remaining:
             assert next(scan, None) is None
-            self.scans.remove((scan, remaining, contents))
+            self.scans.remove(entry)
 
     @rule()
-    def sorted_items_and_copy(self):
+    def sorted_items_and_columns(self):
         keys = sorted(self.model)
         assert self.overlay.sorted_items() == (keys, [self.model[k] for k in keys])
-        assert self.overlay.copy_values() == self.model
+        columns, values, gone = self.overlay.sorted_columns()
+        assert column_keys(columns) == keys
+        assert [None if g else v for v, g in zip(values.tolist(), gone.tolist())] == [self.model[k] for k in keys]
 
     @precondition(lambda self: len(self.model) > 3)
     @rule()
     def clear(self):
         self.overlay.clear()
         self.model = {}  # open scans keep the old dict, as they keep the old shards
+        self.recent, self.settled = set(), set()
 
     @invariant()
     def size(self):
-        assert len(self.overlay) == len(self.model)
+        assert len(self.overlay) == len(self.recent) + len(self.settled)
+        assert self.overlay.recent_count == len(self.recent)
 
 
 ShardedOverlayMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

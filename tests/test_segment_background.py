@@ -144,13 +144,13 @@ def test_appends_do_not_merge_on_the_callers_thread(tmp_path):
     store = SegmentStore.open(str(tmp_path / "s"), flush_keys=1)
     seg = store.segment("s", create=True)
     merging_threads = []
-    inner = seg._attributes.tree.update_sorted
+    inner = seg._attributes.tree.update_columns
 
     def spy(*args, **kwargs):
         merging_threads.append(threading.current_thread())
         return inner(*args, **kwargs)
 
-    seg._attributes.tree.update_sorted = spy
+    seg._attributes.tree.update_columns = spy
     for i in range(5):
         seg.update_attributes({key(i): i})
     assert wait_until(lambda: seg.stats().attribute_checkpoint == seg._log.position)
@@ -259,14 +259,14 @@ def test_backpressure_blocks_appends_until_the_merge_makes_room(tmp_path):
     store = SegmentStore.open(str(tmp_path / "s"), flush_keys=10, max_pending_bytes=5_000)
     seg = store.segment("s", create=True)
     gate, entered = threading.Event(), threading.Event()
-    inner = seg._attributes.tree.update_sorted
+    inner = seg._attributes.tree.update_columns
 
     def slow_merge(*args, **kwargs):
         entered.set()
         assert gate.wait(20)
         return inner(*args, **kwargs)
 
-    seg._attributes.tree.update_sorted = slow_merge
+    seg._attributes.tree.update_columns = slow_merge
     n = 0
     while not entered.is_set():  # fill until the thread is stuck in a merge
         seg.update_attributes({key(n): n})
@@ -300,7 +300,7 @@ def test_one_failed_merge_over_max_pending_bytes_only_delays_the_append(tmp_path
     store = SegmentStore.open(str(tmp_path / "s"), flush_keys=10, max_pending_bytes=5_000)
     seg = store.segment("s", create=True)
     gate, entered, calls = threading.Event(), threading.Event(), []
-    inner = seg._attributes.tree.update_sorted
+    inner = seg._attributes.tree.update_columns
 
     def merge_failing_once(*args, **kwargs):
         calls.append(1)
@@ -310,7 +310,7 @@ def test_one_failed_merge_over_max_pending_bytes_only_delays_the_append(tmp_path
             raise StorageError("injected: one failed merge")
         return inner(*args, **kwargs)
 
-    seg._attributes.tree.update_sorted = merge_failing_once
+    seg._attributes.tree.update_columns = merge_failing_once
     n = 0
     while not entered.is_set():  # fill until the thread is stuck in the merge that will fail
         seg.update_attributes({key(n): n})

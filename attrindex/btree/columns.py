@@ -82,6 +82,34 @@ def merge_columns(keys: np.ndarray, values: np.ndarray, new_keys: np.ndarray, ne
     return keys, values
 
 
+def upsert_columns(keys: np.ndarray, values: np.ndarray, flags: np.ndarray, new_keys: np.ndarray,
+                   new_values: np.ndarray, new_flags: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted unique entries ``keys -> (values, flags)`` with the sorted unique ``new_keys`` set
+    to theirs: where a key is in both, the new value and flag win. New arrays."""
+    if not len(keys):
+        return new_keys, new_values, new_flags
+    if not len(new_keys):
+        return keys, values, flags
+    at, found = _positions(keys, new_keys)
+    values, flags = values.copy(), flags.copy()
+    values[at[found]] = new_values[found]
+    flags[at[found]] = new_flags[found]
+    fresh = ~found
+    if fresh.any():
+        at = at[fresh]
+        keys = np.insert(keys, at, new_keys[fresh])
+        values = np.insert(values, at, new_values[fresh])
+        flags = np.insert(flags, at, new_flags[fresh])
+    return keys, values, flags
+
+
+def column_keys(keys: np.ndarray) -> list[bytes]:
+    """``S16`` keys as a list of 16-byte ``bytes`` (an element of an ``S16`` array drops its
+    trailing zero bytes; these keep them)."""
+    packed = keys.tobytes()
+    return [packed[at:at + KEY_SIZE] for at in range(0, len(packed), KEY_SIZE)]
+
+
 class RunCursor:
     """A sorted run (the chunks of a ``SortedRun`` or ``spill.SpilledRuns``) read in key order:
     ``through(high)`` takes its entries up to ``high``, ``rest()`` what is left."""
@@ -126,4 +154,4 @@ class RunCursor:
             self._next_chunk()
 
 
-__all__ = ["KEY_DTYPE", "VALUE_DTYPE", "RunCursor", "leaf_columns", "merge_columns", "run_columns"]
+__all__ = ["KEY_DTYPE", "VALUE_DTYPE", "RunCursor", "column_keys", "leaf_columns", "merge_columns", "run_columns", "upsert_columns"]

@@ -24,6 +24,17 @@ class SortedRun:
         self.values = array("q")
         self.removed: list[bytes] = []  # ascending; disjoint from keys
 
+    @classmethod
+    def of_columns(cls, keys, values, removed: list[bytes]) -> "SortedRun":
+        """A run over numpy columns without copying them: ascending unique ``S16`` keys, their
+        int64 values, and the removed keys (ascending, disjoint from ``keys``). Read-only: it
+        cannot be extended."""
+        run = cls()
+        run.keys = memoryview(keys.view("u1")) if len(keys) else bytearray()  # type: ignore[assignment]
+        run.values = memoryview(values.astype("=i8", copy=False)) if len(values) else array("q")  # type: ignore[assignment]
+        run.removed = removed
+        return run
+
     def __len__(self) -> int:
         return len(self.values)
 

@@ -32,7 +32,7 @@ from storage_adapters.errors import (
 )
 
 from . import bulk
-from .columns import KEY_DTYPE, VALUE_DTYPE, leaf_columns
+from .columns import KEY_DTYPE, VALUE_DTYPE, column_keys, leaf_columns
 from .compaction import OnePagePolicy
 from .footer import EMPTY, FOOTER_SIZE, PIECE, Footer, decode_footer
 from .page import HEADER_SIZE, INDEX_ENTRY_SIZE, IndexPage, LeafPage, decode_page, index_capacity, leaf_capacity
@@ -536,6 +536,21 @@ class BTreeIndex:
         raise RetriesExhaustedError(f"segment {self.segment.name!r}: an update lost the append race to other writers "
                                     f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
                                     "(nothing was written)")
+
+    def update_columns(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray, checkpoint: int | None = None,
+                       base: int | None = None) -> TreeState:
+        """``update`` for a batch as columns: ascending unique ``S16`` keys, int64 values, and
+        removal flags (True: remove the key). A dense batch is rebuilt from the columns as they
+        are; a sparse one (few keys: fewer than half the pages) goes through ``update``'s lists."""
+        if len(keys) * DENSE_PAGES_PER_KEY >= self._state.footer.page_count:
+            removed = column_keys(keys[gone]) if gone.any() else []
+            kept = ~gone
+            run = SortedRun.of_columns(keys[kept] if removed else keys, values[kept] if removed else values, removed)
+            return self._load_run(run, checkpoint, base=base)
+        listed = values.tolist()
+        for row in np.flatnonzero(gone).tolist():
+            listed[row] = None
+        return self.update(column_keys(keys), listed, checkpoint, base)
 
     def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[UpdateBuilder, Footer] | None:
         footer = state.footer
