@@ -22,9 +22,11 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 
 from .btree import DEFAULT_PIECE_SIZE, BTreeIndex, policy_for
-from .btree.bulk import DEFAULT_SPILL_BYTES
+from .btree.bulk import DEFAULT_SPILL_BYTES, read_pairs
 from .btree.framing import TREE_FRAMING
 from .btree.repair import IndexRepairReport, repair_index
+from .btree.sorted_run import SortedRun
+from .btree.spill import SpilledRuns
 from .btree.verify import VerifyReport, verify_index
 from .cache import ShardedLRUCache
 from .errors import InvalidInputError
@@ -39,6 +41,7 @@ MAX_SPLIT_PARTS = 1 << 20  #: more parts than this cannot be meaningful (and wou
 # with 32 MiB chunks, an index of 25 MiB could hold a whole dead chunk more than it needs.
 DEFAULT_INDEX_ROLLING_SIZE = 4 << 20
 DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
+LOGICAL_BYTES_PER_KEY = KEY_SIZE + 8  #: a key update's logical size: its key and its int64 value
 
 
 # Updates up to this size enter the recent-values cache; larger ones only refresh cached entries.
@@ -64,6 +67,12 @@ def key_list(keys: Iterable[object]) -> list[object]:
         raise InvalidInputError(f"expected an iterable of keys, got {type(keys).__name__}") from None
 
 
+def pair_count(run: SortedRun | SpilledRuns) -> int:
+    """The key updates a load's pairs hold (``bulk.read_pairs``): kept and removed keys (for
+    runs spilled to files, summed over the runs: a key in several counts in each)."""
+    return run.pairs if isinstance(run, SpilledRuns) else len(run) + len(run.removed)
+
+
 def _is_index_page(page: object) -> bool:
     return not page.is_leaf  # type: ignore[attr-defined]
 
@@ -79,7 +88,7 @@ class IndexStats:
     start_offset: int  #: truncation offset: the smallest offset of a live page
     storage_bytes: int  #: bytes the chunks still listed hold (each whole; at least length - start_offset)
     live_bytes: int  #: bytes of the pages reachable from the root
-    bytes_written: int  #: bytes this handle appended
+    bytes_written: int  #: bytes this handle appended to the tree (its merge worker's appends included)
     updates_written: int  #: appends this handle made
     pages_relocated: int  #: pages this handle moved to the tail for compaction
     storage_reads: int  #: page reads that went to storage
@@ -92,6 +101,18 @@ class IndexStats:
     wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
     #: requests made so far through the index's storage (``storage_adapters.RequestCounters``), by kind
     requests: Any = None
+    #: ``LOGICAL_BYTES_PER_KEY`` (16-byte key + 8-byte value) per key update this handle accepted:
+    #: ``AttributeIndex``: keys of its updates and bulk loads; ``TreeIndex``: keys given to its
+    #: updates and bulk loads (a segment's tree: the keys its merges moved in), its merge worker's included
+    logical_bytes: int = 0
+    wal_bytes_written: int = 0  #: ``AttributeIndex``: bytes this handle appended to its write-ahead log
+    #: ``(wal_bytes_written + bytes_written) / logical_bytes``: bytes written per logical byte (0.0 before any)
+    write_amplification: float = 0.0
+
+
+def write_amplification(logical_bytes: int, bytes_written: int) -> float:
+    """Bytes written per logical byte (0.0 when nothing logical was written yet)."""
+    return bytes_written / logical_bytes if logical_bytes else 0.0
 
 
 class TreeIndex(IndexHandle):
@@ -128,6 +149,9 @@ class TreeIndex(IndexHandle):
         self._versions_adopted = 0  # versions written by others that the tree adopted
         self._closed = False
         self._read_only = False  # set by open(mode="r")
+        self._keys_written = 0  #: key updates this handle's updates and bulk loads wrote (``logical_bytes``)
+        #: keys, bytes, appends and relocated pages its merge worker wrote for it (``count_written_elsewhere``)
+        self._elsewhere = (0, 0, 0, 0)
         # Another writer's version makes the recent values stale: the tree says when it adopts one.
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
                                 policy=policy_for(compaction), on_external_change=self._external_change,
@@ -291,6 +315,7 @@ class TreeIndex(IndexHandle):
         if checkpoint is not None and written.footer.checkpoint != checkpoint:
             return False
         with self._cache_lock:
+            self._keys_written += len(keys)
             self._cache_epoch += 1
             if self._tree.state.footer_offset != written.footer_offset:
                 # Another thread adopted a newer version meanwhile (a segment catching up beside
@@ -326,9 +351,18 @@ class TreeIndex(IndexHandle):
         temporary files (``TMPDIR``) and merged back, so memory does not grow with the input.
         """
         self._check_writable()
+        given = isinstance(pairs, (SortedRun, SpilledRuns))  # read and checked by the caller, who closes it
+        run = pairs if given else read_pairs(pairs, progress, spill_bytes=spill_bytes)
         try:
-            return self._tree.bulk_load(pairs, checkpoint=checkpoint, progress=progress, spill_bytes=spill_bytes)
+            covered = checkpoint is not None and checkpoint <= self._tree.state.footer.checkpoint
+            entries = self._tree.bulk_load(run, checkpoint=checkpoint, progress=progress)
+            if not covered:
+                with self._cache_lock:
+                    self._keys_written += pair_count(run)
+            return entries
         finally:
+            if not given:
+                run.close()  # the sorted runs spilled to temporary files, if any
             # The recent values may hold values the load replaced (also after a failure: a settled lost
             # acknowledgement may have loaded them): drop it, as when another writer's version
             # is adopted.
@@ -360,13 +394,29 @@ class TreeIndex(IndexHandle):
         self._check_open()
         self._tree.reload()
 
+    def count_written_elsewhere(self, keys: int, bytes_written: int, updates_written: int,
+                                pages_relocated: int) -> None:
+        """Count in ``stats()`` what another process wrote to this tree for this handle (its merge
+        worker, ``attrindex.merge_worker``): ``keys`` key updates in ``updates_written`` appends of
+        ``bytes_written`` bytes, ``pages_relocated`` pages moved for compaction."""
+        with self._cache_lock:
+            k, b, u, r = self._elsewhere
+            self._elsewhere = (k + keys, b + bytes_written, u + updates_written, r + pages_relocated)
+
     # -- inspection ----------------------------------------------------------------------------
     def stats(self) -> IndexStats:
-        """Counts, storage use and I/O counters of this handle."""
+        """Counts, storage use and I/O counters of this handle; ``logical_bytes``,
+        ``bytes_written`` and ``write_amplification`` include what its merge worker wrote for it.
+        Cheap: nothing is read from storage."""
         self._check_open()
         state, io = self._tree.state, self._tree.io
         footer = state.footer
         cache = self._page_cache
+        with self._cache_lock:
+            keys, elsewhere_bytes, elsewhere_updates, elsewhere_relocated = self._elsewhere
+            keys += self._keys_written
+        logical = keys * LOGICAL_BYTES_PER_KEY
+        written = io.bytes_written + elsewhere_bytes
         return IndexStats(
             entry_count=footer.entry_count,
             page_count=footer.page_count,
@@ -375,15 +425,17 @@ class TreeIndex(IndexHandle):
             start_offset=footer.min_offset if state.footer_offset >= 0 else state.length,
             storage_bytes=sum(c.stored for c in self._segment.chunks()),  # whole chunks, holes excluded
             live_bytes=footer.live_bytes,
-            bytes_written=io.bytes_written,
-            updates_written=io.updates_written,
-            pages_relocated=io.pages_relocated,
+            bytes_written=written,
+            updates_written=io.updates_written + elsewhere_updates,
+            pages_relocated=io.pages_relocated + elsewhere_relocated,
             storage_reads=io.storage_reads,
             cache_hits=cache.hits if cache else 0,
             cache_misses=cache.misses if cache else 0,
             value_cache_hits=self._values.hits,
             value_cache_misses=self._values.misses,
             requests=self._segment.storage.requests,
+            logical_bytes=logical,
+            write_amplification=write_amplification(logical, written),
         )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
