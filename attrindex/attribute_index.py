@@ -201,7 +201,8 @@ class AttributeIndex(IndexHandle):
         regular file in every mode. ``SegmentStore.open`` takes the same modes but "r".
 
         ``options``: ``page_size`` (default 32768), ``rolling_size`` of the tree (4 MiB),
-        ``cache_bytes`` for decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi),
+        ``cache_bytes``: the memory of decoded pages the page cache holds (256 MiB, about 1,200
+        leaves of 32 KiB; 0 disables), ``value_cache_entries`` (1Mi),
         ``compaction`` (True: the bounded policy; "pravega"; False); ``piece_size`` (8 MiB: a merge
         that writes more is appended in pieces of about this size, which bounds its memory);
         ``wal_rolling_size`` (4 MiB),
