@@ -387,6 +387,7 @@ class AttributeIndex(IndexHandle):
         """
         self._check_writable()
         run = read_pairs(pairs, progress, spill_bytes=spill_bytes)  # checked and sorted before anything is written
+        loaded = pair_count(run)  # (before ``close``, which forgets spilled runs)
         try:
             attributes = self._attributes
             tree, log = attributes.tree, self._log
@@ -411,7 +412,7 @@ class AttributeIndex(IndexHandle):
             run.close()  # the sorted runs spilled to temporary files, if any
         with self._lock:
             self._updates_written += 1
-            self._keys_loaded += pair_count(run)
+            self._keys_loaded += loaded
         return len(self)
 
     def _append(self, batch: dict[bytes, int | None]) -> None:

@@ -161,8 +161,9 @@ def test_stats_report_bytes_written_per_logical_byte(tmp_path):
     assert stats.write_amplification == stats.wal_bytes_written / stats.logical_bytes
     index.flush()  # one merge into the tree
     index.bulk_load([(k(i), -i) for i in range(2000, 2050)])  # 50 pairs, after an empty WAL batch
+    index.bulk_load([(k(i), -i) for i in range(3000, 3100)], spill_bytes=1000)  # 100 pairs in runs on disk
     stats = index.stats()
-    assert stats.logical_bytes == 550 * 24
+    assert stats.logical_bytes == 650 * 24
     assert stats.wal_bytes_written == index.checkpoint  # every WAL byte is this handle's, all covered
     assert 0 < stats.bytes_written == stats.length  # this handle wrote every byte of the tree
     assert stats.write_amplification == (stats.wal_bytes_written + stats.bytes_written) / stats.logical_bytes > 1

@@ -530,6 +530,9 @@ def test_a_segment_with_records_merges_in_the_worker_when_asked(tmp_path):
         wait_for(lambda: segment.stats().merges >= 1 and segment._attributes._frozen is None, "the merge")
         assert segment._attributes.runner.worker is not None and segment._attributes.runner.worker.starts == 1
         assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
+        tree = segment.stats().attributes  # the worker's merges are counted in the segment's tree stats
+        assert 0 < tree.bytes_written == tree.length and 0 < tree.logical_bytes <= 24 * len(model)
+        assert tree.write_amplification == tree.bytes_written / tree.logical_bytes
     with SegmentStore.open(str(tmp_path)) as store:
         segment = store.segment("s")
         assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
