@@ -11,9 +11,10 @@ the frozen overlay covers. The worker refreshes its own view of the tree, replay
 the tree's checkpoint up to ``at`` into an overlay (the same replay an opening handle does) and
 merges it with ``overlay.merge_overlay``, the one merge function the in-thread host uses
 too; then it answers with the tree's checkpoint, its peak RSS and what the merge wrote (key
-updates, bytes, appends, relocated pages: the parent counts them in its tree's ``stats()``). The parent re-reads the tree's footer
-(``TreeIndex.refresh``: pages are immutable at their offsets, so its page cache stays valid; the
-value cache is dropped because the tree changed under it) and drops the frozen overlay.
+updates, bytes, appends, relocated pages: the parent counts them in its tree's ``stats()``). The
+parent re-reads the tree's footer (``TreeIndex.refresh``: pages are immutable at their offsets,
+so its page cache stays valid; the value cache is dropped because the tree changed under it) and
+drops the frozen overlay.
 
 Failure rules (docs/design.md, "Write path"):
 
