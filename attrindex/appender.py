@@ -75,6 +75,8 @@ class Appender:
         self._lock = lock
         self._appended = appended
         self._queue = WriteQueue(MAX_GROUP_BYTES, MAX_GROUP_REQUESTS)
+        self.bytes_written = 0  #: bytes of the batches this appender made durable (for statistics)
+        self.keys_written = 0  #: attribute updates in those batches
 
     @property
     def groups(self) -> int:
@@ -108,9 +110,12 @@ class Appender:
         for _lap in _bounded_races(self._log.segment):
             data = encode_batch(self._log.append_offset, [], timestamp=timestamp)
             try:
-                return self._log.append(data, read_header(data))
+                position = self._log.append(data, read_header(data))
             except BadOffsetError:
                 self._state.catch_up()
+                continue
+            self.bytes_written += len(data)
+            return position
 
     def _write_group(self, group: list[WriteRequest]) -> None:
         """The leader's part of group commit: validate the group's appends in order, write those
@@ -141,6 +146,8 @@ class Appender:
                     state.catch_up()
                     fresh = True
                     continue
+                self.bytes_written += sum(len(p[3]) for p in planned)
+                self.keys_written += sum(len(p[1]) for p in planned)
                 for request, keys, values, _data, header in planned:  # durable: nothing below raises
                     if keys:
                         state.apply(keys, values)  # (before the settle: its caller may read at once)

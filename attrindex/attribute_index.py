@@ -46,8 +46,9 @@ from .merge_worker import DEFAULT_HANG_SECONDS
 from .options import (DEFAULT_FLUSH_BYTES, DEFAULT_FLUSH_KEYS, DEFAULT_FLUSH_SECONDS, DEFAULT_MAX_PENDING_BYTES,
                       SegmentOptions)
 from .segment_repair import SegmentRepairReport, SegmentVerifyReport, repair_segment, verify_segment
-from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_PIECE_SIZE, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES, MAX_SPLIT_PARTS,
-                         IndexStats, TreeIndex, key_list)
+from .tree_index import (DEFAULT_CACHE_BYTES, DEFAULT_PIECE_SIZE, DEFAULT_INDEX_ROLLING_SIZE, DEFAULT_VALUE_CACHE_ENTRIES,
+                         LOGICAL_BYTES_PER_KEY, MAX_SPLIT_PARTS, IndexStats, TreeIndex, key_list, pair_count,
+                         write_amplification)
 
 #: WAL chunk size: space comes back a whole merged chunk at a time, so small next to the tree
 DEFAULT_WAL_ROLLING_SIZE = 4 << 20
@@ -141,6 +142,8 @@ class AttributeIndex(IndexHandle):
         self._closed = False
         self._read_only = False  # set by open(mode="r")
         self._updates_written = 0  # WAL appends made by this handle
+        self._keys_loaded = 0  # pairs of this handle's bulk loads (``logical_bytes``, with its updates' keys)
+        self._written_before = (0, 0)  # keys and bytes the appenders this handle had before a repair wrote
         self._len_cache: tuple[tuple, int] | None = None  # (state it was counted at, count)
         self._open_wal()
 
@@ -210,7 +213,8 @@ class AttributeIndex(IndexHandle):
         regular file in every mode. ``SegmentStore.open`` takes the same modes but "r".
 
         ``options``: ``page_size`` (default 32768), ``rolling_size`` of the tree (4 MiB),
-        ``cache_bytes`` for decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi),
+        ``cache_bytes``: the memory of decoded pages the page cache holds (256 MiB, about 1,200
+        leaves of 32 KiB; 0 disables), ``value_cache_entries`` (1Mi),
         ``compaction`` (True: the bounded policy; "pravega"; False); ``piece_size`` (8 MiB: a merge
         that writes more is appended in pieces of about this size, which bounds its memory);
         ``wal_rolling_size`` (4 MiB),
@@ -413,6 +417,7 @@ class AttributeIndex(IndexHandle):
     def _load_run(self, run, progress) -> int:
         """Write a checked, sorted run into the tree at its place in the WAL (see ``bulk_load``);
         closes the run."""
+        loaded = pair_count(run)  # (before ``close``, which forgets spilled runs)
         try:
             attributes = self._attributes
             tree, log = attributes.tree, self._log
@@ -435,7 +440,9 @@ class AttributeIndex(IndexHandle):
                                        f"read the index to see whether the load is in it")
         finally:
             run.close()  # the sorted runs spilled to temporary files, if any
-        self._updates_written += 1
+        with self._lock:
+            self._updates_written += 1
+            self._keys_loaded += loaded
         return len(self)
 
     def _append(self, batch: dict[bytes, int | None]) -> None:
@@ -471,21 +478,36 @@ class AttributeIndex(IndexHandle):
 
     # -- inspection ----------------------------------------------------------------------------
     def stats(self) -> IndexStats:
-        """Counts, storage use and I/O counters of this handle.
+        """Counts, storage use and I/O counters of this handle; cheap: no lookup, nothing read.
 
-        ``entry_count`` is exact (as ``len``); the shape, ``length``, ``start_offset``,
-        ``live_bytes``, ``bytes_written`` (merges) and the cache counters are the tree's;
-        ``updates_written`` counts this handle's WAL appends; ``storage_bytes`` is the tree's
-        plus ``wal_bytes``; ``pending_keys`` are in the WAL, not yet merged into the tree.
+        ``entry_count`` is the tree's (merged) entries and ``pending_keys`` the keys in the WAL
+        not yet merged into it (some may be in the tree already, some removals: ``len`` is the
+        exact count, at one tree lookup per pending key). The shape, ``length``,
+        ``start_offset``, ``live_bytes``, ``bytes_written`` (merges, the merge worker's
+        included) and the cache counters are the tree's; ``updates_written`` counts this handle's
+        WAL appends and ``wal_bytes_written`` their bytes; ``logical_bytes`` is 24 per key of
+        this handle's updates and bulk loads; ``write_amplification`` is ``(wal_bytes_written +
+        bytes_written) / logical_bytes``; ``storage_bytes`` is the tree's plus ``wal_bytes``.
         """
         self._check_open()
         with self._lock:
             tree = self._attributes.tree.stats()
             wal_bytes = sum(c.stored for c in self._log.bytes.chunks())  # a hole holds nothing
             pending = self._attributes.pending_keys
-        count = len(self)  # not under the lock: it may wait for a merge (lock order: merge, then lock)
-        return attrs.evolve(tree, entry_count=count, updates_written=self._updates_written,
-                            storage_bytes=tree.storage_bytes + wal_bytes, pending_keys=pending, wal_bytes=wal_bytes)
+            keys, wal_written = self._written_before
+            keys += self._keys_loaded + self._appender.keys_written
+            wal_written += self._appender.bytes_written
+        logical = keys * LOGICAL_BYTES_PER_KEY
+        return attrs.evolve(tree, updates_written=self._updates_written, storage_bytes=tree.storage_bytes + wal_bytes,
+                            pending_keys=pending, wal_bytes=wal_bytes, logical_bytes=logical,
+                            wal_bytes_written=wal_written,
+                            write_amplification=write_amplification(logical, wal_written + tree.bytes_written))
+
+    def _counts(self) -> str:
+        """``repr``'s counts, cheap as ``stats``: the tree's entries and the keys pending in the WAL."""
+        with self._lock:
+            return (f"tree_entries={self._attributes.tree.version.footer.entry_count}, "
+                    f"pending_keys={self._attributes.pending_keys}")
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> IndexVerifyReport:
         """Read every committed byte of the tree and of the WAL and report every damaged range.
@@ -530,6 +552,8 @@ class AttributeIndex(IndexHandle):
             self._attributes.close(merge=False)  # no merge on the way out: the tree may be what is damaged
         self._log.close()
         report = self._repair(self._storage, self._name, self._options)
+        keys, wal_written = self._written_before
+        self._written_before = (keys + self._appender.keys_written, wal_written + self._appender.bytes_written)
         self._open_wal()
         self._len_cache = None
         return report

@@ -4,6 +4,8 @@ Modelled on LevelDB's ``ShardedLRUCache`` (``util/cache.cc``), in idiomatic Pyth
 pinning or reference counting, because a caller's Python reference keeps a value alive after it has
 been evicted. Keys are the pages' integer storage offsets; every entry carries a *charge* (its size
 in bytes) and each shard evicts least-recently-used entries while its charge exceeds its capacity.
+The charge is what the caller passes, or what the cache's ``weigh`` function says of the value (the
+B+tree's: the decoded page's memory, ``tree_index.page_memory``, not its stored size).
 
 Sharding keeps lock contention low: a key's shard comes from a multiplicative (Fibonacci) hash of the
 key, since storage offsets are far from uniform in their low bits. Each shard has its own
@@ -111,11 +113,15 @@ class ShardedLRUCache:
     ``high_priority(value)``, if given, marks values (for the B+tree: index pages) that are evicted
     only after every ordinary entry of their shard, like RocksDB's high-priority pool: a scan of
     leaves cannot push the upper levels of the tree out.
+
+    ``weigh(value)``, if given, is every entry's charge (its memory in bytes), in place of the
+    charge ``insert`` and ``get_or_load``'s loader pass.
     """
 
-    __slots__ = ("_shards", "_shift", "_capacity", "_high_priority")
+    __slots__ = ("_shards", "_shift", "_capacity", "_high_priority", "_weigh")
 
-    def __init__(self, capacity: int, shards: int = 16, high_priority: Callable[[object], bool] | None = None) -> None:
+    def __init__(self, capacity: int, shards: int = 16, high_priority: Callable[[object], bool] | None = None,
+                 weigh: Callable[[object], int] | None = None) -> None:
         """Create an empty cache holding at most ``capacity`` charge across ``shards`` shards.
 
         Raises ``InvalidInputError`` (a ``ValueError``) if ``capacity`` is not a non-negative int or
@@ -136,9 +142,20 @@ class ShardedLRUCache:
         self._shift = 64 - (shards.bit_length() - 1)
         self._capacity = capacity
         self._high_priority = high_priority
+        self._weigh = weigh
 
     def _shard(self, key: int) -> _Shard:
         return self._shards[((key * _GOLDEN) & _MASK64) >> self._shift]
+
+    def shard_of(self, key: int) -> int:
+        """The number of the shard ``key`` goes to (each holds ``ceil(capacity / shards)``): for
+        sizing a cache that must hold given keys."""
+        return ((key * _GOLDEN) & _MASK64) >> self._shift
+
+    @property
+    def shards(self) -> int:
+        """The number of shards."""
+        return len(self._shards)
 
     def get(self, key: int) -> object | None:
         """Return the value cached under ``key`` and mark it most recently used, or ``None``."""
@@ -158,6 +175,8 @@ class ShardedLRUCache:
         the shard's capacity is not stored (and any previous entry under ``key`` is dropped).
         Raises ``InvalidInputError`` if ``charge`` is negative.
         """
+        if self._weigh is not None:
+            charge = self._weigh(value)
         if charge < 0:
             raise InvalidInputError(f"cache charge must be non-negative, got {charge!r}")
         shard = self._shard(key)
@@ -213,6 +232,8 @@ class ShardedLRUCache:
 
         try:
             value, charge = load(*args)
+            if self._weigh is not None:
+                charge = self._weigh(value)
             if charge < 0:
                 raise InvalidInputError(f"cache charge must be non-negative, got {charge!r}")
         except BaseException as exc:
@@ -240,6 +261,14 @@ class ShardedLRUCache:
                 shard.high.clear()
                 shard.usage = 0
                 shard.inflight.clear()
+
+    def values(self) -> list[object]:
+        """The values held now (a snapshot, in no particular order)."""
+        held: list[object] = []
+        for shard in self._shards:
+            with shard.lock:
+                held += [value for value, _charge in (*shard.high.values(), *shard.data.values())]
+        return held
 
     @property
     def usage(self) -> int:

@@ -78,7 +78,11 @@ class IndexHandle:
     def __exit__(self, *exc_info: object) -> None:
         self.close()  # type: ignore[attr-defined]
 
+    def _counts(self) -> str:
+        """What ``repr`` says of an open handle's contents (cheap: no lookups)."""
+        return f"entries={len(self)}"  # type: ignore[arg-type]
+
     def __repr__(self) -> str:
         name, url = self._location()
-        state = "closed" if self._closed else f"entries={len(self)}"  # type: ignore[arg-type]
+        state = "closed" if self._closed else self._counts()
         return f"{type(self).__name__}({url!r}, {name!r}, {state})"

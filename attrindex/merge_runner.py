@@ -153,6 +153,7 @@ class MergeRunner:
                       self.name, at, exc)
         else:
             tree.refresh()
+            tree.count_written_elsewhere(*worker.last_written)
         covered = tree.checkpoint or 0
         if covered < at:
             raise MergeWorkerError(f"segment {self.name!r}: the merge worker reported the merge up to log byte {at}, "

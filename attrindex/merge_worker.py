@@ -11,9 +11,11 @@ The log is the source of truth, so the parent sends no data: only the log positi
 the frozen overlay covers. The worker refreshes its own view of the tree, replays the log from
 the tree's checkpoint up to ``at`` into an overlay (the same replay an opening handle does) and
 merges it with ``overlay.merge_overlay``, the one merge function the in-thread host uses
-too; then it answers with the tree's checkpoint. The parent re-reads the tree's footer
-(``TreeIndex.refresh``: pages are immutable at their offsets, so its page cache stays valid; the
-value cache is dropped because the tree changed under it) and drops the frozen overlay.
+too; then it answers with the tree's checkpoint, its peak RSS and what the merge wrote (key
+updates, bytes, appends, relocated pages: the parent counts them in its tree's ``stats()``). The
+parent re-reads the tree's footer (``TreeIndex.refresh``: pages are immutable at their offsets,
+so its page cache stays valid; the value cache is dropped because the tree changed under it) and
+drops the frozen overlay.
 
 Failure rules (docs/design.md, "Write path"):
 
@@ -122,6 +124,9 @@ class MergeWorker:
         self._aborted = False  #: ``abort`` was called (the handle closes): no worker is started again
         self.starts = 0  #: worker processes started so far
         self.peak_rss = 0  #: the largest peak resident set size a worker reported (bytes)
+        #: what the last merge wrote, as the worker reported it: key updates, bytes, appends,
+        #: relocated pages (``TreeIndex.count_written_elsewhere``); zeros before an answer
+        self.last_written: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._failed_starts = 0  #: in a row
         self._failed_merges = 0  #: merges in a row that got no answer (the worker died or hung)
 
@@ -149,8 +154,9 @@ class MergeWorker:
         self._failed_merges = 0
         if answer[0] != "ok":
             raise MergeWorkerError(f"the merge worker failed to merge up to log byte {at}: {answer[1]}")
-        checkpoint, peak_rss = answer[1]
+        checkpoint, peak_rss, written = answer[1]
         self.peak_rss = max(self.peak_rss, peak_rss)
+        self.last_written = written
         return checkpoint
 
     def _answer(self, process: subprocess.Popen, cap: float) -> tuple:
@@ -326,13 +332,27 @@ class _Host:
         self.log = SegmentLog(self.storage, spec["wal_name"], rolling_size=spec["log_rolling_size"],
                               index_interval_bytes=spec["index_interval_bytes"])
 
-    def merge(self, at: int) -> int:
-        self.tree.refresh()
-        covered = self.tree.checkpoint or 0
+    def merge(self, at: int) -> tuple[int, tuple[int, int, int, int]]:
+        """Merge the log up to ``at`` into the tree: the checkpoint the tree covers then, and what
+        this merge wrote (key updates, bytes, appends, relocated pages)."""
+        tree = self.tree
+        tree.refresh()
+        covered = tree.checkpoint or 0
         if covered >= at:
-            return covered  # merged already (a retry after a lost answer, or another handle)
-        merge_overlay(self.tree, for_merge(self.log, covered, at), at)
-        return self.tree.checkpoint or 0
+            return covered, (0, 0, 0, 0)  # merged already (a retry after a lost answer, or another handle)
+        before = _written(tree)
+        merge_overlay(tree, for_merge(self.log, covered, at), at)
+        after = _written(tree)
+        return tree.checkpoint or 0, tuple(a - b for a, b in zip(after, before))  # type: ignore[return-value]
+
+
+def _written(tree) -> tuple[int, int, int, int]:
+    """What ``tree`` (a ``TreeIndex``) wrote so far: key updates, bytes, appends, relocated pages."""
+    from .tree_index import LOGICAL_BYTES_PER_KEY
+
+    stats = tree.stats()
+    return (stats.logical_bytes // LOGICAL_BYTES_PER_KEY, stats.bytes_written, stats.updates_written,
+            stats.pages_relocated)
 
 
 def _watch_parent(parent: int) -> None:
@@ -361,8 +381,8 @@ def main(argv: list[str]) -> int:
                 host = _Host(request[1])
                 answer: tuple = ("ok", None)
             else:
-                checkpoint = host.merge(request[1])
-                answer = ("ok", (checkpoint, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+                checkpoint, written = host.merge(request[1])
+                answer = ("ok", (checkpoint, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, written))
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which retries
             answer = ("error", f"{type(exc).__name__}: {exc}")
         try:

@@ -22,9 +22,11 @@ import attrs
 from storage_adapters import ChunkStorage, RollingSegment
 
 from .btree import DEFAULT_PIECE_SIZE, BTreeIndex, policy_for
-from .btree.bulk import DEFAULT_SPILL_BYTES, read_columns
+from .btree.bulk import DEFAULT_SPILL_BYTES, read_columns, read_pairs
 from .btree.framing import TREE_FRAMING
 from .btree.repair import IndexRepairReport, repair_index
+from .btree.sorted_run import SortedRun
+from .btree.spill import SpilledRuns
 from .btree.verify import VerifyReport, verify_index
 from .cache import ShardedLRUCache
 from .errors import InvalidInputError
@@ -33,12 +35,15 @@ from .keys import KEY_SIZE, VALUE_MAX, all_canonical_keys, canonical_batch, to_k
 from .locations import index_storage
 from .value_cache import MISSING, ValueCache
 
-DEFAULT_CACHE_BYTES = 64 << 20
+#: ``cache_bytes``: memory of the decoded pages the page cache holds (``page_memory``): about 1,200
+#: decoded 32 KiB leaves (1.6M keys), as a decoded page holds about 6.7 times its stored size
+DEFAULT_CACHE_BYTES = 256 << 20
 MAX_SPLIT_PARTS = 1 << 20  #: more parts than this cannot be meaningful (and would loop for long)
 # Space comes back a whole chunk at a time, so the index's chunks are small next to its live bytes:
 # with 32 MiB chunks, an index of 25 MiB could hold a whole dead chunk more than it needs.
 DEFAULT_INDEX_ROLLING_SIZE = 4 << 20
 DEFAULT_VALUE_CACHE_ENTRIES = 1 << 20
+LOGICAL_BYTES_PER_KEY = KEY_SIZE + 8  #: a key update's logical size: its key and its int64 value
 
 
 # Updates up to this size enter the recent-values cache; larger ones only refresh cached entries.
@@ -64,8 +69,30 @@ def key_list(keys: Iterable[object]) -> list[object]:
         raise InvalidInputError(f"expected an iterable of keys, got {type(keys).__name__}") from None
 
 
+def pair_count(run: SortedRun | SpilledRuns) -> int:
+    """The key updates a load's pairs hold (``bulk.read_pairs``): kept and removed keys (for
+    runs spilled to files, summed over the runs: a key in several counts in each)."""
+    return run.pairs if isinstance(run, SpilledRuns) else len(run) + len(run.removed)
+
+
 def _is_index_page(page: object) -> bool:
     return not page.is_leaf  # type: ignore[attr-defined]
+
+
+#: Memory a decoded page holds on 64-bit CPython 3.11 (RSS growth over 1,000 decoded 32 KiB pages,
+#: sims/README.md, "Page cache memory"). A leaf entry: its 16-byte ``bytes`` key (64 bytes as
+#: allocated), its int value (up to 48), two list slots and its share of the lookup dict the first
+#: lookup builds; 125-158 bytes measured. An index entry: its key, three ints, four list slots and
+#: the weak reference to its decoded child; 275 measured.
+LEAF_ENTRY_MEMORY = 160
+INDEX_ENTRY_MEMORY = 280
+PAGE_MEMORY = 512  #: a page's object and its lists' headers
+
+
+def page_memory(page: Any) -> int:
+    """The memory a decoded page holds, estimated from its entry count: the page cache's charge
+    (so ``cache_bytes`` bounds the decoded pages' memory, not their stored size)."""
+    return PAGE_MEMORY + len(page) * (LEAF_ENTRY_MEMORY if page.is_leaf else INDEX_ENTRY_MEMORY)
 
 
 @attrs.frozen
@@ -79,7 +106,7 @@ class IndexStats:
     start_offset: int  #: truncation offset: the smallest offset of a live page
     storage_bytes: int  #: bytes the chunks still listed hold (each whole; at least length - start_offset)
     live_bytes: int  #: bytes of the pages reachable from the root
-    bytes_written: int  #: bytes this handle appended
+    bytes_written: int  #: bytes this handle appended to the tree (its merge worker's appends included)
     updates_written: int  #: appends this handle made
     pages_relocated: int  #: pages this handle moved to the tail for compaction
     storage_reads: int  #: page reads that went to storage
@@ -92,6 +119,18 @@ class IndexStats:
     wal_bytes: int = 0  #: ``AttributeIndex``: bytes of its write-ahead log still stored
     #: requests made so far through the index's storage (``storage_adapters.RequestCounters``), by kind
     requests: Any = None
+    #: ``LOGICAL_BYTES_PER_KEY`` (16-byte key + 8-byte value) per key update this handle accepted:
+    #: ``AttributeIndex``: keys of its updates and bulk loads; ``TreeIndex``: keys given to its
+    #: updates and bulk loads (a segment's tree: the keys its merges moved in), its merge worker's included
+    logical_bytes: int = 0
+    wal_bytes_written: int = 0  #: ``AttributeIndex``: bytes this handle appended to its write-ahead log
+    #: ``(wal_bytes_written + bytes_written) / logical_bytes``: bytes written per logical byte (0.0 before any)
+    write_amplification: float = 0.0
+
+
+def write_amplification(logical_bytes: int, bytes_written: int) -> float:
+    """Bytes written per logical byte (0.0 when nothing logical was written yet)."""
+    return bytes_written / logical_bytes if logical_bytes else 0.0
 
 
 class TreeIndex(IndexHandle):
@@ -118,8 +157,10 @@ class TreeIndex(IndexHandle):
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise InvalidInputError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         self._segment = RollingSegment(storage, name, rolling_size=rolling_size, framing=TREE_FRAMING)
-        # Index pages are high priority: scans of leaves never push the upper levels out.
-        self._page_cache = ShardedLRUCache(cache_bytes, high_priority=_is_index_page) if cache_bytes else None
+        # Index pages are high priority: scans of leaves never push the upper levels out. Each page
+        # is charged its decoded memory, not its stored size.
+        self._page_cache = (ShardedLRUCache(cache_bytes, high_priority=_is_index_page, weigh=page_memory)
+                            if cache_bytes else None)
         self._values = ValueCache(value_cache_entries)
         # A lookup may run beside an update in another thread (a segment's background merge):
         # a value read from the old tree is cached only if no update landed meanwhile.
@@ -128,6 +169,9 @@ class TreeIndex(IndexHandle):
         self._versions_adopted = 0  # versions written by others that the tree adopted
         self._closed = False
         self._read_only = False  # set by open(mode="r")
+        self._keys_written = 0  #: key updates this handle's updates and bulk loads wrote (``logical_bytes``)
+        #: keys, bytes, appends and relocated pages its merge worker wrote for it (``count_written_elsewhere``)
+        self._elsewhere = (0, 0, 0, 0)
         # Another writer's version makes the recent values stale: the tree says when it adopts one.
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
                                 policy=policy_for(compaction), on_external_change=self._external_change,
@@ -167,8 +211,9 @@ class TreeIndex(IndexHandle):
         ``IndexNotFoundError`` in modes "r+" and "r", and a local path that is a regular file in
         every mode.
 
-        ``options``: ``page_size`` (default 32768), ``rolling_size`` (4 MiB), ``cache_bytes`` for
-        decoded pages (64 MiB; 0 disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
+        ``options``: ``page_size`` (default 32768), ``rolling_size`` (4 MiB), ``cache_bytes``: the
+        memory of decoded pages the page cache holds (256 MiB, about 1,200 leaves of 32 KiB; 0
+        disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
         the bounded policy; "pravega"; False), ``piece_size`` (8 MiB: an update that writes more is
         appended in pieces of about this size, which bounds its memory; at least ``page_size``).
         """
@@ -291,6 +336,7 @@ class TreeIndex(IndexHandle):
         if checkpoint is not None and written.footer.checkpoint != checkpoint:
             return False
         with self._cache_lock:
+            self._keys_written += len(keys)
             self._cache_epoch += 1
             if self._tree.state.footer_offset != written.footer_offset:
                 # Another thread adopted a newer version meanwhile (a segment catching up beside
@@ -316,6 +362,7 @@ class TreeIndex(IndexHandle):
         if checkpoint is not None and written.footer.checkpoint != checkpoint:
             return False
         with self._cache_lock:
+            self._keys_written += len(keys)
             self._cache_epoch += 1
             if self._tree.state.footer_offset != written.footer_offset:
                 self._values.clear()  # (see update_sorted)
@@ -342,9 +389,18 @@ class TreeIndex(IndexHandle):
         temporary files (``TMPDIR``) and merged back, so memory does not grow with the input.
         """
         self._check_writable()
+        given = isinstance(pairs, (SortedRun, SpilledRuns))  # read and checked by the caller, who closes it
+        run = pairs if given else read_pairs(pairs, progress, spill_bytes=spill_bytes)
         try:
-            return self._tree.bulk_load(pairs, checkpoint=checkpoint, progress=progress, spill_bytes=spill_bytes)
+            covered = checkpoint is not None and checkpoint <= self._tree.state.footer.checkpoint
+            entries = self._tree.bulk_load(run, checkpoint=checkpoint, progress=progress)
+            if not covered:
+                with self._cache_lock:
+                    self._keys_written += pair_count(run)
+            return entries
         finally:
+            if not given:
+                run.close()  # the sorted runs spilled to temporary files, if any
             # The recent values may hold values the load replaced (also after a failure: a settled lost
             # acknowledgement may have loaded them): drop it, as when another writer's version
             # is adopted.
@@ -363,10 +419,9 @@ class TreeIndex(IndexHandle):
         self._check_writable()
         run = read_columns(chunks, progress, spill_bytes=spill_bytes)  # every chunk checked first
         try:
-            return self._tree.bulk_load(run, checkpoint=checkpoint, progress=progress)
+            return self.bulk_load(run, checkpoint=checkpoint, progress=progress)
         finally:
             run.close()
-            self._external_change()
 
     @property
     def version(self):
@@ -394,13 +449,29 @@ class TreeIndex(IndexHandle):
         self._check_open()
         self._tree.reload()
 
+    def count_written_elsewhere(self, keys: int, bytes_written: int, updates_written: int,
+                                pages_relocated: int) -> None:
+        """Count in ``stats()`` what another process wrote to this tree for this handle (its merge
+        worker, ``attrindex.merge_worker``): ``keys`` key updates in ``updates_written`` appends of
+        ``bytes_written`` bytes, ``pages_relocated`` pages moved for compaction."""
+        with self._cache_lock:
+            k, b, u, r = self._elsewhere
+            self._elsewhere = (k + keys, b + bytes_written, u + updates_written, r + pages_relocated)
+
     # -- inspection ----------------------------------------------------------------------------
     def stats(self) -> IndexStats:
-        """Counts, storage use and I/O counters of this handle."""
+        """Counts, storage use and I/O counters of this handle; ``logical_bytes``,
+        ``bytes_written`` and ``write_amplification`` include what its merge worker wrote for it.
+        Cheap: nothing is read from storage."""
         self._check_open()
         state, io = self._tree.state, self._tree.io
         footer = state.footer
         cache = self._page_cache
+        with self._cache_lock:
+            keys, elsewhere_bytes, elsewhere_updates, elsewhere_relocated = self._elsewhere
+            keys += self._keys_written
+        logical = keys * LOGICAL_BYTES_PER_KEY
+        written = io.bytes_written + elsewhere_bytes
         return IndexStats(
             entry_count=footer.entry_count,
             page_count=footer.page_count,
@@ -409,15 +480,17 @@ class TreeIndex(IndexHandle):
             start_offset=footer.min_offset if state.footer_offset >= 0 else state.length,
             storage_bytes=sum(c.stored for c in self._segment.chunks()),  # whole chunks, holes excluded
             live_bytes=footer.live_bytes,
-            bytes_written=io.bytes_written,
-            updates_written=io.updates_written,
-            pages_relocated=io.pages_relocated,
+            bytes_written=written,
+            updates_written=io.updates_written + elsewhere_updates,
+            pages_relocated=io.pages_relocated + elsewhere_relocated,
             storage_reads=io.storage_reads,
             cache_hits=cache.hits if cache else 0,
             cache_misses=cache.misses if cache else 0,
             value_cache_hits=self._values.hits,
             value_cache_misses=self._values.misses,
             requests=self._segment.storage.requests,
+            logical_bytes=logical,
+            write_amplification=write_amplification(logical, written),
         )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:

@@ -291,6 +291,13 @@ def test_stats_fields(url):
     assert stats.entry_count == 500 and stats.height >= 2 and stats.page_count > 1
     assert stats.length == stats.bytes_written and stats.updates_written == 1
     assert stats.live_bytes <= stats.length - stats.start_offset <= stats.storage_bytes
+    assert (stats.logical_bytes, stats.wal_bytes_written) == (500 * 24, 0)  # 16-byte key + 8-byte value each
+    assert stats.write_amplification == stats.bytes_written / stats.logical_bytes
+    assert idx.update({}, checkpoint=5) and not idx.update({k(1): 2}, checkpoint=4)  # covered: not written
+    idx.bulk_load([(k(i), None) for i in range(100)] + [(k(1000 + i), i) for i in range(20)], spill_bytes=500)  # runs on disk
+    stats = idx.stats()
+    assert stats.logical_bytes == 620 * 24 and stats.length == stats.bytes_written
+    assert stats.write_amplification == stats.bytes_written / stats.logical_bytes
 
 
 def test_bulk_update_refreshes_cached_values_without_flooding_the_cache():

@@ -489,3 +489,26 @@ def test_get_or_load_applies_the_priority_to_loaded_values():
     for i in range(10, 20):
         cache.get_or_load(i, lambda: ("leaf", 100))
     assert cache.get(1) == "index"
+
+
+def test_weigh_sets_every_charge_whatever_the_caller_passes():
+    cache = ShardedLRUCache(1000, shards=1, weigh=len)  # a value's charge: its length
+    cache.insert(1, "x" * 300, 1)
+    cache.get_or_load(2, lambda: ("y" * 500, 1))
+    assert cache.usage == 800 and len(cache) == 2
+    cache.insert(3, "z" * 400, 1)  # over capacity by its weight (not by the 1 passed): the oldest goes
+    assert cache.get(1) is None and cache.usage == 900
+    cache.insert(4, "w" * 1001, 0)  # heavier than the whole shard: not stored
+    assert cache.get(4) is None and cache.usage == 900
+
+
+def test_values_and_shard_of_say_what_is_held_where():
+    cache = ShardedLRUCache(16 * 1000, shards=16)
+    assert cache.shards == 16 and cache.values() == []
+    values = {key * 4096: object() for key in range(64)}
+    for key, value in values.items():
+        cache.insert(key, value, 10)
+    assert sorted(map(id, cache.values())) == sorted(map(id, values.values()))
+    for number, shard in enumerate(cache._shards):
+        assert all(cache.shard_of(key) == number for key in shard.data)
+    assert {cache.shard_of(key) for key in values} == {n for n, shard in enumerate(cache._shards) if shard.data}

@@ -104,6 +104,26 @@ def test_merges_run_in_one_reused_worker_and_match_a_dict(tmp_path):
         assert reopened.verify().ok
 
 
+def test_stats_count_the_bytes_the_worker_writes(tmp_path):
+    index, rng, keys = open_index(tmp_path, merge_keys=300), random.Random(2), 0
+    try:
+        for _call in range(12):
+            batch = {key(rng.randrange(2000)): rng.choice([None, rng.randrange(1 << 40)]) for _ in range(100)}
+            index.update(batch)
+            keys += len(batch)
+        wait_for(lambda: merged_up_to_position(index) and not index.stats().pending_keys, "the merges")
+        runner = index._attributes.runner
+        assert runner.worker is not None and runner.worker.starts == 1 and runner.merges >= 2
+        stats = index.stats()  # every byte of the tree was written by this handle's worker
+        assert 0 < stats.bytes_written == stats.length and stats.updates_written == 12
+        assert stats.logical_bytes == keys * 24 and stats.wal_bytes_written == index.checkpoint
+        assert stats.write_amplification == (stats.wal_bytes_written + stats.bytes_written) / stats.logical_bytes
+        tree = index._attributes.tree.stats()  # the tree's own: the key updates the worker merged
+        assert 0 < tree.logical_bytes <= stats.logical_bytes and tree.bytes_written == stats.bytes_written
+    finally:
+        index.close()
+
+
 @pytest.mark.parametrize("fault, lands", [("exit_before_commit", False), ("exit_after_commit", True)])
 def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault, lands, merge_faults):
     index, model, rng = open_index(tmp_path), {}, random.Random(2)
@@ -532,6 +552,9 @@ def test_a_segment_with_records_merges_in_the_worker_when_asked(tmp_path):
         wait_for(lambda: segment.stats().merges >= 1 and segment._attributes._frozen is None, "the merge")
         assert segment._attributes.runner.worker is not None and segment._attributes.runner.worker.starts == 1
         assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
+        tree = segment.stats().attributes  # the worker's merges are counted in the segment's tree stats
+        assert 0 < tree.bytes_written == tree.length and 0 < tree.logical_bytes <= 24 * len(model)
+        assert tree.write_amplification == tree.bytes_written / tree.logical_bytes
     with SegmentStore.open(str(tmp_path)) as store:
         segment = store.segment("s")
         assert segment.get_attributes(sorted(model)) == [model[k] for k in sorted(model)]
