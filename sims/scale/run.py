@@ -57,6 +57,7 @@ from .procs import TreeSampler
 
 ENGINES = ("attrindex", "attrindex-unsorted", "rocksdb")
 LOGICAL_BYTES = 24  #: a key and its value: what one updated key means to the user
+CACHE_SHARDS = 16  #: the page cache's shards (``attrindex.cache.ShardedLRUCache``'s default)
 BYTES_PER_KEY_ESTIMATE = {"attrindex": 60, "attrindex-unsorted": 60, "rocksdb": 45}  #: disk needed, with room
 DISK_MARGIN = 8 << 30  #: free space left to the machine's other users
 
@@ -143,7 +144,8 @@ def update_metrics(elapsed: float, each: list[float], keys: int) -> dict:
 # -- the engines (each in its own child) --------------------------------------------------------
 def child_attrindex(args, out: Reporter) -> None:
     from attrindex.attribute_index import AttributeIndex
-    from attrindex.btree.page import leaf_capacity
+    from attrindex.btree.page import index_capacity, leaf_capacity
+    from attrindex.tree_index import INDEX_ENTRY_MEMORY, LEAF_ENTRY_MEMORY, PAGE_MEMORY
 
     n, directory = args.n, args.dir
     sorted_input = args.child == "attrindex"
@@ -174,8 +176,6 @@ def child_attrindex(args, out: Reporter) -> None:
     out.phase("updates")
     before = index.stats()
     elapsed, each, keys = timed_updates(index.update, data.update_batches(12, n, args.update_calls, args.batch))
-    # No stats() here: it counts the keys (len), one tree lookup per pending key (minutes at 30M),
-    # while the merge worker goes on merging.
     stored_after_updates = disk_bytes(directory)
     out.metrics(**update_metrics(elapsed, each, keys), tree_length_before_updates=before.length,
                 storage_after_updates=stored_after_updates)
@@ -196,9 +196,14 @@ def child_attrindex(args, out: Reporter) -> None:
         shape_now = cold.stats()
     finally:
         cold.close()
+    # A page cache for the index pages only: the cache charges a page its decoded memory
+    # (``page_memory``), about 1,170 entries an index page; twice that for the shards' uneven
+    # share, plus one leaf per shard. Leaves do not fit.
     leaves = math.ceil(shape_now.entry_count / leaf_capacity(page_size))
-    index_bytes = max(0, shape_now.page_count - leaves) * page_size
-    cache_bytes = 2 * index_bytes + (1 << 20)
+    index_pages = max(0, shape_now.page_count - leaves)
+    index_memory = PAGE_MEMORY + index_capacity(page_size) * INDEX_ENTRY_MEMORY
+    leaf_memory = PAGE_MEMORY + leaf_capacity(page_size) * LEAF_ENTRY_MEMORY
+    cache_bytes = 2 * index_pages * index_memory + CACHE_SHARDS * leaf_memory  # (ShardedLRUCache: 16 shards)
     drop_os_cache(directory)
     cold = AttributeIndex.open(directory, mode="r", cache_bytes=cache_bytes, value_cache_entries=0)
     out.metrics(cold_open_s=time.perf_counter() - start)
