@@ -333,17 +333,9 @@ class TreeIndex(IndexHandle):
         ``base``: see ``BTreeIndex.update`` (``TreeMovedError``)."""
         self._check_writable()
         written = self._tree.update(keys, values, checkpoint, base)
-        if checkpoint is not None and written.footer.checkpoint != checkpoint:
-            return False
-        with self._cache_lock:
-            self._keys_written += len(keys)
-            self._cache_epoch += 1
-            if self._tree.state.footer_offset != written.footer_offset:
-                # Another thread adopted a newer version meanwhile (a segment catching up beside
-                # its merge): it may hold newer values of these keys than the batch, so caching the
-                # batch would answer older values than the tree. Its adoption clears the cache too.
-                self._values.clear()
-            elif len(keys) <= _CACHE_UPDATES_UP_TO:
+
+        def cache() -> None:
+            if len(keys) <= _CACHE_UPDATES_UP_TO:
                 self._values.put_many(keys, values)
             else:  # a bulk load: refresh what is cached, do not flood the recent values with it
                 # In steps: one dict of a 250k-key merge is a C call holding the GIL for 0.1-0.5 s
@@ -351,7 +343,7 @@ class TreeIndex(IndexHandle):
                 for i in range(0, len(keys), _CACHE_UPDATES_UP_TO):
                     self._values.refresh_many(dict(zip(keys[i:i + _CACHE_UPDATES_UP_TO],
                                                        values[i:i + _CACHE_UPDATES_UP_TO])))
-        return True
+        return self._written(written, checkpoint, len(keys), cache)
 
     def update_columns(self, keys, values, gone, *, checkpoint: int | None = None, base: int | None = None) -> bool:
         """``update_sorted`` for a batch as numpy columns: ascending unique ``S16`` keys, int64
@@ -359,15 +351,23 @@ class TreeIndex(IndexHandle):
         batches keep no Python object per key; the recent values already cached are refreshed."""
         self._check_writable()
         written = self._tree.update_columns(keys, values, gone, checkpoint, base)
+        return self._written(written, checkpoint, len(keys), lambda: self._values.refresh_columns(keys, values, gone))
+
+    def _written(self, written, checkpoint: int | None, keys: int, cache: Callable[[], None]) -> bool:
+        """After an update of ``keys`` keys wrote version ``written``: False if ``checkpoint`` was
+        covered already (nothing written); else count it and bring the recent values up to date
+        (``cache()``), unless another thread adopted a newer version meanwhile (a segment catching
+        up beside its merge): that one may hold newer values of these keys than the batch, so
+        caching the batch would answer older values than the tree, and the cache is dropped."""
         if checkpoint is not None and written.footer.checkpoint != checkpoint:
             return False
         with self._cache_lock:
-            self._keys_written += len(keys)
+            self._keys_written += keys
             self._cache_epoch += 1
             if self._tree.state.footer_offset != written.footer_offset:
-                self._values.clear()  # (see update_sorted)
+                self._values.clear()
             else:
-                self._values.refresh_columns(keys, values, gone)
+                cache()
         return True
 
     def bulk_load(self, pairs: Mapping[object, int | None] | Iterable[tuple[object, int | None]], *,

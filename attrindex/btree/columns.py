@@ -59,26 +59,15 @@ def _positions(keys: np.ndarray, probes: np.ndarray) -> tuple[np.ndarray, np.nda
 def merge_columns(keys: np.ndarray, values: np.ndarray, new_keys: np.ndarray, new_values: np.ndarray,
                   removed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique entries ``keys -> values`` with ``new_keys -> new_values`` set and ``removed``
-    deleted (each argument sorted and unique; ``new_keys`` and ``removed`` disjoint). New arrays."""
-    keep = None
-    if len(removed) and len(keys):
-        at, found = _positions(keys, removed)
-        keep = np.ones(len(keys), bool)
-        keep[at[found]] = False
-    if len(new_keys):
-        at, found = _positions(keys, new_keys) if len(keys) else (np.zeros(len(new_keys), np.intp),
-                                                                  np.zeros(len(new_keys), bool))
-        values = values.copy()
-        values[at[found]] = new_values[found]
-        fresh = ~found
-        if fresh.any():
-            at = at[fresh]
-            keys = np.insert(keys, at, new_keys[fresh])
-            values = np.insert(values, at, new_values[fresh])
-            if keep is not None:
-                keep = np.insert(keep, at, True)
-    if keep is not None:
-        return keys[keep], values[keep]
+    deleted (each argument sorted and unique; ``new_keys`` and ``removed`` disjoint). New arrays
+    (or the given ones, where nothing changes)."""
+    flags = np.zeros(len(keys), bool)
+    if len(removed):  # removals as flagged entries, dropped at the end
+        keys, values, flags = upsert_columns(keys, values, flags, removed, np.zeros(len(removed), VALUE_DTYPE),
+                                             np.ones(len(removed), bool))
+    keys, values, flags = upsert_columns(keys, values, flags, new_keys, new_values, np.zeros(len(new_keys), bool))
+    if len(removed):
+        return keys[~flags], values[~flags]
     return keys, values
 
 
