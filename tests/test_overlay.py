@@ -347,3 +347,36 @@ def test_probe_many_edges():
     assert probe_many(overlay.lookup, [KEYS[0]]) == [5] and probe_many(overlay.lookup, []) == []
     with pytest.raises(ValueError):  # the shard bytes are sliced from the joined keys
         probe_many(overlay.lookup, [b"short", KEYS[0]])
+
+
+def test_tier_1_folded_into_columns_holds_about_25_bytes_a_key(monkeypatch):
+    """The memory bound of tier 1: 300k keys applied in batches of 1,000 with folds every 32,768
+    hold their settled part in columns (25 bytes a key) and at most one recent part in dicts;
+    unfolded they take over 100 bytes a key. Measured with tracemalloc (numpy reports its arrays)."""
+    from attrindex import overlay as overlay_module
+
+    count = 300_000
+
+    def batch(i: int) -> tuple[list[bytes], list[int]]:  # made as the WAL's decoding makes them: new objects
+        rng = random.Random(i)
+        return [rng.getrandbits(128).to_bytes(16, "big") for _ in range(1000)], [rng.getrandbits(40) for _ in range(1000)]
+
+    def held(fold_keys: int) -> int:
+        monkeypatch.setattr(overlay_module, "FOLD_KEYS", fold_keys)
+        tracemalloc.start()
+        try:
+            overlay = AttributeOverlay()
+            for i in range(count // 1000):
+                overlay.apply(*batch(i))
+                if overlay.fold_due:
+                    overlay.fold()
+            size, _peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        keys, values = batch(7)
+        assert overlay.get(keys[5]) == values[5] and len(overlay) == count
+        return size
+
+    folded = held(32_768)
+    assert folded <= 25 * count + 200 * 32_768, folded  # the columns, and one recent part at most
+    assert held(1 << 40) >= 100 * count  # never folded: dicts, the keys and the ints
