@@ -1181,30 +1181,40 @@ def _hold_turn_in_child(root: str, segment: str):
     return child
 
 
-def test_tasks_writing_one_local_segment_take_turns_and_a_killed_holder_frees_it(tmp_path):
+def _attributes_writer(url: str, segment: str):
+    from pyspark.sql.types import BinaryType, LongType, StructField, StructType
+
+    from attrindex.spark import attributes
+
+    schema = StructType([StructField("key", BinaryType()), StructField("value", LongType())])
+    return attributes.AttributesWriter(attributes._target({"path": url, "segment": segment}), schema)
+
+
+def test_attribute_write_tasks_on_local_disk_take_turns_and_a_killed_holder_frees_it(tmp_path):
     import threading
 
-    from attrindex.spark.turns import writer_turn
+    url = str(tmp_path / "store")
+    writers = {name: _attributes_writer(url, name) for name in ("a", "b")}  # (creates both segments)
+    holder = _hold_turn_in_child(url, "a")  # as another task writing segment a
+    done = {name: threading.Event() for name in writers}
 
-    root = str(tmp_path / "store")
-    holder = _hold_turn_in_child(root, "a")
-    entered, other = threading.Event(), threading.Event()
+    def task(name):
+        writers[name].write(_attribute_batches(0, 1000))
+        done[name].set()
+
+    for name in writers:
+        threading.Thread(target=task, args=(name,), daemon=True).start()
     try:
-        def wait_for_turn(segment, flag):
-            with open_storage(root) as storage, writer_turn(storage, segment) as taken:
-                assert taken
-                flag.set()
-
-        waiting = threading.Thread(target=wait_for_turn, args=("a", entered), daemon=True)
-        waiting.start()
-        threading.Thread(target=wait_for_turn, args=("b", other), daemon=True).start()
-        assert other.wait(60)  # another segment's turn is its own
-        assert not entered.wait(1)  # segment a's turn is held by the child
+        assert done["b"].wait(60)  # another segment's turn is its own
+        assert not done["a"].wait(1)  # segment a's task waits for its turn
+        with SegmentStore.open(url, mode="r+") as store:
+            assert store.segment("a").next_offset == 0 and store.segment("b").get_attribute(999) == 999 * 3
     finally:
         holder.kill()  # as an executor dies: the kernel releases its turn
         holder.wait()
-    assert entered.wait(60)
-    waiting.join(60)
+    assert done["a"].wait(60)
+    with SegmentStore.open(url, mode="r+") as store:
+        assert store.segment("a").get_attributes([0, 999, 1000]) == [0, 999 * 3, None]
 
 
 def test_stores_not_on_local_disk_are_written_without_turns():
@@ -1227,14 +1237,11 @@ def test_concurrent_attribute_write_tasks_land_every_update_merged(tmp_path, mon
     open replays nothing."""
     import threading
 
-    from pyspark.sql.types import BinaryType, LongType, StructField, StructType
-
     from attrindex.spark import attributes
 
     monkeypatch.setattr(attributes, "WRITE_BATCH", 20_000)
     url = str(tmp_path / "store")
-    schema = StructType([StructField("key", BinaryType()), StructField("value", LongType())])
-    writer = attributes.AttributesWriter(attributes._target({"path": url, "segment": "a"}), schema)
+    writer = _attributes_writer(url, "a")
     done = []
     tasks = [threading.Thread(target=lambda lo, hi: done.append(writer.write(_attribute_batches(lo, hi)).updates),
                               args=(lo, lo + 60_000)) for lo in (0, 1_000_000)]

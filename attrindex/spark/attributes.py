@@ -37,8 +37,9 @@ LOOKUP_BATCH_ROWS = 100_000  #: input rows per batched lookup (sorted, they shar
 #: times its stored size): enough for the index pages of a 100M-key tree. A task reads a leaf once
 #: per sorted batch of lookups or merge, so more cache would only hold more decoded pages.
 TASK_CACHE_BYTES = 4 << 20
-#: The B+tree options of a task's handle. No value cache: a merge puts every value it wrote in it
-#: (up to 2Mi entries, ~140 B each), a lookup every value it read, and a task rarely reads a key twice.
+#: The B+tree options of a task's handle. No value cache: a lookup puts every value it read in it (up
+#: to 2Mi entries, ~140 B each), as a merge of up to 10k keys does every value it wrote, and a task
+#: rarely reads a key twice.
 TASK_TREE_OPTIONS = {"cache_bytes": TASK_CACHE_BYTES, "value_cache_entries": 0}
 MIN_PENDING_BYTES = 1 << 20
 
