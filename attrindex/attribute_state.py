@@ -377,10 +377,9 @@ class AttributeState:
         self.view = view
 
     def _overlay_filled(self) -> None:
-        """After updates were applied to the active overlay (under the lock): fold its recent
-        part into its settled part once it holds ``overlay.FOLD_KEYS``, and publish the overlay if the
-        view does not show its parts (it skips an empty recent part, and a fold replaces both).
-        Called before the updates are acknowledged or returned."""
+        """After updates were applied to the active overlay (under the lock, before they are
+        acknowledged): fold it when due, and publish it if the view does not show its parts (it
+        skips an empty recent part; a fold replaces both)."""
         overlay = self._overlay
         if overlay.fold_due:
             overlay.fold()
@@ -436,10 +435,8 @@ class AttributeState:
         return upsert_columns(*self._frozen.sorted_columns(), *active)
 
     def pending_snapshot(self) -> tuple[tuple, tuple]:
-        """Under the lock: ``(state, columns)``: what the state of tier 1 and the tree depends on
-        (the log's position, the tree's version and the overlays, which change only with the
-        position, a merge or a rebuild) and tier 1's entries (``pending_columns``), which the
-        caller may read without the lock."""
+        """Under the lock: ``(state, columns)``: what tier 1 and the tree depend on (the log's
+        position, the tree's version, the overlays) and tier 1's entries (``pending_columns``)."""
         frozen, overlay = self._frozen, self._overlay
         state = (self._log.position, self.tree.version.footer_offset, id(overlay), len(overlay),
                  id(frozen), 0 if frozen is None else len(frozen))
@@ -487,11 +484,10 @@ class AttributeState:
         self.runner.wake()
 
     def _fold_active(self) -> None:
-        """Under the lock, with the merge mutex held (no merge reads the frozen overlay): move the
-        active overlay's entries into the frozen one, which then covers the log up to its
-        position, so one merge takes both (a merge of a large tree costs about the same for
-        more keys: ``btree.tree.DENSE_PAGES_PER_KEY``). Readers see the same values throughout:
-        the active overlay shadows the frozen one until the view without it is published."""
+        """Under the lock and the merge mutex: the active overlay's entries go into the frozen one,
+        which then covers the log up to its position, so one merge takes both (a dense merge costs
+        the same for more keys). Readers see the same values: the active overlay shadows the
+        frozen one until the view without it is published."""
         self._frozen.absorb(self._overlay)  # type: ignore[union-attr]
         self._frozen_at = self._log.position
         self._overlay = AttributeOverlay()

@@ -4,6 +4,8 @@ streaming through a restart with a replayed batch, attribute bulk loads and look
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import random
 import shutil
@@ -267,10 +269,123 @@ def test_attribute_bulk_load_then_lookup_matches_a_dict(spark, tmp_path):
     probes = sorted(model)[::3] + removed[:50] + [1 << 41, 1 << 42]
     looked = attrindex.spark.lookup(spark.createDataFrame([(k,) for k in probes], "k long"), "k", url, "attrs")
     assert {r.k: r.value for r in looked.collect()} == {k: model.get(k) for k in probes}
+    # Lookups of 7 rows at a time, with null keys among the probes: every row keeps its own answer.
+    rows = [(k, i) for i, k in enumerate(probes)] + [(None, -1), (None, -2)]
+    looked = attrindex.spark.lookup(spark.createDataFrame(rows, "k long, i long").repartition(2), "k", url, "attrs",
+                                    batch_rows=7)
+    assert sorted((r.i, r.value) for r in looked.collect()) == sorted(
+        [(i, model.get(k)) for i, k in enumerate(probes)] + [(-1, None), (-2, None)])
 
     back = (spark.read.format("attrindex.attributes").option("path", url).option("segment", "attrs")
             .option("partitions", 4).load())
     assert {int.from_bytes(bytes(r.key), "big"): r.value for r in back.collect()} == model
+
+
+#: a row's 16-byte key from its index, in Spark SQL and in Python: keys spread over the key space
+SPREAD_KEY = "substring(unhex(sha2(cast({col} as string), 256)), 1, 16)"
+
+
+def spread_key(index: int) -> bytes:
+    return hashlib.sha256(str(index).encode()).digest()[:16]
+
+
+def test_attribute_load_lookup_and_read_of_rows_made_in_spark(spark, tmp_path):
+    """200k rows made in the JVM, loaded by 4 tasks (taking turns), looked up by 60k probes (half
+    absent) in batches smaller than a partition, and read back whole."""
+    from pyspark.sql import functions as F
+
+    url, n = str(tmp_path / "store"), 200_000
+    (spark.range(n, numPartitions=4).selectExpr(SPREAD_KEY.format(col="id") + " as key", "id * 1000003 + 7 as value")
+     .write.format("attrindex.attributes").option("path", url).option("segment", "big").mode("append").save())
+
+    probes = (spark.range(60_000, numPartitions=3).selectExpr(f"(id * 7919 + 13) % {2 * n} as idx")
+              .selectExpr("idx", SPREAD_KEY.format(col="idx") + " as key"))
+    looked = attrindex.spark.lookup(probes, "key", url, "big", value_col="found", batch_rows=15_000)
+    wanted = F.when(F.col("idx") < n, F.col("idx") * 1000003 + 7)
+    totals = looked.agg(F.count("found").alias("matches"), F.sum((F.col("idx") < n).cast("int")).alias("present"),
+                        F.sum((~F.col("found").eqNullSafe(wanted)).cast("int")).alias("wrong")).collect()[0]
+    assert totals.matches == totals.present > 20_000 and totals.wrong == 0
+    sample = looked.limit(300).collect()
+    assert {r.idx < n for r in sample} == {True, False}
+    for r in sample:
+        assert bytes(r.key) == spread_key(r.idx) and r.found == (r.idx * 1000003 + 7 if r.idx < n else None)
+
+    back = (spark.read.format("attrindex.attributes").option("path", url).option("segment", "big")
+            .option("partitions", 4).load())
+    got = back.agg(F.count("*").alias("rows"), F.countDistinct("key").alias("keys"), F.sum("value").alias("total"),
+                   F.min("key").alias("first")).collect()[0]
+    assert (got.rows, got.keys, got.total) == (n, n, sum(i * 1000003 + 7 for i in range(n)))
+    assert bytes(got.first) == min(spread_key(i) for i in range(n))
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _command(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def task_worker_pids() -> list[int]:
+    """The Python processes running this session's tasks: the children of the JVM's
+    ``pyspark.daemon`` for the ``pyspark.worker`` module (the JVM is this process's child)."""
+    return [worker for jvm in _children(os.getpid()) if os.path.basename(_command(jvm)[0]) == b"java"
+            for daemon in _children(jvm) if b"pyspark.daemon" in _command(daemon) and b"pyspark.worker" in _command(daemon)
+            for worker in _children(daemon)]
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def peak_task_worker_rss(job) -> int:
+    """The largest peak RSS (KiB) of a task worker while ``job()`` ran: every worker's peak is
+    reset first (``/proc/PID/clear_refs``); workers forked meanwhile count from their fork."""
+    for pid in task_worker_pids():
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+    job()
+    peaks = []
+    for pid in task_worker_pids():
+        with contextlib.suppress(OSError, StopIteration):
+            peaks.append(_status_kib(pid, "VmHWM"))
+    assert peaks
+    return max(peaks)
+
+
+def test_an_attribute_load_task_holds_no_more_memory_for_more_rows(spark, tmp_path):
+    """One task loading 500k rows, then one loading 2M: its worker's peak RSS stays within noise
+    of the first (tier 1 is ``maxPendingBytes``, 4 MiB; one process's RSS levels off after about
+    400k rows, when the page cache is full). Holding the task's updates (a list of them, tier 1
+    unbounded, a value per key cached) would add about 200 MB."""
+    def load(rows: int, segment: str):
+        def job():
+            (spark.range(rows, numPartitions=1).selectExpr("unhex(lpad(hex(id), 32, '0')) as key", "id as value")
+             .write.format("attrindex.attributes").option("path", str(tmp_path / "store")).option("segment", segment)
+             .option("maxPendingBytes", 4 << 20).mode("append").save())
+        return job
+
+    load(20_000, "warm")()  # a worker that has run a load: its imports are resident
+    small = peak_task_worker_rss(load(500_000, "small"))
+    large = peak_task_worker_rss(load(2_000_000, "large"))
+    assert large - small < 24 << 10, (small, large)
+    with SegmentStore.open(str(tmp_path / "store"), mode="r+") as store:
+        assert store.segment("large").stats().attributes.entry_count == 2_000_000
 
 
 def test_lookup_by_binary_and_uuid_keys(spark, tmp_path):
@@ -295,6 +410,7 @@ def test_lookup_by_binary_and_uuid_keys(spark, tmp_path):
     (lambda s, u: s.createDataFrame([(1.5, 1)], "key double, value long").write.format("attrindex.attributes")
      .option("path", u).option("segment", "a").mode("append").save(), "column 'key' has type double"),
     (lambda s, u: attrindex.spark.lookup(s.range(3), "id", u, "absent"), "segment 'absent' does not exist"),
+    (lambda s, u: attrindex.spark.lookup(s.range(3), "id", u, "absent", batch_rows=0), "batch_rows must be an int >= 1"),
     (lambda s, u: s.createDataFrame([(b"short", 1)], "key binary, value long").write.format("attrindex.attributes")
      .option("path", u).option("segment", "a").mode("append").save(), "key must be 16 bytes"),
     (lambda s, u: read(s, "ftp://host/x", "s").count(), "unsupported storage scheme 'ftp'"),

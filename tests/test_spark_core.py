@@ -1147,3 +1147,112 @@ def test_write_options_reach_the_store_and_the_writer(tmp_path):
         write_settings({**raw, "logRollingSize": "100"}, schema, False)
     with pytest.raises(InvalidInputError, match="append-only"):
         write_settings(raw, schema, overwrite=True)
+
+
+# =============================================================================================
+# attribute writes: options, turns of the tasks writing one segment
+# =============================================================================================
+def test_attribute_write_options_reach_the_task_store(tmp_path):
+    from attrindex.spark.attributes import TASK_CACHE_BYTES, _target
+
+    target = _target({"path": str(tmp_path), "segment": "a", "maxPendingBytes": str(4 << 20)})
+    assert target.max_pending_bytes == 4 << 20
+    with target.open_store() as store:
+        assert store.options.max_pending_bytes == 4 << 20
+        assert store.options.attribute_options == {"cache_bytes": TASK_CACHE_BYTES, "value_cache_entries": 0}
+    assert _target({"path": "p", "segment": "a"}).max_pending_bytes is None
+    with pytest.raises(InvalidInputError, match="'maxPendingBytes' must be >= 1048576"):
+        _target({"path": "p", "segment": "a", "maxPendingBytes": "1000"})
+
+
+def _hold_turn_in_child(root: str, segment: str):
+    """A child process that takes the write turn of ``segment`` and keeps it until killed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from storage_adapters import open_storage\n"
+            "from attrindex.spark.turns import writer_turn\n"
+            "with writer_turn(open_storage(sys.argv[1]), sys.argv[2]) as taken:\n"
+            "    print('held' if taken else 'none', flush=True)\n"
+            "    time.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", code, root, segment], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def _attributes_writer(url: str, segment: str):
+    from pyspark.sql.types import BinaryType, LongType, StructField, StructType
+
+    from attrindex.spark import attributes
+
+    schema = StructType([StructField("key", BinaryType()), StructField("value", LongType())])
+    return attributes.AttributesWriter(attributes._target({"path": url, "segment": segment}), schema)
+
+
+def test_attribute_write_tasks_on_local_disk_take_turns_and_a_killed_holder_frees_it(tmp_path):
+    import threading
+
+    url = str(tmp_path / "store")
+    writers = {name: _attributes_writer(url, name) for name in ("a", "b")}  # (creates both segments)
+    holder = _hold_turn_in_child(url, "a")  # as another task writing segment a
+    done = {name: threading.Event() for name in writers}
+
+    def task(name):
+        writers[name].write(_attribute_batches(0, 1000))
+        done[name].set()
+
+    for name in writers:
+        threading.Thread(target=task, args=(name,), daemon=True).start()
+    try:
+        assert done["b"].wait(60)  # another segment's turn is its own
+        assert not done["a"].wait(1)  # segment a's task waits for its turn
+        with SegmentStore.open(url, mode="r+") as store:
+            assert store.segment("a").next_offset == 0 and store.segment("b").get_attribute(999) == 999 * 3
+    finally:
+        holder.kill()  # as an executor dies: the kernel releases its turn
+        holder.wait()
+    assert done["a"].wait(60)
+    with SegmentStore.open(url, mode="r+") as store:
+        assert store.segment("a").get_attributes([0, 999, 1000]) == [0, 999 * 3, None]
+
+
+def test_stores_not_on_local_disk_are_written_without_turns():
+    from attrindex.spark.turns import writer_turn
+
+    with open_storage(f"memory://turns-{uuid.uuid4().hex}") as storage, writer_turn(storage, "a") as taken:
+        assert taken is False
+
+
+def _attribute_batches(start: int, stop: int, size: int = 5000):
+    for first in range(start, stop, size):
+        ids = range(first, min(first + size, stop))
+        yield pa.RecordBatch.from_arrays([pa.array([i.to_bytes(16, "big") for i in ids], pa.binary()),
+                                          pa.array([i * 3 for i in ids], pa.int64())], names=["key", "value"])
+
+
+def test_concurrent_attribute_write_tasks_land_every_update_merged(tmp_path, monkeypatch):
+    """Two tasks of one write at once (threads here, each with its own store handle): every
+    update lands, each task's handle merged what it wrote before its turn passed on, so a later
+    open replays nothing."""
+    import threading
+
+    from attrindex.spark import attributes
+
+    monkeypatch.setattr(attributes, "WRITE_BATCH", 20_000)
+    url = str(tmp_path / "store")
+    writer = _attributes_writer(url, "a")
+    done = []
+    tasks = [threading.Thread(target=lambda lo, hi: done.append(writer.write(_attribute_batches(lo, hi)).updates),
+                              args=(lo, lo + 60_000)) for lo in (0, 1_000_000)]
+    for task in tasks:
+        task.start()
+    for task in tasks:
+        task.join(300)
+    assert sorted(done) == [60_000, 60_000]
+    with SegmentStore.open(url, mode="r+") as store:
+        segment = store.segment("a")
+        assert segment.stats().pending_attributes == 0
+        assert segment.stats().attributes.entry_count == 120_000
+        probes = [0, 59_999, 60_000, 1_000_000, 1_059_999, 1_060_000]
+        assert segment.get_attributes(probes) == [0, 59_999 * 3, None, 3_000_000, 1_059_999 * 3, None]

@@ -4,11 +4,17 @@ Writes are bulk ``REPLACE`` updates (a null value removes the key); replaying th
 values again, so task retries and duplicate attempts cannot change the outcome of a write whose
 input is the same. Reads split the key space at the B+tree's upper separator keys.
 
-Writes go through the segment's log, never straight into its B+tree with ``bulk_load``: tasks
-write one segment at once, and the log is what every writer's conditional appends validate
-against (a tree written beside it would be a second truth). The log's tier 1 reaches the tree in
-large sorted merges; into an empty tree such a merge writes full leaves in one append, as a bulk
-load does, at the same speed (1M keys: 0.44 s against 0.43 s, measured).
+Writes go through the segment's log, never straight into its B+tree with ``bulk_load``: the log
+is what every writer's conditional appends validate against (a tree written beside it would be a
+second truth). The log's tier 1 reaches the tree in large sorted merges; into an empty tree such a
+merge writes full leaves in one append, as a bulk load does, at the same speed (1M keys: 0.44 s
+against 0.43 s, measured). On local disk the tasks of a write take turns (``turns``).
+
+Memory per Python worker is bounded by options, never by the rows of a task or of the segment: a
+write task holds one append's updates (``WRITE_BATCH`` plus one Arrow batch) and its handle's tier
+1 (``maxPendingBytes``); a lookup task holds ``batch_rows`` input rows and their keys; a read task
+``READ_BATCH`` pairs; every handle's page cache is ``TASK_CACHE_BYTES``, and it keeps no value cache
+(docs/spark.md).
 """
 
 from __future__ import annotations
@@ -26,6 +32,16 @@ ATTRIBUTES_DDL = "key binary, value long"
 KEY_TYPES = (BinaryType, StringType, LongType, IntegerType, ShortType, ByteType)
 READ_BATCH = 10_000
 WRITE_BATCH = 100_000  #: updates per durable append while bulk loading
+LOOKUP_BATCH_ROWS = 100_000  #: input rows per batched lookup (sorted, they share page reads)
+#: The B+tree page cache of a task's handle, in decoded memory (``tree_index.page_memory``): about
+#: the index pages of a 100M-key tree (63 pages of about 330 KB decoded) and a few leaves. A task
+#: reads a leaf once per sorted batch of lookups or merge, so more cache would only hold more leaves.
+TASK_CACHE_BYTES = 32 << 20
+#: The B+tree options of a task's handle. No value cache: a lookup puts every value it read in it (up
+#: to 2Mi entries, ~140 B each), as a merge of up to 10k keys does every value it wrote, and a task
+#: rarely reads a key twice.
+TASK_TREE_OPTIONS = {"cache_bytes": TASK_CACHE_BYTES, "value_cache_entries": 0}
+MIN_PENDING_BYTES = 1 << 20
 
 
 @attrs.frozen
@@ -36,11 +52,15 @@ class AttributeTarget:
     key_column: str = "key"
     value_column: str = "value"
     partitions: int = 8
+    max_pending_bytes: int | None = None  #: tier 1's limit in a write task's handle (None: the store's default)
 
     def open_store(self):
         from ..store import SegmentStore
 
-        return SegmentStore.open(self.url, storage_options=dict(self.storage_options))
+        options: dict = {"attribute_options": TASK_TREE_OPTIONS}
+        if self.max_pending_bytes is not None:
+            options["max_pending_bytes"] = self.max_pending_bytes
+        return SegmentStore.open(self.url, storage_options=dict(self.storage_options), **options)
 
 
 def _target(raw) -> AttributeTarget:
@@ -52,6 +72,7 @@ def _target(raw) -> AttributeTarget:
         key_column=options.text("keyColumn", "key"),
         value_column=options.text("valueColumn", "value"),
         partitions=options.integer("partitions", 8, minimum=1),
+        max_pending_bytes=options.integer("maxPendingBytes", None, minimum=MIN_PENDING_BYTES),
     )
 
 
@@ -85,25 +106,29 @@ class AttributesWriter(DataSourceArrowWriter):
 
     def write(self, iterator):
         from .arrow import attribute_keys, attribute_values, column_named
+        from .turns import writer_turn
 
         t = self.target
         count = 0
-        with t.open_store() as store:
-            segment = store.segment(t.segment)
-            pending: list[tuple] = []
-            for batch in iterator:
-                keys = attribute_keys(column_named(batch, t.key_column), t.key_column)
-                if None in keys:
-                    raise InvalidInputError(f"{SOURCE}: the key column {t.key_column!r} holds nulls")
-                pending.extend(zip(keys, attribute_values(column_named(batch, t.value_column), t.value_column)))
-                if len(pending) >= WRITE_BATCH:
+        with t.open_store() as store, writer_turn(store.storage, t.segment):
+            segment = store.segment(t.segment)  # opened in this task's turn: merged up to the last turn's end
+            try:
+                pending: list[tuple] = []
+                for batch in iterator:
+                    keys = attribute_keys(column_named(batch, t.key_column), t.key_column)
+                    if None in keys:
+                        raise InvalidInputError(f"{SOURCE}: the key column {t.key_column!r} holds nulls")
+                    pending.extend(zip(keys, attribute_values(column_named(batch, t.value_column), t.value_column)))
+                    if len(pending) >= WRITE_BATCH:
+                        segment.update_attributes(pending)
+                        count += len(pending)
+                        pending = []
+                if pending:
                     segment.update_attributes(pending)
                     count += len(pending)
-                    pending = []
-            if pending:
-                segment.update_attributes(pending)
-                count += len(pending)
-        return _Done(count)  # closing the store merged the updates into the B+tree
+            finally:
+                segment.close()  # what it wrote merged into the B+tree before the turn passes on
+        return _Done(count)
 
     def commit(self, messages):
         pass  # every update is durable once its task's write returned
@@ -165,10 +190,12 @@ class AttributesDataSource(DataSource):
         return AttributesWriter(_target(self.options), schema)
 
 
-def lookup(df, key_col: str, url: str, segment: str, value_col: str = "value", storage_options=None):
+def lookup(df, key_col: str, url: str, segment: str, value_col: str = "value", storage_options=None, *,
+           batch_rows: int = LOOKUP_BATCH_ROWS):
     """``df`` with a column ``value_col`` (long): the value of ``key_col`` in ``segment``'s
     attributes, null where the key is absent (or null). Runs as ``mapInArrow``, one store handle
-    per partition, one batched lookup per Arrow batch.
+    per partition; the keys of up to ``batch_rows`` input rows are looked up at once (sorted, so
+    keys on one B+tree page share its read), and those rows are what a task holds.
 
     The segment must exist (``SegmentNotFoundError`` now, not from every task). That check runs
     where reads do: on the driver of a classic session, on the cluster under Spark Connect (the
@@ -179,27 +206,42 @@ def lookup(df, key_col: str, url: str, segment: str, value_col: str = "value", s
     check_key_column(df.schema, key_col, "lookup")
     if value_col.lower() in (f.name.lower() for f in df.schema.fields):
         raise InvalidInputError(f"lookup: the DataFrame has a column {value_col!r} already; pick another value_col")
+    if type(batch_rows) is not int or batch_rows < 1:
+        raise InvalidInputError(f"lookup: batch_rows must be an int >= 1, got {batch_rows!r:.60}")
     options = dict(storage_options or {})
     refuse_single_writer(options, "lookup")
     remote.run(df.sparkSession, check_segment, url, segment, options)
     schema = StructType([*df.schema.fields, StructField(value_col, LongType(), nullable=True)])  # df.schema stays as is
 
     def look_up(batches):
-        import pyarrow as pa
-
         from ..store import SegmentStore
-        from .arrow import attribute_keys, column_named
 
-        with SegmentStore.open(url, storage_options=options, mode="r+") as opened:
+        with SegmentStore.open(url, storage_options=options, mode="r+", attribute_options=TASK_TREE_OPTIONS) as opened:
             handle = opened.segment(segment)
+            held, rows = [], 0
             for batch in batches:
-                keys = attribute_keys(column_named(batch, key_col), key_col)
-                present = [k for k in keys if k is not None]
-                found = iter(handle.get_attributes(present))
-                values = [None if k is None else next(found) for k in keys]
-                yield batch.append_column(value_col, pa.array(values, pa.int64()))
+                held.append(batch)
+                rows += batch.num_rows
+                if rows >= batch_rows:
+                    yield from _looked_up(handle, held, key_col, value_col)
+                    held, rows = [], 0
+            if held:
+                yield from _looked_up(handle, held, key_col, value_col)
 
     return df.mapInArrow(look_up, schema)
+
+
+def _looked_up(handle, batches: list, key_col: str, value_col: str):
+    """``batches`` with the column ``value_col`` appended: their keys' values, in one lookup."""
+    import pyarrow as pa
+
+    from .arrow import attribute_keys, column_named
+
+    keys = [attribute_keys(column_named(batch, key_col), key_col) for batch in batches]
+    found = iter(handle.get_attributes([k for each in keys for k in each if k is not None]))
+    for batch, each in zip(batches, keys):
+        values = [None if k is None else next(found) for k in each]
+        yield batch.append_column(value_col, pa.array(values, pa.int64()))
 
 
 def check_segment(url: str, segment: str, storage_options: dict) -> None:
