@@ -167,6 +167,17 @@ class ShardedLRUCache:
                 return None
             return entry[0]
 
+    def peek(self, key: int) -> object | None:
+        """The value cached under ``key``, or ``None``, counting neither a hit nor a miss and
+        leaving the order alone (a merge that reads every leaf once takes what is cached)."""
+        shard = self._shard(key)
+        with shard.lock:
+            for table in (shard.high, shard.data):
+                entry = table.get(key)
+                if entry is not None:
+                    return entry[0]
+        return None
+
     def insert(self, key: int, value: object, charge: int) -> None:
         """Cache ``value`` under ``key`` with ``charge`` bytes, replacing any entry with that key.
 

@@ -136,7 +136,7 @@ def test_the_index_matches_a_dict_with_tier_1_folded_into_columns(monkeypatch):
     reads, scans, ``len``, merges, reopens (the replay folds too) and bulk loads meet both parts."""
     monkeypatch.setattr(overlay_module, "FOLD_KEYS", 3)
     run_state_machine_as_test(IndexWithWal, settings=settings(
-        max_examples=25, stateful_step_count=30, deadline=None,
+        max_examples=15, stateful_step_count=30, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 

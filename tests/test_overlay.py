@@ -350,12 +350,12 @@ def test_probe_many_edges():
 
 
 def test_tier_1_folded_into_columns_holds_about_25_bytes_a_key(monkeypatch):
-    """The memory bound of tier 1: 300k keys applied in batches of 1,000 with folds every 32,768
+    """The memory bound of tier 1: 150k keys applied in batches of 1,000 with folds every 16,384
     hold their settled part in columns (25 bytes a key) and at most one recent part in dicts;
     unfolded they take over 100 bytes a key. Measured with tracemalloc (numpy reports its arrays)."""
     from attrindex import overlay as overlay_module
 
-    count = 300_000
+    count = 150_000
 
     def batch(i: int) -> tuple[list[bytes], list[int]]:  # made as the WAL's decoding makes them: new objects
         rng = random.Random(i)
@@ -377,6 +377,6 @@ def test_tier_1_folded_into_columns_holds_about_25_bytes_a_key(monkeypatch):
         assert overlay.get(keys[5]) == values[5] and len(overlay) == count
         return size
 
-    folded = held(32_768)
-    assert folded <= 25 * count + 200 * 32_768, folded  # the columns, and one recent part at most
+    folded = held(16_384)
+    assert folded <= 25 * count + 200 * 16_384, folded  # the columns, and one recent part at most
     assert held(1 << 40) >= 100 * count  # never folded: dicts, the keys and the ints

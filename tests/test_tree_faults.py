@@ -670,9 +670,11 @@ def test_an_update_whose_append_failed_ambiguously_is_applied_once_or_not_at_all
 @pytest.fixture(params=["rewrite", "rebuild"])
 def merge_path(request, monkeypatch):
     """The two ways an update is laid out: the copy-on-write rewrite of the leaves it touches,
-    or, for a dense batch, the rebuild of the whole tree (``btree.tree.DENSE_PAGES_PER_KEY``).
+    or, for a dense batch, the rebuild of the whole tree (``btree.tree.DENSE_PAGES_PER_KEY`` and
+    ``DENSE_MIN_PAGES``, lowered here for small trees).
     The updates below are dense; "rewrite" takes them through the rewrite all the same."""
     monkeypatch.setattr(btree, "DENSE_PAGES_PER_KEY", 0 if request.param == "rewrite" else 1 << 30)
+    monkeypatch.setattr(btree, "DENSE_MIN_PAGES", 0)
     return request.param
 
 

@@ -51,6 +51,10 @@ MAX_UPDATE_ATTEMPTS = 1000  # compare-and-append races one update may lose in a 
 #: of those costs more time than a rebuild of all of them (1M keys, 735 leaves: 367 keys took
 #: 0.27 s rewritten, 0.18 s rebuilt; 183 keys 0.11 s against 0.20 s; docs/design.md, "Dense merges").
 DENSE_PAGES_PER_KEY = 2
+#: ... in a tree of at least this many pages, or by a batch that fills as many. A smaller tree is
+#: rewritten for a smaller batch: briefly (64 leaves at most, ~1 ms each), and the pages it keeps
+#: in the page cache spare the next merge reading the tree back (on S3, a GET per run of leaves).
+DENSE_MIN_PAGES = 64
 LEAF_READ_BYTES = 4 << 20  #: the most bytes of consecutive leaves a merge reads at once
 DEFAULT_PIECE_SIZE = 8 << 20  #: an update larger than this is appended in pieces of about this size
 #: The largest ``piece_size``: one append (a piece, or the last: less than a piece and a page, then
@@ -99,6 +103,9 @@ class _Cacheless:
 
     def erase(self, key) -> None:
         pass
+
+    def peek(self, key) -> None:
+        return None
 
 
 class PieceLostError(Exception):
@@ -456,21 +463,29 @@ class BTreeIndex:
     def leaf_columns(self, state: TreeState) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """The leaves of ``state`` in key order as columns (``columns.leaf_columns``), each checked.
 
-        Leaves are read straight from storage, not through the page cache (a merge that reads
-        them all would push every other page out), and leaves stored back to back are read in
-        one request of up to ``LEAF_READ_BYTES``: after a bulk load or a dense merge, the leaves
-        of an index page lie in key order one after the other. Memory: one such read, one path."""
+        A leaf the page cache holds is taken from it; the others are read straight from storage,
+        not through the cache (a merge that reads them all would push every other page out), and
+        leaves stored back to back are read in one request of up to ``LEAF_READ_BYTES``: after a
+        bulk load or a dense merge, the leaves of an index page lie in key order one after the
+        other. Memory: one such read, one path."""
         root = self._root_page(state)
         if root.is_leaf:
             if root.keys:
                 yield np.array(root.keys, KEY_DTYPE), np.array(root.values, VALUE_DTYPE)
             return
+        peek = self.cache.peek
         for page in self._lowest_index_pages(root, 1, state.footer.height):
             offsets, lengths = page.offsets, page.lengths
             i, n = 0, len(offsets)
             while i < n:
+                cached = peek(offsets[i])
+                if cached is not None:
+                    yield np.array(cached.keys, KEY_DTYPE).reshape(-1), np.array(cached.values, VALUE_DTYPE)
+                    i += 1
+                    continue
                 start, end, j = offsets[i], offsets[i] + lengths[i], i + 1
-                while j < n and offsets[j] == end and end + lengths[j] - start <= LEAF_READ_BYTES:
+                while (j < n and offsets[j] == end and end + lengths[j] - start <= LEAF_READ_BYTES
+                       and peek(offsets[j]) is None):
                     end += lengths[j]
                     j += 1
                 data = memoryview(self._read(start, end - start))
@@ -500,11 +515,12 @@ class BTreeIndex:
         holds only what changed since the version with that checkpoint: on any other version
         (another writer's, seen now or after a lost race) ``TreeMovedError``, nothing written.
 
-        A dense batch, at least one key for every ``DENSE_PAGES_PER_KEY`` pages of the tree, would
+        A dense batch, at least one key for every ``DENSE_PAGES_PER_KEY`` pages of a tree of at
+        least ``DENSE_MIN_PAGES``, would
         rewrite most leaves anyway: the tree is then rebuilt as a bulk load into it does, every
         leaf read in order and merged with the batch as columns (docs/design.md, "Dense merges").
         """
-        if len(keys) * DENSE_PAGES_PER_KEY >= self._state.footer.page_count:
+        if self._dense(len(keys)):
             run = SortedRun()
             run.extend(keys, values)
             return self._load_run(run, checkpoint, base=base)
@@ -542,7 +558,7 @@ class BTreeIndex:
         """``update`` for a batch as columns: ascending unique ``S16`` keys, int64 values, and
         removal flags (True: remove the key). A dense batch is rebuilt from the columns as they
         are; a sparse one (few keys: fewer than half the pages) goes through ``update``'s lists."""
-        if len(keys) * DENSE_PAGES_PER_KEY >= self._state.footer.page_count:
+        if self._dense(len(keys)):
             removed = column_keys(keys[gone]) if gone.any() else []
             kept = ~gone
             run = SortedRun.of_columns(keys[kept] if removed else keys, values[kept] if removed else values, removed)
@@ -551,6 +567,13 @@ class BTreeIndex:
         for row in np.flatnonzero(gone).tolist():
             listed[row] = None
         return self.update(column_keys(keys), listed, checkpoint, base)
+
+    def _dense(self, keys: int) -> bool:
+        """Whether a batch of ``keys`` keys is merged by rebuilding the tree (``DENSE_*``): the
+        tree or the batch fills ``DENSE_MIN_PAGES``, and the batch has a key per two pages."""
+        pages = self._state.footer.page_count
+        large = pages >= DENSE_MIN_PAGES or keys >= DENSE_MIN_PAGES * self.leaf_capacity
+        return large and keys * DENSE_PAGES_PER_KEY >= pages
 
     def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[UpdateBuilder, Footer] | None:
         footer = state.footer
