@@ -461,13 +461,9 @@ class BTreeIndex:
                 stack.extend((depth + 1, o, n) for o, n in zip(reversed(page.offsets), reversed(page.lengths)))
 
     def leaf_columns(self, state: TreeState) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The leaves of ``state`` in key order as columns (``columns.leaf_columns``), each checked.
-
-        A leaf the page cache holds is taken from it; the others are read straight from storage,
-        not through the cache (a merge that reads them all would push every other page out), and
-        leaves stored back to back are read in one request of up to ``LEAF_READ_BYTES``: after a
-        bulk load or a dense merge, the leaves of an index page lie in key order one after the
-        other. Memory: one such read, one path."""
+        """The leaves of ``state`` in key order as checked columns (``columns.leaf_columns``): from
+        the page cache if it holds them, else from storage without filling the cache, consecutive
+        leaves in one read of up to ``LEAF_READ_BYTES`` (after a rebuild, leaves lie in key order)."""
         root = self._root_page(state)
         if root.is_leaf:
             if root.keys:
@@ -515,10 +511,8 @@ class BTreeIndex:
         holds only what changed since the version with that checkpoint: on any other version
         (another writer's, seen now or after a lost race) ``TreeMovedError``, nothing written.
 
-        A dense batch, at least one key for every ``DENSE_PAGES_PER_KEY`` pages of a tree of at
-        least ``DENSE_MIN_PAGES``, would
-        rewrite most leaves anyway: the tree is then rebuilt as a bulk load into it does, every
-        leaf read in order and merged with the batch as columns (docs/design.md, "Dense merges").
+        A dense batch (``_dense``) rebuilds the tree as a bulk load into it does, merging the
+        leaves with the batch as columns (docs/design.md, "Dense merges").
         """
         if self._dense(len(keys)):
             run = SortedRun()
