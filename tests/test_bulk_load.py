@@ -663,7 +663,7 @@ def _as_columns(pairs: list, form: str):
     return pa.array([key for key, _ in pairs], pa.binary(16)), pa.array(values, pa.int64())
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(before=PAIRS, chunks=st.lists(st.lists(st.tuples(KEYS, st.integers(-(1 << 63), (1 << 63) - 1)), max_size=60),
                                      max_size=5),
        order=st.sampled_from(["as given", "sorted"]), form=st.sampled_from(["bytes", "S16", "uint8", "words", "arrow"]),
