@@ -18,7 +18,7 @@ import struct
 
 import numpy as np
 
-from .btree.columns import KEY_DTYPE, VALUE_DTYPE, column_keys, upsert_columns
+from .btree.columns import KEY_DTYPE, VALUE_DTYPE, column_keys, positions, upsert_columns
 from .value_cache import MISSING
 
 def merge_overlay(tree, overlay: AttributeOverlay, at: int, base: int | None = None) -> bool:
@@ -90,13 +90,10 @@ class Settled:
         out = [MISSING] * len(keys) if found is None else found
         if not keys or not len(self.keys):
             return out
-        probe = np.frombuffer(b"".join(keys), KEY_DTYPE)
-        at = self.keys.searchsorted(probe)
-        hit = at < len(self.keys)
-        hit[hit] = self.keys[at[hit]] == probe[hit]
+        at, hit = positions(self.keys, np.frombuffer(b"".join(keys), KEY_DTYPE))
         rows = np.flatnonzero(hit)
-        positions = at[rows]
-        for row, value, gone in zip(rows.tolist(), self.values[positions].tolist(), self.gone[positions].tolist()):
+        where = at[rows]
+        for row, value, gone in zip(rows.tolist(), self.values[where].tolist(), self.gone[where].tolist()):
             if out[row] is MISSING:
                 out[row] = None if gone else value
         return out

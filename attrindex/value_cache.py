@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from itertools import repeat
 
+import numpy as np
+
+from .btree.columns import KEY_DTYPE, positions
 from .errors import InvalidInputError
 
 MISSING = object()
@@ -106,19 +109,14 @@ class ValueCache:
     def refresh_columns(self, keys, values, gone) -> None:
         """``refresh_many`` for a batch as columns (sorted ``S16`` keys, int64 values, removal
         flags): the cached keys are looked up in the batch (one numpy search), none is added."""
-        import numpy as np
-
         for table in (self.young, self.old):
             if not table or not len(keys):
                 continue
             cached = list(table)
-            probe = np.frombuffer(b"".join(cached), f"S{len(cached[0])}")
-            at = keys.searchsorted(probe)
-            hit = at < len(keys)
-            hit[hit] = keys[at[hit]] == probe[hit]
+            at, hit = positions(keys, np.frombuffer(b"".join(cached), KEY_DTYPE))
             rows = np.flatnonzero(hit)
-            positions = at[rows]
-            for row, value, removed in zip(rows.tolist(), values[positions].tolist(), gone[positions].tolist()):
+            where = at[rows]
+            for row, value, removed in zip(rows.tolist(), values[where].tolist(), gone[where].tolist()):
                 table[cached[row]] = None if removed else value
 
     def clear(self) -> None:

@@ -39,6 +39,11 @@ def leaf_columns(page: bytes | memoryview, offset: int, segment: str = "?") -> t
     return keys, np.frombuffer(page, VALUE_DTYPE, n, HEADER_SIZE + n * KEY_SIZE)
 
 
+def page_columns(page) -> tuple[np.ndarray, np.ndarray]:
+    """A decoded leaf page's keys and values as columns (copies of its lists)."""
+    return np.array(page.keys, KEY_DTYPE).reshape(-1), np.array(page.values, VALUE_DTYPE)
+
+
 def run_columns(run: SortedRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A sorted run's kept keys, their values and its removed keys, as arrays (the first two over
     the run's own buffers: the run must not change while they are in use)."""
@@ -48,8 +53,9 @@ def run_columns(run: SortedRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return keys, values, removed
 
 
-def _positions(keys: np.ndarray, probes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where each of ``probes`` goes in ``keys`` (both sorted) and whether it is there already."""
+def positions(keys: np.ndarray, probes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of ``probes`` goes in the sorted ``keys`` and whether it is there already (one
+    numpy search; ``probes`` need not be sorted)."""
     at = np.searchsorted(keys, probes)
     found = at < len(keys)
     found[found] = keys[at[found]] == probes[found]
@@ -79,7 +85,7 @@ def upsert_columns(keys: np.ndarray, values: np.ndarray, flags: np.ndarray, new_
         return new_keys, new_values, new_flags
     if not len(new_keys):
         return keys, values, flags
-    at, found = _positions(keys, new_keys)
+    at, found = positions(keys, new_keys)
     values, flags = values.copy(), flags.copy()
     values[at[found]] = new_values[found]
     flags[at[found]] = new_flags[found]
@@ -143,4 +149,4 @@ class RunCursor:
             self._next_chunk()
 
 
-__all__ = ["KEY_DTYPE", "VALUE_DTYPE", "RunCursor", "column_keys", "leaf_columns", "merge_columns", "run_columns", "upsert_columns"]
+__all__ = ["KEY_DTYPE", "VALUE_DTYPE", "RunCursor", "column_keys", "leaf_columns", "merge_columns", "page_columns", "positions", "run_columns", "upsert_columns"]

@@ -32,7 +32,7 @@ from storage_adapters.errors import (
 )
 
 from . import bulk
-from .columns import KEY_DTYPE, VALUE_DTYPE, column_keys, leaf_columns
+from .columns import column_keys, leaf_columns, page_columns
 from .compaction import OnePagePolicy
 from .footer import EMPTY, FOOTER_SIZE, PIECE, Footer, decode_footer
 from .page import HEADER_SIZE, INDEX_ENTRY_SIZE, IndexPage, LeafPage, decode_page, index_capacity, leaf_capacity
@@ -467,7 +467,7 @@ class BTreeIndex:
         root = self._root_page(state)
         if root.is_leaf:
             if root.keys:
-                yield np.array(root.keys, KEY_DTYPE), np.array(root.values, VALUE_DTYPE)
+                yield page_columns(root)
             return
         peek = self.cache.peek
         for page in self._lowest_index_pages(root, 1, state.footer.height):
@@ -476,7 +476,7 @@ class BTreeIndex:
             while i < n:
                 cached = peek(offsets[i])
                 if cached is not None:
-                    yield np.array(cached.keys, KEY_DTYPE).reshape(-1), np.array(cached.values, VALUE_DTYPE)
+                    yield page_columns(cached)
                     i += 1
                     continue
                 start, end, j = offsets[i], offsets[i] + lengths[i], i + 1
