@@ -31,6 +31,7 @@ from .arguments import check_progress
 from .btree.bulk import DEFAULT_SPILL_BYTES, read_columns, read_pairs
 from .btree.columns import column_keys
 from .btree.repair import IndexRepairReport
+from .btree.runs import RUN_MIN_ENTRIES, RUN_SHARE
 from .btree.verify import VerifyReport
 from .errors import CorruptDataError, InvalidInputError, RetriesExhaustedError, StorageError
 from .handle import IndexHandle
@@ -109,6 +110,8 @@ class AttributeIndex(IndexHandle):
         value_cache_entries: int = DEFAULT_VALUE_CACHE_ENTRIES,
         compaction: bool | str | object = True,
         piece_size: int = DEFAULT_PIECE_SIZE,
+        run_share: float = RUN_SHARE,
+        run_min_entries: int = RUN_MIN_ENTRIES,
         wal_rolling_size: int = DEFAULT_WAL_ROLLING_SIZE,
         merge_keys: int = DEFAULT_FLUSH_KEYS,
         merge_bytes: int = DEFAULT_FLUSH_BYTES,
@@ -138,7 +141,7 @@ class AttributeIndex(IndexHandle):
             merge_process=merge_process, merge_hang_seconds=float(merge_hang_seconds),
             attribute_options=dict(page_size=page_size, rolling_size=rolling_size, cache_bytes=cache_bytes,
                                    value_cache_entries=value_cache_entries, compaction=compaction,
-                                   piece_size=piece_size))
+                                   piece_size=piece_size, run_share=run_share, run_min_entries=run_min_entries))
         self._closed = False
         self._read_only = False  # set by open(mode="r")
         self._updates_written = 0  # WAL appends made by this handle
@@ -217,6 +220,9 @@ class AttributeIndex(IndexHandle):
         leaves of 32 KiB; 0 disables), ``value_cache_entries`` (1Mi),
         ``compaction`` (True: the bounded policy; "pravega"; False); ``piece_size`` (8 MiB: a merge
         that writes more is appended in pieces of about this size, which bounds its memory);
+        ``run_share`` (0.125) and ``run_min_entries`` (2Mi): merges into a tree of at least
+        ``run_min_entries`` entries write sorted runs beside it until the runs hold ``run_share``
+        of its entries, then rebuild it with them (0: every merge goes into the tree);
         ``wal_rolling_size`` (4 MiB),
         and when the WAL's pending updates are merged into the tree by the background merge:
         ``merge_keys`` (250,000 pending keys), ``merge_bytes`` (64 MiB of overlay),
@@ -327,16 +333,17 @@ class AttributeIndex(IndexHandle):
         # values under this version's entry count (a key about to be written cached as absent).
         # The tree answers every key from one version, checked below.
         stored = _stored_count(tree.get_many_uncached, pending[0])
-        if tree.version.footer_offset != version.footer_offset:
+        entries = tree.count(version)
+        if entries is None or tree.version.footer_offset != version.footer_offset:
             return None
-        return version.footer.entry_count + int((~pending[2]).sum()) - stored
+        return entries + int((~pending[2]).sum()) - stored
 
     def _count(self) -> int:
         """Tree entries + pending keys present now - pending keys the tree holds (under the lock)."""
         attributes = self._attributes
         attributes.settle()
         tree = attributes.tree
-        entries = tree.version.footer.entry_count
+        entries = tree.count()
         keys, _values, gone = attributes.pending_columns()
         if not len(keys):
             return entries

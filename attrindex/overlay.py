@@ -19,6 +19,7 @@ import struct
 import numpy as np
 
 from .btree.columns import KEY_DTYPE, VALUE_DTYPE, column_keys, positions, upsert_columns
+from .btree.runs import newer_first
 from .value_cache import MISSING
 
 def merge_overlay(tree, overlay: AttributeOverlay, at: int, base: int | None = None) -> bool:
@@ -189,7 +190,7 @@ class AttributeOverlay:
         recent = _scan(keys, self._table, lo, hi)
         if self._settled is None:
             return recent
-        return _newer_first(recent, self._settled.items(start, stop))
+        return newer_first(recent, self._settled.items(start, stop))
 
     def snapshot_items(self, start: bytes | None = None,
                        stop: bytes | None = None) -> Iterator[tuple[bytes, int | None]]:
@@ -202,7 +203,7 @@ class AttributeOverlay:
         recent = iter(list(_scan(keys, self._table, lo, hi)))
         if self._settled is None:
             return recent
-        return _newer_first(recent, self._settled.items(start, stop))
+        return newer_first(recent, self._settled.items(start, stop))
 
     def sorted_items(self) -> tuple[list[bytes], list[int | None]]:
         """Every entry as parallel lists ascending by key, removals included.
@@ -347,27 +348,6 @@ class AttributeOverlay:
 
 def _is_none(value: object) -> bool:
     return value is None
-
-
-def _newer_first(newer: Iterator[tuple[bytes, object]], older: Iterator[tuple[bytes, object]]) -> Iterator:
-    """Two ascending scans merged, ``newer``'s entry winning on equal keys (removals kept)."""
-    n, o = next(newer, None), next(older, None)
-    while n is not None and o is not None:
-        if n[0] < o[0]:
-            yield n
-            n = next(newer, None)
-        elif o[0] < n[0]:
-            yield o
-            o = next(older, None)
-        else:
-            yield n
-            n, o = next(newer, None), next(older, None)
-    if n is not None:
-        yield n
-        yield from newer
-    if o is not None:
-        yield o
-        yield from older
 
 
 def probe_many(lookup: Sequence[dict[bytes, int | None]], keys: list[bytes]) -> list[object]:

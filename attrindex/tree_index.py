@@ -20,10 +20,12 @@ import uuid
 import attrs
 
 from storage_adapters import ChunkStorage, RollingSegment
+from storage_adapters.errors import OffsetOutOfRangeError
 
 from .btree import DEFAULT_PIECE_SIZE, BTreeIndex, policy_for
 from .btree.bulk import DEFAULT_SPILL_BYTES, read_columns, read_pairs
 from .btree.framing import TREE_FRAMING
+from .btree.runs import RUN_MIN_ENTRIES, RUN_SHARE, RunPolicy
 from .btree.repair import IndexRepairReport, repair_index
 from .btree.sorted_run import SortedRun
 from .btree.spill import SpilledRuns
@@ -153,9 +155,15 @@ class TreeIndex(IndexHandle):
         value_cache_entries: int = DEFAULT_VALUE_CACHE_ENTRIES,
         compaction: bool | str | object = True,
         piece_size: int = DEFAULT_PIECE_SIZE,
+        run_share: float = RUN_SHARE,
+        run_min_entries: int = RUN_MIN_ENTRIES,
     ):
         if not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise InvalidInputError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        if isinstance(run_share, bool) or not isinstance(run_share, (int, float)) or not 0 <= run_share <= 1:
+            raise InvalidInputError(f"run_share must be a number in [0, 1], got {run_share!r:.60}")
+        if type(run_min_entries) is not int or run_min_entries < 0:
+            raise InvalidInputError(f"run_min_entries must be an int >= 0, got {run_min_entries!r:.60}")
         self._segment = RollingSegment(storage, name, rolling_size=rolling_size, framing=TREE_FRAMING)
         # Index pages are high priority: scans of leaves never push the upper levels out. Each page
         # is charged its decoded memory, not its stored size.
@@ -175,7 +183,7 @@ class TreeIndex(IndexHandle):
         # Another writer's version makes the recent values stale: the tree says when it adopts one.
         self._tree = BTreeIndex(self._segment, page_size=page_size, cache=self._page_cache,
                                 policy=policy_for(compaction), on_external_change=self._external_change,
-                                piece_size=piece_size)
+                                piece_size=piece_size, runs=RunPolicy(run_min_entries, float(run_share)))
 
     def _external_change(self) -> None:
         with self._cache_lock:
@@ -215,7 +223,11 @@ class TreeIndex(IndexHandle):
         memory of decoded pages the page cache holds (256 MiB, about 1,200 leaves of 32 KiB; 0
         disables), ``value_cache_entries`` (1Mi), ``compaction`` (True:
         the bounded policy; "pravega"; False), ``piece_size`` (8 MiB: an update that writes more is
-        appended in pieces of about this size, which bounds its memory; at least ``page_size``).
+        appended in pieces of about this size, which bounds its memory; at least ``page_size``),
+        ``run_share`` (0.125) and ``run_min_entries`` (2Mi): into a tree of at least
+        ``run_min_entries`` entries, a batch is written as a sorted run beside the tree until the
+        runs hold ``run_share`` of its entries, and only then is the tree rebuilt with them (0:
+        every batch goes into the tree; docs/design.md, "Sorted runs").
         """
         return cls._open_at(url, name, mode, storage_options, options)
 
@@ -301,7 +313,19 @@ class TreeIndex(IndexHandle):
 
     def __len__(self) -> int:
         self._check_open()
-        return self._tree.state.footer.entry_count
+        return self._tree.count()
+
+    def count(self, version=None) -> int | None:
+        """The keys present in ``version`` (one of ``self.version``; the current one by
+        default), or ``None`` if another writer's compaction freed pages of that version since
+        (it is no longer current: count again). Reads storage only for a version with sorted
+        runs (their keys are looked up in the main tree)."""
+        if version is None:
+            return self._tree.count()
+        try:
+            return self._tree.count(version)
+        except OffsetOutOfRangeError:
+            return None
 
     def __contains__(self, key: object) -> bool:
         self._check_open()
@@ -475,7 +499,7 @@ class TreeIndex(IndexHandle):
         return IndexStats(
             entry_count=footer.entry_count,
             page_count=footer.page_count,
-            height=footer.height,
+            height=state.main.height,
             length=state.length,
             start_offset=footer.min_offset if state.footer_offset >= 0 else state.length,
             storage_bytes=sum(c.stored for c in self._segment.chunks()),  # whole chunks, holes excluded

@@ -17,7 +17,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from attrindex import tree_index as tree_index_module
 from attrindex.tree_index import TreeIndex
+from attrindex.btree.runs import RunPolicy
 from attrindex.btree import tree as btree
 from attrindex.btree.footer import FOOTER_SIZE, Footer
 from attrindex.btree.page import encode_index
@@ -209,7 +211,7 @@ def test_restarts_are_bounded_even_when_every_one_finds_a_newer_version(url):
         tree._state = attrs.evolve(tree._state, length=tree._state.length + 1, root=None)
         return tree._state
 
-    tree._read_page, tree.reload = always_gone, always_newer
+    tree.reader.read_page, tree.reload = always_gone, always_newer
     tree._state = attrs.evolve(tree._state, root=None)
     for name, call in {"get": lambda: idx.get(1), "get_many": lambda: idx.get_many(range(50)),
                        "items": lambda: list(idx.items()), "split_keys": lambda: idx.split_keys(4)}.items():
@@ -667,15 +669,29 @@ def test_an_update_whose_append_failed_ambiguously_is_applied_once_or_not_at_all
 
 
 # -- updates in pieces -------------------------------------------------------------------------
-@pytest.fixture(params=["rewrite", "rebuild"])
-def merge_path(request, monkeypatch):
-    """The two ways an update is laid out: the copy-on-write rewrite of the leaves it touches,
-    or, for a dense batch, the rebuild of the whole tree (``btree.tree.DENSE_PAGES_PER_KEY`` and
-    ``DENSE_MIN_PAGES``, lowered here for small trees).
-    The updates below are dense; "rewrite" takes them through the rewrite all the same."""
-    monkeypatch.setattr(btree, "DENSE_PAGES_PER_KEY", 0 if request.param == "rewrite" else 1 << 30)
+def _lay_out(path: str, monkeypatch) -> str:
+    """Make updates take ``path``: the copy-on-write rewrite of the leaves they touch, the
+    rebuild of the whole tree (a dense batch: ``btree.tree.DENSE_PAGES_PER_KEY`` and
+    ``DENSE_MIN_PAGES``, lowered here for small trees), or a sorted run beside a non-empty
+    tree (every ``TreeIndex`` opened writes runs into a tree of one entry or more)."""
+    monkeypatch.setattr(btree, "DENSE_PAGES_PER_KEY", 0 if path == "rewrite" else 1 << 30)
     monkeypatch.setattr(btree, "DENSE_MIN_PAGES", 0)
-    return request.param
+    if path == "run":
+        monkeypatch.setattr(tree_index_module, "RunPolicy", lambda _entries, _share: RunPolicy(1, 1.0))
+    return path
+
+
+@pytest.fixture(params=["rewrite", "rebuild", "run"])
+def merge_path(request, monkeypatch):
+    """The three ways an update is laid out (``_lay_out``). The updates below are dense;
+    "rewrite" takes them through the rewrite all the same."""
+    return _lay_out(request.param, monkeypatch)
+
+
+@pytest.fixture(params=["rewrite", "rebuild"])
+def tree_path(request, monkeypatch):
+    """The two ways an update is laid out into the main tree (``_lay_out``)."""
+    return _lay_out(request.param, monkeypatch)
 
 
 def test_an_update_in_pieces_that_stops_at_any_append_leaves_the_version_before_it(storage_url, merge_path):
@@ -706,7 +722,7 @@ def test_an_update_in_pieces_that_stops_at_any_append_leaves_the_version_before_
     reader = TreeIndex(open_storage(url, **options), page_size=256)
     assert dict(reader.items()) == {**before, **new}
     report = reader.verify()
-    assert report.ok and report.entries == len({**before, **new})
+    assert report.ok and len(reader) == len({**before, **new}) and report.entries == reader.stats().entry_count
 
 
 def test_a_writer_that_appends_between_two_pieces_makes_the_update_start_over(url, monkeypatch, merge_path):
@@ -739,7 +755,7 @@ def test_a_writer_that_appends_between_two_pieces_makes_the_update_start_over(ur
     assert dict(reader.items()) == expected and reader.verify().ok
 
 
-def test_verify_checks_the_pages_of_pieces_and_not_the_bytes_a_repair_abandoned(url, merge_path):
+def test_verify_checks_the_pages_of_pieces_and_not_the_bytes_a_repair_abandoned(url, tree_path):
     idx = TreeIndex(open_storage(url), page_size=256, piece_size=1024, compaction=False)
     idx.update({k(i): i for i in range(300)})  # pieces, then the last append
     first_leaf = 0  # in the first piece: referenced by the tree
@@ -757,7 +773,7 @@ def test_an_update_in_pieces_meeting_a_fault_at_any_append_is_applied_once_or_no
     goes on, applied once."""
     url = str(tmp_path / "store")
     storage = FaultyStorage(open_storage(url), seed=2)
-    idx = TreeIndex(storage, page_size=256, piece_size=2048)
+    idx = TreeIndex(storage, page_size=256, piece_size=1024)
     before = {k(i): i for i in range(0, 400, 2)}
     idx.update(before)
     new = {k(i): -i for i in range(0, 400, 3)}

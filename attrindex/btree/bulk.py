@@ -51,7 +51,9 @@ from .columns import KEY_DTYPE, VALUE_DTYPE, RunCursor, merge_columns
 from .sorted_run import SortedRun
 from .spill import SpilledRuns
 from .footer import FOOTER_SIZE, Footer
-from .page import FORMAT_VERSION, HEADER, LEAF, page_checksum, encode_index
+from .key_filter import KeyFilter, build_filter
+from .page import FILTER, FORMAT_VERSION, HEADER, LEAF, RUN_LEAF, encode_blob, encode_index, encode_runs, page_checksum
+from .runs import FILTER_BITS_PER_KEY, MAX_FILTER_BYTES, RunRef, TreeRef, forest_footer
 
 READ_CHUNK = 1 << 16  #: pairs validated and sorted-checked at a time
 PROGRESS_EVERY = 1 << 16  #: pairs (or entries) between progress calls
@@ -293,8 +295,9 @@ class _Builder:
     piece of pages plus the pointers to the leaves (28 bytes a leaf, in columns)."""
 
     def __init__(self, base: int, leaf_capacity: int, index_capacity: int,
-                 flush: Callable[[bytearray, int], int] | None = None, piece_size: int = 0):
+                 flush: Callable[[bytearray, int], int] | None = None, piece_size: int = 0, *, removals: bool = False):
         self.base = base  #: the offset of ``buffer[0]``
+        self.removals = removals  #: a run's tree: ``RUN_LEAF`` pages, which keep removal flags
         self.leaf_capacity = leaf_capacity
         self.index_capacity = index_capacity
         self.buffer = bytearray()
@@ -310,31 +313,35 @@ class _Builder:
         self._flush = flush
         self._piece_size = piece_size
 
-    def add(self, keys: np.ndarray, values: np.ndarray) -> None:
+    def add(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray | None = None) -> None:
         """Append ascending entries (all above those added before) as columns: ``S16`` keys and
-        little-endian int64 values (``columns.py``)."""
+        little-endian int64 values (``columns.py``), and for a run's tree their removal flags."""
+        if gone is None:
+            gone = np.zeros(len(keys), bool) if self.removals else keys  # (unused for the main tree)
         count, at, cap = len(keys), 0, self.leaf_capacity
         if self.pending:
             at = min(cap - self.pending_count, count)
-            self.pending.append((keys[:at], values[:at]))
+            self.pending.append((keys[:at], values[:at], gone[:at]))
             self.pending_count += at
             if self.pending_count < cap:
                 return
-            self._leaf(np.concatenate([k for k, _ in self.pending]), np.concatenate([v for _, v in self.pending]))
+            self._leaf(*(np.concatenate(column) for column in zip(*self.pending)))
             self.pending, self.pending_count = [], 0
         while count - at >= cap:  # whole leaves straight from the columns
-            self._leaf(keys[at:at + cap], values[at:at + cap])
+            self._leaf(keys[at:at + cap], values[at:at + cap], gone[at:at + cap])
             at += cap
         if at < count:
-            self.pending.append((keys[at:], values[at:]))
+            self.pending.append((keys[at:], values[at:], gone[at:]))
             self.pending_count = count - at
 
-    def _leaf(self, keys: np.ndarray, values: np.ndarray) -> None:
+    def _leaf(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray) -> None:
         n = len(keys)
         offset = self.base + len(self.buffer)
-        page = bytearray(HEADER.pack(FORMAT_VERSION, LEAF, 0, n, 0))
+        page = bytearray(HEADER.pack(FORMAT_VERSION, RUN_LEAF if self.removals else LEAF, 0, n, 0))
         page += keys.tobytes()
         page += values.astype(VALUE_DTYPE, copy=False).tobytes()
+        if self.removals:
+            page += gone.astype(np.uint8).tobytes()
         _CRC.pack_into(page, 8, page_checksum(offset, page))
         self.leaf_keys += keys[:1].tobytes()  # (a slice: an element of S16 loses trailing zero bytes)
         self.leaf_offsets.append(offset)
@@ -357,8 +364,27 @@ class _Builder:
     def finish(self, checkpoint: int) -> tuple[bytes, Footer, int]:
         """Flush the last leaf, stack the index levels, append the footer: the bytes of the last
         append, its footer, and the offset to append them at (after the pieces)."""
+        tree = self.finish_tree()
+        footer_offset = self.base + len(self.buffer)
+        footer = Footer(root_offset=tree.offset, root_length=tree.length, height=tree.height, entry_count=tree.entries,
+                        page_count=tree.pages, live_bytes=tree.live_bytes,
+                        min_offset=tree.min_offset if tree.length else footer_offset, checkpoint=checkpoint,
+                        update_length=len(self.buffer) + FOOTER_SIZE)
+        self.buffer += footer.encode(footer_offset)
+        return bytes(self.buffer), footer, self.base
+
+    def place(self, encode: Callable[[int], bytes]) -> tuple[int, int]:
+        """Append the page ``encode(offset)`` returns for the offset it lands at: ``(offset, length)``."""
+        offset = self.base + len(self.buffer)
+        page = encode(offset)
+        self._add(page)
+        return offset, len(page)
+
+    def finish_tree(self) -> TreeRef:
+        """Flush the last leaf and stack the index levels: the tree built (the pages stay in the
+        buffer: more may follow before the footer)."""
         if self.pending:
-            self._leaf(np.concatenate([k for k, _ in self.pending]), np.concatenate([v for _, v in self.pending]))
+            self._leaf(*(np.concatenate(column) for column in zip(*self.pending)))
             self.pending, self.pending_count = [], 0
         leaves = len(self.leaf_offsets)
         height = 1 if leaves else 0
@@ -370,21 +396,10 @@ class _Builder:
         while len(pointers) > 1:
             pointers = [self._index(pointers[lo:hi]) for lo, hi in _ranges(len(pointers), self.index_capacity)]
             height += 1
-        footer_offset = self.base + len(self.buffer)
         root = pointers[0] if pointers else None
-        footer = Footer(
-            root_offset=root[1] if root else 0,
-            root_length=root[2] if root else 0,
-            height=height,
-            entry_count=self.entries,
-            page_count=self.pages,
-            live_bytes=self.live_bytes,
-            min_offset=root[3] if root else footer_offset,
-            checkpoint=checkpoint,
-            update_length=len(self.buffer) + FOOTER_SIZE,
-        )
-        self.buffer += footer.encode(footer_offset)
-        return bytes(self.buffer), footer, self.base
+        if root is None:
+            return TreeRef()
+        return TreeRef(root[1], root[2], height, self.entries, self.pages, self.live_bytes, root[3])
 
     def _index(self, group: list[tuple[bytes, int, int, int]]) -> tuple[bytes, int, int, int]:
         keys, offsets, lengths, mins = map(list, zip(*group))
@@ -453,6 +468,32 @@ def build(run: SortedRun | SpilledRuns, old_leaves: Iterator[tuple[np.ndarray, n
     if progress is not None:
         progress(total, total)
     return builder.finish(checkpoint)
+
+
+def build_run(batch: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]], main: TreeRef, runs: list[RunRef],
+              base: int, checkpoint: int, *, leaf_capacity: int, index_capacity: int,
+              flush: Callable[[bytearray, int], int] | None = None, piece_size: int = 0) -> tuple[bytes, Footer, int, RunRef, KeyFilter]:
+    """A version that adds the run of ``batch`` (ascending ``(keys, values, gone)`` blocks) over
+    ``main`` and ``runs`` (newest first, kept as they are): the run's tree, its key filter, the
+    runs page and the footer, appended from ``base`` on (in pieces as ``build`` is).
+    ``(bytes, footer, offset, run, filter)``: the last append, where it goes, and the new run."""
+    builder = _Builder(base, leaf_capacity, index_capacity, flush, piece_size, removals=True)
+    keys_held: list[np.ndarray] = []
+    for keys, values, gone in batch:
+        builder.add(keys, values, gone)
+        keys_held.append(keys)
+    tree = builder.finish_tree()
+    key_filter = build_filter(np.concatenate(keys_held) if keys_held else np.empty(0, KEY_DTYPE),
+                              FILTER_BITS_PER_KEY, MAX_FILTER_BYTES)
+    filter_at = builder.place(lambda offset: encode_blob(FILTER, key_filter.encode(), offset))
+    run = RunRef(tree, *filter_at)
+    kept = [run, *runs]
+    runs_at = builder.place(lambda offset: encode_runs(main.packed(), [r.packed() for r in kept], offset))
+    extra_pages = len(kept) + 1  # the filters and the runs page
+    extra_bytes = sum(r.filter_length for r in kept) + runs_at[1]
+    footer = forest_footer(main, kept, runs_at, checkpoint, len(builder.buffer) + FOOTER_SIZE, extra_pages, extra_bytes)
+    builder.buffer += footer.encode(builder.base + len(builder.buffer))
+    return bytes(builder.buffer), footer, builder.base, run, key_filter
 
 
 def validate_checkpoint(checkpoint: object) -> None:

@@ -26,22 +26,39 @@ _EMPTY_KEYS = np.empty(0, KEY_DTYPE)
 _EMPTY_VALUES = np.empty(0, VALUE_DTYPE)
 
 
-def leaf_columns(page: bytes | memoryview, offset: int, segment: str = "?") -> tuple[np.ndarray, np.ndarray]:
-    """The keys and values of the leaf stored at ``offset``, checked (``CorruptDataError``
-    otherwise, as ``page.decode_page`` raises), as read-only arrays over ``page``."""
-    kind, n = check_page(page, offset, segment)
-    if kind != LEAF:
+def leaf_columns(page: bytes | memoryview, offset: int, segment: str = "?",
+                 kind: int = LEAF) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The keys, values and removal flags (``None`` for a main tree's leaf, which removes
+    nothing) of the leaf of ``kind`` (``LEAF`` or ``RUN_LEAF``) stored at ``offset``, checked
+    (``CorruptDataError`` otherwise, as ``page.decode_page`` raises), as read-only arrays over ``page``."""
+    found, n = check_page(page, offset, segment)
+    if found != kind:
         from storage_adapters.errors import CorruptDataError
 
-        raise CorruptDataError(f"segment {segment!r}: B+tree page at offset {offset}: an index page where a leaf "
-                               "belongs", segment=segment, offset=offset)
+        raise CorruptDataError(f"segment {segment!r}: B+tree page at offset {offset}: a page of kind {found} where a "
+                               f"leaf of kind {kind} belongs", segment=segment, offset=offset)
     keys = np.frombuffer(page, KEY_DTYPE, n, HEADER_SIZE)
-    return keys, np.frombuffer(page, VALUE_DTYPE, n, HEADER_SIZE + n * KEY_SIZE)
+    values = np.frombuffer(page, VALUE_DTYPE, n, HEADER_SIZE + n * KEY_SIZE)
+    if kind == LEAF:
+        return keys, values, None
+    flags = np.frombuffer(page, np.uint8, n, HEADER_SIZE + n * (KEY_SIZE + 8))
+    if (flags > 1).any():
+        from storage_adapters.errors import CorruptDataError
+
+        raise CorruptDataError(f"segment {segment!r}: B+tree page at offset {offset}: a removal flag other than 0 or 1",
+                               segment=segment, offset=offset)
+    return keys, values, flags.astype(bool)
 
 
-def page_columns(page) -> tuple[np.ndarray, np.ndarray]:
-    """A decoded leaf page's keys and values as columns (copies of its lists)."""
-    return np.array(page.keys, KEY_DTYPE).reshape(-1), np.array(page.values, VALUE_DTYPE)
+def page_columns(page) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A decoded leaf page's keys, values and removal flags as columns (copies of its lists;
+    flags ``None`` for a main tree's leaf)."""
+    keys = np.array(page.keys, KEY_DTYPE).reshape(-1)
+    if not hasattr(page, "find"):
+        return keys, np.array(page.values, VALUE_DTYPE), None
+    gone = np.fromiter((value is None for value in page.values), bool, len(page.values))
+    values = np.fromiter((0 if value is None else value for value in page.values), VALUE_DTYPE, len(page.values))
+    return keys, values, gone
 
 
 def run_columns(run: SortedRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -105,6 +122,90 @@ def column_keys(keys: np.ndarray) -> list[bytes]:
     return [packed[at:at + KEY_SIZE] for at in range(0, len(packed), KEY_SIZE)]
 
 
+class ColumnCursor:
+    """Ascending entries ``(keys, values, gone)`` arriving in blocks (a tree's leaves, a run's),
+    taken up to a key at a time: ``bound(count)`` says how far ``count`` more entries reach,
+    ``through(high)`` takes them. Holds about ``count`` entries plus a block."""
+
+    def __init__(self, blocks: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]):
+        self._blocks = blocks
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._held = 0
+        self._ended = False
+
+    def _fill(self, count: int) -> None:
+        while self._held < count and not self._ended:
+            block = next(self._blocks, None)
+            if block is None:
+                self._ended = True
+                return
+            keys, values, gone = block
+            if len(keys):
+                self._parts.append((keys, values, np.zeros(len(keys), bool) if gone is None else gone))
+                self._held += len(keys)
+
+    def bound(self, count: int) -> bytes | None:
+        """The key ``count`` entries on (the last key if fewer remain); ``None`` once empty."""
+        self._fill(count)
+        if not self._held:
+            return None
+        at = min(count, self._held) - 1
+        for keys, _values, _gone in self._parts:
+            if at < len(keys):
+                return keys[at:at + 1].tobytes()
+            at -= len(keys)
+        raise AssertionError("unreachable")
+
+    def exhausted(self, count: int) -> bool:
+        """Whether fewer than ``count`` entries remain (all of them held)."""
+        self._fill(count)
+        return self._ended and self._held < count
+
+    def through(self, high: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The entries up to and including ``high`` not taken yet."""
+        taken: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        while True:
+            if not self._parts:
+                self._fill(1)
+                if not self._parts:
+                    break
+            keys, values, gone = self._parts[0]
+            j = int(np.searchsorted(keys, high, "right"))
+            if j:
+                taken.append((keys[:j], values[:j], gone[:j]))
+                self._held -= j
+            if j < len(keys):
+                self._parts[0] = (keys[j:], values[j:], gone[j:])
+                break
+            self._parts.pop(0)
+        if len(taken) == 1:
+            return taken[0]
+        if not taken:
+            return _EMPTY_KEYS, _EMPTY_VALUES, np.empty(0, bool)
+        return tuple(np.concatenate(column) for column in zip(*taken))  # type: ignore[return-value]
+
+
+def merge_streams(streams: list[Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]],
+                  block: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Ascending ``(keys, values, gone)`` streams merged into one, a later stream's entry winning
+    over an earlier one's for the same key (so: oldest first), removal flags kept. In steps of
+    at least ``block`` entries of some stream: each step takes every stream's entries up to the
+    lowest key that ``block`` entries of any stream reach, so memory holds about ``block``
+    entries a stream."""
+    cursors = [ColumnCursor(stream) for stream in streams]
+    while True:
+        bounds = [bound for bound in (cursor.bound(block) for cursor in cursors) if bound is not None]
+        if not bounds:
+            return
+        high = min(bounds)
+        merged = None
+        for cursor in cursors:
+            part = cursor.through(high)
+            merged = part if merged is None else upsert_columns(*merged, *part)
+        if merged is not None and len(merged[0]):
+            yield merged
+
+
 class RunCursor:
     """A sorted run (the chunks of a ``SortedRun`` or ``spill.SpilledRuns``) read in key order:
     ``through(high)`` takes its entries up to ``high``, ``rest()`` what is left."""
@@ -149,4 +250,4 @@ class RunCursor:
             self._next_chunk()
 
 
-__all__ = ["KEY_DTYPE", "VALUE_DTYPE", "RunCursor", "column_keys", "leaf_columns", "merge_columns", "page_columns", "positions", "run_columns", "upsert_columns"]
+__all__ = ["KEY_DTYPE", "VALUE_DTYPE", "ColumnCursor", "RunCursor", "merge_streams", "column_keys", "leaf_columns", "merge_columns", "page_columns", "positions", "run_columns", "upsert_columns"]

@@ -5,7 +5,7 @@ Layout (72 bytes, little-endian; see docs/format.md)::
     0   8  magic b"AIXFOOT1"
     8   u64 root offset          (0 with root length 0: the tree is empty)
     16  u32 root length
-    20  u16 height               (0 empty, 1 a single leaf, ...)
+    20  u16 height               (0 empty, 1 a single leaf, ...; 0 with a root: the root is a runs page)
     22  u16 kind                 (0 an update, 1 a piece of an update in progress, 2 a repair's copy)
     24  u64 entry count
     32  u64 page count
@@ -58,6 +58,12 @@ class Footer:
     checkpoint: int = -1
     update_length: int = 0
     kind: int = UPDATE
+
+    @property
+    def has_runs(self) -> bool:
+        """Whether the version has sorted runs: its root is then a runs page (``runs.py``),
+        which a height of 0 with a root says."""
+        return self.height == 0 and self.root_length > 0
 
     @property
     def restates(self) -> bool:

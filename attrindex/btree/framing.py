@@ -16,7 +16,7 @@ from storage_adapters.errors import CorruptDataError
 from storage_adapters.framing import Framing
 
 from .footer import FOOTER_SIZE, MAGIC, decode_footer
-from .page import FORMAT_VERSION, HEADER_SIZE, INDEX, INDEX_ENTRY_SIZE, LEAF, LEAF_ENTRY_SIZE, check_page
+from .page import FORMAT_VERSION, HEADER_SIZE, KINDS, check_page, page_size
 
 _HEAD = struct.Struct("<BBHI")  # version, kind, reserved, entry count
 
@@ -50,7 +50,7 @@ class TreeFraming(Framing):
         if bytes(data[:len(MAGIC)]) == MAGIC[:min(len(data), len(MAGIC))]:
             return True
         head = bytes(data[:4])
-        return head[:1] == bytes([FORMAT_VERSION]) and (len(head) < 2 or head[1] in (LEAF, INDEX)) and \
+        return head[:1] == bytes([FORMAT_VERSION]) and (len(head) < 2 or head[1] in KINDS) and \
             head[2:4] == b"\0\0"[:max(len(head) - 2, 0)]
 
     def last_frame_end(self, data: bytes, position: int) -> int | None:
@@ -67,9 +67,9 @@ def _page_size(view: memoryview, at: int, offset: int) -> int | None:
     if at + HEADER_SIZE > len(view):
         return None
     version, kind, reserved, count = _HEAD.unpack_from(view, at)
-    if version != FORMAT_VERSION or reserved or kind not in (LEAF, INDEX):
+    size = page_size(kind, count)
+    if version != FORMAT_VERSION or reserved or size is None:
         return None
-    size = HEADER_SIZE + count * (LEAF_ENTRY_SIZE if kind == LEAF else INDEX_ENTRY_SIZE)
     if at + size > len(view):
         return None
     try:

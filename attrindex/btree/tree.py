@@ -13,8 +13,6 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-import time
-import weakref
 from typing import Callable, Iterator, Sequence
 
 import attrs
@@ -28,22 +26,23 @@ from storage_adapters.errors import (
     OutcomeUnknownError,
     RetriesExhaustedError,
     StorageError,
-    TruncatedError,
 )
 
 from . import bulk
-from .columns import column_keys, leaf_columns, page_columns
+from .columns import KEY_DTYPE, VALUE_DTYPE, column_keys, merge_streams
 from .compaction import OnePagePolicy
 from .footer import EMPTY, FOOTER_SIZE, PIECE, Footer, decode_footer
-from .page import HEADER_SIZE, INDEX_ENTRY_SIZE, IndexPage, LeafPage, decode_page, index_capacity, leaf_capacity
+from .key_filter import KeyFilter
+from .page import HEADER_SIZE, INDEX_ENTRY_SIZE, LEAF, RUN_LEAF, IndexPage, LeafPage, index_capacity, leaf_capacity
+from .runs import Forest, RunRef, TreeRef, decode_runs, newer_first, present, read_filter, RunPolicy
 from .rewrite import Rewrite, UpdateBuilder
 from .sorted_run import SortedRun
+from .pages import ABSENT, MAX_RELIST_ATTEMPTS, PageReader, pause
 from .spill import SpilledRuns
 
 MIN_PAGE_SIZE = HEADER_SIZE + 3 * INDEX_ENTRY_SIZE  # an index page must hold at least 3 children
 MAX_PAGE_SIZE = 1 << 24
 # Every loop is bounded (a race lost for ever fails with an error, never spins):
-MAX_RELIST_ATTEMPTS = 6  # fresh listings before an inconsistent view is taken for damage
 MAX_READ_ATTEMPTS = 32  # restarts of one read from a newer version, each after another writer's truncation
 MAX_UPDATE_ATTEMPTS = 1000  # compare-and-append races one update may lose in a row
 #: An update of at least one key for this many pages of the tree is merged by rebuilding the tree
@@ -55,7 +54,6 @@ DENSE_PAGES_PER_KEY = 2
 #: rewritten for a smaller batch: briefly (64 leaves at most, ~1 ms each), and the pages it keeps
 #: in the page cache spare the next merge reading the tree back (on S3, a GET per run of leaves).
 DENSE_MIN_PAGES = 64
-LEAF_READ_BYTES = 4 << 20  #: the most bytes of consecutive leaves a merge reads at once
 DEFAULT_PIECE_SIZE = 8 << 20  #: an update larger than this is appended in pieces of about this size
 #: The largest ``piece_size``: one append (a piece, or the last: less than a piece and a page, then
 #: the footer) stays well within the footer's 32-bit update length.
@@ -79,7 +77,13 @@ class TreeState:
     footer: Footer
     footer_offset: int  # -1: nothing written yet
     length: int
-    root: LeafPage | IndexPage | None = attrs.field(default=None, eq=False, repr=False)
+    root: LeafPage | IndexPage | None = attrs.field(default=None, eq=False, repr=False)  #: the main tree's
+    forest: Forest | None = attrs.field(default=None, eq=False, repr=False)  #: the runs, if the version has any
+
+    @property
+    def main(self) -> TreeRef:
+        """The main tree (the whole tree of a version without runs)."""
+        return self.forest.main if self.forest is not None else TreeRef.of_footer(self.footer)
 
 
 @attrs.define
@@ -131,7 +135,8 @@ class BTreeIndex:
     """
 
     def __init__(self, segment: RollingSegment, *, page_size: int = 32768, cache=None, policy=None,
-                 on_external_change: Callable[[], None] | None = None, piece_size: int = DEFAULT_PIECE_SIZE):
+                 on_external_change: Callable[[], None] | None = None, piece_size: int = DEFAULT_PIECE_SIZE,
+                 runs: RunPolicy = RunPolicy()):
         if not isinstance(page_size, int) or not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
             raise InvalidInputError(f"page_size must be an int in [{MIN_PAGE_SIZE}, {MAX_PAGE_SIZE}], got {page_size!r}")
         if type(piece_size) is not int or not page_size <= piece_size <= MAX_PIECE_SIZE:
@@ -140,11 +145,13 @@ class BTreeIndex:
         self.segment = segment
         self.page_size = page_size
         self.piece_size = piece_size
+        self.runs = runs  #: when batches become sorted runs (``runs.RunPolicy``)
         self.leaf_capacity = leaf_capacity(page_size)
         self.index_capacity = index_capacity(page_size)
         self.cache = cache if cache is not None else _Cacheless()
         self.policy = policy if policy is not None else OnePagePolicy()
         self.io = IOStats()
+        self.reader = PageReader(segment, self.cache, self.io)
         self._on_external_change = on_external_change
         self._write_lock = threading.Lock()
         self._state = TreeState(EMPTY, -1, 0)
@@ -168,7 +175,7 @@ class BTreeIndex:
         problem: Exception | None = None
         for attempt in range(MAX_RELIST_ATTEMPTS):
             if attempt:
-                _pause(attempt)
+                pause(attempt)
             try:
                 self.segment.refresh()
             except FileNotFoundError as error:  # a chunk deleted between listing and sizing it
@@ -218,7 +225,7 @@ class BTreeIndex:
             # Truncation keeps the newest footer's pages, the footer included: never legitimate.
             raise self._corrupt(start, f"the truncation offset {start} is past the newest footer (length {length})")
         try:
-            data = self._read(tail, FOOTER_SIZE)
+            data = self.reader.read(tail, FOOTER_SIZE)
         except OffsetOutOfRangeError as error:  # the listing changed under the read: not a version
             raise self._corrupt(tail, f"the newest footer at offset {tail} is outside the stored range: {error}") from error
         footer = decode_footer(data, tail)
@@ -227,67 +234,40 @@ class BTreeIndex:
         if footer.min_offset < start:
             raise self._corrupt(tail, f"the newest footer at offset {tail} references pages from offset "
                                       f"{footer.min_offset}, below the truncation offset {start}")
-        return TreeState(footer, tail, length)
+        return TreeState(footer, tail, length, forest=self._read_forest(footer))
+
+    def _read_forest(self, footer: Footer) -> Forest | None:
+        """The runs of the version ``footer`` ends (``None`` if it has none): the runs page and
+        the runs' key filters, those the version before held reused."""
+        if not footer.has_runs:
+            return None
+        offset, length = footer.root_offset, footer.root_length
+        try:
+            main, runs = decode_runs(self.reader.read(offset, length), offset, self.segment.name)
+            held = self._state.forest
+            known = {} if held is None else {run.filter_offset: f for run, f in zip(held.runs, held.filters)}
+            filters = tuple(known.get(run.filter_offset) or self._read_filter(run) for run in runs)
+        except OffsetOutOfRangeError as error:
+            raise self._corrupt(offset, f"the runs page at offset {offset} or a run's filter is outside the stored "
+                                        f"range: {error}") from error
+        return Forest(offset, length, main, tuple(runs), filters)
+
+    def _read_filter(self, run: RunRef) -> KeyFilter:
+        offset, length = run.filter_offset, run.filter_length
+        self.io.storage_reads += 1
+        return read_filter(self.reader.read(offset, length), offset, self.segment.name)
 
     def _corrupt(self, offset: int, what: str) -> CorruptDataError:
         """A ``CorruptDataError`` naming this segment, the chunk holding ``offset`` and the byte."""
         return corrupt_at(self.segment, offset, what)
 
-    # -- pages ---------------------------------------------------------------------------------
-    def _page(self, offset: int, length: int) -> LeafPage | IndexPage:
-        return self.cache.get_or_load(offset, self._read_page, offset, length)
-
-    def _child(self, page: IndexPage, i: int) -> LeafPage | IndexPage:
-        """Child ``i`` of an index page: through its weak reference if alive, else the cache."""
-        refs = page.children
-        if refs is None:
-            refs = page.children = [None] * len(page.keys)
-        ref = refs[i]
-        if ref is not None:
-            child = ref()
-            if child is not None:
-                return child
-        child = self._page(page.offsets[i], page.lengths[i])
-        refs[i] = weakref.ref(child)
-        return child
-
-    def _read_page(self, offset: int, length: int) -> tuple[LeafPage | IndexPage, int]:
-        self.io.storage_reads += 1
-        return decode_page(self._read(offset, length), offset, self.segment.name), length
-
-    def _read(self, offset: int, length: int) -> bytes:
-        """``segment.read``, with a chunk that vanished under the read told apart from a failure:
-        if a fresh listing puts ``offset`` below the truncation offset, another writer's compaction
-        deleted it, which is ``TruncatedError`` (the caller moves to a newer version)."""
-        try:
-            return self.segment.read(offset, length)
-        except OffsetOutOfRangeError:
-            raise
-        except (FileNotFoundError, StorageError) as error:
-            if isinstance(error, CorruptDataError) or not self._truncated_below(offset):
-                if isinstance(error, FileNotFoundError):
-                    raise StorageError(f"segment {self.segment.name!r}: reading offset {offset}: {error}") from error
-                raise
-            segment = self.segment
-            raise TruncatedError(segment.name, offset, length, segment.start_offset, segment.length) from error
-
-    def _truncated_below(self, offset: int) -> bool:
-        """Whether a fresh listing of the segment starts above ``offset``."""
-        for attempt in range(MAX_RELIST_ATTEMPTS):
-            if attempt:
-                _pause(attempt)
-            try:
-                self.segment.refresh()
-            except FileNotFoundError:  # a chunk deleted between listing and sizing it: look again
-                continue
-            return offset < self.segment.start_offset
-        return False
-
     # -- reading -------------------------------------------------------------------------------
     def _root_page(self, state: TreeState) -> LeafPage | IndexPage:
+        """The main tree's root page (the tree has one: ``state.main.length``)."""
         root = state.root
         if root is None:
-            root = self._page(state.footer.root_offset, state.footer.root_length)
+            main = state.main
+            root = self.reader.page(main.offset, main.length)
             if self._state is state:
                 self._state = attrs.evolve(state, root=root)
         return root
@@ -300,10 +280,18 @@ class BTreeIndex:
             if not state.footer.root_length:
                 return None
             try:
+                if state.forest is not None:
+                    for run, flt in zip(state.forest.runs, state.forest.filters):
+                        if flt.may_contain(key):
+                            value = self.reader.leaf(self.reader.page(run.tree.offset, run.tree.length), key).find(key, ABSENT)
+                            if value is not ABSENT:
+                                return value  # type: ignore[return-value]
+                    if not state.forest.main.length:
+                        return None
                 page = state.root
                 if page is None:
                     page = self._root_page(state)
-                return self._descend(page, key)
+                return self.reader.leaf(page, key).get(key)
             except OffsetOutOfRangeError as error:
                 self._restart(state, error)  # compacted away under this snapshot: read the new root
                 restarts += 1
@@ -318,18 +306,45 @@ class BTreeIndex:
             if not state.footer.root_length or not keys:
                 return [None] * len(keys)
             try:
-                root = state.root
-                if root is None:
-                    root = self._root_page(state)
-                if 2 * len(keys) < state.footer.page_count:
-                    # Sparse keys share few pages: sorting them would cost more than it saves.
-                    return [self._descend(root, key) for key in keys]
-                found = self._lookup_sorted(root, sorted(keys))
+                settled = self.reader.runs_get_many(state.forest, keys) if state.forest is not None else {}
+                rest = [key for key in keys if key not in settled] if settled else keys
+                found = self.reader.get_many(self._root_page(state), rest, state.main.pages) if rest and state.main.length else {}
             except OffsetOutOfRangeError as error:
                 self._restart(state, error)
                 continue
+            if settled:
+                found.update(settled)
             return list(map(found.get, keys))
         raise self._gave_up("a lookup")
+
+    def count(self, state: TreeState | None = None) -> int:
+        """The keys present in ``state`` (the current version by default). With runs, each key
+        of the runs (the newest run's entry for it) is looked up in the main tree, in blocks:
+        a key a run sets counts if the main tree lacks it, one it removes uncounts if the main
+        tree has it. ``OffsetOutOfRangeError`` if another writer's compaction freed pages of a
+        ``state`` that is no longer current."""
+        current = state is None
+        for _ in range(MAX_READ_ATTEMPTS):
+            if current:
+                state = self._state
+            forest = state.forest  # type: ignore[union-attr]
+            if forest is None:
+                return state.footer.entry_count  # type: ignore[union-attr]
+            total = forest.main.entries
+            try:
+                streams = [self.reader.tree_leaves(run.tree, RUN_LEAF) for run in reversed(forest.runs)]
+                for keys, _values, gone in merge_streams(streams, bulk.MERGE_BLOCK_ENTRIES):
+                    listed = column_keys(keys)
+                    found = self.reader.get_many(self._root_page(state), listed, forest.main.pages)  # type: ignore[arg-type] if forest.main.length else {}  # type: ignore[arg-type]
+                    stored = np.fromiter((key in found for key in listed), bool, len(listed))
+                    total += int((~gone & ~stored).sum()) - int((gone & stored).sum())
+            except OffsetOutOfRangeError as error:
+                if not current:
+                    raise
+                self._restart(state, error)  # type: ignore[arg-type]
+                continue
+            return total
+        raise self._gave_up("counting the keys")
 
     def split_keys(self, parts: int) -> list[bytes]:
         """Up to ``parts - 1`` ascending keys that cut the tree into ranges of about equal page
@@ -343,7 +358,7 @@ class BTreeIndex:
                 level = [(None, self._root_page(state))]  # (lowest key routed there, page)
                 while not level[0][1].is_leaf and len(level) < parts:
                     # An index page's keys[0] is all zeros: child 0 inherits the page's own bound.
-                    level = [(page.keys[i] if i else bound, self._child(page, i))
+                    level = [(page.keys[i] if i else bound, self.reader.child(page, i))
                              for bound, page in level for i in range(len(page.keys))]
             except OffsetOutOfRangeError as error:
                 self._restart(state, error)
@@ -377,33 +392,6 @@ class BTreeIndex:
         return RetriesExhaustedError(f"segment {self.segment.name!r}: {what} restarted {MAX_READ_ATTEMPTS} times, each "
                                      "time after another writer had compacted the pages it needed; giving up")
 
-    def _descend(self, page: LeafPage | IndexPage, key: bytes) -> int | None:
-        while not page.is_leaf:
-            page = self._child(page, bisect.bisect_right(page.keys, key) - 1)
-        return page.get(key)
-
-    def _lookup_sorted(self, root: LeafPage | IndexPage, keys: list[bytes]) -> dict[bytes, int]:
-        """Look up ascending ``keys``, keeping the root-to-leaf path between consecutive keys."""
-        found: dict[bytes, int] = {}
-        path: list[tuple[LeafPage | IndexPage, bytes | None]] = [(root, None)]  # (page, end key)
-        page = root
-        for key in keys:
-            end = path[-1][1]
-            if end is not None and key >= end:
-                while path[-1][1] is not None and key >= path[-1][1]:
-                    path.pop()
-                page = path[-1][0]
-            while not page.is_leaf:
-                bounds = page.keys
-                i = bisect.bisect_right(bounds, key) - 1
-                end = bounds[i + 1] if i + 1 < len(bounds) else path[-1][1]
-                page = self._child(page, i)
-                path.append((page, end))
-            value = page.get(key)
-            if value is not None:
-                found[key] = value
-        return found
-
     def items(self, start: bytes | None = None, stop: bytes | None = None) -> Iterator[tuple[bytes, int]]:
         """Entries with ``start <= key < stop`` in ascending order, from a snapshot of the root.
 
@@ -418,7 +406,12 @@ class BTreeIndex:
                 return
             resumed_after = last
             try:
-                for key, value in self._walk(self._root_page(state), start, stop, last):
+                scan = self.reader.walk(self._root_page(state), start, stop, last) if state.main.length else iter(())
+                if state.forest is not None:
+                    for run in reversed(state.forest.runs):  # each newer run over what is below it
+                        scan = newer_first(self.reader.walk(self.reader.page(run.tree.offset, run.tree.length), start, stop, last), scan)
+                    scan = present(scan)
+                for key, value in scan:
                     last = key
                     yield key, value
                 return
@@ -426,26 +419,6 @@ class BTreeIndex:
                 restarts = 1 if last != resumed_after else restarts + 1
                 self._restart(state, error)
         raise self._gave_up("a scan")
-
-    def _walk(self, page, start, stop, after) -> Iterator[tuple[bytes, int]]:
-        keys = page.keys
-        if page.is_leaf:
-            i = 0
-            if after is not None:
-                i = bisect.bisect_right(keys, after)
-            if start is not None:
-                i = max(i, bisect.bisect_left(keys, start))
-            j = len(keys) if stop is None else bisect.bisect_left(keys, stop)
-            values = page.values
-            for n in range(i, j):
-                yield keys[n], values[n]
-            return
-        low = after if after is not None and (start is None or after >= start) else start
-        i = 0 if low is None else max(bisect.bisect_right(keys, low) - 1, 0)
-        for n in range(i, len(keys)):
-            if stop is not None and n > i and keys[n] >= stop:
-                return
-            yield from self._walk(self._child(page, n), start, stop, after)
 
     def pages(self) -> Iterator[tuple[int, int, int, LeafPage | IndexPage]]:
         """Every live page as ``(depth, offset, length, page)``, depth-first (for verification)."""
@@ -455,49 +428,24 @@ class BTreeIndex:
         stack = [(1, footer.root_offset, footer.root_length)]
         while stack:
             depth, offset, length = stack.pop()
-            page = self._page(offset, length)
+            page = self.reader.page(offset, length)
             yield depth, offset, length, page
             if not page.is_leaf:
                 stack.extend((depth + 1, o, n) for o, n in zip(reversed(page.offsets), reversed(page.lengths)))
 
     def leaf_columns(self, state: TreeState) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """The leaves of ``state`` in key order as checked columns (``columns.leaf_columns``): from
-        the page cache if it holds them, else from storage without filling the cache, consecutive
-        leaves in one read of up to ``LEAF_READ_BYTES`` (after a rebuild, leaves lie in key order)."""
-        root = self._root_page(state)
-        if root.is_leaf:
-            if root.keys:
-                yield page_columns(root)
+        """The entries of ``state`` in key order as columns ``(keys, values)``, in blocks: the
+        main tree's leaves (``tree_leaves``), with the runs merged over them if it has any."""
+        main = state.main
+        if state.forest is None:
+            for keys, values, _gone in self.reader.tree_leaves(main, LEAF):
+                yield keys, values
             return
-        peek = self.cache.peek
-        for page in self._lowest_index_pages(root, 1, state.footer.height):
-            offsets, lengths = page.offsets, page.lengths
-            i, n = 0, len(offsets)
-            while i < n:
-                cached = peek(offsets[i])
-                if cached is not None:
-                    yield page_columns(cached)
-                    i += 1
-                    continue
-                start, end, j = offsets[i], offsets[i] + lengths[i], i + 1
-                while (j < n and offsets[j] == end and end + lengths[j] - start <= LEAF_READ_BYTES
-                       and peek(offsets[j]) is None):
-                    end += lengths[j]
-                    j += 1
-                data = memoryview(self._read(start, end - start))
-                self.io.storage_reads += 1
-                for k in range(i, j):
-                    at = offsets[k] - start
-                    yield leaf_columns(data[at:at + lengths[k]], offsets[k], self.segment.name)
-                i = j
-
-    def _lowest_index_pages(self, page: IndexPage, depth: int, height: int) -> Iterator[IndexPage]:
-        """The index pages right above the leaves under ``page`` (at ``depth``), in key order."""
-        if depth == height - 1:
-            yield page
-            return
-        for i in range(len(page.keys)):
-            yield from self._lowest_index_pages(self._child(page, i), depth + 1, height)  # type: ignore[arg-type]
+        streams = [self.reader.tree_leaves(main, LEAF)] if main.length else []
+        streams += [self.reader.tree_leaves(run.tree, RUN_LEAF) for run in reversed(state.forest.runs)]
+        for keys, values, gone in merge_streams(streams, bulk.MERGE_BLOCK_ENTRIES):
+            kept = ~gone
+            yield keys[kept], values[kept]
 
     # -- writing -------------------------------------------------------------------------------
     def update(self, keys: Sequence[bytes], values: Sequence[int | None], checkpoint: int | None = None,
@@ -512,8 +460,14 @@ class BTreeIndex:
         (another writer's, seen now or after a lost race) ``TreeMovedError``, nothing written.
 
         A dense batch (``_dense``) rebuilds the tree as a bulk load into it does, merging the
-        leaves with the batch as columns (docs/design.md, "Dense merges").
+        leaves with the batch as columns (docs/design.md, "Dense merges"). Into a large tree, a
+        batch may be written as a sorted run instead (``runs.plan``; docs/design.md, "Sorted runs").
         """
+        if self._state.forest is not None or self.runs.plan(self._state.main.entries, None, len(keys)) != "tree":
+            column = np.array(keys, KEY_DTYPE).reshape(-1)
+            gone = np.fromiter((value is None for value in values), bool, len(values))
+            numbers = np.fromiter((0 if value is None else value for value in values), VALUE_DTYPE, len(values))
+            return self.update_columns(column, numbers, gone, checkpoint, base)
         if self._dense(len(keys)):
             run = SortedRun()
             run.extend(keys, values)
@@ -551,8 +505,17 @@ class BTreeIndex:
                        base: int | None = None) -> TreeState:
         """``update`` for a batch as columns: ascending unique ``S16`` keys, int64 values, and
         removal flags (True: remove the key). A dense batch is rebuilt from the columns as they
-        are; a sparse one (few keys: fewer than half the pages) goes through ``update``'s lists."""
-        if self._dense(len(keys)):
+        are; a sparse one (few keys: fewer than half the pages) goes through ``update``'s lists.
+        Into a large tree, the batch becomes a sorted run, or one with the runs there are
+        (``runs.plan``); a tree with runs is always rebuilt with them when the batch goes into it."""
+        state = self._state
+        how = self.runs.plan(state.main.entries, state.forest, len(keys))
+        if how != "tree":
+            written = self._write_run(keys, values, gone, checkpoint, base)
+            if written is not None:
+                return written
+            state = self._state  # another writer's version takes the batch into the main tree
+        if state.forest is not None or self._dense(len(keys)):
             removed = column_keys(keys[gone]) if gone.any() else []
             kept = ~gone
             run = SortedRun.of_columns(keys[kept] if removed else keys, values[kept] if removed else values, removed)
@@ -565,16 +528,19 @@ class BTreeIndex:
     def _dense(self, keys: int) -> bool:
         """Whether a batch of ``keys`` keys is merged by rebuilding the tree (``DENSE_*``): the
         tree or the batch fills ``DENSE_MIN_PAGES``, and the batch has a key per two pages."""
-        pages = self._state.footer.page_count
+        pages = self._state.main.pages
         large = pages >= DENSE_MIN_PAGES or keys >= DENSE_MIN_PAGES * self.leaf_capacity
         return large and keys * DENSE_PAGES_PER_KEY >= pages
 
     def _build(self, state: TreeState, keys, values, checkpoint) -> tuple[UpdateBuilder, Footer] | None:
         footer = state.footer
-        rewrite = Rewrite(self._page, self.policy, self.page_size, self.leaf_capacity, self.index_capacity)
+        rewrite = Rewrite(self.reader.page, self.policy, self.page_size, self.leaf_capacity, self.index_capacity)
         return rewrite.plan(footer, state.length, keys, values, checkpoint,
-                            flush=lambda data, offset: self._append_piece(footer, data, offset),
+                            flush=self._piece_writer(footer),
                             piece_size=self.piece_size)
+
+    def _piece_writer(self, footer: Footer) -> Callable[[bytearray, int], int]:
+        return lambda data, offset: self._append_piece(footer, data, offset)
 
     def _append_piece(self, footer: Footer, data: bytearray, offset: int) -> int:
         """Append ``data`` (pages of an update in progress) at ``offset``, ended by a piece's
@@ -610,17 +576,7 @@ class BTreeIndex:
             log.debug("segment %r: update wrote %d bytes at offset %d (%d pieces before, %d pages cached, %d relocated "
                       "by compaction)", self.segment.name, builder.piece_bytes + len(builder.buffer), old.length,
                       builder.pieces, len(builder.pages), builder.relocated)
-        self._truncate_after(footer.min_offset)
-
-    def _truncate_after(self, min_offset: int) -> None:
-        """Free the chunks below a durable new version (best effort, as the policy says)."""
-        if getattr(self.policy, "truncates", True):
-            try:
-                self._truncate(min_offset)
-            except (StorageError, OSError) as error:
-                # The update is durable: freeing space is best effort, and the next update retries.
-                log.warning("segment %r: truncating below offset %d failed after a durable update; "
-                            "a later update retries it: %s", self.segment.name, min_offset, error)
+        truncate_below(self.segment, self.policy, footer.min_offset)
 
     # -- bulk load -----------------------------------------------------------------------------
     def bulk_load(self, pairs, *, checkpoint: int | None = None, progress: Callable[[int, int], None] | None = None,
@@ -655,8 +611,72 @@ class BTreeIndex:
 
     def _load_run(self, run: bulk.SortedRun | SpilledRuns, checkpoint: int | None, progress=None, *,
                   base: int | None = None) -> TreeState:
-        """Write a fresh tree holding ``run`` merged over the current one; the state afterwards.
-        ``checkpoint`` and ``base`` as in ``update``."""
+        """Write a fresh tree holding ``run`` merged over the current one (its runs included);
+        the state afterwards. ``checkpoint`` and ``base`` as in ``update``."""
+
+        def build(state: TreeState):
+            footer = state.footer
+            if not len(run) and not footer.root_length and checkpoint in (None, footer.checkpoint):
+                return state  # removals from an empty tree: nothing to write
+            old = self.leaf_columns(state) if footer.root_length else None
+            return bulk.build(run, old, state.length, footer.checkpoint if checkpoint is None else checkpoint,
+                              leaf_capacity=self.leaf_capacity, index_capacity=self.index_capacity,
+                              old_entries=footer.entry_count, progress=progress, flush=self._piece_writer(footer),
+                              piece_size=self.piece_size)
+
+        def commit(state: TreeState, at: int, data: bytes, footer: Footer) -> None:
+            length = at + len(data)
+            self._state = TreeState(footer, length - FOOTER_SIZE, length)
+            clear = getattr(self.cache, "clear", None)
+            if clear is not None:
+                clear()  # every cached page is of the old tree, now dead
+            log.debug("segment %r: bulk load wrote %d bytes up to offset %d (%d pages, %d entries)",
+                      self.segment.name, footer.live_bytes, length, footer.page_count, footer.entry_count)
+
+        return self._write_version("a bulk load", checkpoint, base, build, commit)  # type: ignore[return-value]
+
+    def _write_run(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray, checkpoint: int | None,
+                   base: int | None) -> TreeState | None:
+        """Write the batch as a new run over the current version, or as one run with its runs
+        (``runs.plan``), with ``bulk.build_run``. ``checkpoint`` and ``base`` as in ``update``.
+        ``None``: the version a lost race brought takes the batch into the main tree instead
+        (the caller does that)."""
+        made: list = []
+
+        def build(state: TreeState):
+            how = self.runs.plan(state.main.entries, state.forest, len(keys))
+            if how == "tree":
+                return None
+            held = list(state.forest.runs) if state.forest is not None else []
+            filters = list(state.forest.filters) if state.forest is not None else []
+            if how == "runs":
+                streams = [self.reader.tree_leaves(run.tree, RUN_LEAF) for run in reversed(held)]
+                held, filters = [], []
+            else:
+                streams = []
+            streams.append(iter([(keys, values, gone)]))
+            data, footer, at, run, key_filter = bulk.build_run(
+                merge_streams(streams, bulk.MERGE_BLOCK_ENTRIES), state.main, held, state.length,
+                state.footer.checkpoint if checkpoint is None else checkpoint, leaf_capacity=self.leaf_capacity,
+                index_capacity=self.index_capacity, flush=self._piece_writer(state.footer), piece_size=self.piece_size)
+            made[:] = [(run, *held), (key_filter, *filters)]
+            return data, footer, at
+
+        def commit(state: TreeState, at: int, data: bytes, footer: Footer) -> None:
+            length = at + len(data)
+            forest = Forest(footer.root_offset, footer.root_length, state.main, *made)
+            self._state = TreeState(footer, length - FOOTER_SIZE, length, state.root, forest)
+            log.debug("segment %r: wrote a run of %d entries up to offset %d (%d runs)", self.segment.name,
+                      made[0][0].tree.entries, length, len(made[0]))
+
+        return self._write_version("writing a run", checkpoint, base, build, commit)
+
+    def _write_version(self, what: str, checkpoint: int | None, base: int | None, build, commit) -> TreeState | None:
+        """Append a whole new version (a rebuild, a run) as ``build(state)`` lays it out: its last
+        append ``(data, footer, offset)`` after the pieces it wrote, or a state (or ``None``) to
+        return as it is. A lost compare-and-append race (or pages compacted away) builds again
+        over the newer version. ``commit(old state, offset, data, footer)`` publishes it, then
+        the storage below the version is freed. ``checkpoint`` and ``base`` as in ``update``."""
         with self._write_lock:
             for _ in range(MAX_UPDATE_ATTEMPTS):
                 state = self._state
@@ -665,57 +685,30 @@ class BTreeIndex:
                     raise TreeMovedError(f"the tree moved from checkpoint {base} to {footer.checkpoint}")
                 if checkpoint is not None and footer.checkpoint >= checkpoint:
                     return state
-                if not len(run) and not footer.root_length and checkpoint in (None, footer.checkpoint):
-                    return state  # removals from an empty tree: nothing to write
-                target = footer.checkpoint if checkpoint is None else checkpoint
                 try:
-                    old = self.leaf_columns(state) if footer.root_length else None
-                    data, new_footer, at = bulk.build(
-                        run, old, state.length, target, leaf_capacity=self.leaf_capacity,
-                        index_capacity=self.index_capacity, old_entries=footer.entry_count, progress=progress,
-                        flush=lambda pages, offset: self._append_piece(footer, pages, offset), piece_size=self.piece_size)
+                    built = build(state)
                 except OffsetOutOfRangeError as error:  # another writer compacted pages this state needs
                     self._restart(state, error)
                     continue
                 except PieceLostError:  # another writer appended between two pieces: start over
                     self.reload()
                     continue
+                if built is None or isinstance(built, TreeState):
+                    return built
+                data, new_footer, at = built
                 try:
                     self.segment.append(data, expected_offset=at)
                 except BadOffsetError:
                     self.reload()
                     continue
-                self._commit_bulk(at, data, new_footer)
+                commit(state, at, data, new_footer)
+                self.io.bytes_written += len(data)
+                self.io.updates_written += 1
+                truncate_below(self.segment, self.policy, new_footer.min_offset)
                 return self._state
-        raise RetriesExhaustedError(f"segment {self.segment.name!r}: a bulk load lost the append race to other writers "
+        raise RetriesExhaustedError(f"segment {self.segment.name!r}: {what} lost the append race to other writers "
                                     f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
 
-    def _commit_bulk(self, at: int, data: bytes, footer: Footer) -> None:
-        """After a bulk load's last append (``data`` at ``at``): publish the new root, drop the dead
-        pages, truncate."""
-        length = at + len(data)
-        self._state = TreeState(footer, length - FOOTER_SIZE, length)
-        clear = getattr(self.cache, "clear", None)
-        if clear is not None:
-            clear()  # every cached page is of the old tree, now dead
-        self.io.bytes_written += len(data)
-        self.io.updates_written += 1
-        log.debug("segment %r: bulk load wrote %d bytes up to offset %d (%d pages, %d entries)",
-                  self.segment.name, footer.live_bytes, length, footer.page_count, footer.entry_count)
-        self._truncate_after(footer.min_offset)
-
-    def _truncate(self, min_offset: int) -> None:
-        """Delete storage chunks lying wholly below the live tree (the new root is already durable)."""
-        chunks = self.segment.chunks()
-        freeable = 0
-        for chunk in chunks[:-1]:
-            if chunk.end > min_offset:
-                break
-            freeable += 1
-        # Object stores make one chunk per update: delete them in batches, not one by one.
-        if freeable and (self.segment.storage.appendable or freeable >= 16):
-            log.debug("segment %r: truncating below offset %d (%d chunks freed)", self.segment.name, min_offset, freeable)
-            self.segment.truncate(min_offset)
 
 
 def chunk_of(segment: RollingSegment, offset: int) -> str:
@@ -733,6 +726,25 @@ def corrupt_at(segment: RollingSegment, offset: int, what: str) -> CorruptDataEr
                             segment=segment.name, offset=offset)
 
 
-def _pause(attempt: int) -> None:
-    """Back off before looking again: 1, 2, 4 ... ms."""
-    time.sleep(0.001 * (1 << min(attempt - 1, 8)))
+def truncate_below(segment: RollingSegment, policy, min_offset: int) -> None:
+    """Free the chunks of ``segment`` lying wholly below a durable new version whose lowest
+    page is at ``min_offset``, if ``policy`` truncates (best effort: a failure is logged and a
+    later update retries). Object stores make one chunk per update: those are deleted in
+    batches of at least 16, not one by one."""
+    if not getattr(policy, "truncates", True):
+        return
+    chunks = segment.chunks()
+    freeable = 0
+    for chunk in chunks[:-1]:
+        if chunk.end > min_offset:
+            break
+        freeable += 1
+    if not freeable or not (segment.storage.appendable or freeable >= 16):
+        return
+    log.debug("segment %r: truncating below offset %d (%d chunks freed)", segment.name, min_offset, freeable)
+    try:
+        segment.truncate(min_offset)
+    except (StorageError, OSError) as error:
+        # The update is durable: freeing space is best effort, and the next update retries.
+        log.warning("segment %r: truncating below offset %d failed after a durable update; "
+                    "a later update retries it: %s", segment.name, min_offset, error)

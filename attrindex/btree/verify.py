@@ -23,7 +23,8 @@ from ..arguments import check_progress
 from ..damage import Damage
 from ..keys import MIN_KEY
 from .footer import COPY, FOOTER_SIZE, Footer, decode_footer, find_last_footer
-from .page import HEADER, HEADER_SIZE, INDEX, INDEX_ENTRY_SIZE, LEAF, LEAF_ENTRY_SIZE, IndexPage, check_page, decode_page
+from .page import HEADER, HEADER_SIZE, LEAF, RUN_LEAF, IndexPage, RunLeafPage, check_page, decode_page, page_size
+from .runs import TreeRef, decode_runs, read_filter
 from .tree import chunk_of
 
 _SCAN_WINDOW = 1 << 20
@@ -99,7 +100,11 @@ def _report(segment: RollingSegment, survey: Survey, progress) -> VerifyReport:
     pages, entries, size, tree_damage = check_tree(segment, newest, progress)
     # A live page damaged at rest is met by both passes: report each range once.
     unique = list(dict.fromkeys(damage + tree_damage))
-    return VerifyReport(pages, entries, size, newest.footer.height, unique, len(survey.versions))
+    height = newest.footer.height
+    if newest.footer.has_runs and not tree_damage:  # (the main tree's height, from the runs page)
+        root = newest.footer
+        height = decode_runs(segment.read(root.root_offset, root.root_length), root.root_offset, segment.name)[0].height
+    return VerifyReport(pages, entries, size, height, unique, len(survey.versions))
 
 
 def survey_chain(segment: RollingSegment) -> Survey:
@@ -166,9 +171,8 @@ def _check_update_pages(segment: RollingSegment, begin: int, footer_offset: int)
         if len(data) - position < HEADER_SIZE:
             return [_damage(segment, offset, footer_offset, "the update's pages do not end at its footer")]
         _version, kind, _reserved, count, _crc = HEADER.unpack_from(data, position)
-        entry = LEAF_ENTRY_SIZE if kind == LEAF else INDEX_ENTRY_SIZE if kind == INDEX else 0
-        size = HEADER_SIZE + count * entry
-        if not entry or position + size > len(data):
+        size = page_size(kind, count)
+        if size is None or position + size > len(data):
             return [_damage(segment, offset, footer_offset, f"B+tree page at offset {offset}: unreadable page header")]
         try:
             check_page(view[position:position + size], offset, segment.name)
@@ -179,14 +183,54 @@ def _check_update_pages(segment: RollingSegment, begin: int, footer_offset: int)
 
 
 def check_tree(segment: RollingSegment, version: Version, progress=None) -> tuple[int, int, int, list[Damage]]:
-    """Check every live page of ``version``: ``(pages, entries, bytes, damage)``."""
+    """Check every live page of ``version``: ``(pages, entries, bytes, damage)``. A version
+    with sorted runs: its runs page, the main tree, and each run's tree and key filter."""
     footer = version.footer
     if not footer.root_length:
         return 0, 0, 0, []
+    if not footer.has_runs:
+        pages, entries, size, damage = _check_one(segment, TreeRef.of_footer(footer), LEAF, footer.page_count, progress)
+    else:
+        offset, length = footer.root_offset, footer.root_length
+        try:
+            main, runs = decode_runs(segment.read(offset, length), offset, segment.name)
+        except (CorruptDataError, OffsetOutOfRangeError) as error:
+            return 0, 0, 0, [_damage(segment, offset, offset + length, str(error))]
+        pages, entries, size, damage = 1, 0, length, []
+        for run in runs:
+            at, n = run.filter_offset, run.filter_length
+            try:
+                read_filter(segment.read(at, n), at, segment.name)
+                pages, size = pages + 1, size + n
+            except (CorruptDataError, OffsetOutOfRangeError) as error:
+                damage.append(_damage(segment, at, at + n, str(error)))
+        for tree, kind in [(main, LEAF), *((run.tree, RUN_LEAF) for run in runs)]:
+            if not tree.length:
+                continue
+            counted = _check_one(segment, tree, kind, footer.page_count, progress, pages)
+            pages, entries, size = pages + counted[0], entries + counted[1], size + counted[2]
+            damage += counted[3]
+            if not counted[3] and counted[:3] != (tree.pages, tree.entries, tree.live_bytes):
+                damage.append(_damage(segment, offset, offset + length,
+                                      f"the runs page at offset {offset} counts {tree.pages} pages, {tree.entries} entries, "
+                                      f"{tree.live_bytes} bytes for the tree at offset {tree.offset}, which holds "
+                                      f"{counted[0]}, {counted[1]}, {counted[2]}"))
+    if not damage and (pages, entries, size) != (footer.page_count, footer.entry_count, footer.live_bytes):
+        damage.append(_damage(
+            segment, version.offset, version.offset + FOOTER_SIZE,
+            f"footer counts {footer.page_count} pages, {footer.entry_count} entries, {footer.live_bytes} bytes "
+            f"but the tree holds {pages}, {entries}, {size}"))
+    return pages, entries, size, damage
+
+
+def _check_one(segment: RollingSegment, tree: TreeRef, leaf_kind: int, total: int, progress,
+               done: int = 0) -> tuple[int, int, int, list[Damage]]:
+    """Check every page of one stored tree (the main tree, or a run's with ``RUN_LEAF`` leaves):
+    ``(pages, entries, bytes, damage)``; ``progress`` counts on from ``done`` of ``total``."""
     damage: list[Damage] = []
     pages = entries = size = 0
     # (offset, length, low key, high key or None, depth, expected min offset)
-    stack = [(footer.root_offset, footer.root_length, MIN_KEY, None, 1, footer.min_offset)]
+    stack = [(tree.offset, tree.length, MIN_KEY, None, 1, tree.min_offset)]
     while stack:
         offset, length, low, high, depth, expected_min = stack.pop()
         try:
@@ -196,8 +240,10 @@ def check_tree(segment: RollingSegment, version: Version, progress=None) -> tupl
             continue
         pages, size = pages + 1, size + length
         if progress is not None:
-            progress(pages, footer.page_count)
-        fault = _page_fault(page, offset, low, high, depth, expected_min, footer.height)
+            progress(done + pages, total)
+        fault = _page_fault(page, offset, low, high, depth, expected_min, tree.height)
+        if not fault and page.is_leaf and (leaf_kind == RUN_LEAF) != isinstance(page, RunLeafPage):
+            fault = "a run's leaf in the main tree" if leaf_kind == LEAF else "a main tree's leaf in a run"
         if fault:
             damage.append(_damage(segment, offset, offset + length, f"B+tree page at offset {offset}: {fault}"))
             continue
@@ -208,11 +254,6 @@ def check_tree(segment: RollingSegment, version: Version, progress=None) -> tupl
                 stack.append((page.offsets[i], page.lengths[i], bounds[i], bounds[i + 1], depth + 1, page.min_offsets[i]))
         else:
             entries += len(page.keys)
-    if not damage and (pages, entries, size) != (footer.page_count, footer.entry_count, footer.live_bytes):
-        damage.append(_damage(
-            segment, version.offset, version.offset + FOOTER_SIZE,
-            f"footer counts {footer.page_count} pages, {footer.entry_count} entries, {footer.live_bytes} bytes "
-            f"but the tree holds {pages}, {entries}, {size}"))
     return pages, entries, size, damage
 
 
