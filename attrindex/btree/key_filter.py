@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Callable
 
 import numpy as np
 
@@ -82,7 +83,7 @@ class KeyFilter:
         self._hashes = hashes
         self._bits = bits
         self._words = words
-        self._bytes = memoryview(words).cast("B")
+        self._bytes = words.data.cast("B")
         self._probes = range(hashes)
 
     @property
@@ -147,7 +148,7 @@ class KeyFilter:
         """The filter's body (layout in the module's docstring), for ``decode_filter``."""
         return HEADER.pack(self._hashes, 0, self._bits) + self._words.tobytes()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[bytes], KeyFilter], tuple[bytes]]:
         return decode_filter, (self.encode(),)
 
     def __repr__(self) -> str:
