@@ -235,9 +235,11 @@ def _probe_start(keys: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _next_probe(j: np.ndarray, step: np.ndarray, bits: int) -> np.ndarray:
-    """The probes after ``j`` (each below ``bits``, as ``step``)."""
+    """The probes after ``j``, in place (each of ``j`` and ``step`` below ``bits``): ``j + step``,
+    less ``bits`` where that is ``bits`` or more (the subtraction wraps to more than ``j + step``
+    elsewhere, so the smaller of the two is the probe)."""
     j += step
-    j[j >= np.uint64(bits)] -= np.uint64(bits)
+    np.minimum(j, j - np.uint64(bits), out=j)
     return j
 
 
