@@ -268,3 +268,8 @@ def test_a_filter_is_made_of_a_consistent_bit_array():
         KeyFilter(0, 64, np.zeros(1, "<u8"))
     with pytest.raises(ValueError):
         KeyFilter(3, 64, np.zeros(2, "<u4"))
+    with pytest.raises(ValueError):
+        KeyFilter(3, 128, np.zeros(4, "<u8")[::2])
+    words = np.zeros(1, "<u8")
+    held = KeyFilter(3, 64, words)
+    assert words.flags.writeable and not held.may_contain(bytes(16))

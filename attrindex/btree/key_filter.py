@@ -77,9 +77,11 @@ class KeyFilter:
         """A filter probing ``hashes`` bits of the ``bits``-bit array ``words`` (``bits / 64``
         little-endian u64 words, held, not copied: it must not change afterwards)."""
         if not 1 <= hashes <= MAX_HASHES or bits < 64 or bits % 64 or words.dtype != WORD_DTYPE \
-                or words.shape != (bits // 64,):
+                or words.shape != (bits // 64,) or not words.flags.c_contiguous:
             raise ValueError(f"a key filter of {hashes} hashes and {bits} bits over {words.dtype} words "
                              f"{words.shape}")
+        words = words.view()
+        words.flags.writeable = False  # (a view: the caller's array keeps its flags)
         self._hashes = hashes
         self._bits = bits
         self._words = words
@@ -101,7 +103,7 @@ class KeyFilter:
         """The memory the filter holds: its bit array, in bytes."""
         return self._words.nbytes
 
-    def may_contain(self, key: bytes) -> bool:
+    def may_contain(self, key: bytes | bytearray | memoryview) -> bool:
         """Whether ``key`` (16 bytes: ``bytes``, ``bytearray`` or ``memoryview``) may be in the
         set; ``False`` only if it is not. ``ValueError`` for a key of another length."""
         try:
