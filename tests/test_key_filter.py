@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attrindex.btree.key_filter import BLOCK_KEYS, KEY_DTYPE, MAX_HASHES, KeyFilter, build_filter, decode_filter
+from attrindex.btree.key_filter import BLOCK_KEYS, KEY_DTYPE, MAX_HASHES, FilterBuilder, KeyFilter, build_filter, decode_filter
 
 HEADER = struct.Struct("<IIQ")
 MASK = (1 << 64) - 1
@@ -110,6 +110,25 @@ def test_a_decoded_filter_is_the_encoded_one(keys, bits_per_key, kind):
     assert decoded.may_contain_many(as_array(keys)).all()
     assert all(decoded.may_contain(k) for k in keys)
     assert pickle.loads(pickle.dumps(decoded)).encode() == built.encode()
+
+
+@settings(max_examples=40, deadline=None)
+@given(keys=key_sets, spare=st.integers(0, 50), cuts=st.lists(st.integers(0, 400), max_size=4))
+def test_a_filter_built_in_parts_is_the_filter_of_all_its_keys(keys, spare, cuts):
+    """A run's filter is built block by block, sized for at most as many keys as it may hold:
+    the parts give the filter ``build_filter`` gives for that size, with every key in it."""
+    array = as_array(keys)
+    builder = FilterBuilder(len(keys) + spare)
+    bounds = sorted({0, len(keys), *(c for c in cuts if c < len(keys))})
+    for lo, hi in zip(bounds, bounds[1:]):
+        builder.add(array[lo:hi])
+    built = builder.finish()
+    whole = FilterBuilder(len(keys) + spare)
+    whole.add(array)
+    assert built.encode() == whole.finish().encode()
+    if not spare:
+        assert built.encode() == build_filter(array).encode()
+    assert all(built.may_contain(key) for key in keys)
 
 
 def _valid_body() -> bytes:

@@ -51,7 +51,7 @@ from .columns import KEY_DTYPE, VALUE_DTYPE, RunCursor, merge_columns
 from .sorted_run import SortedRun
 from .spill import SpilledRuns
 from .footer import FOOTER_SIZE, Footer
-from .key_filter import KeyFilter, build_filter
+from .key_filter import FilterBuilder, KeyFilter
 from .page import FILTER, FORMAT_VERSION, HEADER, LEAF, RUN_LEAF, encode_blob, encode_index, encode_runs, page_checksum
 from .runs import FILTER_BITS_PER_KEY, MAX_FILTER_BYTES, RunRef, TreeRef, forest_footer
 
@@ -470,21 +470,21 @@ def build(run: SortedRun | SpilledRuns, old_leaves: Iterator[tuple[np.ndarray, n
     return builder.finish(checkpoint)
 
 
-def build_run(batch: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]], main: TreeRef, runs: list[RunRef],
-              base: int, checkpoint: int, *, leaf_capacity: int, index_capacity: int,
+def build_run(batch: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]], keys: int, main: TreeRef,
+              runs: list[RunRef], base: int, checkpoint: int, *, leaf_capacity: int, index_capacity: int,
               flush: Callable[[bytearray, int], int] | None = None, piece_size: int = 0) -> tuple[bytes, Footer, int, RunRef, KeyFilter]:
-    """A version that adds the run of ``batch`` (ascending ``(keys, values, gone)`` blocks) over
-    ``main`` and ``runs`` (newest first, kept as they are): the run's tree, its key filter, the
-    runs page and the footer, appended from ``base`` on (in pieces as ``build`` is).
-    ``(bytes, footer, offset, run, filter)``: the last append, where it goes, and the new run."""
+    """A version that adds the run of ``batch`` (ascending ``(keys, values, gone)`` blocks, at
+    most ``keys`` entries: its filter is sized for them) over ``main`` and ``runs`` (newest first,
+    kept as they are): the run's tree, its key filter, the runs page and the footer, appended
+    from ``base`` on (in pieces as ``build`` is). ``(bytes, footer, offset, run, filter)``: the
+    last append, where it goes, and the new run."""
     builder = _Builder(base, leaf_capacity, index_capacity, flush, piece_size, removals=True)
-    keys_held: list[np.ndarray] = []
-    for keys, values, gone in batch:
-        builder.add(keys, values, gone)
-        keys_held.append(keys)
+    filter_builder = FilterBuilder(keys, FILTER_BITS_PER_KEY, MAX_FILTER_BYTES)
+    for block_keys, values, gone in batch:
+        builder.add(block_keys, values, gone)
+        filter_builder.add(block_keys)
     tree = builder.finish_tree()
-    key_filter = build_filter(np.concatenate(keys_held) if keys_held else np.empty(0, KEY_DTYPE),
-                              FILTER_BITS_PER_KEY, MAX_FILTER_BYTES)
+    key_filter = filter_builder.finish()
     filter_at = builder.place(lambda offset: encode_blob(FILTER, key_filter.encode(), offset))
     run = RunRef(tree, *filter_at)
     kept = [run, *runs]

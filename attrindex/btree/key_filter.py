@@ -168,21 +168,38 @@ def build_filter(keys: np.ndarray, bits_per_key: int = DEFAULT_BITS_PER_KEY,
     7 probes, about 0.8% false positives). ``ValueError`` for keys that are not a 1-d ``S16``
     array, ``bits_per_key`` under 1 or ``max_bytes`` under 8."""
     keys = _checked_keys(keys)
-    for name, value, least in (("bits_per_key", bits_per_key, 1), ("max_bytes", max_bytes, 8)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"{name} must be an int of at least {least}, got {value!r}")
-    n = len(keys)
-    words = min(-(-max(64, n * bits_per_key) // 64), max_bytes // 8)
-    bits = words * 64
-    hashes = min(MAX_HASHES, max(1, round(math.log(2) * bits / max(n, 1))))
-    array = np.zeros(words, WORD_DTYPE)
-    for start in range(0, n, BLOCK_KEYS):
-        j, step = _probe_start(keys[start:start + BLOCK_KEYS], bits)
-        for i in range(hashes):
-            if i:
-                j = _next_probe(j, step, bits)
-            _set_bits(array, j)
-    return KeyFilter(hashes, bits, array)
+    builder = FilterBuilder(len(keys), bits_per_key, max_bytes)
+    builder.add(keys)
+    return builder.finish()
+
+
+class FilterBuilder:
+    """A filter built from keys that arrive in parts (a run written block by block): sized for
+    at most ``keys`` keys as ``build_filter`` sizes it, so fewer keys give fewer false positives,
+    and the same keys the same filter, whatever the parts."""
+
+    def __init__(self, keys: int, bits_per_key: int = DEFAULT_BITS_PER_KEY, max_bytes: int = DEFAULT_MAX_BYTES):
+        for name, value, least in (("keys", keys, 0), ("bits_per_key", bits_per_key, 1), ("max_bytes", max_bytes, 8)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int of at least {least}, got {value!r}")
+        words = min(-(-max(64, keys * bits_per_key) // 64), max_bytes // 8)
+        self._bits = words * 64
+        self._hashes = min(MAX_HASHES, max(1, round(math.log(2) * self._bits / max(keys, 1))))
+        self._words = np.zeros(words, WORD_DTYPE)
+
+    def add(self, keys: np.ndarray) -> None:
+        """Set the bits of the ``S16`` array ``keys``."""
+        keys = _checked_keys(keys)
+        for start in range(0, len(keys), BLOCK_KEYS):
+            j, step = _probe_start(keys[start:start + BLOCK_KEYS], self._bits)
+            for i in range(self._hashes):
+                if i:
+                    j = _next_probe(j, step, self._bits)
+                _set_bits(self._words, j)
+
+    def finish(self) -> KeyFilter:
+        """The filter of the keys added (the builder is not used after)."""
+        return KeyFilter(self._hashes, self._bits, self._words)
 
 
 def decode_filter(body: bytes | bytearray | memoryview) -> KeyFilter:

@@ -649,14 +649,16 @@ class BTreeIndex:
                 return None
             held = list(state.forest.runs) if state.forest is not None else []
             filters = list(state.forest.filters) if state.forest is not None else []
+            entries = len(keys)
             if how == "runs":
                 streams = [self.reader.tree_leaves(run.tree, RUN_LEAF) for run in reversed(held)]
+                entries += sum(run.tree.entries for run in held)
                 held, filters = [], []
             else:
                 streams = []
             streams.append(iter([(keys, values, gone)]))
             data, footer, at, run, key_filter = bulk.build_run(
-                merge_streams(streams, bulk.MERGE_BLOCK_ENTRIES), state.main, held, state.length,
+                merge_streams(streams, bulk.MERGE_BLOCK_ENTRIES), entries, state.main, held, state.length,
                 state.footer.checkpoint if checkpoint is None else checkpoint, leaf_capacity=self.leaf_capacity,
                 index_capacity=self.index_capacity, flush=self._piece_writer(state.footer), piece_size=self.piece_size)
             made[:] = [(run, *held), (key_filter, *filters)]
