@@ -189,6 +189,26 @@ def test_two_handles_writing_runs_take_each_other_s_versions(tmp_path):
     assert seen[:8] == list(range(1, 9)) and a.verify().ok  # each run written over the other's
 
 
+def test_a_handle_that_writes_no_runs_rebuilds_over_another_s_runs(tmp_path):
+    """A handle whose options write no runs (``run_share=0``) whose update loses the race to a
+    version with runs takes them into the main tree with its batch: its copy-on-write rewrite is
+    never laid over a runs page."""
+    url = str(tmp_path)
+    plain = TreeIndex.open(url, page_size=256, run_share=0)
+    plain.bulk_load({k(i): i for i in range(300)})
+    assert plain.get(k(5)) == 5  # its version: the one before the runs
+    runs = TreeIndex.open(url, page_size=256, run_min_entries=50, run_share=1.0)
+    runs.update({k(i): -i for i in range(0, 300, 7)})
+    assert runs_of(runs) == 1
+    plain.update({k(1): 100})  # a sparse batch, laid out over the stale version: the race is lost
+    assert runs_of(plain) == 0
+    expected = {k(i): (-i if i % 7 == 0 else i) for i in range(300)}
+    expected[k(1)] = 100
+    for handle in (plain, runs):
+        handle.refresh()
+        assert dict(handle.items()) == expected and handle.verify().ok
+
+
 @pytest.mark.parametrize("target", ["runs page", "filter", "run leaf"])
 def test_damage_to_a_run_is_reported_and_repair_returns_to_an_intact_version(tmp_path, target):
     url = str(tmp_path)

@@ -464,10 +464,7 @@ class BTreeIndex:
         batch may be written as a sorted run instead (``runs.plan``; docs/design.md, "Sorted runs").
         """
         if self._state.forest is not None or self.runs.plan(self._state.main.entries, None, len(keys)) != "tree":
-            column = np.array(keys, KEY_DTYPE).reshape(-1)
-            gone = np.fromiter((value is None for value in values), bool, len(values))
-            numbers = np.fromiter((0 if value is None else value for value in values), VALUE_DTYPE, len(values))
-            return self.update_columns(column, numbers, gone, checkpoint, base)
+            return self.update_columns(*_columns(keys, values), checkpoint, base)
         if self._dense(len(keys)):
             run = SortedRun()
             run.extend(keys, values)
@@ -479,6 +476,8 @@ class BTreeIndex:
                     raise TreeMovedError(f"the tree moved from checkpoint {base} to {state.footer.checkpoint}")
                 if checkpoint is not None and state.footer.checkpoint >= checkpoint:
                     return state
+                if state.forest is not None:  # another handle's run, seen after a lost race
+                    break
                 try:
                     builder = self._build(state, keys, values, checkpoint)
                 except OffsetOutOfRangeError as error:  # another writer compacted pages this stale state needs
@@ -497,9 +496,11 @@ class BTreeIndex:
                     continue
                 self._commit(state, data, footer)
                 return self._state
-        raise RetriesExhaustedError(f"segment {self.segment.name!r}: an update lost the append race to other writers "
-                                    f"(or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a row; giving up "
-                                    "(nothing was written)")
+            else:
+                raise RetriesExhaustedError(f"segment {self.segment.name!r}: an update lost the append race to other "
+                                            f"writers (or found its pages compacted away) {MAX_UPDATE_ATTEMPTS} times in a "
+                                            "row; giving up (nothing was written)")
+        return self.update_columns(*_columns(keys, values), checkpoint, base)  # a version with runs takes it
 
     def update_columns(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray, checkpoint: int | None = None,
                        base: int | None = None) -> TreeState:
@@ -711,6 +712,13 @@ class BTreeIndex:
         raise RetriesExhaustedError(f"segment {self.segment.name!r}: {what} lost the append race to other writers "
                                     f"{MAX_UPDATE_ATTEMPTS} times in a row; giving up (nothing was written)")
 
+
+
+def _columns(keys: Sequence[bytes], values: Sequence[int | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch of lists as ``update_columns`` takes it."""
+    gone = np.fromiter((value is None for value in values), bool, len(values))
+    numbers = np.fromiter((0 if value is None else value for value in values), VALUE_DTYPE, len(values))
+    return np.array(keys, KEY_DTYPE).reshape(-1), numbers, gone
 
 
 def chunk_of(segment: RollingSegment, offset: int) -> str:
