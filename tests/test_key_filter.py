@@ -120,7 +120,7 @@ def _valid_body() -> bytes:
 def malformed_bodies(draw):
     """A valid body with its length or a header field made wrong."""
     body = bytearray(_valid_body())
-    hashes, _reserved, bits = HEADER.unpack_from(body)
+    _hashes, _reserved, bits = HEADER.unpack_from(body)
     how = draw(st.sampled_from(["truncate", "extend", "hashes", "reserved", "bits unaligned", "bits other"]))
     if how == "truncate":
         return bytes(body[:draw(st.integers(0, len(body) - 1))])
