@@ -86,14 +86,14 @@ def child(engine: str, task: str, options: dict) -> dict:
         return {"keys_per_s": len(keys) / seconds, "bytes_per_key": size / len(keys)}
     if task == "lookup":
         members = random_keys(2, options["members"])
-        _built, test, _size = make(engine, members, 10)
+        built, test, _size = make(engine, members, 10)
         half = options["lookups"] // 2
         result = {}
         for name, probes in (("member", members[:half]), ("other", random_keys(3, half))):
             objects = list(as_bytes(probes))
             result[f"us_{name}"] = fastest(lambda: [test(key) for key in objects]) / len(objects) * 1e6
             if engine == "attrindex":
-                result[f"many_{name}_keys_per_s"] = len(probes) / fastest(lambda: _built.may_contain_many(probes))
+                result[f"many_{name}_keys_per_s"] = len(probes) / fastest(lambda: built.may_contain_many(probes))
         return result
     n = options["fpr_keys"]
     result = {}
