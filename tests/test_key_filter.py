@@ -131,6 +131,16 @@ def test_a_filter_built_in_parts_is_the_filter_of_all_its_keys(keys, spare, cuts
     assert all(built.may_contain(key) for key in keys)
 
 
+@settings(max_examples=100, deadline=None)
+@given(key=st.binary(min_size=16, max_size=16), bits_per_key=st.integers(1, 20_000))
+def test_the_probes_of_a_key_are_distinct_bits(key, bits_per_key):
+    """Whatever the bit count (64 times any number of words), one key sets as many bits as probes."""
+    built = build_filter(np.array([key], KEY_DTYPE), bits_per_key)
+    ones = sum(bin(byte).count("1") for byte in built.encode()[HEADER.size:])
+    assert built.bits == 64 * math.ceil(max(64, bits_per_key) / 64)
+    assert ones == built.hashes
+
+
 def _valid_body() -> bytes:
     return build_filter(as_array(i.to_bytes(16, "big") for i in range(20))).encode()
 
@@ -139,7 +149,7 @@ def _valid_body() -> bytes:
 def malformed_bodies(draw):
     """A valid body with its length or a header field made wrong."""
     body = bytearray(_valid_body())
-    hashes, _reserved, bits = HEADER.unpack_from(body)
+    _hashes, _reserved, bits = HEADER.unpack_from(body)
     how = draw(st.sampled_from(["truncate", "extend", "hashes", "reserved", "bits unaligned", "bits other"]))
     if how == "truncate":
         return bytes(body[:draw(st.integers(0, len(body) - 1))])

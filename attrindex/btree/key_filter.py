@@ -20,8 +20,9 @@ bits as the one that was built. A key is read as two unsigned 64-bit words, ``a`
 the key's hash is ``h = mix(mix(a ^ 0x9E3779B97F4A7C15) ^ b)``: each word is mixed whole, so
 keys that are sequential integers or share a long prefix spread over the whole bit array. Probe
 ``i`` (``0 <= i < hashes``) tests bit ``(h mod bits + i * d) mod bits`` of the bit array, where
-``d = ((h >> 32) | 1) mod bits``. ``d`` is odd (``bits`` is even), so it shares no factor of 2
-with ``bits`` and the 16 or fewer probes of a key are distinct bits.
+``d = ((h >> 32) | 1) mod bits``. ``d`` is odd and ``bits`` a multiple of 64, so the probes of a
+key come back to its first only after ``bits / gcd(d, bits) >= 64`` steps: its 16 or fewer probes
+are distinct bits.
 
 The body
 --------
