@@ -55,10 +55,13 @@ import time
 from . import data
 from .procs import TreeSampler
 
-ENGINES = ("attrindex", "attrindex-unsorted", "rocksdb")
+ENGINES = ("attrindex", "attrindex-unsorted", "attrindex-noruns", "rocksdb")
+#: ``AttributeIndex.open`` options of each attrindex engine: "noruns" merges every batch into the
+#: main tree (``run_share=0``), as before sorted runs (docs/decisions/0007)
+ENGINE_OPTIONS = {"attrindex-noruns": {"run_share": 0}}
 LOGICAL_BYTES = 24  #: a key and its value: what one updated key means to the user
 CACHE_SHARDS = 16  #: the page cache's shards (``attrindex.cache.ShardedLRUCache``'s default)
-BYTES_PER_KEY_ESTIMATE = {"attrindex": 60, "attrindex-unsorted": 60, "rocksdb": 45}  #: disk needed, with room
+BYTES_PER_KEY_ESTIMATE = {"attrindex": 60, "attrindex-unsorted": 60, "attrindex-noruns": 60, "rocksdb": 45}  #: disk needed, with room
 DISK_MARGIN = 8 << 30  #: free space left to the machine's other users
 
 
@@ -148,9 +151,10 @@ def child_attrindex(args, out: Reporter) -> None:
     from attrindex.tree_index import INDEX_ENTRY_MEMORY, LEAF_ENTRY_MEMORY, PAGE_MEMORY
 
     n, directory = args.n, args.dir
-    sorted_input = args.child == "attrindex"
+    sorted_input = args.child != "attrindex-unsorted"
+    options = ENGINE_OPTIONS.get(args.child, {})
     out.phase("load")
-    index = AttributeIndex.open(directory)
+    index = AttributeIndex.open(directory, **options)
     cpu, start = time.process_time(), time.perf_counter()
     if args.load_input == "columns":
         count = index.bulk_load_columns(data.columns(n, sorted_input=sorted_input))
@@ -167,7 +171,7 @@ def child_attrindex(args, out: Reporter) -> None:
         return
     out.phase("open")
     start = time.perf_counter()
-    index = AttributeIndex.open(directory)
+    index = AttributeIndex.open(directory, **options)
     out.metrics(open_s=time.perf_counter() - start)
     shape = index.stats()
     out.metrics(live_bytes_after_load=shape.live_bytes, pages=shape.page_count, height=shape.height)
