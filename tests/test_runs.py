@@ -78,6 +78,15 @@ def test_a_batch_becomes_a_run_while_the_runs_hold_less_than_their_share(main, f
     assert RunPolicy(min_entries=1000, share=0).plan(main, forest, batch) == "tree"
 
 
+def test_a_batch_goes_into_the_main_tree_once_the_runs_leave_too_much_dead_storage():
+    """Runs merged together leave dead bytes that only a rebuild of the main tree frees: past
+    ``max_retained`` times the live bytes, the next batch rebuilds instead of adding a run."""
+    policy = RunPolicy(min_entries=1000, share=0.5)
+    assert policy.plan(10_000, None, 100, retained=13_000, live=10_000) == "run"
+    assert policy.plan(10_000, None, 100, retained=17_000, live=10_000) == "tree"
+    assert RunPolicy(min_entries=1000, share=0.5, max_retained=None).plan(10_000, None, 100, 17_000, 10_000) == "run"
+
+
 # -- the tree with runs against a model ---------------------------------------------------------
 ops = st.lists(st.one_of(
     st.tuples(st.just("update"), st.dictionaries(st.integers(0, 400), st.one_of(st.none(), st.integers(-9, 9)),

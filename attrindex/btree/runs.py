@@ -43,6 +43,10 @@ FILTER_BITS_PER_KEY = 10  #: a key filter's bits per key (about 1% false positiv
 #: at most ``MAX_FILTER_BYTES``; a merge that would make a larger run rebuilds the main tree.
 MAX_FILTER_BYTES = 12 << 20
 MAX_RUN_ENTRIES = MAX_FILTER_BYTES * 8 // FILTER_BITS_PER_KEY
+#: Storage a version with runs may retain per live byte before the next merge rebuilds the main
+#: tree (the bounded compaction policy's target: docs/design.md, "Progressive compaction").
+MAX_RETAINED = 1.45
+RUN_ENTRY_BYTES = 27  #: about what a run stores per entry: 25 in its leaves, its index pages, its filter
 
 
 @attrs.frozen
@@ -143,22 +147,29 @@ def _tree_ref(fields: tuple, below: int, corrupt) -> TreeRef:
 class RunPolicy:
     """When batches become runs (the options ``run_min_entries`` and ``run_share`` of
     ``TreeIndex``): into a main tree of at least ``min_entries`` entries, while the runs and the
-    batch hold at most ``share`` of its entries (``share`` 0: never), in at most ``max_runs`` runs."""
+    batch hold at most ``share`` of its entries (``share`` 0: never), in at most ``max_runs``
+    runs, and while the storage the version retains stays within ``max_retained`` times its live
+    bytes (the runs written and merged since the main tree was rebuilt are dead bytes that only
+    the rebuild frees: ``None``, no such bound, for a tree that is never truncated)."""
 
     min_entries: int = RUN_MIN_ENTRIES
     share: float = RUN_SHARE
     max_runs: int = MAX_RUNS
+    max_retained: float | None = MAX_RETAINED
 
-    def plan(self, main_entries: int, forest: Forest | None, batch: int) -> str:
+    def plan(self, main_entries: int, forest: Forest | None, batch: int, retained: int = 0, live: int = 0) -> str:
         """How a batch of ``batch`` keys goes into a version whose main tree holds
-        ``main_entries``: ``"tree"`` (into the main tree: rewritten or rebuilt as ``BTreeIndex``
-        decides, with any runs merged in), ``"run"`` (a new run) or ``"runs"`` (one run of the
-        batch and every run)."""
+        ``main_entries``, which retains ``retained`` bytes of storage for ``live`` live bytes:
+        ``"tree"`` (into the main tree: rewritten or rebuilt as ``BTreeIndex`` decides, with any
+        runs merged in), ``"run"`` (a new run) or ``"runs"`` (one run of the batch and every run)."""
         if main_entries < max(self.min_entries, 1) or not self.share:
             return "tree"
         runs = forest.runs if forest is not None else ()
         held = (forest.run_entries if forest is not None else 0) + batch
         if held > main_entries * self.share:
+            return "tree"
+        written = RUN_ENTRY_BYTES * (held if len(runs) >= self.max_runs else batch)  # what the run adds
+        if self.max_retained is not None and live and retained + written > self.max_retained * (live + written):
             return "tree"
         if len(runs) < self.max_runs:
             return "run" if batch <= MAX_RUN_ENTRIES else "tree"

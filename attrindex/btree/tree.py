@@ -463,7 +463,7 @@ class BTreeIndex:
         leaves with the batch as columns (docs/design.md, "Dense merges"). Into a large tree, a
         batch may be written as a sorted run instead (``runs.plan``; docs/design.md, "Sorted runs").
         """
-        if self._state.forest is not None or self.runs.plan(self._state.main.entries, None, len(keys)) != "tree":
+        if self._state.forest is not None or self._plan(self._state, len(keys)) != "tree":
             return self.update_columns(*_columns(keys, values), checkpoint, base)
         if self._dense(len(keys)):
             run = SortedRun()
@@ -510,7 +510,7 @@ class BTreeIndex:
         Into a large tree, the batch becomes a sorted run, or one with the runs there are
         (``runs.plan``); a tree with runs is always rebuilt with them when the batch goes into it."""
         state = self._state
-        how = self.runs.plan(state.main.entries, state.forest, len(keys))
+        how = self._plan(state, len(keys))
         if how != "tree":
             written = self._write_run(keys, values, gone, checkpoint, base)
             if written is not None:
@@ -525,6 +525,12 @@ class BTreeIndex:
         for row in np.flatnonzero(gone).tolist():
             listed[row] = None
         return self.update(column_keys(keys), listed, checkpoint, base)
+
+    def _plan(self, state: TreeState, keys: int) -> str:
+        """``RunPolicy.plan`` for a batch of ``keys`` keys into ``state`` (the storage it retains
+        counted only if this tree truncates its storage)."""
+        retained = state.length - state.footer.min_offset if getattr(self.policy, "truncates", True) else 0
+        return self.runs.plan(state.main.entries, state.forest, keys, retained, state.footer.live_bytes)
 
     def _dense(self, keys: int) -> bool:
         """Whether a batch of ``keys`` keys is merged by rebuilding the tree (``DENSE_*``): the
@@ -645,7 +651,7 @@ class BTreeIndex:
         made: list = []
 
         def build(state: TreeState):
-            how = self.runs.plan(state.main.entries, state.forest, len(keys))
+            how = self._plan(state, len(keys))
             if how == "tree":
                 return None
             held = list(state.forest.runs) if state.forest is not None else []
