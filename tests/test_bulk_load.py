@@ -1,6 +1,7 @@
 """Bulk load: a fresh B+tree built bottom-up in one append, checked against a dict, the
 tree's own verify, its shape, reopening, bad input, another writer's race and storage faults; and
-``AttributeIndex.bulk_load`` beside another handle's pending updates, merges and refreshes."""
+``AttributeIndex.bulk_load`` beside another handle's pending updates, merges and refreshes; loads
+from columns, against a dict and under faults at any append and a kill."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from attrindex.tree_index import TreeIndex
 from attrindex.btree import bulk, spill
 from attrindex.btree.columns import KEY_DTYPE, VALUE_DTYPE, merge_columns
 from attrindex.btree.page import decode_page, encode_leaf, leaf_capacity
-from attrindex.errors import InvalidInputError, InvalidKeyError, InvalidValueError, OutcomeUnknownError, StorageError
+from attrindex.errors import (InvalidInputError, InvalidKeyError, InvalidValueError, OutcomeUnknownError, StorageError,
+                              StorageFullError)
 from storage_adapters import open_storage
 from storage_adapters.faults import FaultyStorage
 
@@ -336,27 +338,33 @@ def test_a_failed_truncation_after_the_load_does_not_fail_it(tmp_path):
 
 _CHILD = """
 import sys
+import numpy as np
 from attrindex.tree_index import TreeIndex
 from storage_adapters import open_storage
 index = TreeIndex(open_storage(sys.argv[1]), page_size=4096, rolling_size=1 << 16, piece_size=16384)
 generation = int(sys.argv[2])
+keys = np.arange(20_000, dtype=">u8")
+words = np.stack([np.zeros_like(keys), keys], axis=1).astype(np.uint64)  # keys 0..19999, high word first
 while True:
     generation += 1
-    index.bulk_load(((i.to_bytes(16, "big"), generation) for i in range(20_000)))
+    if sys.argv[3] == "columns":
+        index.bulk_load_columns([(words[i:i + 5000], np.full(5000, generation)) for i in range(0, 20_000, 5000)])
+    else:
+        index.bulk_load(((i.to_bytes(16, "big"), generation) for i in range(20_000)))
     print(generation, flush=True)
 """
 
 
 def test_a_loader_killed_mid_load_leaves_one_whole_generation(tmp_path):
-    """SIGKILL a process bulk-loading generation after generation (every key holds the generation;
-    each load is about 30 pieces, so the kill lands in a piece, between two, or in the last
-    append): the index reopens with every key at one generation, the last acknowledged or the one
-    in flight."""
+    """SIGKILL a process bulk-loading generation after generation, from pairs, then (over what
+    the first left) one loading from columns (every key holds the generation; each load is about
+    30 pieces, so the kill lands in a piece, between two, or in the last append): the index
+    reopens with every key at one generation, the last acknowledged or the one in flight."""
     directory = str(tmp_path / "store")
     rng = random.Random(11)
     seen = 0
-    for attempt in range(2):
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, directory, str(seen)], stdout=subprocess.PIPE,
+    for attempt, source in enumerate(("pairs", "columns")):
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, directory, str(seen), source], stdout=subprocess.PIPE,
                                  text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
         # Kill only once a load was acknowledged (start-up alone can outlast a fixed sleep on a
         # loaded machine), then at a random point of the loads that follow.
@@ -715,3 +723,112 @@ def test_null_keys_or_values_in_arrow_columns_are_refused():
     with pytest.raises(InvalidInputError, match="fixed_size_binary"):
         index.bulk_load_columns([(pa.array([b"a"]), pa.array([1]))])
     assert not len(index)
+
+
+def _column_chunks(model: dict, size: int = 250) -> list:
+    """``model``'s pairs (ascending) as chunks of ``S16`` keys and int64 values."""
+    pairs = sorted(model.items())
+    return [_as_columns(pairs[i:i + size], "S16") for i in range(0, len(pairs), size)]
+
+
+@pytest.mark.parametrize("fault", ["fail_before", "torn", "enospc", "lost_ack", "unknown"])
+def test_a_load_from_columns_meeting_a_fault_at_any_append_leaves_the_old_tree_or_the_new_one(fault, tmp_path,
+                                                                                               monkeypatch):
+    """A load from columns in pieces, on local disk, meeting at each of its appends in turn (the
+    pieces, then the last one, which carries its root) a failed append, a torn one, a full disk, a
+    lost acknowledgement (settled by reading back) or an outcome that stays unknown (the append
+    landed; reading back could not tell): the handle and a fresh reader see the old tree or the
+    new one, whole, never a mix; only a settled lost acknowledgement or an unknown outcome of
+    the last append loaded it; the same load again goes through."""
+    url = str(tmp_path / "store")
+    storage = FaultyStorage(open_storage(url), seed=8)
+    index = TreeIndex(storage, page_size=1024, piece_size=4096)
+    old = {k(i): i for i in range(300)}
+    index.update(old)
+    new = {k(i): -i for i in range(100, 800)}  # about 17 KiB of pages: a few pieces
+    appends, unknown_at = [], [-1]
+    append = index._tree.segment.append
+
+    def unsettled(data, **kwargs):  # "unknown": the append lands, then its outcome cannot be told
+        appends.append(len(data))
+        result = append(data, **kwargs)
+        if len(appends) - 1 == unknown_at[0]:
+            raise OutcomeUnknownError("the answer was lost and reading back failed")
+        return result
+
+    monkeypatch.setattr(index._tree.segment, "append", unsettled)
+    outcomes, keys = [], sorted(old | new)
+    for after in range(30):
+        appends.clear()
+        index.get_many(keys)  # in its recent values: a load must not leave them stale
+        if fault == "unknown":
+            unknown_at[0] = after
+        else:
+            storage.script(fault, op="append", after=after)
+        try:
+            index.bulk_load_columns(_column_chunks(new))
+            outcome = "loaded"
+        except OutcomeUnknownError:
+            outcome = "unknown"
+        except StorageError:
+            outcome = "failed"
+        if not (len(appends) > after if fault == "unknown" else storage.cancel_scripts() == 0):
+            assert outcome == "loaded"  # no fault met: the load (again) went through
+            break
+        outcomes.append(outcome)
+        seen = dict(index.items())
+        stored = dict(TreeIndex(open_storage(url), page_size=1024).items())
+        assert seen in (old, old | new) and stored in (old, old | new), f"after {after} appends: a mix"
+        assert index.get_many(keys) == [seen.get(key) for key in keys]
+        if outcome != "unknown":
+            assert seen == stored and (stored == old | new) == (outcome == "loaded"), (after, outcome)
+        index.refresh()
+        check(index, stored)
+        if outcome == "unknown":  # the same load again: idempotent
+            assert index.bulk_load_columns(_column_chunks(new)) == len(old | new)
+            stored = old | new
+        if stored == old | new:
+            old, new = stored, {key: value - 1 for key, value in new.items()}  # a change to load next time
+    else:
+        pytest.fail("the faults never stopped the load")
+    check(index, old | new)
+    check(TreeIndex(open_storage(url), page_size=1024), old | new)
+    assert len(outcomes) >= 4, "the load was not written in pieces"
+    assert outcomes[-1] == {"lost_ack": "loaded", "unknown": "unknown"}.get(fault, "failed")
+    assert set(outcomes[:-1]) == {"loaded" if fault == "lost_ack" else "failed"}
+
+
+@pytest.mark.parametrize("where", ["wal", "tree"])
+def test_an_index_load_from_columns_on_a_full_disk_changes_nothing_and_goes_through_when_retried(where, tmp_path):
+    """``AttributeIndex.bulk_load_columns`` with the disk full at its empty WAL batch (its place
+    among the updates) or at a piece of the tree's load: ``StorageFullError``, the handle and a
+    reopen (which replays the WAL over the tree) answer the updates from before it, the pending
+    one too; the same load again goes through, ordered after them and before the next update."""
+    url = str(tmp_path / "store")
+    storage = FaultyStorage(open_storage(url), seed=9)
+    options = dict(page_size=1024, piece_size=4096, merge_keys=10**6, merge_seconds=10**6)
+    index = AttributeIndex(storage, **options)
+    old = {k(i): i for i in range(300)}
+    index.update(old)
+    index.flush()  # in the tree
+    index.update({k(0): -5, k(900): 900})  # pending in the WAL
+    old |= {k(0): -5, k(900): 900}
+    new = {k(i): -i for i in range(100, 800)}  # a few pieces
+    if where == "wal":
+        storage.script("enospc", op="append", path_contains="_wal")
+    else:
+        storage.script("enospc", op="append", path_contains="attributes.seg", after=1)  # the second piece
+    with pytest.raises(StorageFullError):
+        index.bulk_load_columns(_column_chunks(new))
+    assert storage.cancel_scripts() == 0 and storage.injected
+    keys = sorted(old | new | {k(901): 0})
+    assert dict(index.items()) == old and index.get_many(keys) == [old.get(key) for key in keys]
+    with AttributeIndex.open(url, mode="r", **options) as reader:
+        assert dict(reader.items()) == old and len(reader) == len(old)
+    assert index.bulk_load_columns(_column_chunks(new)) == len(old | new)
+    index.update({k(100): 1, k(901): 901})  # after the load: wins over it
+    expected = old | new | {k(100): 1, k(901): 901}
+    assert dict(index.items()) == expected and index.get_many(keys) == [expected.get(key) for key in keys]
+    index.close()
+    with AttributeIndex.open(url, mode="r", **options) as reader:
+        assert dict(reader.items()) == expected and reader.verify().ok

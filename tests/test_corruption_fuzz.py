@@ -7,13 +7,26 @@ damage reaching the newest frame of a last chunk (cut as a torn write: docs/deci
 exactly like the state before the frames it reached; a wrong answer, a non-project exception or a
 hang (each trial runs under a 3 s timer) fails the test, naming the trial's seed and damage. The machinery is ``sims.faults.fuzz`` (``python -m sims.faults.run``
 runs the same at 10,000+ trials).
+
+Also: the newest and an older batch of a segment's log damaged, and a replay that folds tier 1
+into columns (``overlay.FOLD_KEYS`` made small) meeting a torn or damaged batch of an index's WAL,
+judged by the same rules.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from attrindex import AttributeIndex
+from attrindex import overlay as overlay_module
+from attrindex import replay as replay_module
+from attrindex.errors import CorruptDataError, StorageError
+from attrindex.log.batch.header import BATCH_HEADER_SIZE
 from sims.faults import fuzz
+from storage_adapters import open_storage
+from storage_adapters.faults import FaultyStorage
 
 TRIALS = 200
 
@@ -93,3 +106,104 @@ def test_damage_below_the_newest_log_batch_is_reported(pristines, tmp_path):
     at = fuzz.chunk_view(copy, rel).frame_ends[-3] + BATCH_HEADER_SIZE + 2
     outcome, answers = _query_with_a_flipped_byte(copy, rel, at)
     assert outcome == "error", answers
+
+
+# -- a replay that folds tier 1 meeting a damaged WAL ---------------------------------------------
+WAL_OPTIONS = dict(fuzz.INDEX_OPTIONS, merge_keys=1 << 20, merge_seconds=1e6, merge_process=False)  # merges: flush only
+
+
+@pytest.mark.parametrize("elsewhere", ["catch-up", "merged elsewhere"])
+@pytest.mark.parametrize("damage", ["torn", "newest", "older"])
+def test_a_replay_that_folds_meets_a_torn_or_damaged_wal_batch(tmp_path, monkeypatch, damage, elsewhere):
+    """Tier 1 folded into columns at every batch (``FOLD_KEYS`` 3; each update sets 25 keys) while
+    a reader's refresh and a fresh open replay an index's WAL whose writer stopped (dropped, not
+    closed) in a torn append, or whose newest or older committed batch has a flipped byte. The
+    reader's refresh replays the tail (``catch-up``), or, after the writer merged meanwhile,
+    rebuilds tier 1 from the newer tree (``merged elsewhere``). Torn: the acknowledged state.
+    The newest batch flipped (cannot be told from a torn write on local disk): one write back,
+    never two. An older batch: ``CorruptDataError``, and the reader answers a state no older
+    than the one it had."""
+    monkeypatch.setattr(overlay_module, "FOLD_KEYS", 3)
+    calls = {"fold": 0, "rebuild": 0}
+    fold, rebuild = overlay_module.AttributeOverlay.fold, replay_module.from_newest_tree
+
+    def counted_fold(overlay):
+        calls["fold"] += 1
+        fold(overlay)
+
+    def counted_rebuild(log, tree):
+        calls["rebuild"] += 1
+        return rebuild(log, tree)
+
+    monkeypatch.setattr(overlay_module.AttributeOverlay, "fold", counted_fold)
+    monkeypatch.setattr(replay_module, "from_newest_tree", counted_rebuild)
+
+    root = str(tmp_path / "index")
+    storage = FaultyStorage(open_storage(root), seed=0)
+    writer = AttributeIndex(storage, **WAL_OPTIONS)
+    rng, model, history = random.Random(7), {}, []
+
+    def update() -> None:
+        batch = fuzz.index_batch(rng, model)
+        writer.update(batch)
+        history.append(dict(model))  # the state before it
+        fuzz.apply_batch(model, batch)
+
+    for n in range(12):
+        update()
+        if n == 7:
+            writer.flush()  # a tree, and batches after its checkpoint
+    reader = AttributeIndex.open(root, mode="r", **WAL_OPTIONS)
+    assert fuzz.index_answers(reader) == model
+    opened_at = len(history)  # the reader holds history[opened_at] (the model now)
+    for n in range(6):
+        update()
+        if n == 0 and elsewhere == "merged elsewhere":
+            writer.flush()  # the reader's tree version is no longer the newest
+    rel = max(p for p in fuzz.targets(root)["tail"] if "_wal" in p)
+    view = fuzz.chunk_view(root, rel)
+    at = None
+    if damage == "torn":
+        storage.script("torn", op="append")
+        with pytest.raises(StorageError):  # never acknowledged: the writer stops here
+            writer.update(fuzz.index_batch(rng, model))
+        assert storage.injected
+    else:
+        at = view.frame_ends[-2 if damage == "newest" else -3] + BATCH_HEADER_SIZE + 2  # in a batch's payload
+        with open(f"{root}/{rel}", "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 0x08]))
+    pristine = fuzz.Pristine("index", root, model, history)
+    allowed = fuzz.rollback_frames(view, at) if at is not None else 0
+    expected = {"torn": ("ok", 0), "newest": ("rollback", 1)}.get(damage)  # (outcome, writes back)
+
+    def judged(answers: dict) -> tuple[str, int]:
+        outcome, _note, _reused, back = fuzz.judge_answers(pristine, answers, allowed)
+        return outcome, back
+
+    calls.update(fold=0, rebuild=0)
+    outcome, answers = fuzz.run_query(lambda: (reader.refresh(), fuzz.index_answers(reader))[1], timeout=10.0)
+    if expected is None:
+        assert outcome == "error" and "CorruptDataError" in answers, (outcome, answers)
+        states = history + [model]
+        after = fuzz.index_answers(reader)  # what it applied before the damage, never less
+        assert any(states[n] == after for n in range(opened_at, len(states) - 1)), "the reader went back"
+    else:
+        assert outcome == "answered", answers
+        assert judged(answers) == expected
+        assert calls["rebuild"] == (elsewhere == "merged elsewhere")
+    assert calls["fold"] >= 2, "the reader's replay did not fold"
+
+    calls.update(fold=0)
+    outcome, answers = fuzz.run_query(lambda: fuzz.query_index(root), timeout=10.0)
+    assert calls["fold"] >= 2, "the open's replay did not fold"
+    if expected is None:
+        assert outcome == "error" and answers == "CorruptDataError", (outcome, answers)
+        with pytest.raises(CorruptDataError):
+            AttributeIndex.open(root, mode="r", **WAL_OPTIONS)
+    else:
+        assert outcome == "answered", answers
+        assert judged(answers) == expected
+    reader.close()

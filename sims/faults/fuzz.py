@@ -102,17 +102,28 @@ def build_index(path: str, seed: int = 1, updates: int = 60) -> Pristine:
     earlier: list[dict] = []
     for _ in range(updates):
         earlier.append(dict(model))
-        batch: dict[int, int | None] = {rng.randrange(INDEX_KEYS): rng.randrange(-2**63, 2**63) for _ in range(25)}
-        for key in rng.sample(sorted(model), min(4, len(model))):
-            batch[key] = None
+        batch = index_batch(rng, model)
         index.update(batch)
-        for key, value in batch.items():
-            if value is None:
-                model.pop(key, None)
-            else:
-                model[key] = value
+        apply_batch(model, batch)
     index.close()
     return Pristine("index", path, model, earlier[1:])  # the empty index is no rollback target
+
+
+def index_batch(rng: random.Random, model: dict) -> dict[int, int | None]:
+    """One update of ``build_index``: 25 random keys set, up to 4 keys of ``model`` removed."""
+    batch: dict[int, int | None] = {rng.randrange(INDEX_KEYS): rng.randrange(-2**63, 2**63) for _ in range(25)}
+    for key in rng.sample(sorted(model), min(4, len(model))):
+        batch[key] = None
+    return batch
+
+
+def apply_batch(model: dict, batch: dict[int, int | None]) -> None:
+    """``model`` after the update ``batch`` (``None`` removes)."""
+    for key, value in batch.items():
+        if value is None:
+            model.pop(key, None)
+        else:
+            model[key] = value
 
 
 def build_segment(path: str, seed: int = 2, appends: int = 150) -> Pristine:
@@ -147,20 +158,25 @@ def query_index(path: str) -> dict:
     ``get_many``, ``get`` and full and ranged scans agree."""
     index = AttributeIndex.open(path, **INDEX_OPTIONS)
     try:
-        keys = list(range(INDEX_KEYS))
-        seen = {k: v for k, v in zip(keys, index.get_many(keys)) if v is not None}
-        for key in keys[::97]:
-            if index.get(key) != seen.get(key):
-                raise Inconsistent(f"get({key}) != get_many")
-        scanned = sorted((k.to_bytes(16, "big"), v) for k, v in seen.items())
-        if list(index.items()) != scanned:
-            raise Inconsistent("items() != get_many")
-        low, high = 300, 900
-        if list(index.items(low, high)) != [kv for kv in scanned if low <= int.from_bytes(kv[0], "big") < high]:
-            raise Inconsistent("items(300, 900) != get_many")
-        return seen
+        return index_answers(index)
     finally:
         index.close()
+
+
+def index_answers(index: AttributeIndex) -> dict:
+    """``query_index`` through a handle that is open already."""
+    keys = list(range(INDEX_KEYS))
+    seen = {k: v for k, v in zip(keys, index.get_many(keys)) if v is not None}
+    for key in keys[::97]:
+        if index.get(key) != seen.get(key):
+            raise Inconsistent(f"get({key}) != get_many")
+    scanned = sorted((k.to_bytes(16, "big"), v) for k, v in seen.items())
+    if list(index.items()) != scanned:
+        raise Inconsistent("items() != get_many")
+    low, high = 300, 900
+    if list(index.items(low, high)) != [kv for kv in scanned if low <= int.from_bytes(kv[0], "big") < high]:
+        raise Inconsistent("items(300, 900) != get_many")
+    return seen
 
 
 def query_segment(path: str) -> dict:
