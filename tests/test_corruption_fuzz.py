@@ -56,6 +56,24 @@ def test_every_damage_is_answered_exactly_or_reported(pristines, tmp_path):
     assert not tally.bad, report + "\n" + "\n".join(t.describe() for t in tally.bad[:40])
 
 
+def test_every_damage_to_an_index_with_sorted_runs_is_answered_exactly_or_reported(tmp_path):
+    """The fuzz over an index whose tree keeps sorted runs beside it (run leaves, key filters,
+    runs pages, run merges and rebuilds among its newest versions)."""
+    pristine = fuzz.build_index(str(tmp_path / "index"), seed=3, runs=True)
+    opened = AttributeIndex.open(pristine.path, mode="r", **fuzz.INDEX_OPTIONS)
+    try:
+        forest = opened.stats()  # (the tree has runs: its footer's height is 0 with a root)
+        assert fuzz.index_matches(fuzz.index_answers(opened), pristine.model) == ""
+    finally:
+        opened.close()
+    assert forest.entry_count > len(pristine.model)  # entries stored in runs and in the tree
+    tally = fuzz.fuzz([pristine], str(tmp_path / "scratch"), TRIALS // 2, first_seed=10_000, timeout=3.0)
+    report = tally.summary() + "\n" + tally.table()
+    total = tally.totals()
+    assert sum(total.values()) == TRIALS // 2 and total["error"] > 0
+    assert not tally.bad, report + "\n" + "\n".join(t.describe() for t in tally.bad[:40])
+
+
 @pytest.mark.parametrize("part", ["payload", "header"])
 def test_damage_to_the_newest_log_batch_is_at_most_a_rollback_of_that_write(pristines, tmp_path, part):
     """The newest batch of the segment's log (never merged) damaged: in its payload (header intact)

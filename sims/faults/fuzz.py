@@ -94,17 +94,26 @@ class Trial:
 
 
 # -- building the pristine stores ---------------------------------------------------------------
-def build_index(path: str, seed: int = 1, updates: int = 60) -> Pristine:
-    """An index with a deep tree: random updates of up to 25 keys, some removing keys."""
+#: Options of the index with sorted runs beside its tree (``build_index(runs=True)``): runs from
+#: a tree of 100 entries on, as many as fit, merged only by ``flush`` (docs/decisions/0007).
+RUNS_OPTIONS = {**INDEX_OPTIONS, "run_min_entries": 100, "run_share": 1.0, "merge_keys": 1 << 20}
+
+
+def build_index(path: str, seed: int = 1, updates: int = 60, runs: bool = False) -> Pristine:
+    """An index with a deep tree: random updates of up to 25 keys, some removing keys. With
+    ``runs``, merged every 6 updates, so the tree's newest versions add sorted runs beside it
+    (and merge them together, and into the tree) and the WAL holds the updates since."""
     rng = random.Random(seed)
     model: dict[int, int] = {}
-    index = AttributeIndex.open(path, **INDEX_OPTIONS)
+    index = AttributeIndex.open(path, **(RUNS_OPTIONS if runs else INDEX_OPTIONS))
     earlier: list[dict] = []
-    for _ in range(updates):
+    for i in range(updates):
         earlier.append(dict(model))
         batch = index_batch(rng, model)
         index.update(batch)
         apply_batch(model, batch)
+        if runs and i % 6 == 5 and i + 1 < updates:
+            index.flush()
     index.close()
     return Pristine("index", path, model, earlier[1:])  # the empty index is no rollback target
 

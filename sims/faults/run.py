@@ -33,6 +33,7 @@ KILL_RATES = {**workload.DEFAULT_RATES, "enospc": 0.01, "torn": 0.01}
 
 def run_fuzz(trials: int, seed: int, timeout: float, scratch: str) -> fuzz.Tally:
     pristines = [fuzz.build_index(os.path.join(scratch, "pristine-index")),
+                 fuzz.build_index(os.path.join(scratch, "pristine-index-runs"), seed=3, runs=True),
                  fuzz.build_segment(os.path.join(scratch, "pristine-segment"))]
     trials_dir = os.path.join(scratch, "trials")
     os.makedirs(trials_dir)
