@@ -20,7 +20,7 @@ from storage_adapters import RollingSegment
 from storage_adapters.errors import CorruptDataError, OffsetOutOfRangeError, StorageError, TruncatedError
 
 from .columns import leaf_columns, page_columns
-from .page import IndexPage, LeafPage, decode_page
+from .page import IndexPage, LeafPage, RunLeafPage, decode_page
 from .runs import Forest, TreeRef, filter_probe
 
 MAX_RELIST_ATTEMPTS = 6  #: fresh listings before an inconsistent view is taken for damage
@@ -87,6 +87,15 @@ class PageReader:
                 continue
             return offset < self.segment.start_offset
         return False
+
+    def run_value(self, run: TreeRef, key: bytes) -> object:
+        """The value the run whose tree is ``run`` holds for ``key``: an int, ``None`` (the run
+        removes it) or ``ABSENT``. A main tree's leaf where a run's belongs is damage."""
+        leaf = self.leaf(self.page(run.offset, run.length), key)
+        if not isinstance(leaf, RunLeafPage):
+            raise CorruptDataError(f"segment {self.segment.name!r}: a main tree's leaf in the run whose root is at "
+                                   f"offset {run.offset}", segment=self.segment.name, offset=run.offset)
+        return leaf.find(key, ABSENT)
 
     def leaf(self, page: LeafPage | IndexPage, key: bytes) -> LeafPage:
         """The leaf under ``page`` that ``key`` belongs in."""
@@ -195,11 +204,10 @@ class PageReader:
         keys = list(keys)
         settled: dict[bytes, int | None] = {}
         for run, may in zip(forest.runs, filter_probe(forest.filters, keys)):
-            root = self.page(run.tree.offset, run.tree.length)
             for row in np.flatnonzero(may).tolist():
                 key = keys[row]
                 if key not in settled:
-                    value = self.leaf(root, key).find(key, ABSENT)
+                    value = self.run_value(run.tree, key)
                     if value is not ABSENT:
                         settled[key] = value  # type: ignore[assignment]
         return settled

@@ -245,8 +245,8 @@ class BTreeIndex:
         try:
             main, runs = decode_runs(self.reader.read(offset, length), offset, self.segment.name)
             held = self._state.forest
-            known = {} if held is None else {run.filter_offset: f for run, f in zip(held.runs, held.filters)}
-            filters = tuple(known.get(run.filter_offset) or self._read_filter(run) for run in runs)
+            known = {} if held is None else dict(zip(held.runs, held.filters))  # (a run is its whole reference)
+            filters = tuple(known.get(run) or self._read_filter(run) for run in runs)
         except OffsetOutOfRangeError as error:
             raise self._corrupt(offset, f"the runs page at offset {offset} or a run's filter is outside the stored "
                                         f"range: {error}") from error
@@ -283,7 +283,7 @@ class BTreeIndex:
                 if state.forest is not None:
                     for run, flt in zip(state.forest.runs, state.forest.filters):
                         if flt.may_contain(key):
-                            value = self.reader.leaf(self.reader.page(run.tree.offset, run.tree.length), key).find(key, ABSENT)
+                            value = self.reader.run_value(run.tree, key)
                             if value is not ABSENT:
                                 return value  # type: ignore[return-value]
                     if not state.forest.main.length:
