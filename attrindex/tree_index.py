@@ -369,12 +369,15 @@ class TreeIndex(IndexHandle):
                                                        values[i:i + _CACHE_UPDATES_UP_TO])))
         return self._written(written, checkpoint, len(keys), cache)
 
-    def update_columns(self, keys, values, gone, *, checkpoint: int | None = None, base: int | None = None) -> bool:
+    def update_columns(self, keys, values, gone, *, checkpoint: int | None = None, base: int | None = None,
+                       defer_rebuild: bool = False) -> bool:
         """``update_sorted`` for a batch as numpy columns: ascending unique ``S16`` keys, int64
         values and removal flags (True: remove). Not checked (a merge of tier 1 uses it). Large
-        batches keep no Python object per key; the recent values already cached are refreshed."""
+        batches keep no Python object per key; the recent values already cached are refreshed.
+        ``defer_rebuild``: a merge someone waits for, which writes a sorted run rather than rebuild
+        the tree while the runs hold up to twice their share (docs/design.md, "Sorted runs")."""
         self._check_writable()
-        written = self._tree.update_columns(keys, values, gone, checkpoint, base)
+        written = self._tree.update_columns(keys, values, gone, checkpoint, base, defer_rebuild)
         return self._written(written, checkpoint, len(keys), lambda: self._values.refresh_columns(keys, values, gone))
 
     def _written(self, written, checkpoint: int | None, keys: int, cache: Callable[[], None]) -> bool:

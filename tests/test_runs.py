@@ -292,6 +292,28 @@ def test_an_attribute_index_merges_into_runs_through_its_worker_and_replays_over
     assert len(reopened) == len(model) and reopened.verify().ok
 
 
+def test_a_merge_someone_waits_for_leaves_a_due_rebuild_to_the_background(tmp_path):
+    """``flush`` and ``close`` write their batch as a run while the runs hold up to twice their
+    share, where a background merge would rebuild the tree: the caller waits for a run, not for
+    a rewrite of the whole tree. Past twice the share they rebuild too."""
+    url = str(tmp_path)
+    index = AttributeIndex.open(url, page_size=512, run_min_entries=100, run_share=0.1, merge_keys=1 << 20,
+                                merge_seconds=3600)
+    index.bulk_load({k(i): i for i in range(2000)})
+    tree = index._attributes.tree
+    sizes = []
+    for step in range(12):
+        index.update({k(i): -i for i in range(step, 2000, 60)})  # 34 keys: 1.7% of the tree
+        index.flush()
+        forest = tree.version.forest
+        sizes.append(0 if forest is None else forest.run_entries)
+    assert max(sizes) > 200  # past the share (200 entries) ...
+    assert max(sizes) <= 400 and 0 in sizes[sizes.index(max(sizes)):]  # ... within twice it, then rebuilt
+    model = {i: (-i if any(i >= s and (i - s) % 60 == 0 for s in range(12)) else i) for i in range(2000)}
+    index.close()
+    assert dict(AttributeIndex.open(url).items()) == {k(i): v for i, v in model.items()}
+
+
 @pytest.mark.parametrize("option, value", [("run_share", 1.5), ("run_share", -0.1), ("run_share", True),
                                            ("run_min_entries", -1), ("run_min_entries", 2.0)])
 def test_bad_run_options_are_refused_before_anything_is_written(tmp_path, option, value):
