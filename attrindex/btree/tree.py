@@ -335,7 +335,8 @@ class BTreeIndex:
                 streams = [self.reader.tree_leaves(run.tree, RUN_LEAF) for run in reversed(forest.runs)]
                 for keys, _values, gone in merge_streams(streams, bulk.MERGE_BLOCK_ENTRIES):
                     listed = column_keys(keys)
-                    found = self.reader.get_many(self._root_page(state), listed, forest.main.pages)  # type: ignore[arg-type] if forest.main.length else {}  # type: ignore[arg-type]
+                    found = (self.reader.get_many(self._root_page(state), listed, forest.main.pages)  # type: ignore[arg-type]
+                             if forest.main.length else {})
                     stored = np.fromiter((key in found for key in listed), bool, len(listed))
                     total += int((~gone & ~stored).sum()) - int((gone & stored).sum())
             except OffsetOutOfRangeError as error:
@@ -421,11 +422,11 @@ class BTreeIndex:
         raise self._gave_up("a scan")
 
     def pages(self) -> Iterator[tuple[int, int, int, LeafPage | IndexPage]]:
-        """Every live page as ``(depth, offset, length, page)``, depth-first (for verification)."""
-        footer = self._state.footer
-        if not footer.root_length:
-            return
-        stack = [(1, footer.root_offset, footer.root_length)]
+        """Every live tree page as ``(depth, offset, length, page)``, depth-first: the main
+        tree's, then each run's (for verification; a version's runs page and filters aside)."""
+        state = self._state
+        trees = [state.main, *(run.tree for run in state.forest.runs)] if state.forest is not None else [state.main]
+        stack = [(1, tree.offset, tree.length) for tree in reversed(trees) if tree.length]
         while stack:
             depth, offset, length = stack.pop()
             page = self.reader.page(offset, length)
