@@ -87,6 +87,18 @@ def test_a_batch_goes_into_the_main_tree_once_the_runs_leave_too_much_dead_stora
     assert RunPolicy(min_entries=1000, share=0.5, max_retained=None).plan(10_000, None, 100, 17_000, 10_000) == "run"
 
 
+@pytest.mark.parametrize("sizes, batch, expected", [
+    ([5, 5, 5, 5], 5, 4),  # equal runs: all of them
+    ([5, 5, 5, 40], 5, 3),  # the small ones; the large one waits until they add up to it
+    ([5, 5, 5, 20], 5, 4),  # ... as they do here
+    ([100, 5], 5, 2),  # at least the newest, and an older one no larger than what is merged
+])
+def test_the_newest_runs_that_add_up_are_merged_together(sizes, batch, expected):
+    from attrindex.btree.runs import RunRef, merged_runs
+    runs = [RunRef(TreeRef(1, 1, 1, n, 1, 1, 1), 0, 1) for n in sizes]  # newest first
+    assert merged_runs(runs, batch) == expected
+
+
 # -- the tree with runs against a model ---------------------------------------------------------
 ops = st.lists(st.one_of(
     st.tuples(st.just("update"), st.dictionaries(st.integers(0, 400), st.one_of(st.none(), st.integers(-9, 9)),

@@ -173,12 +173,26 @@ class RunPolicy:
         held = (forest.run_entries if forest is not None else 0) + batch
         if held > main_entries * self.share * (DEFERRED_SHARE if defer else 1):
             return "tree"
-        written = RUN_ENTRY_BYTES * (held if len(runs) >= self.max_runs else batch)  # what the run adds
+        full = len(runs) >= self.max_runs
+        entries = batch + (sum(run.tree.entries for run in runs[:merged_runs(runs, batch)]) if full else 0)
+        written = RUN_ENTRY_BYTES * entries  # what the new run adds
         if self.max_retained is not None and live and retained + written > self.max_retained * (live + written):
             return "tree"
-        if len(runs) < self.max_runs:
-            return "run" if batch <= MAX_RUN_ENTRIES else "tree"
-        return "runs" if held <= MAX_RUN_ENTRIES else "tree"
+        if entries > MAX_RUN_ENTRIES:
+            return "tree"
+        return "runs" if full else "run"
+
+
+def merged_runs(runs: tuple[RunRef, ...] | list[RunRef], batch: int) -> int:
+    """How many of the newest ``runs`` (newest first) a batch of ``batch`` keys is merged with
+    when there are as many runs as allowed: each next older run while it holds no more than the
+    batch and the runs taken so far (at least one), so small runs are merged together and a
+    large one is rewritten only once the small ones add up to it (size-tiered)."""
+    total, k = batch, 0
+    while k < len(runs) and (k == 0 or runs[k].tree.entries <= total):
+        total += runs[k].tree.entries
+        k += 1
+    return k
 
 
 def forest_footer(main: TreeRef, runs: list[RunRef], runs_page: tuple[int, int], checkpoint: int,
@@ -230,4 +244,4 @@ def filter_probe(filters: tuple[KeyFilter, ...], keys: list[bytes]) -> list[np.n
 
 
 __all__ = ["Forest", "MAX_RUNS", "RUN_MIN_ENTRIES", "RUN_SHARE", "RunPolicy", "RunRef", "TreeRef", "decode_runs",
-           "filter_probe", "forest_footer", "newer_first", "present", "read_filter"]
+           "filter_probe", "forest_footer", "merged_runs", "newer_first", "present", "read_filter"]

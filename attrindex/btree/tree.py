@@ -34,7 +34,7 @@ from .compaction import OnePagePolicy
 from .footer import EMPTY, FOOTER_SIZE, PIECE, Footer, decode_footer
 from .key_filter import KeyFilter
 from .page import HEADER_SIZE, INDEX_ENTRY_SIZE, LEAF, RUN_LEAF, IndexPage, LeafPage, index_capacity, leaf_capacity
-from .runs import Forest, RunRef, TreeRef, decode_runs, newer_first, present, read_filter, RunPolicy
+from .runs import Forest, RunRef, TreeRef, decode_runs, merged_runs, newer_first, present, read_filter, RunPolicy
 from .rewrite import Rewrite, UpdateBuilder
 from .sorted_run import SortedRun
 from .pages import ABSENT, MAX_RELIST_ATTEMPTS, PageReader, pause
@@ -657,13 +657,12 @@ class BTreeIndex:
                 return None
             held = list(state.forest.runs) if state.forest is not None else []
             filters = list(state.forest.filters) if state.forest is not None else []
-            entries = len(keys)
-            if how == "runs":
-                streams = [self.reader.tree_leaves(run.tree, RUN_LEAF) for run in reversed(held)]
-                entries += sum(run.tree.entries for run in held)
-                held, filters = [], []
-            else:
-                streams = []
+            entries, streams = len(keys), []
+            if how == "runs":  # the newest runs and the batch into one run, the older ones kept
+                merged = merged_runs(held, len(keys))
+                streams = [self.reader.tree_leaves(run.tree, RUN_LEAF) for run in reversed(held[:merged])]
+                entries += sum(run.tree.entries for run in held[:merged])
+                held, filters = held[merged:], filters[merged:]
             streams.append(iter([(keys, values, gone)]))
             data, footer, at, run, key_filter = bulk.build_run(
                 merge_streams(streams, bulk.MERGE_BLOCK_ENTRIES), entries, state.main, held, state.length,
