@@ -9,7 +9,9 @@ points at a *runs page* listing the main tree and the runs, newest first, instea
 tree's root. A lookup asks the runs newest first, then the main tree. When the runs hold
 ``RUN_SHARE`` of the main tree's entries, the next merge rebuilds the main tree from all of them
 (a dense merge): the tree is rewritten once per that many updated keys, not once per batch.
-When ``MAX_RUNS`` runs exist, the next batch is merged with them into one run instead.
+When ``MAX_RUNS`` runs exist, the next batch is merged with the newest of them into one run
+instead (``merged_runs``: size-tiered). ``RunPolicy`` decides; the reads and writes are
+``BTreeIndex``'s (``tree.py``) over ``PageReader`` (``pages.py``).
 
 Everything lies in the tree's own storage and is committed by its footer, as an update's pages
 are: a run's pages, its filter and the runs page are one update (appended in pieces if large).
@@ -37,7 +39,7 @@ RUN_MIN_ENTRIES = 1 << 21
 #: rewritten once per this share of updated keys (the tree bytes written per updated key are
 #: about ``1 / RUN_SHARE`` times an entry), and lookups of keys in runs cost a run's leaf.
 RUN_SHARE = 0.125
-MAX_RUNS = 8  #: runs at most; the batch that would make one more is merged with them instead
+MAX_RUNS = 8  #: runs at most; the batch that would make one more is merged with the newest of them
 FILTER_BITS_PER_KEY = 10  #: a key filter's bits per key (about 1% false positives)
 #: The most entries in one run: its filter (``FILTER_BITS_PER_KEY`` bits a key) fills one page of
 #: at most ``MAX_FILTER_BYTES``; a merge that would make a larger run rebuilds the main tree.
