@@ -286,7 +286,6 @@ START_FIRST = (
     "tests/test_chaos.py::test_writers_killed_at_random_write_every_event_exactly_once",
     "tests/test_index_model.py::test_index_matches_dict_on_memory",
     "tests/test_compaction_history.py::test_compaction_racing_writers_and_a_tail_reader_under_faults_and_kills_s3",
-    "tests/test_index_model.py::test_index_matches_dict_with_pravega_policy_and_without_compaction",
     "tests/test_index_processes.py::test_two_writer_processes_with_worker_merges_never_fail_an_update",
     "tests/test_fault_history.py::test_clients_under_faults_and_kills_s3",
     "tests/test_fault_history.py::test_spark_write_protocol_exactly_once_under_faults",
