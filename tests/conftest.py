@@ -276,36 +276,46 @@ SPARK_TESTS = ("tests/test_spark.py::", "tests/test_spark_core.py::", "tests/tes
                "tests/test_docs_examples.py::test_spark_examples_run")
 
 
-#: Tests outside the Spark group that took 20 s or more in a full run on 2 busy cores, longest
-#: first (node id prefixes). Under pytest-xdist they start before the short tests: the worker that
-#: does not run the Spark group works through them while the other runs it, and the run ends on
-#: short tests on both workers instead of one long test on one of them. A renamed test only loses
-#: its early start.
+#: Tests outside the Spark group that took 10 s or more in a full run on 2 busy cores (load 5-7),
+#: longest first (node id prefixes). Under pytest-xdist they start before the short tests: the
+#: worker that does not run the Spark group works through them while the other runs it, and the
+#: run ends on short tests on both workers instead of one long test on one of them. A renamed test
+#: only loses its early start.
 START_FIRST = (
-    "tests/test_log_faults.py::test_the_newest_batches_damaged_after_a_merge_are_given_up_and_never_reused",
     "tests/test_chaos.py::test_writers_killed_at_random_write_every_event_exactly_once",
-    "tests/test_index_model.py::test_index_matches_dict_on_memory",
-    "tests/test_compaction_history.py::test_compaction_racing_writers_and_a_tail_reader_under_faults_and_kills_s3",
-    "tests/test_index_model.py::test_index_matches_dict_with_pravega_policy_and_without_compaction",
-    "tests/test_index_processes.py::test_two_writer_processes_with_worker_merges_never_fail_an_update",
-    "tests/test_fault_history.py::test_clients_under_faults_and_kills_s3",
-    "tests/test_fault_history.py::test_spark_write_protocol_exactly_once_under_faults",
     "tests/test_moto_server.py::test_concurrent_exclusive_creates_of_one_name_have_one_winner",
-    "tests/test_index_model.py::test_index_matches_dict_on_local_disk",
-    "tests/test_segment.py::test_read_arrow_gives_the_rows_read_gives",
-    "tests/test_log_compaction.py::test_sigkill_during_compaction_on_s3",
+    "tests/test_compaction_history.py::test_compaction_racing_writers_and_a_tail_reader_under_faults_and_kills_s3",
     "tests/test_rolling_model.py::test_rolling_segment_matches_bytearray_model",
-    "tests/test_log_faults.py::test_log_compaction_after_a_repair_keeps_every_kept_record",
-    "tests/test_processes.py::test_every_raced_offset_is_won_by_exactly_one_process",
-    "tests/test_cli_errors.py::test_the_demo_checks_java_before_anything_else",
-    "tests/test_processes.py::test_free_for_all_appends_are_neither_lost_nor_interleaved",
     "tests/test_log_faults.py::test_repair_gives_up_only_the_damaged_batches",
-    "tests/test_local_storage.py::test_crashes_in_a_row_leave_torn_writes_never_damage",
-    "tests/test_typing.py::",
-    "tests/test_replace_processes.py::test_replacer_killed_at_each_write_leaves_one_layout",
+    "tests/test_segment.py::test_read_arrow_gives_the_rows_read_gives",
+    "tests/test_deletion_grace.py::test_stale_handles_never_append_below_the_truncation",
+    "tests/test_fault_history.py::test_spark_write_protocol_exactly_once_under_faults",
+    "tests/test_index_processes.py::test_two_writer_processes_with_worker_merges_never_fail_an_update",
+    "tests/test_log_compaction.py::test_sigkill_during_compaction_on_s3",
     "tests/test_overlay.py::TestShardedOverlayModel",
-    "tests/test_open_cost.py::test_lazy_handles_agree_with_a_model_under_random_interleavings",
+    "tests/test_processes.py::test_every_raced_offset_is_won_by_exactly_one_process",
+    "tests/test_consolidation.py::test_consolidation_beside_a_writer_and_a_tailing_reader_in_other_processes",
+    "tests/test_index_processes.py::test_processes_updating_disjoint_keys_lose_nothing",
+    "tests/test_log_faults.py::test_log_compaction_after_a_repair_keeps_every_kept_record",
+    "tests/test_memory_bounds.py::test_a_bulk_load_and_a_merge_of_every_leaf_stay_within_their_bounds",
+    "tests/test_batch.py::test_round_trip",
+    "tests/test_tree_faults.py::test_an_update_in_pieces_that_stops_at_any_append_leaves_the_version_before_it",
+    "tests/test_typing.py::",
+    "tests/test_index_wal.py::test_the_index_matches_a_dict_through_merges_bulk_loads_and_reopens",
     "tests/test_segment_background.py::test_kills_beside_merges_and_truncations_of_the_merged_log_lose_nothing",
+    "tests/test_index_processes.py::test_killed_updater_keeps_every_update_that_returned",
+    "tests/test_index_model.py::test_index_matches_dict_on_local_disk",
+    "tests/test_bulk_load.py::test_merging_columns_is_a_dict_update",
+    "tests/test_log_compaction.py::test_sigkill_during_compaction_on_local_disk",
+    "tests/test_rolling_view.py::test_the_view_follows_its_listing",
+    "tests/test_open_cost.py::test_lazy_handles_agree_with_a_model_under_random_interleavings",
+    "tests/test_fault_history.py::test_clients_under_faults_and_kills_s3",
+    "tests/test_compaction_history.py::test_compaction_racing_writers_and_a_tail_reader_under_faults_and_kills_local",
+    "tests/test_local_storage.py::test_crashes_in_a_row_leave_torn_writes_never_damage",
+    "tests/test_index_model.py::",
+    "tests/test_processes.py::test_free_for_all_appends_are_neither_lost_nor_interleaved",
+    "tests/test_replace_processes.py::test_replacer_killed_at_each_write_leaves_one_layout",
+    "tests/test_cli_errors.py::test_the_demo_checks_java_before_anything_else",
 )
 
 
@@ -315,10 +325,13 @@ def start_rank(nodeid: str) -> int:
 
 
 def work_group(nodeid: str) -> str:
-    """The unit of work a pytest-xdist worker takes whole: ``spark``, a module of
-    ``ONE_WORKER_MODULES``, or else the test alone."""
+    """The unit of work a pytest-xdist worker takes whole: ``spark``, ``seaweedfs`` (the tests on
+    SeaweedFS: one worker starts its server, not each), a module of ``ONE_WORKER_MODULES``, or
+    else the test alone."""
     if nodeid.startswith(SPARK_TESTS):
         return "spark"
+    if "seaweedfs" in nodeid:
+        return "seaweedfs"
     module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
     return module if module in ONE_WORKER_MODULES else nodeid
 

@@ -214,8 +214,12 @@ def test_the_newest_batches_damaged_after_a_merge_are_given_up_and_never_reused(
         with pytest.raises(CorruptDataError):
             store.segment("s")
         repair = store.repair_segment("s")
-        given_up = {o for r in repair.lost_offsets for o in r}
-        assert set(lost) <= given_up and not given_up & set(kept), repair
+        # A damaged tail's range is a bound of up to RECORDS_PER_BYTE_BOUND offsets per lost byte
+        # (hundreds of millions): asked by membership, never listed.
+        def given_up(offset: int) -> bool:
+            return any(offset in r for r in repair.lost_offsets)
+
+        assert all(map(given_up, lost)) and not any(map(given_up, kept)), repair
         assert repair.resume_offset is not None and repair.resume_offset >= 30, repair
         seg = store.segment("s")
         assert [r.offset for r in seg.read(0, 1000)] == kept
