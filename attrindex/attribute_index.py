@@ -226,7 +226,7 @@ class AttributeIndex(IndexHandle):
         ``wal_rolling_size`` (4 MiB),
         and when the WAL's pending updates are merged into the tree by the background merge:
         ``merge_keys`` (250,000 pending keys), ``merge_bytes`` (64 MiB of overlay),
-        ``merge_seconds`` (30); ``max_pending_bytes`` (256 MiB) bounds the pending updates'
+        ``merge_seconds`` (30); ``max_pending_bytes`` (128 MiB) bounds the pending updates'
         memory: beyond it ``update`` waits for the merge (back-pressure, bounded);
         ``merge_process`` (True): on local disk the merge runs in a worker process, so its CPU
         never delays ``update`` (False: in a thread of this process, as on other storage);

@@ -15,7 +15,7 @@ from .merge_worker import DEFAULT_HANG_SECONDS
 DEFAULT_FLUSH_KEYS = 250_000
 DEFAULT_FLUSH_BYTES = 64 << 20
 DEFAULT_FLUSH_SECONDS = 30.0
-DEFAULT_MAX_PENDING_BYTES = 256 << 20
+DEFAULT_MAX_PENDING_BYTES = 128 << 20
 DEFAULT_MIN_POLL_INTERVAL = 0.05  #: a tail reader's first poll after records came
 DEFAULT_MAX_POLL_INTERVAL = 1.0  #: ... backing off to this: an idle reader costs 1 request/s
 
