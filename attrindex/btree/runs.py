@@ -166,7 +166,7 @@ class RunPolicy:
         """How a batch of ``batch`` keys goes into a version whose main tree holds
         ``main_entries``, which retains ``retained`` bytes of storage for ``live`` live bytes:
         ``"tree"`` (into the main tree: rewritten or rebuilt as ``BTreeIndex`` decides, with any
-        runs merged in), ``"run"`` (a new run) or ``"runs"`` (one run of the batch and every run).
+        runs merged in), ``"run"`` (a new run) or ``"runs"`` (one run of the batch and the newest runs: ``merged_runs``).
         ``defer``: a merge someone waits for (``flush``, ``close``) lets a rebuild that the share
         makes due wait for the next background merge, up to ``DEFERRED_SHARE`` times the share."""
         if main_entries < max(self.min_entries, 1) or not self.share:
