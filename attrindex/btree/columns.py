@@ -156,11 +156,6 @@ class ColumnCursor:
             at -= len(keys)
         raise AssertionError("unreachable")
 
-    def exhausted(self, count: int) -> bool:
-        """Whether fewer than ``count`` entries remain (all of them held)."""
-        self._fill(count)
-        return self._ended and self._held < count
-
     def through(self, high: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The entries up to and including ``high`` not taken yet."""
         taken: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
