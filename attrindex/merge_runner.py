@@ -99,7 +99,7 @@ class MergeRunner:
         # nothing is written and the state rebuilds tier 1 from the newest version, as when the
         # tree covers more than ``at``. (The worker replays the log from the tree's checkpoint.)
         try:
-            return merge_overlay(tree, frozen, at, base=base, waited=not background)
+            return merge_overlay(tree, frozen, at, base=base, defer_rebuild=not background)
         except TreeMovedError as exc:
             _log.info("segment %r: %s since the pending updates were read; rebuilding them from the tree instead "
                       "of merging them", self.name, exc)

@@ -22,16 +22,16 @@ from .btree.columns import KEY_DTYPE, VALUE_DTYPE, column_keys, positions, upser
 from .btree.runs import newer_first
 from .value_cache import MISSING
 
-def merge_overlay(tree, overlay: AttributeOverlay, at: int, base: int | None = None, waited: bool = False) -> bool:
+def merge_overlay(tree, overlay: AttributeOverlay, at: int, base: int | None = None, defer_rebuild: bool = False) -> bool:
     """The merge of an overlay into the B+tree, whichever process hosts it (the handle's merge
     thread or the merge worker): ``overlay`` (the log's updates up to byte ``at``) as one sorted
     batch of columns with checkpoint ``at``. False if the tree covers
     more than ``at`` already (checkpoints only move forward). ``base``: the checkpoint of the tree
-    version ``overlay`` was replayed from; ``TreeMovedError`` on any other version. ``waited``: a
+    version ``overlay`` was replayed from; ``TreeMovedError`` on any other version. ``defer_rebuild``: a
     merge the caller waits for (``flush``, ``close``), which leaves a rebuild of the tree that
     is not needed yet to the background merges (``TreeIndex.update_columns``)."""
     keys, values, gone = overlay.sorted_columns()
-    return tree.update_columns(keys, values, gone, checkpoint=at, base=base, defer_rebuild=waited)
+    return tree.update_columns(keys, values, gone, checkpoint=at, base=base, defer_rebuild=defer_rebuild)
 
 
 __all__ = ["AttributeOverlay", "Settled", "merge_overlay", "merge_scan", "probe_many", "sort_keys", "MISSING"]

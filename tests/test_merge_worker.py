@@ -235,7 +235,7 @@ def test_close_merges_what_is_frozen_and_what_came_after_in_one_merge(tmp_path, 
     merged = []
     original = merge_runner.merge_overlay
     monkeypatch.setattr(merge_runner, "merge_overlay",
-                        lambda tree, overlay, at, base=None, waited=False: merged.append(len(overlay)) or original(tree, overlay, at, base, waited))
+                        lambda tree, overlay, at, base=None, defer_rebuild=False: merged.append(len(overlay)) or original(tree, overlay, at, base, defer_rebuild))
     index.close()
     assert merged == [len(model)]  # one merge of every key written (none was merged before)
     with open_index(tmp_path) as reopened:

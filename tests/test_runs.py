@@ -230,6 +230,40 @@ def test_a_handle_that_writes_no_runs_rebuilds_over_another_s_runs(tmp_path):
         assert dict(handle.items()) == expected and handle.verify().ok
 
 
+@pytest.mark.parametrize("read", ["get", "get_many", "items", "len"])
+def test_reads_over_runs_another_handle_rebuilt_and_truncated_move_to_its_version(tmp_path, read):
+    """A handle whose version has runs, after another handle rebuilt the tree with them and
+    truncated their chunks: its reads meet pages that are gone and move to the newest version,
+    never with an error. A call answers from one version: the old one while the pages it needs
+    are still stored (a run may share its chunk with the rebuild's first pages), else the new."""
+    url = str(tmp_path)
+    options = dict(page_size=256, rolling_size=4096, run_min_entries=50, run_share=0.5)
+    writer = TreeIndex.open(url, **options)
+    writer.bulk_load({k(i): i for i in range(300)})
+    writer.update({k(i): -i for i in range(0, 300, 9)})  # a run
+    reader = TreeIndex.open(url, cache_bytes=0, value_cache_entries=0, **options)
+    assert runs_of(reader) == 1 and reader.get(k(9)) == -9
+    held = reader.version.forest
+    writer.update({k(i): 1000 + i for i in range(0, 330, 2)})  # past the share: a rebuild, then truncation
+    assert runs_of(writer) == 0 and writer.stats().start_offset > held.main.min_offset  # the old pages are gone
+    old = {i: i for i in range(300)}
+    old.update({i: -i for i in range(0, 300, 9)})
+    expected = {**old, **{i: 1000 + i for i in range(0, 330, 2)}}
+    keys = list(range(0, 340, 3))
+    if read == "get":
+        answers = [reader.get(k(i)) for i in keys]
+        moved = next(n for n, i in enumerate(keys) if old.get(i) != expected.get(i) and answers[n] == expected.get(i))
+        assert answers[:moved] == [old.get(i) for i in keys[:moved]]  # the old version, whole, then
+        assert answers[moved:] == [expected.get(i) for i in keys[moved:]]  # the new one, from the first gone page on
+    elif read == "get_many":
+        assert reader.get_many([k(i) for i in keys]) == [expected.get(i) for i in keys]
+    elif read == "items":
+        assert list(reader.items()) == [(k(i), v) for i, v in sorted(expected.items())]
+    else:
+        assert len(reader) == len(expected)
+    assert runs_of(reader) == 0  # it moved to the rebuilt version
+
+
 @pytest.mark.parametrize("target", ["runs page", "filter", "run leaf"])
 def test_damage_to_a_run_is_reported_and_repair_returns_to_an_intact_version(tmp_path, target):
     url = str(tmp_path)

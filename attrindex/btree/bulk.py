@@ -301,7 +301,7 @@ class _Builder:
         self.leaf_capacity = leaf_capacity
         self.index_capacity = index_capacity
         self.buffer = bytearray()
-        self.pending: list[tuple[np.ndarray, np.ndarray]] = []  # entries short of a full leaf
+        self.pending: list[tuple[np.ndarray, ...]] = []  # entries short of a full leaf, as columns
         self.pending_count = 0
         # Level 1, one entry a leaf: its first key, offset and length (its minimum offset is its own).
         self.leaf_keys = bytearray()
@@ -316,31 +316,32 @@ class _Builder:
     def add(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray | None = None) -> None:
         """Append ascending entries (all above those added before) as columns: ``S16`` keys and
         little-endian int64 values (``columns.py``), and for a run's tree their removal flags."""
-        if gone is None:
-            gone = np.zeros(len(keys), bool) if self.removals else keys  # (unused for the main tree)
+        columns: tuple[np.ndarray, ...] = (keys, values)  # a main tree's leaves hold no removal flags
+        if self.removals:
+            columns += (np.zeros(len(keys), bool) if gone is None else gone,)
         count, at, cap = len(keys), 0, self.leaf_capacity
         if self.pending:
             at = min(cap - self.pending_count, count)
-            self.pending.append((keys[:at], values[:at], gone[:at]))
+            self.pending.append(tuple(column[:at] for column in columns))
             self.pending_count += at
             if self.pending_count < cap:
                 return
             self._leaf(*(np.concatenate(column) for column in zip(*self.pending)))
             self.pending, self.pending_count = [], 0
         while count - at >= cap:  # whole leaves straight from the columns
-            self._leaf(keys[at:at + cap], values[at:at + cap], gone[at:at + cap])
+            self._leaf(*(column[at:at + cap] for column in columns))
             at += cap
         if at < count:
-            self.pending.append((keys[at:], values[at:], gone[at:]))
+            self.pending.append(tuple(column[at:] for column in columns))
             self.pending_count = count - at
 
-    def _leaf(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray) -> None:
+    def _leaf(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray | None = None) -> None:
         n = len(keys)
         offset = self.base + len(self.buffer)
         page = bytearray(HEADER.pack(FORMAT_VERSION, RUN_LEAF if self.removals else LEAF, 0, n, 0))
         page += keys.tobytes()
         page += values.astype(VALUE_DTYPE, copy=False).tobytes()
-        if self.removals:
+        if gone is not None:
             page += gone.astype(np.uint8).tobytes()
         _CRC.pack_into(page, 8, page_checksum(offset, page))
         self.leaf_keys += keys[:1].tobytes()  # (a slice: an element of S16 loses trailing zero bytes)

@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from ..keys import KEY_SIZE
-from .page import HEADER_SIZE, LEAF, check_page
+from .page import HEADER_SIZE, LEAF, RunLeafPage, check_page
 from .sorted_run import SortedRun
 
 KEY_DTYPE = np.dtype(f"S{KEY_SIZE}")
@@ -54,7 +54,7 @@ def page_columns(page) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A decoded leaf page's keys, values and removal flags as columns (copies of its lists;
     flags ``None`` for a main tree's leaf)."""
     keys = np.array(page.keys, KEY_DTYPE).reshape(-1)
-    if not hasattr(page, "find"):
+    if not isinstance(page, RunLeafPage):
         return keys, np.array(page.values, VALUE_DTYPE), None
     gone = np.fromiter((value is None for value in page.values), bool, len(page.values))
     values = np.fromiter((0 if value is None else value for value in page.values), VALUE_DTYPE, len(page.values))

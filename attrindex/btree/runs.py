@@ -48,7 +48,7 @@ MAX_RUN_ENTRIES = MAX_FILTER_BYTES * 8 // FILTER_BITS_PER_KEY
 #: Storage a version with runs may retain per live byte before the next merge rebuilds the main
 #: tree (the bounded compaction policy's target: docs/design.md, "Progressive compaction").
 MAX_RETAINED = 1.45
-#: How far past ``share`` a merge someone waits for may add runs (``RunPolicy.plan``'s ``defer``).
+#: How far past ``share`` a merge someone waits for may add runs (``RunPolicy.plan``'s ``defer_rebuild``).
 DEFERRED_SHARE = 2
 RUN_ENTRY_BYTES = 27  #: about what a run stores per entry: 25 in its leaves, its index pages, its filter
 
@@ -162,18 +162,18 @@ class RunPolicy:
     max_retained: float | None = MAX_RETAINED
 
     def plan(self, main_entries: int, forest: Forest | None, batch: int, retained: int = 0, live: int = 0,
-             defer: bool = False) -> str:
+             defer_rebuild: bool = False) -> str:
         """How a batch of ``batch`` keys goes into a version whose main tree holds
         ``main_entries``, which retains ``retained`` bytes of storage for ``live`` live bytes:
         ``"tree"`` (into the main tree: rewritten or rebuilt as ``BTreeIndex`` decides, with any
         runs merged in), ``"run"`` (a new run) or ``"runs"`` (one run of the batch and the newest runs: ``merged_runs``).
-        ``defer``: a merge someone waits for (``flush``, ``close``) lets a rebuild that the share
+        ``defer_rebuild``: a merge someone waits for (``flush``, ``close``) lets a rebuild that the share
         makes due wait for the next background merge, up to ``DEFERRED_SHARE`` times the share."""
         if main_entries < max(self.min_entries, 1) or not self.share:
             return "tree"
         runs = forest.runs if forest is not None else ()
         held = (forest.run_entries if forest is not None else 0) + batch
-        if held > main_entries * self.share * (DEFERRED_SHARE if defer else 1):
+        if held > main_entries * self.share * (DEFERRED_SHARE if defer_rebuild else 1):
             return "tree"
         full = len(runs) >= self.max_runs
         entries = batch + (sum(run.tree.entries for run in runs[:merged_runs(runs, batch)]) if full else 0)

@@ -504,16 +504,16 @@ class BTreeIndex:
         return self.update_columns(*_columns(keys, values), checkpoint, base)  # a version with runs takes it
 
     def update_columns(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray, checkpoint: int | None = None,
-                       base: int | None = None, defer: bool = False) -> TreeState:
+                       base: int | None = None, defer_rebuild: bool = False) -> TreeState:
         """``update`` for a batch as columns: ascending unique ``S16`` keys, int64 values, and
         removal flags (True: remove the key). A dense batch is rebuilt from the columns as they
         are; a sparse one (few keys: fewer than half the pages) goes through ``update``'s lists.
         Into a large tree, the batch becomes a sorted run, or one with the runs there are
         (``runs.plan``); a tree with runs is always rebuilt with them when the batch goes into it."""
         state = self._state
-        how = self._plan(state, len(keys), defer)
+        how = self._plan(state, len(keys), defer_rebuild)
         if how != "tree":
-            written = self._write_run(keys, values, gone, checkpoint, base, defer)
+            written = self._write_run(keys, values, gone, checkpoint, base, defer_rebuild)
             if written is not None:
                 return written
             state = self._state  # another writer's version takes the batch into the main tree
@@ -527,11 +527,11 @@ class BTreeIndex:
             listed[row] = None
         return self.update(column_keys(keys), listed, checkpoint, base)
 
-    def _plan(self, state: TreeState, keys: int, defer: bool = False) -> str:
+    def _plan(self, state: TreeState, keys: int, defer_rebuild: bool = False) -> str:
         """``RunPolicy.plan`` for a batch of ``keys`` keys into ``state`` (the storage it retains
         counted only if this tree truncates its storage)."""
         retained = state.length - state.footer.min_offset if getattr(self.policy, "truncates", True) else 0
-        return self.runs.plan(state.main.entries, state.forest, keys, retained, state.footer.live_bytes, defer)
+        return self.runs.plan(state.main.entries, state.forest, keys, retained, state.footer.live_bytes, defer_rebuild)
 
     def _dense(self, keys: int) -> bool:
         """Whether a batch of ``keys`` keys is merged by rebuilding the tree (``DENSE_*``): the
@@ -644,7 +644,7 @@ class BTreeIndex:
         return self._write_version("a bulk load", checkpoint, base, build, commit)  # type: ignore[return-value]
 
     def _write_run(self, keys: np.ndarray, values: np.ndarray, gone: np.ndarray, checkpoint: int | None,
-                   base: int | None, defer: bool) -> TreeState | None:
+                   base: int | None, defer_rebuild: bool) -> TreeState | None:
         """Write the batch as a new run over the current version, or as one run with its runs
         (``runs.plan``), with ``bulk.build_run``. ``checkpoint`` and ``base`` as in ``update``.
         ``None``: the version a lost race brought takes the batch into the main tree instead
@@ -652,7 +652,7 @@ class BTreeIndex:
         made: list = []
 
         def build(state: TreeState):
-            how = self._plan(state, len(keys), defer)
+            how = self._plan(state, len(keys), defer_rebuild)
             if how == "tree":
                 return None
             held = list(state.forest.runs) if state.forest is not None else []
