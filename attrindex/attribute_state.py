@@ -657,12 +657,13 @@ def truncate_merged(log: SegmentLog, lock: threading.RLock, closed: Callable[[],
         if closed():
             return
         checkpoint = covered()
-        cut = max((c.start for c in log.bytes.chunks() if c.start <= checkpoint), default=0)
+        holder = max((c for c in log.bytes.chunks() if c.start <= checkpoint), key=lambda c: c.start, default=None)
+        cut = holder.start if holder is not None else 0
         if cut <= log.start_position or cut > log.position:
             return
         derived = log.derived_below(cut)
     try:
-        log.bytes.truncate(cut)
+        log.bytes.truncate(cut, expected=holder.name)
     except Exception as exc:  # noqa: BLE001 - the merge is done; the next one tries again
         _log.warning("segment %r: truncating the merged log below byte %d failed (retried after the "
                      "next merge): %s", log.segment, cut, exc)

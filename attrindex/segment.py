@@ -33,7 +33,7 @@ from .log.batch.compression import Codec, codec_for
 from .log.batch.encode import encode_batch_with_header, new_batch_id
 from .log.batch.records import Record, record_list
 from .log.segment_log import SegmentLog
-from .log.retention import plan_retention
+from .log.retention import cut_log
 from .log import cleanup_policy as _policy
 from .log.cleaner import DEFAULT_MAX_MAP_KEYS, CompactionStats, LogCleaner
 from .options import SegmentOptions
@@ -470,13 +470,9 @@ class Segment:
             if start_offset is not None and start_offset > self._log.next_offset:
                 raise InvalidInputError(f"segment {self.name!r}: start_offset {start_offset} is past the end "
                                         f"(next offset {self._log.next_offset})")
-            position, deleted = plan_retention(self._log, max_age_ms, max_bytes, start_offset, now)
-            if position >= self._log.position > self._log.start_position:
-                # Nothing readable would be left, and with it the next offset: keep an empty batch
-                # that records it (Kafka rolls a new segment for the same reason).
-                position = self._appender.append_empty(now)
-            if position > self._log.start_position:
-                self._log.truncate_at(position)
+            position, deleted = cut_log(self._log, max_age_ms, max_bytes, start_offset, now,
+                                        append_empty=lambda: self._appender.append_empty(now), catch_up=self._catch_up)
+            if position:
                 _log.info("segment %r: retention removed the log below byte %d (%d chunks)", self.name, position, deleted)
             return deleted
 

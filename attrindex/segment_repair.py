@@ -163,7 +163,7 @@ def _verify_once(storage: ChunkStorage, name: str, options: SegmentOptions, tree
     log = _open_log(storage, name, options)
     try:
         scan = scan_log(log)
-        start, length = log.bytes.start_offset, log.bytes.length
+        start, length = log.start_position, log.bytes.length
     finally:
         log.close()
     attributes, damage = _verify_attributes(storage, name, options, tree_name)
@@ -193,7 +193,7 @@ def repair_segment(storage: ChunkStorage, name: str, options: SegmentOptions, *,
     log = _open_log(storage, name, options)
     try:
         scan = scan_log(log)
-        log_start, length = log.bytes.start_offset, log.bytes.length
+        log_start, length = log.start_position, log.bytes.length
         lost, cut = _give_up(log, scan, length)
         if cut is None and covered > length:
             lost, cut = lost + (_give_up_after_the_end(log, scan, length, covered),), length

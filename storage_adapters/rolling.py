@@ -200,16 +200,25 @@ class RollingSegment:
         return self._handle.read(offset, length)
 
     # -- truncating and deleting ---------------------------------------------------------------
-    def truncate(self, offset: int) -> None:
+    def truncate(self, offset: int, *, expected: str | None = None) -> None:
         """Make bytes below ``offset`` unreadable and delete every chunk lying wholly below it.
 
         The truncation offset only moves forward (a lower ``offset`` is a no-op) and survives
         reopening. The last chunk is kept even when it lies below ``offset``: it holds the length.
+
+        ``expected``: the name of the chunk holding byte ``offset`` in the view the caller chose
+        ``offset`` in. A replacement may have rewritten that chunk since, moving its bytes (log
+        compaction packs what it keeps), so that ``offset`` no longer lies where the caller
+        meant; then ``LayoutConflictError`` and nothing is truncated. The check runs on a fresh
+        listing just before the marker is written; a replacement switched between the two is
+        left for readers to settle (see docs/format.md, "Truncation inside a replaced chunk").
         """
         self._handle.check_open()
         if not isinstance(offset, int) or offset < 0:
             raise InvalidInputError(f"truncation offset must be a non-negative int, got {offset!r}")
-        self._handle.truncate(offset)
+        if expected is not None and not isinstance(expected, str):
+            raise InvalidInputError(f"expected must be a chunk name or None, got {expected!r:.100}")
+        self._handle.truncate(offset, expected)
 
     # -- replacing chunks ----------------------------------------------------------------------
     def replace_range(self, start: int, end: int, data: bytes, *, expected: list[str] | None = None) -> None:

@@ -23,6 +23,7 @@ from .errors import (
     ChunkExistsError,
     CorruptDataError,
     HoleError,
+    LayoutConflictError,
     OffsetOutOfRangeError,
     OutcomeUnknownError,
     RetriesExhaustedError,
@@ -274,13 +275,20 @@ class SegmentHandle:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     # -- truncating and deleting ---------------------------------------------------------------
-    def truncate(self, offset: int) -> None:
-        """Make bytes below ``offset`` (a checked int) unreadable and delete the chunks wholly below it."""
+    def truncate(self, offset: int, expected: str | None = None) -> None:
+        """Make bytes below ``offset`` (a checked int) unreadable and delete the chunks wholly below
+        it, if the chunk holding ``offset`` is still ``expected`` (when given)."""
         with self.truncating:
             with self.mutex:
                 self.refresh()  # rare, and only the true chunk list tells which chunk is the last
                 if offset > self.view.length:
                     raise OffsetOutOfRangeError(self.name, offset, 0, self.view.start_offset, self.view.length)
+                holder = self.view.chunk_at(offset)
+                if expected is not None and offset > self.view.start_offset and (
+                        holder is None or holder.name != expected):
+                    raise LayoutConflictError(
+                        f"segment {self.name!r}: byte {offset} now lies in chunk {holder.name if holder else None}, not "
+                        f"{expected} (replaced by another handle since it was chosen); nothing truncated")
                 obsolete = self.obsolete_names()
                 done = offset <= self.view.start_offset
             self.delete_obsolete(obsolete)

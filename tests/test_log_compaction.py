@@ -25,13 +25,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from attrindex import Record, SegmentStore
-from attrindex.errors import CorruptDataError, InvalidInputError
+from attrindex.errors import CorruptDataError, InvalidInputError, RecordTruncatedError
 from attrindex.log.batch.decode import decode_keys, decode_records
 from attrindex.log.batch.encode import encode_batch
 from attrindex.log.batch.header import read_header, seal_header
 from attrindex.log.cleaner import KeepRule, OffsetMap, TombstoneClock, decode_checkpoint, encode_checkpoint, rewrite_batch
 from attrindex.log.cleanup_policy import CleanupPolicy, decode_policy, policy_from_options
 from attrindex.log.framing import LOG_FRAMING
+from storage_adapters import open_storage
+from storage_adapters.memory import MemoryChunkStorage
 
 from .conftest import make_s3_url
 
@@ -747,6 +749,135 @@ def test_a_pass_that_loses_the_switch_to_another_cleaner_starts_again(tmp_path):
         assert raced[0] > 0 and cleaner.passes == 2  # the first pass lost the switch and ran again
         seg.refresh()
         assert {r.key: r for r in everything(seg)} == latest
+
+
+# ------------------------------------------------------------- retention racing a compaction
+class _ObjectMemoryStorage(MemoryChunkStorage):
+    """Memory chunks written whole, one per append, as on S3 (a replacement then packs many)."""
+
+    appendable = False
+    deletion_grace = 0
+
+
+def _place(backend: str, tmp_path) -> tuple[str, str]:
+    return backend, f"race-{uuid.uuid4().hex}" if backend != "local" else str(tmp_path / "store")
+
+
+def _store(place: tuple[str, str]) -> SegmentStore:
+    """A new handle on the store at ``place``, on its own storage object."""
+    backend, where = place
+    storage = _ObjectMemoryStorage(where) if backend == "objects" else open_storage(
+        f"memory://{where}" if backend == "memory" else where)
+    return SegmentStore(storage, log_rolling_size=ROLL)
+
+
+def _sealed_chunks(place: tuple[str, str], kept: str) -> tuple[int, int]:
+    """A ``delete,compact`` segment of sealed chunks and one being appended to (on objects, one
+    chunk per append). Records alternate two hot keys (superseded: compaction removes them);
+    with ``kept == "most"``, one in three has a hot key and the others keys of their own (kept,
+    and packed towards the replacement's start). ``(start of the second chunk, max_bytes that
+    makes retention delete the first chunk only)``."""
+    with _store(place) as store:
+        seg = store.segment("s", create=True, cleanup_policy="delete,compact", min_compaction_lag_ms=0)
+        while seg.next_offset < 13:
+            n = seg.next_offset
+            key = b"k%d" % (n % 2) if kept == "none" else b"h" if n % 3 == 0 else b"u%d" % n
+            seg.append([Record(b"." * 60 + b"%d" % n, key)])
+        chunks = seg._log.chunks
+        return chunks[1].start, chunks[-1].end - chunks[1].start
+
+
+def _compact(place: tuple[str, str], into: list[Record]) -> None:
+    """Compact the segment in a handle of its own; ``into`` gets the records it then holds."""
+    with _store(place) as cleaner:
+        assert cleaner.segment("s").compact().chunks_cleaned >= 2
+        into.extend(everything(cleaner.segment("s")))
+
+
+def _readable(place: tuple[str, str]) -> tuple[int, list[Record]]:
+    """The start offset and the records from it, read by a fresh handle and by a tail reader
+    alike; ``verify_segment`` finds no damage."""
+    with _store(place) as store:
+        seg = store.segment("s")
+        records = everything(seg)
+        reader = seg.reader()
+        assert [(r.offset, r.value) for r in (reader.read(timeout=5) for _ in records)] == \
+            [(r.offset, r.value) for r in records]
+        assert store.verify_segment("s").ok
+        if seg.start_offset:
+            with pytest.raises(RecordTruncatedError):
+                seg.read(seg.start_offset - 1)
+        return seg.start_offset, records
+
+
+@pytest.mark.parametrize("backend", ["memory", "local", "objects"])
+def test_retention_whose_cut_a_compaction_rewrote_after_its_plan_plans_again(backend, tmp_path, monkeypatch):
+    """Retention chooses its cut (the second chunk's start) in its view; then a compaction in
+    another handle packs the chunks around it into one. The cut no longer lies where retention
+    meant: the truncation is refused, nothing is cut, and retention plans again on the new layout."""
+    from attrindex.log import retention as retention_module
+
+    place = _place(backend, tmp_path)
+    _cut, max_bytes = _sealed_chunks(place, "none")
+    real_plan, planned, compacted = retention_module.plan_retention, [], []
+
+    def racing_plan(log, *args):
+        planned.append(real_plan(log, *args))
+        if len(planned) == 1:
+            _compact(place, compacted)
+        return planned[-1]
+
+    monkeypatch.setattr(retention_module, "plan_retention", racing_plan)
+    with _store(place) as retainer:
+        retainer.segment("s").apply_retention(max_bytes=max_bytes)
+    assert len(planned) == 2 and planned[0][1] == 1  # one chunk to delete, refused; planned again
+    start, records = _readable(place)
+    assert start <= compacted[0].offset  # the packed chunk holds nothing retention meant to delete
+    assert [(r.offset, r.value) for r in records] == [(r.offset, r.value) for r in compacted]
+
+
+@pytest.mark.parametrize("backend, kept", [("memory", "none"), ("local", "none"), ("objects", "none"),
+                                           ("objects", "most")])  # the cut lands in the hole; inside a batch
+def test_a_cut_that_lands_inside_a_chunk_compacted_meanwhile_starts_the_log_past_that_chunk(backend, kept, tmp_path,
+                                                                                          monkeypatch):
+    """The replacement switches between retention's last look and its truncation marker (no
+    check can close that window on object stores), so the marker names a byte inside the packed
+    chunk: in its hole, or inside one of its batches. Every handle then starts the log at that
+    chunk's end: no read starts at a byte that is no batch, no record past the chunk is skipped
+    (a tail reader restarting at the start offset lands on them), and verify, compaction and
+    retention go on. What it costs: the packed chunk's records above the cut go too."""
+    place = _place(backend, tmp_path)
+    cut, max_bytes = _sealed_chunks(place, kept)
+    compacted: list[Record] = []
+    with _store(place) as retainer:
+        storage = retainer.storage
+        real_marker = storage.put_marker
+
+        def racing_marker(path):
+            if "/truncation/" in path and not compacted:
+                _compact(place, compacted)
+            real_marker(path)
+
+        monkeypatch.setattr(storage, "put_marker", racing_marker)
+        seg = retainer.segment("s")
+        assert seg.apply_retention(max_bytes=max_bytes) == 1
+        monkeypatch.setattr(storage, "put_marker", real_marker)
+        seg.refresh()
+        packed = seg._log.bytes.chunk_at(cut)
+        assert packed.generation and packed.start < cut < packed.end
+        if kept == "most":
+            assert cut < packed.stored_end  # inside the packed batches, not in the hole
+        start, records = _readable(place)
+        assert seg.start_offset == start
+        assert [(r.offset, r.value) for r in records] == [(r.offset, r.value) for r in compacted
+                                                            if r.offset >= start]
+        assert records[0].offset == min(r.offset for r in compacted if r.offset >= seg._log.summary(
+            seg._log.chunk_index(packed.end)).base_offset)  # the first record past the packed chunk
+        seg.append([Record(b"after", b"k0")])
+        seg.compact()
+        seg.apply_retention(max_bytes=max_bytes)
+    _start, records = _readable(place)
+    assert records[-1].value == b"after"
 
 
 def test_a_replacement_that_lost_every_generation_race_is_passed_up_not_planned_again(tmp_path, monkeypatch):

@@ -371,6 +371,26 @@ def test_truncation_above_a_replacement_deletes_it_whole(storage):
     assert open_segment(storage, NAME).read(at[5], len(stored[5])) == stored[5]
 
 
+def test_a_truncation_chosen_before_a_replacement_of_its_chunk_is_refused(storage):
+    """``truncate(offset, expected=...)`` names the chunk that held ``offset`` when the caller
+    chose it: if a replacement rewrote that chunk since (its bytes may have moved), nothing is
+    truncated; chosen again in the new view, it is done."""
+    a, stored = _segment(storage)
+    at = offsets(stored)
+    b = open_segment(storage, NAME, rolling_size=at[1])
+    chosen = b.chunk_at(at[1]).name
+    a.replace_range(0, at[3], b"packed")  # another handle packs the first three chunks meanwhile
+    with pytest.raises(LayoutConflictError):
+        b.truncate(at[1], expected=chosen)
+    assert open_segment(storage, NAME).start_offset == 0 and open_segment(storage, NAME).read(0, 6) == b"packed"
+    with pytest.raises(InvalidInputError):
+        b.truncate(at[3], expected=7)
+    b.truncate(at[3], expected=b.chunk_at(at[3]).name)
+    b.truncate(at[2], expected="not checked: at or below the start offset, a truncation is a no-op")
+    assert open_segment(storage, NAME).start_offset == at[3]
+    assert open_segment(storage, NAME).read(at[3], len(stored[3])) == stored[3]
+
+
 def test_poll_sees_appends_behind_a_switch(storage):
     """A tail reader's cheap poll looks for the chunk after its view's end; a switch may have
     taken that plain name away (merged into a replacement): the poll must still say yes."""

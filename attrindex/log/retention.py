@@ -1,8 +1,40 @@
-"""Which chunks retention deletes: Kafka's rules by start offset, total size and age."""
+"""Which chunks retention deletes (Kafka's rules by start offset, total size and age), and the
+cut of the log there."""
 
 from __future__ import annotations
 
+from typing import Callable
+
+from ..errors import LayoutConflictError, RetriesExhaustedError
+from .reads import MAX_RESYNC_ATTEMPTS
+
 _NO_TIMESTAMP = -(1 << 63)
+
+
+def cut_log(log, max_age_ms: int | None, max_bytes: int | None, start_offset: int | None, now_ms: int, *,
+            append_empty: Callable[[], int], catch_up: Callable[[], object]) -> tuple[int, int]:
+    """Truncate ``log`` where ``plan_retention`` says; ``(the byte position cut at, or 0 if nothing
+    was cut; chunks deleted)``. The caller holds the log's writers off and has merged its attributes.
+
+    If the cut would leave nothing readable, ``append_empty()`` first appends an empty batch that
+    keeps the next offset (Kafka rolls a new segment for the same reason) and gives its position.
+    If another handle's compaction rewrote the chunk holding the cut since the plan
+    (``LayoutConflictError`` from ``truncate_at``), ``catch_up()`` and plan again on the new layout.
+    """
+    for _attempt in range(MAX_RESYNC_ATTEMPTS):
+        position, deleted = plan_retention(log, max_age_ms, max_bytes, start_offset, now_ms)
+        if position >= log.position > log.start_position:
+            position = append_empty()
+        if position <= log.start_position:
+            return 0, deleted
+        try:
+            log.truncate_at(position)
+        except LayoutConflictError:
+            catch_up()
+            continue
+        return position, deleted
+    raise RetriesExhaustedError(f"segment {log.segment!r}: compactions in other handles kept rewriting the chunk "
+                                f"retention would cut ({MAX_RESYNC_ATTEMPTS} tries); nothing was removed")
 
 
 def plan_retention(log, max_age_ms: int | None, max_bytes: int | None, start_offset: int | None,

@@ -46,7 +46,7 @@ from typing import Callable, Iterator, TypeVar
 
 import attrs
 
-from storage_adapters import ChunkStorage, RollingSegment
+from storage_adapters import ChunkInfo, ChunkStorage, RollingSegment
 
 from ..layout import gap_dir, index_dir, log_name
 from ..errors import CorruptDataError, HoleError, InvalidInputError, LayoutChangedError, RetriesExhaustedError, StorageError
@@ -104,11 +104,42 @@ class SegmentLog:
         self._position_chunk = ""  #: name of the chunk in which ``position`` was reached
         self._prefetched: tuple[int, int, bytes] | None = None  #: (start, end, bytes) read by open_at
         self._synced_view = -1  #: ``bytes.view_changes`` when the chunk list was last aligned with it
+        #: ((truncation offset, chunk holding it), where the log starts) once ``_settle_start`` ran
+        self._settled_start: tuple[tuple[int, str], int] | None = None
 
     # -- positions and chunks ------------------------------------------------------------------
     @property
     def start_position(self) -> int:
-        return self.bytes.start_offset
+        """The first readable byte: the truncation offset, unless it lies inside a replacement
+        chunk at no valid batch (see ``_settle_start``)."""
+        start = self.bytes.start_offset
+        chunk = self.bytes.chunk_at(start)
+        if chunk is None or chunk.start == start or not chunk.generation:
+            return start  # a chunk start, or inside a plain chunk (never rewritten): a batch start
+        settled = self._settled_start
+        if settled is None or settled[0] != (start, chunk.name):
+            self._settled_start = settled = ((start, chunk.name), self._settle_start(start, chunk))
+        return settled[1]
+
+    def _settle_start(self, start: int, chunk: ChunkInfo) -> int:
+        """Where the log starts when the truncation offset ``start`` lies strictly inside the
+        replacement ``chunk``: ``start`` if a valid batch begins there, else the chunk's end.
+
+        A truncation chosen in a view older than the replacement (a retention racing a log
+        compaction in another process) names a batch start of the chunks the replacement
+        rewrote, and compaction packs the batches it keeps towards the chunk's start: the offset
+        may then lie in the hole or inside a batch. Every handle settles it the same way, from
+        the bytes alone, and only ever forward. docs/format.md, "Truncation inside a replaced
+        chunk", gives the rule and what it costs."""
+        if start < chunk.stored_end:
+            for _at, header, _buf, _pos in self._walk(start, chunk.stored_end, {chunk.name}, 64 << 10):
+                if header is not None:
+                    return start
+                break
+        _log.info("segment %r: the truncation at log byte %d lies inside chunk %s at no batch (a replacement "
+                     "rewrote the chunk after the truncation was chosen); the log starts at byte %d, the chunk's end",
+                     self.segment, start, chunk.name, chunk.end)
+        return chunk.end
 
     def sync_chunks(self) -> None:
         """Align ``chunks`` with the byte stream's view (new chunks, grown last chunk, truncation,
@@ -589,10 +620,13 @@ class SegmentLog:
         return self._in_current_view(self.reads.chunk_summaries)
 
     def truncate_at(self, position: int) -> None:
-        """Make bytes below ``position`` (a batch start) unreadable, deleting the chunks wholly
-        below it with their index files and gap markers."""
+        """Make bytes below ``position`` (a batch start of this view) unreadable, deleting the
+        chunks wholly below it with their index files and gap markers. ``LayoutConflictError``,
+        nothing truncated, if another handle replaced the chunk holding it since this view."""
         derived = self.derived_below(position)
-        self.bytes.truncate(position)  # durable from here: what follows is housekeeping
+        holder = self.bytes.chunk_at(position)
+        # durable from here: what follows is housekeeping
+        self.bytes.truncate(position, expected=holder.name if holder is not None else None)
         self.forget_below(position)
         self.delete_derived(derived)
 

@@ -148,7 +148,7 @@ def scan_log(log: SegmentLog) -> LogScan:
     gaps = log.gaps()
     damage: list[Damage] = []
     ranges = _Ranges()
-    position = start = log.bytes.start_offset
+    position = start = log.start_position  # past a truncation settled inside a replaced chunk
     next_offset = None
     first_damage = offset_at_damage = None
     batches = records = read = used_gaps = after_damage = 0
