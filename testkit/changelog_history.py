@@ -25,7 +25,9 @@ id, key, value], ...] in read order, "start_offset": int, "attributes": {counter
   offset is known for two ids (an offset is never reused);
 - per key, the latest record that survives is the latest write known to be applied (acknowledged,
   stored or seen): no later write of the key is gone. A later write that is gone is a lost latest
-  value or, if a tombstone, a deleted key that came back. A key none of whose records survives had
+  value or, if a tombstone, a deleted key that came back, unless the record that survives is a
+  tombstone too: the key reads as deleted either way (an older tombstone the cleaner had to keep,
+  its batch rewritten no smaller, outlives the newest one that expired). A key none of whose records survives had
   a tombstone as its latest write, or it lies below the start offset, or an append of unknown
   outcome that may have come later could have superseded it;
 - each counter = the acknowledged increments + those of appends known applied + a subset of the
@@ -239,7 +241,9 @@ def _check_keys(writes: dict[str, _Write], offsets: _Offsets, stored: dict[str, 
         survivors = [offset for offset, write in known if write.id in stored]
         if survivors:
             later = [(offset, write) for offset, write in known if offset > survivors[-1]]
-            if later:
+            if later and later[-1][1].value is None and writes[_id_at(known, survivors[-1])].value is None:
+                result.tombstones_expired += later[-1][0] >= start  # deleted then, deleted now
+            elif later:
                 offset, write = later[-1]
                 what = ("a deleted key came back: its tombstone" if write.value is None
                         else "its latest value was lost:")

@@ -80,6 +80,23 @@ def test_rejects_a_deleted_key_that_came_back():
     assert any("deleted key came back" in v and "'b2'" in v for v in result.violations), result.violations
 
 
+def test_an_older_tombstone_that_outlives_the_newest_one_is_a_deleted_key():
+    """The cleaner keeps a tombstone whose batch it cannot shrink, and the key's newer tombstone
+    expires: the key still reads as deleted. A value written between them is no matter either."""
+    h = History()
+    h.begin()
+    h.append("w0", "ok", [("b1", "b", "b1")], 0)
+    h.append("w0", "ok", [("b2", "b", None)], 1)
+    h.append("w0", "ok", [("b3", "b", "b3"), ("b4", "b", None)], 2)
+    for offset, record_id, value in [(0, "b1", "b1"), (1, "b2", None), (2, "b3", "b3"), (3, "b4", None)]:
+        h.seen(offset, record_id, "b", value)
+    result = check_changelog(h.events, final([(1, "b2", "b", None)]))
+    assert result.violations == [] and result.tombstones_expired == 1
+    # the surviving record is a value: the key came back
+    result = check_changelog(h.events, final([(2, "b3", "b", "b3")]))
+    assert any("deleted key came back" in v and "'b4'" in v for v in result.violations), result.violations
+
+
 def test_rejects_a_lost_latest_value():
     h = compacted_history()
     result = check_changelog(h.events, final([(4, "c1", "c", "c1")], c=23))
