@@ -128,6 +128,8 @@ class IndexStats:
     wal_bytes_written: int = 0  #: ``AttributeIndex``: bytes this handle appended to its write-ahead log
     #: ``(wal_bytes_written + bytes_written) / logical_bytes``: bytes written per logical byte (0.0 before any)
     write_amplification: float = 0.0
+    runs: int = 0  #: sorted runs beside the main tree (docs/design.md, "Sorted runs")
+    run_entries: int = 0  #: entries the runs hold (``entry_count`` includes them)
 
 
 def write_amplification(logical_bytes: int, bytes_written: int) -> float:
@@ -518,6 +520,8 @@ class TreeIndex(IndexHandle):
             requests=self._segment.storage.requests,
             logical_bytes=logical,
             write_amplification=write_amplification(logical, written),
+            runs=len(state.forest.runs) if state.forest is not None else 0,
+            run_entries=state.forest.run_entries if state.forest is not None else 0,
         )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> VerifyReport:

@@ -26,8 +26,7 @@ def k(i: int) -> bytes:
 
 
 def runs_of(index: TreeIndex) -> int:
-    forest = index.version.forest
-    return 0 if forest is None else len(forest.runs)
+    return index.stats().runs
 
 
 # -- merging streams of columns ----------------------------------------------------------------
@@ -173,6 +172,7 @@ def test_a_lookup_skips_a_run_whose_filter_does_not_hold_the_key(tmp_path):
     for step in range(5):  # runs of multiples of 4
         index.update({k(i): -i for i in range(4 * step, 200_000, 4 * 997)})
     assert runs_of(index) == 5
+    assert index.stats().run_entries == sum(len(range(4 * step, 200_000, 4 * 997)) for step in range(5))
     index.close()
     cold = TreeIndex.open(url, mode="r", page_size=4096, value_cache_entries=0)
     cold.get(k(3))  # the upper pages of the trees into the cache
@@ -326,7 +326,7 @@ def test_an_attribute_index_merges_into_runs_through_its_worker_and_replays_over
             model.pop(i, None) if v is None else model.__setitem__(i, v)
         if step % 10 == 9:
             index.flush()
-            assert runs_of(index._attributes.tree) > 0
+            assert index.stats().runs > 0
     index.update({k(1): 11})  # pending in the WAL: a reader replays it over the tree and its runs
     model[1] = 11
     reader = AttributeIndex.open(url, mode="r", **options)
@@ -346,13 +346,11 @@ def test_a_merge_someone_waits_for_leaves_a_due_rebuild_to_the_background(tmp_pa
     index = AttributeIndex.open(url, page_size=512, run_min_entries=100, run_share=0.1, merge_keys=1 << 20,
                                 merge_seconds=3600)
     index.bulk_load({k(i): i for i in range(2000)})
-    tree = index._attributes.tree
     sizes = []
     for step in range(12):
         index.update({k(i): -i for i in range(step, 2000, 60)})  # 34 keys: 1.7% of the tree
         index.flush()
-        forest = tree.version.forest
-        sizes.append(0 if forest is None else forest.run_entries)
+        sizes.append(index.stats().run_entries)
     assert max(sizes) > 200  # past the share (200 entries) ...
     assert max(sizes) <= 400 and 0 in sizes[sizes.index(max(sizes)):]  # ... within twice it, then rebuilt
     model = {i: (-i if any(i >= s and (i - s) % 60 == 0 for s in range(12)) else i) for i in range(2000)}
