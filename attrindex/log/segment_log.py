@@ -137,8 +137,8 @@ class SegmentLog:
                     return start
                 break
         _log.info("segment %r: the truncation at log byte %d lies inside chunk %s at no batch (a replacement "
-                     "rewrote the chunk after the truncation was chosen); the log starts at byte %d, the chunk's end",
-                     self.segment, start, chunk.name, chunk.end)
+                  "rewrote the chunk after the truncation was chosen); the log starts at byte %d, the chunk's end",
+                  self.segment, start, chunk.name, chunk.end)
         return chunk.end
 
     def sync_chunks(self) -> None:
@@ -625,8 +625,8 @@ class SegmentLog:
         nothing truncated, if another handle replaced the chunk holding it since this view."""
         derived = self.derived_below(position)
         holder = self.bytes.chunk_at(position)
-        # durable from here: what follows is housekeeping
         self.bytes.truncate(position, expected=holder.name if holder is not None else None)
+        # durable from here: what follows is housekeeping
         self.forget_below(position)
         self.delete_derived(derived)
 
