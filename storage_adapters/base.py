@@ -134,6 +134,11 @@ class ChunkStorage(abc.ABC):
         """Exclusive lock over the writers of ``directory``, across threads and processes."""
         raise NotImplementedError(f"{type(self).__name__} has no in-place append")
 
+    def lock_is_held(self, directory: str) -> bool:
+        """Whether a writer (any thread or process) holds ``lock(directory)`` now: a probe that
+        never waits. False where no writer ever locked it, and on backends without the lock."""
+        return False
+
     def size(self, path: str) -> int:
         """The stored size of a file (on a backend with ``torn_appends``, zeros past the committed
         end count). Missing file: ``FileNotFoundError``."""

@@ -250,6 +250,9 @@ class FaultyStorage(ChunkStorage):
     def lock(self, directory: str) -> contextlib.AbstractContextManager[None]:
         return self.inner.lock(directory)
 
+    def lock_is_held(self, directory: str) -> bool:
+        return self.inner.lock_is_held(directory)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -467,6 +467,25 @@ class LocalChunkStorage(ChunkStorage):
         finally:
             entry.mutex.release()
 
+    def lock_is_held(self, directory: str) -> bool:
+        """A non-blocking ``flock`` of the directory's ``.lock`` file through a descriptor of its
+        own (so it conflicts with this process's holders too), let go at once."""
+        try:
+            fd = os.open(os.path.join(self._abs(directory), LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False  # never locked
+        except OSError as exc:
+            raise _storage_error(exc, "lock", directory) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError as exc:
+            raise _storage_error(exc, "lock", directory) from exc
+        finally:
+            os.close(fd)  # (closing the descriptor lets go of a lock it took)
+        return False
+
     def _lock_entry(self, directory: str) -> _DirectoryLock:
         """The cached lock of ``directory``, opened (and the directory made) if need be."""
         locks = self._locks

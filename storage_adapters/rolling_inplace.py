@@ -227,7 +227,23 @@ class InPlaceHandle(SegmentHandle):
 
     def say_torn_found(self, torn: tuple[int, int]) -> None:
         """Log, once per handle and torn write, what a look found after the committed end: any
-        handle says it (a read-only one too), and only the next append into the chunk cuts it."""
+        handle says it (a read-only one too), and only the next append into the chunk cuts it.
+
+        Bytes past the end are also what a writer's append in progress looks like from another
+        handle. So while a writer holds the lock this says so at DEBUG only (that writer cuts a
+        torn write itself, with a WARNING); with the lock free, a second look tells an append
+        that finished meanwhile from a write torn by a crash."""
+        if self.storage.lock_is_held(self.directory):
+            _log.debug("segment %r: %d bytes past the committed end at position %d (chunk %s) while a writer "
+                       "holds the lock: its append in progress, or a torn write it will cut; not read",
+                       self.name, torn[1] - torn[0], torn[0], self.tail_name)
+            return
+        try:
+            again = self.look(self.view.chunks[-1])
+        except FileNotFoundError:
+            return  # rolled past and deleted meanwhile: whatever it held is gone
+        if again.torn != torn:
+            return  # committed meanwhile (or cut by a writer)
         _log.warning("segment %r: found %d bytes of a torn write at position %d (chunk %s) after the "
                      "committed end: the newest write before a crash, never committed; not read, and cut by "
                      "the next append into the chunk (nothing is cut until then)", self.name, torn[1] - torn[0],

@@ -176,6 +176,50 @@ def test_a_handle_that_only_reads_says_what_a_torn_write_left_and_cuts_nothing(t
         assert f.read() == before  # nothing cut: only an append into the chunk cuts
 
 
+def test_a_reader_calls_bytes_past_the_end_a_torn_write_only_once_no_writer_can_be_appending(tmp_path, caplog,
+                                                                                           monkeypatch):
+    """A crash leaves the same bytes past the committed end as a writer's append in progress
+    shows to another handle. While a writer holds the directory's lock a reader says so at DEBUG
+    only; once the lock is free, a second look tells an append that finished meanwhile (nothing
+    to say) from a write a crash tore (a WARNING)."""
+    seg = _segment(tmp_path)
+    seg.append(frame(b"one"))
+    end = seg.length
+    whole = FRAMING.place(frame(b"t" * 44), end)
+    with open(_chunk(tmp_path), "r+b") as f:
+        f.seek(end)
+        f.write(whole[:30])
+    writer_storage = open_storage(str(tmp_path))
+    with caplog.at_level("DEBUG", logger="attrindex.storage"):
+        with writer_storage.lock("s.seg"):  # a writer in the middle of its append
+            _segment(tmp_path).refresh()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("append in progress" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    finish = local.LocalChunkStorage.lock_is_held
+
+    def finished_meanwhile(storage, directory):  # the writer's append lands just as the lock is free
+        with open(_chunk(tmp_path), "r+b") as f:
+            f.seek(end)
+            f.write(whole)
+        return finish(storage, directory)
+
+    with monkeypatch.context() as patched, caplog.at_level("WARNING", logger="attrindex.storage"):
+        patched.setattr(local.LocalChunkStorage, "lock_is_held", finished_meanwhile)
+        _segment(tmp_path).refresh()
+    assert not caplog.records
+    assert _payloads(_segment(tmp_path)) == [b"one", b"t" * 44]
+
+    with open(_chunk(tmp_path), "r+b") as f:  # a crash tore the next one: no writer holds the lock
+        f.seek(end + len(whole))
+        f.write(FRAMING.place(frame(b"u" * 44), end + len(whole))[:30])
+    with caplog.at_level("WARNING", logger="attrindex.storage"):
+        _segment(tmp_path).refresh()
+    assert any(f"found 30 bytes of a torn write at position {end + len(whole)}" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_damage_before_a_valid_frame_is_reported_not_cut(tmp_path):
     seg = _segment(tmp_path)
     for payload in (b"a" * 30, b"b" * 30, b"c" * 30):
