@@ -243,12 +243,12 @@ def test_tail_stops_after_timeout_without_new_records(tmp_path, capsys):
     capsys.readouterr()
     started = time.monotonic()
     assert main(["segment", "tail", url, "s", "--timeout", "0.3", "--format", "json"]) == 0
-    assert 0.25 < time.monotonic() - started < 5
+    assert 0.25 < time.monotonic() - started < 30  # waited its timeout, and stopped
     assert [json.loads(line)["value"] for line in capsys.readouterr().out.splitlines()] == ["a", "b"]
     started = time.monotonic()
     assert main(["segment", "tail", url, "s", "--from-end", "--timeout", "0.2"]) == 0
     assert capsys.readouterr().out == ""
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30
 
 
 def test_tail_subprocess_follows_another_process_and_ctrl_c_exits_cleanly(tmp_path):

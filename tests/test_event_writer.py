@@ -347,7 +347,7 @@ def test_linger_flush_sends_now_and_waits(store):
     writer.write_many([b"%d" % i for i in range(50)], routing_keys=list(range(50)))
     started = time.monotonic()
     writer.flush()
-    assert time.monotonic() - started < 5  # not the ten-minute linger
+    assert time.monotonic() - started < 60  # not the ten-minute linger (generous: a loaded machine)
     assert sorted(int(v) for _, _, v in stream_events(store, "s")) == list(range(50))
     assert writer.last_event_numbers() and sum(writer.last_event_numbers().values()) == 50
     writer.close()

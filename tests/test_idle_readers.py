@@ -113,7 +113,7 @@ def test_appends_through_the_same_handle_wake_readers_without_a_poll(storage_url
         for thread, out in threads:
             thread.join(10)
             assert out["value"].value == b"here"
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 30  # well inside the 60 s poll interval (a loaded machine)
         assert seg._poller.polls == 0  # a 60 s interval: nothing but the append woke them
 
 
@@ -134,7 +134,7 @@ def test_close_and_cancel_end_waits_and_leave_no_thread(storage_url):
     for thread, out in threads[1:]:
         thread.join(5)
         assert out == {"value": None}
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30  # woken by the close, not by the 60 s poll
     assert threading.active_count() == before
 
 

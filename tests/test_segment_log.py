@@ -266,7 +266,7 @@ def test_reader_times_out_and_cancel_wakes_it(tmp_path):
         reader = seg.reader()
         started = time.monotonic()
         assert reader.read(timeout=0.2) is None
-        assert 0.15 < time.monotonic() - started < 2
+        assert 0.15 < time.monotonic() - started < 30  # waited its timeout, and returned
         results = []
         thread = threading.Thread(target=lambda: results.append(reader.read()))
         thread.start()
