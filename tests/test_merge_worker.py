@@ -124,6 +124,34 @@ def test_stats_count_the_bytes_the_worker_writes(tmp_path):
         index.close()
 
 
+def test_a_worker_replay_past_the_fold_threshold_merges_the_newest_of_each_key(tmp_path):
+    """The worker replays the WAL into an overlay of its own and folds its recent part into
+    columns at ``FOLD_KEYS`` entries, as the writer does (tier 1's memory bound holds in the
+    worker too). One background merge of more keys than that, in which updates and removals of
+    keys folded earlier in the replay come later: the tree gets the newest of each."""
+    from attrindex.overlay import FOLD_KEYS
+
+    first, n = FOLD_KEYS + 10_000, FOLD_KEYS + 20_000
+    index, model = open_index(tmp_path, merge_keys=n, merge_seconds=3600), {}
+
+    def update(batch):
+        index.update(batch)
+        model.update(batch)
+
+    try:
+        for start in range(0, first, 20_000):
+            update({key(i): i for i in range(start, min(first, start + 20_000))})
+        update({key(i): (None if i % 3 else -i) for i in range(0, FOLD_KEYS, 97)})  # folded in the replay, then changed
+        update({key(i): i for i in range(first, n)})  # n keys pending: the background merge starts
+        wait_for(lambda: merged_up_to_position(index), "the merge")
+        runner = index._attributes.runner
+        assert runner.worker is not None and runner.worker.starts == 1 and runner.merges == 1
+        assert merge_error(index) is None and index.stats().pending_keys == 0
+        check(index, model)
+    finally:
+        index.close()
+
+
 @pytest.mark.parametrize("fault, lands", [("exit_before_commit", False), ("exit_after_commit", True)])
 def test_a_worker_dying_mid_merge_fails_no_write_and_is_replaced(tmp_path, fault, lands, merge_faults):
     index, model, rng = open_index(tmp_path), {}, random.Random(2)
