@@ -396,17 +396,22 @@ class SegmentHandle:
         since my view" is the existence of the next generation's marker, so old ones go only once
         no view can ask that of them (``obsolete_names``)."""
         layout = self.view.layout
-        self.delete_quietly(layout.losers)  # first: with its winner gone a loser would look switched
-        self.delete_quietly(self.retire_now(layout.retired))
+        retired = list(layout.retired)
+        if not self.delete_quietly(layout.losers):  # first: with its winner gone a loser would look switched
+            retired = layout.after_their_losers(retired)
+        self.delete_quietly(self.retire_now(tuple(retired)))
 
-    def delete_quietly(self, names, what: str = "replaced chunks or markers") -> None:
-        """Delete ``names`` of the segment, best effort (logged; retried by later sweeps)."""
+    def delete_quietly(self, names, what: str = "replaced chunks or markers") -> bool:
+        """Delete ``names`` of the segment, best effort (logged; retried by later sweeps); whether
+        it did."""
         if names:
             try:
                 self.storage.delete([self.path(n) for n in names])
             except StorageError as exc:
                 _log.warning("segment %r: could not delete %d %s (retried later): %s",
                              self.name, len(names), what, exc)
+                return False
+        return True
 
     # -- settling a create ---------------------------------------------------------------------
     def settle_create(self, path: str, data: bytes, error: StorageError) -> str:

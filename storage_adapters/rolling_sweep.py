@@ -85,7 +85,8 @@ def obsolete_names(key: tuple[str, str], listing: Listing, view: SegmentView, li
     """
     first = view.first_start
     dead = [] if keeps_dead_names else listing.dead_plain(first)
-    dead += [n for n, (start, end, _gen) in listing.replacements.items() if start < first and end <= first]
+    dead += view.layout.after_their_losers(
+        [n for n, (start, end, _gen) in listing.replacements.items() if start < first and end <= first])
     dead.sort()
     top = view.layout.generation
     horizon = SWEEPS.horizon(key, top, view.length, view.chunks[-1].start if view.chunks else None, listed_at)

@@ -97,6 +97,15 @@ class Layout:
     retired: tuple[str, ...] = ()  #: objects nobody can see any more: any writer may delete them
     debris: tuple[str, ...] = ()  #: replacements never switched to, of generations not yet decided
 
+    def after_their_losers(self, names) -> list[str]:
+        """Of ``names`` (to delete), all but the replacements whose generation still has a loser
+        listed: with its winner gone, a loser would be the only object of its generation under a
+        switch marker, and would look switched in. The losers go first; the winner waits for a
+        listing without them."""
+        held = {parse_replacement(n)[2] for n in self.losers}
+        return [n for n in names if n in self.losers or not REPLACEMENT_NAME.fullmatch(n)
+                or parse_replacement(n)[2] not in held]
+
 
 class Listing:
     """One listing of a segment's directory (name -> stored size), parsed.
@@ -353,8 +362,10 @@ class SegmentView:
 
     def dead_chunks(self) -> list[ChunkInfo]:
         """The chunks before the last lying wholly below the start offset (truncation keeps the
-        last chunk: it holds the length)."""
-        return [c for c in self.chunks[:-1] if c.end <= self.start_offset]
+        last chunk: it holds the length), but a replacement whose generation still has a loser
+        listed (``Layout.after_their_losers``)."""
+        dead = {c.name: c for c in self.chunks[:-1] if c.end <= self.start_offset}
+        return [dead[n] for n in self.layout.after_their_losers(list(dead))]
 
     def dead_markers(self) -> list[int]:
         """The truncation markers older than the start offset."""

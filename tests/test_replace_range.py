@@ -267,6 +267,33 @@ def test_two_handles_racing_for_one_generation(storage):
     assert open_segment(storage, NAME).read(at[3], 8) == b"disjoint"
 
 
+def test_a_loser_whose_deletion_fails_never_takes_effect_once_its_winner_is_truncated(storage):
+    """Two replacers raced for generation 1 over different ranges and the switch marker names the
+    winner; the loser's object is still listed (its deletion failed, or its replacer died). A
+    truncation leaves the winner wholly below the start while deleting the loser keeps failing.
+    The winner stays until the loser is gone: with the loser alone under the marker, it would look
+    switched in, and readers would get its bytes or a false hole."""
+    _seg, stored = _segment(storage, chunks=6)
+    at = offsets(stored)
+    faulty = FaultyStorage(storage, seed=0, rates={})
+    a = open_segment(faulty, NAME)
+    d = f"{NAME}.seg"
+    winner, loser = replacement_name(0, at[2], 1), replacement_name(at[1], at[4], 1)
+    storage.create(f"{d}/{winner}", b"aaa")
+    storage.create(f"{d}/{loser}", b"LLLLL")
+    storage.create(f"{d}/{SWITCH_DIR}/{1:020d}", winner.encode())
+    faulty.script("fail_before", op="delete", path_contains=loser, times=1000)
+    a.refresh()
+    a.truncate(at[2])  # the winner now lies wholly below the start
+    assert {winner, loser} <= set(storage.list_files(d))
+    assert open_segment(storage, NAME).read(at[2], at[5] - at[2]) == b"".join(stored[2:5])
+    faulty.cancel_scripts()
+    a.truncate(at[3])  # the loser goes now ...
+    a.truncate(at[4])  # ... and then the winner
+    assert not {winner, loser} & set(storage.list_files(d))
+    assert open_segment(storage, NAME).read(at[4], len(stored[4])) == stored[4]
+
+
 def test_lower_generation_switched_late_loses_to_an_overlapping_higher_one(storage):
     """A replacer that listed long ago and switches after a newer overlapping replacement takes
     its own back: readers see the newer one throughout, and the old chunks outside it survive."""
