@@ -378,6 +378,36 @@ def test_the_checkpoint_carries_the_pins_and_a_pass_that_maps_a_key_releases_its
     assert (offset, clock.entries, pins) == (5, [(5, 1)], {b"z", b"\x00" * 16})
 
 
+def _checkpoint_of_format(fmt: int, offset: int) -> bytes:
+    body = json.dumps({"format": fmt, "offset": offset, "clock": [], "pins": []}).encode()
+    return body + b"\n" + f"{zlib.crc32(body):08x}".encode()
+
+
+@pytest.mark.parametrize("fmt", [1, 3])
+def test_a_checkpoint_of_another_format_is_said_and_never_taken_for_damage(fmt, caplog):
+    """An older format (ours before the pins) is not used: compaction starts from the log's
+    start once, which is always safe, and says so. A newer one (a newer attrindex) is refused:
+    cleaning on without what it carries could bring deleted keys back."""
+    with compact_store() as store:
+        seg = store.segment("s", create=True, cleanup_policy="compact")
+        for i in range(30):  # "old" twice first: only a pass whose key map starts there removes the first
+            seg.append([Record(b"%d" % i + b"." * 40, b"old" if i < 2 else b"k%d" % (i % 4))], timestamp=1)
+        latest = {r.key: r.value for r in everything(seg)}
+        store.storage.create(f"s/_cleaner/{20:020d}", _checkpoint_of_format(fmt, 20))
+        if fmt == 3:
+            with pytest.raises(CorruptDataError, match="format 3, written by a newer attrindex"):
+                seg.compact(min_lag_ms=0)
+            assert len(everything(seg)) == 30  # nothing cleaned
+            return
+        with caplog.at_level("INFO", logger="attrindex.cleaner"):
+            stats = seg.compact(min_lag_ms=0)
+        assert any("older format (1)" in r.getMessage() for r in caplog.records)
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        survivors = everything(seg)
+        assert stats.checkpoint > 20 and {r.key: r.value for r in survivors} == latest
+        assert [r.offset for r in survivors if r.key == b"old"] == [1]  # cleaned from the log's start
+
+
 def test_chunks_emptied_by_cleaning_keep_offsets_and_the_start():
     with compact_store() as store:
         seg = store.segment("s", create=True, cleanup_policy="compact")

@@ -53,7 +53,7 @@ import attrs
 from storage_adapters.rolling import chunk_name
 
 from ..layout import cleaner_dir
-from ..errors import (ChunkExistsError, InvalidInputError, LayoutChangedError, LayoutConflictError,
+from ..errors import (ChunkExistsError, CorruptDataError, InvalidInputError, LayoutChangedError, LayoutConflictError,
                       RetriesExhaustedError, StorageError, TruncatedError)
 from .batch.chain import place_batches
 from .batch.decode import batch_columns, decode_keys, decode_records, uniform_keys
@@ -324,16 +324,27 @@ def encode_checkpoint(offset: int, clock: TombstoneClock, pins=()) -> bytes:
     return body + b"\n" + f"{zlib.crc32(body):08x}".encode()
 
 
+class OlderCheckpointFormat(Exception):
+    """A whole checkpoint of an older format (it keeps no pins): it is not used, and the cleaner
+    starts from the log's start once, which is always safe."""
+
+
 def decode_checkpoint(data: bytes) -> tuple[int, TombstoneClock, frozenset[bytes]] | None:
-    """A stored checkpoint ``(offset, clock, pins)``, or None if it is torn, damaged or of another
-    format (then the previous one counts)."""
+    """A stored checkpoint ``(offset, clock, pins)``, or None if it is torn or damaged (then the
+    previous one counts). ``OlderCheckpointFormat`` for a whole one of an older format;
+    ``CorruptDataError`` for one of a newer format (written by a newer attrindex: cleaning on
+    without its pins could bring deleted keys back)."""
     body, _, crc = data.rpartition(b"\n")
     if f"{zlib.crc32(body):08x}".encode() != crc:
         return None
     try:
         fields = json.loads(body)
-        if fields["format"] != CHECKPOINT_FORMAT:
-            return None
+        found = fields["format"]
+        if type(found) is int and found > CHECKPOINT_FORMAT:
+            raise CorruptDataError(f"a cleaner checkpoint of format {found}, written by a newer attrindex: this "
+                                   f"version reads format {CHECKPOINT_FORMAT}; compact it with the newer version")
+        if found != CHECKPOINT_FORMAT:
+            raise OlderCheckpointFormat(found)
         return int(fields["offset"]), TombstoneClock(fields["clock"]), frozenset(map(bytes.fromhex, fields["pins"]))
     except (ValueError, TypeError, KeyError):
         return None
@@ -415,6 +426,13 @@ class LogCleaner:
                 found = decode_checkpoint(storage.read(f"{self._dir}/{name}", 0, 1 << 20))
             except FileNotFoundError:
                 continue  # deleted by a newer cleaner meanwhile
+            except OlderCheckpointFormat as old:
+                _log.info("segment %r: cleaner checkpoint %s is of an older format (%s): compaction starts from the "
+                          "log's start once", self.log.segment, name, old)
+                break
+            except CorruptDataError as exc:
+                raise CorruptDataError(f"segment {self.log.segment!r}: {exc}", segment=self.log.segment,
+                                       offset=int(name)) from None
             if found is not None and found[0] == int(name):
                 return found
             _log.warning("segment %r: cleaner checkpoint %s is damaged; using an older one", self.log.segment, name)
