@@ -276,11 +276,17 @@ def _ca_bundle_loads(monkeypatch) -> list:
     return loads
 
 
+def _without_proxies(monkeypatch) -> None:
+    """No proxy settings in the environment (HTTP_PROXY, https_proxy, NO_PROXY, ...)."""
+    for name in list(os.environ):
+        if name.lower().endswith("_proxy"):
+            monkeypatch.delenv(name)
+
+
 def test_a_plain_http_endpoint_costs_no_tls_verification_set_up(s3_options, monkeypatch):
     # botocore loads its CA bundle into a new context for each client (about 60 ms of CPU each
     # storage opened) whether or not a TLS connection is ever made.
-    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
+    _without_proxies(monkeypatch)
     loads = _ca_bundle_loads(monkeypatch)
     storage = open_storage(make_s3_url(s3_options), **s3_options)
     storage.create("s.seg/x", b"x")
@@ -299,8 +305,7 @@ def test_tls_verification_stays_wherever_tls_may_be_used(where, monkeypatch):
     options = {"endpoint_url": f"{scheme}://127.0.0.1:{port}", "key": S3_KEY, "secret": S3_SECRET,
                "max_attempts": 1, "connect_timeout": 1}
     proxy = f"http://127.0.0.1:{free_port()}"
-    for name in ("HTTP_PROXY", "http_proxy", "NO_PROXY", "no_proxy"):
-        monkeypatch.delenv(name, raising=False)
+    _without_proxies(monkeypatch)
     if where == "proxy in the environment":
         monkeypatch.setenv("HTTP_PROXY", proxy)
     elif where == "proxy configured":
