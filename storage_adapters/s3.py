@@ -118,6 +118,21 @@ def probe_exclusive_create(fs: Any, path: str) -> bool:
     return False
 
 
+def _no_tls_to_verify(options: dict[str, Any], config: dict[str, Any]) -> bool:
+    """Whether the client would make no TLS connection at all: its endpoint is plain ``http://``
+    and no proxy stands between (none configured, none in the environment for it), so a
+    ``verify`` setting has nothing to verify. False when the caller set ``verify`` itself."""
+    from botocore.utils import get_environ_proxies
+
+    client_kwargs = options.get("client_kwargs") or {}
+    endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+    if not isinstance(endpoint, str) or not endpoint.lower().startswith("http://"):
+        return False
+    if "verify" in client_kwargs or config.get("proxies"):
+        return False
+    return not get_environ_proxies(endpoint)
+
+
 def _shared_session() -> Any:
     import aiobotocore.session
 
@@ -295,6 +310,10 @@ class S3ChunkStorage(ChunkStorage):
         session = options.pop("session", None) or _shared_session()
         options.pop("skip_instance_cache", None)
         options["use_listings_cache"] = False
+        if _no_tls_to_verify(options, config):
+            # botocore would load the CA bundle for every client (60 ms of CPU each open) to
+            # verify a TLS connection that plain HTTP never makes.
+            options["client_kwargs"] = {"verify": False, **dict(options.get("client_kwargs") or {})}
         self.fs = s3fs.S3FileSystem(**options, config_kwargs=config, skip_instance_cache=True, session=session)
         self.fs.retries = 1  # botocore's attempts are the retries (the module docstring)
         retries = config.get("retries") or {}  # botocore's "max_attempts" there counts the retries only

@@ -10,17 +10,24 @@ one key had two winners on plain moto (0 with the lock below). The program:
 
     python -m testkit.moto_server [--switch-interval SECONDS] -H 127.0.0.1 -p PORT
 
-takes moto.server's arguments; ``--switch-interval`` sets ``sys.setswitchinterval`` first (to
+takes moto.server's host and port arguments; ``--switch-interval`` sets ``sys.setswitchinterval`` first (to
 provoke the race above).
 
 The program also reads moto's list of service modules once: moto lists its package directory and
 stats every entry (about 180) twice per request to route it, about a third of the server's time
 for a small GET.
+
+And it serves moto's application over keep-alive HTTP/1.1 connections (``serve``). moto's own
+server (werkzeug's development server) closes the connection after every answer and then polls
+it for 10 ms, so each request paid a new TCP connection and a new server thread. Here a client's
+connection, and the server thread reading it, serve all its requests; every answer carries its
+length, and a request's body is read to its end before the next request is read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import subprocess
@@ -119,18 +126,19 @@ def running(*, switch_interval: float | None = None, timeout: float = 30.0) -> I
 
 def make_s3_url(s3_options: dict) -> str:
     """A new bucket on the server of ``s3_options``; returns ``s3://bucket/data``."""
+    bucket = "t-" + uuid.uuid4().hex[:20]
+    _bucket_maker(s3_options["endpoint_url"], os.getpid()).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/data"
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket_maker(endpoint: str, pid: int):
+    """The boto3 client that makes buckets at ``endpoint``: one per endpoint and process (a client
+    costs about 20 ms of CPU to make; a forked child makes its own, not its parent's connections)."""
     import boto3
 
-    bucket = "t-" + uuid.uuid4().hex[:20]
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_options["endpoint_url"],
-        aws_access_key_id=S3_KEY,
-        aws_secret_access_key=S3_SECRET,
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/data"
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET,
+                        region_name="us-east-1")
 
 
 def list_moto_modules_once() -> None:
@@ -149,17 +157,110 @@ def list_moto_modules_once() -> None:
     backends.list_of_moto_modules = read_once
 
 
+def _keep_alive_handler() -> type:
+    """The request handler of ``serve``: moto's (its header handling) over keep-alive HTTP/1.1."""
+    from moto.moto_server.werkzeug_app import MotoRequestHandler
+    from werkzeug.exceptions import ClientDisconnected
+    from werkzeug.wsgi import LimitedStream
+
+    class KeepAliveHandler(MotoRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            # An answer's header and body are two writes: the body must not wait for an ACK.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def log_request(self, code: object = "-", size: object = "-") -> None:
+            pass  # no line per request (the server's output goes nowhere)
+
+        def run_wsgi(self) -> None:
+            if self.headers.get("Expect", "").lower().strip(" \t") == "100-continue":
+                self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            environ = self.make_environ()
+            if "wsgi.input_terminated" not in environ:  # not chunked: the body is Content-Length bytes
+                try:
+                    length = int(environ.get("CONTENT_LENGTH") or 0)
+                except ValueError:
+                    length = -1
+                if length < 0:
+                    self.send_error(400, "bad Content-Length")
+                    return
+                environ["wsgi.input"] = LimitedStream(self.rfile, length)
+            answer: list = []
+
+            def start_response(status: str, headers: list, exc_info: object = None):
+                answer[:] = [status, headers]
+                return body.append
+
+            body: list[bytes] = []
+            try:
+                result = self.server.app(environ, start_response)
+                try:
+                    body.extend(result)
+                finally:
+                    if hasattr(result, "close"):
+                        result.close()
+                rest = environ["wsgi.input"]
+                while rest.read(1 << 20):  # the next request starts after this one's body
+                    pass
+            except (ClientDisconnected, ConnectionError):
+                self.close_connection = True
+                return
+            except Exception as exc:  # moto answers S3's errors itself: this is a bug in it
+                self.server.log("error", "moto failed on %s %s: %r", self.command, self.path, exc)
+                self.close_connection = True
+                answer[:] = ["500 INTERNAL SERVER ERROR", [("Content-Type", "text/plain")]]
+                body = [f"moto failed: {exc!r}".encode()]
+            status, headers = answer
+            code, _, reason = status.partition(" ")
+            payload = b"".join(body)
+            head_only = self.command == "HEAD" or int(code) in (204, 304) or int(code) < 200
+            self.send_response(int(code), reason)
+            for name, value in headers:
+                lowered = name.lower()
+                if lowered in ("connection", "transfer-encoding"):
+                    continue
+                if lowered == "content-length" and not head_only:
+                    continue  # sent below: the length of the body sent
+                self.send_header(name, value)
+            if not head_only:
+                self.send_header("Content-Length", str(len(payload)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            if payload and not head_only:
+                self.wfile.write(payload)
+
+    return KeepAliveHandler
+
+
+def serve(host: str, port: int) -> None:
+    """Serve moto's application on ``host:port`` until killed: a thread per client connection,
+    each connection kept open for the client's next request (``_keep_alive_handler``)."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    os.environ.setdefault("MOTO_PORT", str(port))  # as moto.server does: moto's URLs to itself
+    app = DomainDispatcherApplication(create_backend_app)
+    make_server(host, port, app, threaded=True, request_handler=_keep_alive_handler()).serve_forever()
+
+
 def main(argv: list[str]) -> None:
-    """The server program: moto.server's ``main`` with atomic conditional writes and its module
-    list read once."""
-    if argv[:1] == ["--switch-interval"]:
-        sys.setswitchinterval(float(argv[1]))
-        argv = argv[2:]
+    """The server program: moto's S3 with atomic conditional writes and its module list read
+    once, served over keep-alive connections (``serve``); ``-H HOST -p PORT`` as moto.server's."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m testkit.moto_server")
+    parser.add_argument("--switch-interval", type=float, default=None)
+    parser.add_argument("-H", "--host", default="127.0.0.1")
+    parser.add_argument("-p", "--port", type=int, default=5000)
+    args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     make_conditional_writes_atomic()
     list_moto_modules_once()
-    from moto.server import main as moto_main
-
-    moto_main(argv)
+    serve(args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -261,6 +261,64 @@ def test_s3_requests_are_bounded_by_default(silent_endpoint):
         opened.close()
 
 
+def _ca_bundle_loads(monkeypatch) -> list:
+    """Record each CA bundle loaded into an SSL context (what botocore does to verify TLS)."""
+    import ssl
+
+    loads: list = []
+    load = ssl.SSLContext.load_verify_locations
+
+    def recorded(self, *args, **kwargs):
+        loads.append(args or kwargs)
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations", recorded)
+    return loads
+
+
+def _without_proxies(monkeypatch) -> None:
+    """No proxy settings in the environment (HTTP_PROXY, https_proxy, NO_PROXY, ...)."""
+    for name in list(os.environ):
+        if name.lower().endswith("_proxy"):
+            monkeypatch.delenv(name)
+
+
+def test_a_plain_http_endpoint_costs_no_tls_verification_set_up(s3_options, monkeypatch):
+    # botocore loads its CA bundle into a new context for each client (about 60 ms of CPU each
+    # storage opened) whether or not a TLS connection is ever made.
+    _without_proxies(monkeypatch)
+    loads = _ca_bundle_loads(monkeypatch)
+    storage = open_storage(make_s3_url(s3_options), **s3_options)
+    storage.create("s.seg/x", b"x")
+    assert storage.exists("s.seg/x") and storage.read("s.seg/x", 0, 1) == b"x"
+    storage.close()
+    assert loads == []
+
+
+@pytest.mark.parametrize("where", ["https endpoint", "proxy in the environment", "proxy configured",
+                                   "verify given"])
+def test_tls_verification_stays_wherever_tls_may_be_used(where, monkeypatch):
+    # Each request fails at once (nothing listens), after its client has set up TLS verification.
+    loads = _ca_bundle_loads(monkeypatch)
+    port = free_port()
+    scheme = "https" if where == "https endpoint" else "http"
+    options = {"endpoint_url": f"{scheme}://127.0.0.1:{port}", "key": S3_KEY, "secret": S3_SECRET,
+               "max_attempts": 1, "connect_timeout": 1}
+    proxy = f"http://127.0.0.1:{free_port()}"
+    _without_proxies(monkeypatch)
+    if where == "proxy in the environment":
+        monkeypatch.setenv("HTTP_PROXY", proxy)
+    elif where == "proxy configured":
+        options["config_kwargs"] = {"proxies": {"http": proxy}}
+    elif where == "verify given":
+        options["client_kwargs"] = {"verify": True}
+    storage = open_storage("s3://nowhere/data", **options)
+    with pytest.raises(StorageError):
+        storage.exists("s.seg/x")
+    storage.close()
+    assert loads != []
+
+
 def test_an_s3_response_that_breaks_off_is_read_again(s3_options):
     import aiohttp
 
