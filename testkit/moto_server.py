@@ -88,6 +88,20 @@ def die_with_parent() -> None:
         pass
 
 
+def wait_until_serving(endpoint: str, server: subprocess.Popen, timeout: float) -> None:
+    """Wait until the server process ``server`` answers at ``endpoint``; ``RuntimeError`` if it
+    exits or does not answer within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the S3 server did not start on {endpoint} in {timeout:g} s") from None
+            time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def running(*, switch_interval: float | None = None, timeout: float = 30.0) -> Iterator[dict]:
     """Run the server in a child process on a free loopback port; yield its storage options.
@@ -105,15 +119,7 @@ def running(*, switch_interval: float | None = None, timeout: float = 30.0) -> I
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                               preexec_fn=die_with_parent)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's server did not start on {endpoint} in {timeout:g} s") from None
-                time.sleep(0.1)
+        wait_until_serving(endpoint, server, timeout)
         yield options(endpoint)
     finally:
         server.terminate()

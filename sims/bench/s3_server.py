@@ -25,11 +25,10 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Callable, Iterator
 
 from storage_adapters import open_storage
-from testkit.moto_server import ROOT, S3_KEY, S3_SECRET, free_port, make_s3_url, options
+from testkit.moto_server import ROOT, S3_KEY, S3_SECRET, free_port, make_s3_url, options, wait_until_serving
 
 KINDS = ("create", "read", "exists", "list", "delete")
 
@@ -44,15 +43,7 @@ def server(module: str) -> Iterator[tuple[dict, int]]:
     child = subprocess.Popen([sys.executable, "-m", module, "-H", "127.0.0.1", "-p", str(port)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if child.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{module} did not start on {endpoint}") from None
-                time.sleep(0.1)
+        wait_until_serving(endpoint, child, 60)
         yield options(endpoint), child.pid
     finally:
         child.terminate()
