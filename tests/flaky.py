@@ -17,12 +17,15 @@ class InjectedFault(StorageError):
 
 
 class FlakyStorage:
-    """Delegates to ``inner``; ``append``/``create`` fail with probability ``rate`` each way."""
+    """Delegates to ``inner``; ``append``/``create`` fail with probability ``rate`` each way.
+    ``lose_first_ack``: the first write takes effect and its acknowledgement is lost, whatever
+    the dice say (a test that must see a lost acknowledgement is then not left to chance)."""
 
-    def __init__(self, inner, rate: float, seed: int | None = None):
+    def __init__(self, inner, rate: float, seed: int | None = None, *, lose_first_ack: bool = False):
         self._inner = inner
         self._rate = rate
         self._random = random.Random(seed)
+        self._lose_next_ack = lose_first_ack
         self.lost_acks = self.failed_writes = 0
 
     def __getattr__(self, name):
@@ -30,6 +33,8 @@ class FlakyStorage:
 
     def _write(self, operation, *args, **options):
         roll = self._random.random()
+        if self._lose_next_ack:
+            self._lose_next_ack, roll = False, self._rate  # succeeds, then loses its acknowledgement
         if roll < self._rate:
             self.failed_writes += 1
             raise InjectedFault("injected: the write timed out before reaching storage")

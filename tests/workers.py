@@ -166,7 +166,9 @@ def chaos_writer(url: str, options_json: str, stream: str, writer: int, total: i
 
     The writer id depends only on ``writer``, and the events are always written in the same
     order, so a killed and restarted worker resumes where its earlier life stopped. ``progress``
-    (a path) is created once the first events are flushed, so a test can kill it mid-write.
+    (a path) is created once the first events are flushed, so a test can kill it mid-write. The
+    first write of every life loses its acknowledgement; each flush prints the events written and
+    the acknowledgements lost so far.
     """
     import json
     import uuid
@@ -175,14 +177,14 @@ def chaos_writer(url: str, options_json: str, stream: str, writer: int, total: i
     from storage_adapters import open_storage
     from tests.flaky import FlakyStorage
 
-    flaky = FlakyStorage(open_storage(url, **json.loads(options_json)), rate=rate, seed=seed)
+    flaky = FlakyStorage(open_storage(url, **json.loads(options_json)), rate=rate, seed=seed, lose_first_ack=True)
     store = SegmentStore(flaky, poll_interval=0.01)
     events = EventWriter(store, stream, writer_id=uuid.UUID(int=writer + 1), batch_events=8, retries=200, retry_delay=0.001)
     for n in range(1, total + 1):
         events.write(b"%d:%d" % (writer, n), routing_key=b"%d-%d" % (writer, n % 5))
         if n % 10 == 0:
             events.flush()
-            print(n, flush=True)
+            print(n, flaky.lost_acks, flush=True)  # what a life killed later has seen
             if progress is not None and n == 10:
                 open(progress, "w").close()
     events.flush()
