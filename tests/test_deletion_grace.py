@@ -18,7 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from storage_adapters import BadOffsetError, RollingSegment, chunk_name, rolling_handle, rolling_objects, rolling_sweep
 from storage_adapters.faults import FaultyStorage
-from storage_adapters.memory import MemoryChunkStorage
+
+from .object_memory import ObjectMemoryStorage
 
 GRACE = 10.0
 HANDLES = st.sampled_from("ab")  # two: a stale one is more often left alone
@@ -38,17 +39,10 @@ def _fake_clock(monkeypatch) -> None:
         monkeypatch.setattr(module, "time", _Clock)
 
 
-class ObjectMemoryStorage(MemoryChunkStorage):
-    """Memory chunks written whole by an exclusive create, as on S3."""
-
-    appendable = False
-    deletion_grace = GRACE
-
-
 class GraceMachine(RuleBasedStateMachine):
     @initialize()
     def open(self):
-        self.storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
+        self.storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}", deletion_grace=GRACE)
         self.handles = {h: RollingSegment(self.storage, "s") for h in "ab"}
         self.model = bytearray()
         self.start = 0
@@ -102,7 +96,7 @@ def test_stale_handles_never_append_below_the_truncation(monkeypatch):
 
 def test_dead_chunks_are_deleted_once_the_grace_has_passed(monkeypatch):
     _fake_clock(monkeypatch)
-    storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
+    storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}", deletion_grace=GRACE)
     seg = RollingSegment(storage, "s")
     for piece in (b"aa", b"bb", b"cc"):
         seg.append(piece)
@@ -118,7 +112,7 @@ def test_dead_chunks_are_deleted_once_the_grace_has_passed(monkeypatch):
 @pytest.mark.parametrize("age, requests", [(GRACE / 2 - 0.5, {"PUT": 1}), (GRACE / 2, {"LIST": 1, "PUT": 1})])
 def test_a_view_is_refreshed_before_an_append_once_half_the_grace_has_passed(monkeypatch, age, requests):
     _fake_clock(monkeypatch)
-    storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
+    storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}", deletion_grace=GRACE)
     seg = RollingSegment(storage, "s")
     seg.append(b"aa")
     _Clock.now += age
@@ -133,7 +127,7 @@ def test_a_stale_handle_never_recreates_a_name_freed_after_the_grace(monkeypatch
     """The hazard itself: the stale handle's next name (2) is taken, truncated away and, once the grace
     has passed, deleted. Its view is then at least as old as the grace, so it refreshes first."""
     _fake_clock(monkeypatch)
-    storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
+    storage = ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}", deletion_grace=GRACE)
     stale, owner = RollingSegment(storage, "s"), RollingSegment(storage, "s")
     owner.append(b"a")
     owner.append(b"b")
@@ -167,7 +161,7 @@ class _DelayedCreate(FaultyStorage):
 
 def _object_storage(request, store: str):
     if store == "memory":
-        return ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}")
+        return ObjectMemoryStorage(f"grace-{uuid.uuid4().hex}", deletion_grace=GRACE)
     from storage_adapters import open_storage
 
     from .conftest import make_s3_url

@@ -33,9 +33,9 @@ from attrindex.log.cleaner import KeepRule, OffsetMap, TombstoneClock, decode_ch
 from attrindex.log.cleanup_policy import CleanupPolicy, decode_policy, policy_from_options
 from attrindex.log.framing import LOG_FRAMING
 from storage_adapters import open_storage
-from storage_adapters.memory import MemoryChunkStorage
 
 from .conftest import make_s3_url
+from .object_memory import ObjectMemoryStorage
 
 DAY = 86_400_000
 
@@ -782,13 +782,6 @@ def test_a_pass_that_loses_the_switch_to_another_cleaner_starts_again(tmp_path):
 
 
 # ------------------------------------------------------------- retention racing a compaction
-class _ObjectMemoryStorage(MemoryChunkStorage):
-    """Memory chunks written whole, one per append, as on S3 (a replacement then packs many)."""
-
-    appendable = False
-    deletion_grace = 0
-
-
 def _place(backend: str, tmp_path) -> tuple[str, str]:
     return backend, f"race-{uuid.uuid4().hex}" if backend != "local" else str(tmp_path / "store")
 
@@ -796,7 +789,7 @@ def _place(backend: str, tmp_path) -> tuple[str, str]:
 def _store(place: tuple[str, str]) -> SegmentStore:
     """A new handle on the store at ``place``, on its own storage object."""
     backend, where = place
-    storage = _ObjectMemoryStorage(where) if backend == "objects" else open_storage(
+    storage = ObjectMemoryStorage(where) if backend == "objects" else open_storage(
         f"memory://{where}" if backend == "memory" else where)
     return SegmentStore(storage, log_rolling_size=ROLL)
 
@@ -908,6 +901,59 @@ def test_a_cut_that_lands_inside_a_chunk_compacted_meanwhile_starts_the_log_past
         seg.apply_retention(max_bytes=max_bytes)
     _start, records = _readable(place)
     assert records[-1].value == b"after"
+
+
+def test_a_cut_that_lands_inside_a_chunk_consolidated_meanwhile_stays_where_it_was_chosen(tmp_path, monkeypatch):
+    """Consolidation keeps every byte where it was: a cut chosen at the second chunk's start and
+    landing inside the merged chunk still starts a batch, so the log starts exactly there and
+    nothing retention meant to keep is lost (the rule's other branch)."""
+    place = _place("objects", tmp_path)
+    cut, max_bytes = _sealed_chunks(place, "none")
+    with _store(place) as before_store:
+        records = everything(before_store.segment("s"))
+        first_kept = before_store.segment("s")._log.summary(1).base_offset
+    merged: list[int] = []
+    with _store(place) as retainer:
+        storage = retainer.storage
+        real_marker = storage.put_marker
+
+        def racing_marker(path):
+            if "/truncation/" in path and not merged:
+                with _store(place) as other:
+                    merged.append(other.segment("s").consolidate())
+            real_marker(path)
+
+        monkeypatch.setattr(storage, "put_marker", racing_marker)
+        assert retainer.segment("s").apply_retention(max_bytes=max_bytes) == 1
+    assert merged[0] >= 1
+    with _store(place) as store:
+        log = store.segment("s")._log
+        holder = log.bytes.chunk_at(cut)
+        assert holder.generation and holder.start < cut == log.start_position  # inside the merged chunk, kept
+    start, readable = _readable(place)
+    assert start == first_kept
+    assert [(r.offset, r.value) for r in readable] == [(r.offset, r.value) for r in records if r.offset >= first_kept]
+
+
+def test_retention_that_keeps_losing_its_cut_to_compactions_gives_up_having_cut_nothing(tmp_path, monkeypatch):
+    """Each planned cut refused (another handle rewrote its chunk every time): after the bound,
+    ``RetriesExhaustedError``, and the log is as it was."""
+    from attrindex.errors import LayoutConflictError, RetriesExhaustedError
+    from attrindex.log import segment_log
+
+    place = _place("memory", tmp_path)
+    _cut, max_bytes = _sealed_chunks(place, "none")
+
+    def always_rewritten(self, position):
+        raise LayoutConflictError("rewritten meanwhile (injected)")
+
+    monkeypatch.setattr(segment_log.SegmentLog, "truncate_at", always_rewritten)
+    with _store(place) as store:
+        seg = store.segment("s")
+        before = everything(seg)
+        with pytest.raises(RetriesExhaustedError, match="kept rewriting"):
+            seg.apply_retention(max_bytes=max_bytes)
+        assert seg.start_offset == 0 and everything(seg) == before
 
 
 def test_a_replacement_that_lost_every_generation_race_is_passed_up_not_planned_again(tmp_path, monkeypatch):
